@@ -1,0 +1,112 @@
+//! Errors keyed by what the caller can do about them.
+//!
+//! object_store reports failures in many shapes (a status code buried in a retry
+//! error, an io error from the local file system, a builder error). Callers of ckpt
+//! only need to decide one thing: give up, try again later, treat the object as
+//! missing, or accept that someone else won a race. [`ErrorKind`] is that decision;
+//! the message keeps the detail (operation, store URL, key, reason).
+
+use std::fmt;
+
+/// What the caller can do about a storage error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The object (or the root) does not exist. Retrying does not help; the caller
+    /// decides whether absence is an error.
+    NotFound,
+    /// A create-if-absent put lost: the object was already there. Retrying never
+    /// helps; for the commit protocol this means another writer committed first.
+    AlreadyExists,
+    /// The store could not be reached or answered with a temporary failure (5xx,
+    /// throttling, connection reset, timeout) after the configured retries.
+    /// Retrying later may help.
+    Transient,
+    /// The request was understood and refused, or the data is not what was asked
+    /// for (a range past the end of an object, a full disk). Retrying does not help.
+    Permanent,
+    /// The store cannot be used as configured: bad URL, unknown scheme or option,
+    /// missing or rejected credentials, an operation the backend does not support.
+    /// Retrying does not help until the configuration changes.
+    Config,
+}
+
+impl ErrorKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::NotFound => "not found",
+            ErrorKind::AlreadyExists => "already exists",
+            ErrorKind::Transient => "transient",
+            ErrorKind::Permanent => "permanent",
+            ErrorKind::Config => "configuration",
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A storage error: its [`ErrorKind`] and a one-sentence, lowercase message naming
+/// the operation, the store URL and the key.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl Error {
+    /// An error of `kind` with `message` and no underlying cause.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// An error of `kind` with `message`, keeping `source` for `Error::source`.
+    pub fn with_source(
+        kind: ErrorKind,
+        message: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// A configuration error: the store cannot be used as configured.
+    pub fn config(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Config, message)
+    }
+
+    /// What the caller can do about this error.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// True when trying again later may succeed ([`ErrorKind::Transient`]).
+    pub fn is_retryable(&self) -> bool {
+        self.kind == ErrorKind::Transient
+    }
+
+    /// True for [`ErrorKind::NotFound`].
+    pub fn is_not_found(&self) -> bool {
+        self.kind == ErrorKind::NotFound
+    }
+
+    /// True for [`ErrorKind::AlreadyExists`].
+    pub fn is_already_exists(&self) -> bool {
+        self.kind == ErrorKind::AlreadyExists
+    }
+}
+
+/// Result alias for storage operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

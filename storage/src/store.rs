@@ -1,0 +1,593 @@
+//! [`Store`]: the operations ckpt needs, with one set of guarantees on every backend.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use object_store::client::HttpErrorKind;
+use object_store::path::Path;
+use object_store::{
+    GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    WriteMultipart,
+};
+
+use crate::config::StoreConfig;
+use crate::error::{Error, ErrorKind, Result};
+use crate::open::{Backend, lowercase_first, open};
+use crate::ranges::coalesce;
+
+/// What a store knows about one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    /// Key relative to the store's root.
+    pub key: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// When the object was last written.
+    pub last_modified: SystemTime,
+    /// The backend's version tag, where it has one.
+    pub e_tag: Option<String>,
+}
+
+/// One level of a listing with a delimiter: objects directly under the prefix and
+/// the "directories" below it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// Objects whose key has no further `/` after the prefix, sorted by key.
+    pub objects: Vec<ObjectInfo>,
+    /// Distinct next-level prefixes (without a trailing `/`), sorted.
+    pub prefixes: Vec<String>,
+}
+
+/// A handle on a checkpoint root: a directory, bucket prefix or container prefix.
+///
+/// Cheap to clone; clones share connections. Keys are `/`-separated names relative to
+/// the root, without empty, `.` or `..` segments.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    backend: Backend,
+    url: Arc<str>,
+    config: Arc<StoreConfig>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("url", &self.url).finish()
+    }
+}
+
+impl Store {
+    /// Opens the store at `url` with default settings. See [`Store::open`].
+    pub fn from_url(url: &str) -> Result<Self> {
+        Self::open(url, StoreConfig::default())
+    }
+
+    /// Opens the store at `url`:
+    ///
+    /// - `file:///abs/dir`, `file://rel/dir` or a plain path: a local directory,
+    ///   created if missing; relative paths are resolved against the current directory;
+    /// - `s3://bucket/prefix`, `gs://bucket/prefix`, `az://container/prefix`;
+    /// - `memory://name`: process memory, shared by every handle with the same name.
+    ///
+    /// Opening does no I/O on remote stores: an unreachable endpoint or rejected
+    /// credentials show up on the first operation.
+    pub fn open(url: &str, config: StoreConfig) -> Result<Self> {
+        let opened = open(url, &config)?;
+        Ok(Self {
+            inner: opened.inner,
+            backend: opened.backend,
+            url: opened.url.into(),
+            config: Arc::new(config),
+        })
+    }
+
+    /// The canonical URL of the store's root.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The kind of backend.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The settings the store was opened with.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Writes the whole object at `key`, replacing any previous version.
+    ///
+    /// Atomic: readers see the old object or the new one, never a part. On local
+    /// disk the file and its directory are fsynced before this returns (unless
+    /// `fsync` is off).
+    pub async fn put(&self, key: &str, data: impl Into<Bytes>) -> Result<()> {
+        let path = self.path("put", key)?;
+        self.inner
+            .put(&path, PutPayload::from_bytes(data.into()))
+            .await
+            .map(|_| ())
+            .map_err(|e| self.error("put", key, e))
+    }
+
+    /// Writes the object at `key` only if no object is there: the commit primitive.
+    ///
+    /// Of any number of concurrent callers for one key exactly one succeeds; the others
+    /// get [`ErrorKind::AlreadyExists`]. Atomic and, on local disk, durable as
+    /// [`Store::put`]. Backends: S3 conditional put (`If-None-Match: *`), GCS
+    /// `ifGenerationMatch=0`, Azure `If-None-Match: *`, local disk a hard link of a
+    /// fully written temporary file, memory a lock.
+    pub async fn put_if_absent(&self, key: &str, data: impl Into<Bytes>) -> Result<()> {
+        let path = self.path("create", key)?;
+        let options = PutOptions::from(PutMode::Create);
+        self.inner
+            .put_opts(&path, PutPayload::from_bytes(data.into()), options)
+            .await
+            .map(|_| ())
+            .map_err(|e| self.error("create", key, e))
+    }
+
+    /// Starts a streaming upload of a large object at `key`.
+    ///
+    /// Bytes written are cut into parts of `part_size`, uploaded with at most
+    /// `part_concurrency` parts in flight. Nothing is visible at `key` until
+    /// [`Upload::finish`] returns; [`Upload::abort`] (or dropping the upload) leaves
+    /// no object behind. An object smaller than one part is written with a single put.
+    pub fn upload(&self, key: &str) -> Result<Upload> {
+        let path = self.path("upload", key)?;
+        Ok(Upload {
+            store: self.clone(),
+            key: key.to_string(),
+            path,
+            pending: Vec::new(),
+            writer: None,
+        })
+    }
+
+    /// Reads the whole object at `key`.
+    pub async fn get(&self, key: &str) -> Result<Bytes> {
+        let path = self.path("get", key)?;
+        let result = self
+            .inner
+            .get(&path)
+            .await
+            .map_err(|e| self.error("get", key, e))?;
+        result.bytes().await.map_err(|e| self.error("get", key, e))
+    }
+
+    /// Reads bytes `range` of the object at `key`.
+    ///
+    /// The whole range must lie inside the object: a range that ends past the end
+    /// gives an [`ErrorKind::Permanent`] error naming the object's size, on every
+    /// backend (some would silently truncate). An empty range reads nothing.
+    pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
+        let path = self.path("get_range", key)?;
+        self.read_range(key, &path, range).await
+    }
+
+    /// Reads several ranges of one object, returned in the order asked.
+    ///
+    /// Ranges closer than `coalesce_gap` are fetched as one request (up to
+    /// `max_coalesced_bytes`), and up to `range_concurrency` requests run at once.
+    /// Every range must lie inside the object, as for [`Store::get_range`].
+    pub async fn get_ranges(&self, key: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        let path = self.path("get_ranges", key)?;
+        for r in ranges {
+            check_range(key, &self.url, r)?;
+        }
+        let wanted: Vec<usize> = (0..ranges.len())
+            .filter(|&i| !ranges[i].is_empty())
+            .collect();
+        let nonempty: Vec<Range<u64>> = wanted.iter().map(|&i| ranges[i].clone()).collect();
+        let fetches = coalesce(
+            &nonempty,
+            self.config.coalesce_gap,
+            self.config.max_coalesced_bytes,
+        );
+        let mut out = vec![Bytes::new(); ranges.len()];
+        let mut fetched = futures::stream::iter(fetches.into_iter().map(|fetch| {
+            let path = &path;
+            async move {
+                let data = self.read_range(key, path, fetch.range.clone()).await?;
+                Ok::<_, Error>((fetch, data))
+            }
+        }))
+        .buffer_unordered(self.config.range_concurrency);
+        while let Some((fetch, data)) = fetched.try_next().await? {
+            for member in fetch.members {
+                let r = &nonempty[member];
+                let start = (r.start - fetch.range.start) as usize;
+                let end = (r.end - fetch.range.start) as usize;
+                out[wanted[member]] = data.slice(start..end);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Size and version of the object at `key`.
+    pub async fn head(&self, key: &str) -> Result<ObjectInfo> {
+        let path = self.path("head", key)?;
+        let meta = self
+            .inner
+            .head(&path)
+            .await
+            .map_err(|e| self.error("head", key, e))?;
+        Ok(info(meta))
+    }
+
+    /// Every object whose key lies under `prefix` (a directory-like prefix: `a/b`
+    /// lists `a/b/...`, not `a/bc`; `""` lists everything), sorted by key.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let path = self.prefix_path("list", prefix)?;
+        let mut objects: Vec<ObjectInfo> = self
+            .inner
+            .list(path.as_ref())
+            .map_ok(info)
+            .try_collect()
+            .await
+            .map_err(|e| self.error("list", prefix, e))?;
+        objects.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(objects)
+    }
+
+    /// One level of the tree under `prefix`: objects directly in it and the
+    /// prefixes one level down (like `ls` of a directory).
+    pub async fn list_dir(&self, prefix: &str) -> Result<Listing> {
+        let path = self.prefix_path("list", prefix)?;
+        let result = self
+            .inner
+            .list_with_delimiter(path.as_ref())
+            .await
+            .map_err(|e| self.error("list", prefix, e))?;
+        let mut objects: Vec<ObjectInfo> = result.objects.into_iter().map(info).collect();
+        objects.sort_by(|a, b| a.key.cmp(&b.key));
+        let mut prefixes: Vec<String> = result
+            .common_prefixes
+            .into_iter()
+            .map(|p| p.to_string())
+            .collect();
+        prefixes.sort();
+        Ok(Listing { objects, prefixes })
+    }
+
+    /// Deletes the object at `key`. Deleting a missing object succeeds, on every
+    /// backend, so that cleanup can be retried.
+    pub async fn delete(&self, key: &str) -> Result<()> {
+        let path = self.path("delete", key)?;
+        match self.inner.delete(&path).await {
+            Ok(()) => Ok(()),
+            Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.error("delete", key, e)),
+        }
+    }
+
+    /// Deletes every object under `prefix` (directory-like, as in [`Store::list`])
+    /// and returns how many were deleted. Not atomic: a failure part-way leaves the
+    /// rest in place, and running it again finishes the job.
+    pub async fn delete_prefix(&self, prefix: &str) -> Result<usize> {
+        if prefix.trim_matches('/').is_empty() {
+            return Err(Error::config(format!(
+                "delete_prefix on {} needs a non-empty prefix; refusing to delete the whole store",
+                self.url
+            )));
+        }
+        let objects = self.list(prefix).await?;
+        let locations = futures::stream::iter(
+            objects
+                .iter()
+                .map(|o| Ok(Path::from(o.key.as_str())))
+                .collect::<Vec<_>>(),
+        )
+        .boxed();
+        let mut deleted = 0;
+        let mut results = self.inner.delete_stream(locations);
+        while let Some(result) = results.next().await {
+            match result {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
+                Err(e) => return Err(self.error("delete", prefix, e)),
+            }
+        }
+        Ok(deleted)
+    }
+
+    async fn read_range(&self, key: &str, path: &Path, range: Range<u64>) -> Result<Bytes> {
+        check_range(key, &self.url, &range)?;
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(range.clone())),
+            ..GetOptions::default()
+        };
+        let attempt = async {
+            let result = self.inner.get_opts(path, options).await?;
+            result.bytes().await
+        };
+        match attempt.await {
+            Ok(data) if data.len() as u64 == range.end - range.start => Ok(data),
+            Ok(data) => Err(Error::new(
+                ErrorKind::Permanent,
+                format!(
+                    "read {}/{key}: range {}..{} ends past the end of the object ({} bytes available from offset {})",
+                    self.url,
+                    range.start,
+                    range.end,
+                    data.len(),
+                    range.start
+                ),
+            )),
+            Err(e) => {
+                let error = self.error("read", key, e);
+                if matches!(error.kind(), ErrorKind::NotFound | ErrorKind::Transient) {
+                    return Err(error);
+                }
+                // Backends disagree on how they refuse a range past the end (416,
+                // an io error, a truncated body): one head turns all into one message.
+                match self.inner.head(path).await {
+                    Ok(meta) if range.end > meta.size => Err(Error::with_source(
+                        ErrorKind::Permanent,
+                        format!(
+                            "read {}/{key}: range {}..{} ends past the end of the object ({} bytes)",
+                            self.url, range.start, range.end, meta.size
+                        ),
+                        error,
+                    )),
+                    _ => Err(error),
+                }
+            }
+        }
+    }
+
+    fn path(&self, op: &str, key: &str) -> Result<Path> {
+        if key.is_empty() {
+            return Err(Error::config(format!("{op} on {}: empty key", self.url)));
+        }
+        parse_key(op, &self.url, key)
+    }
+
+    fn prefix_path(&self, op: &str, prefix: &str) -> Result<Option<Path>> {
+        let prefix = prefix.trim_matches('/');
+        if prefix.is_empty() {
+            return Ok(None);
+        }
+        parse_key(op, &self.url, prefix).map(Some)
+    }
+
+    pub(crate) fn error(&self, op: &str, key: &str, e: object_store::Error) -> Error {
+        map_error(op, &self.url, key, e)
+    }
+}
+
+fn parse_key(op: &str, url: &str, key: &str) -> Result<Path> {
+    let bad = |why: &str| Error::config(format!("{op} on {url}: invalid key {key:?}: {why}"));
+    if key.starts_with('/') || key.ends_with('/') {
+        return Err(bad("keys are relative and do not end with '/'"));
+    }
+    for segment in key.split('/') {
+        match segment {
+            "" => return Err(bad("empty path segment")),
+            "." | ".." => return Err(bad("'.' and '..' segments are not allowed")),
+            _ => {}
+        }
+    }
+    Path::parse(key).map_err(|e| bad(&e.to_string()))
+}
+
+fn check_range(key: &str, url: &str, range: &Range<u64>) -> Result<()> {
+    if range.start > range.end {
+        return Err(Error::new(
+            ErrorKind::Permanent,
+            format!(
+                "read {url}/{key}: range {}..{} starts after it ends",
+                range.start, range.end
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn info(meta: ObjectMeta) -> ObjectInfo {
+    ObjectInfo {
+        key: meta.location.to_string(),
+        size: meta.size,
+        last_modified: meta.last_modified.into(),
+        e_tag: meta.e_tag,
+    }
+}
+
+/// Maps an object_store error onto what the caller can do, with a message that names
+/// the operation, the store and the key.
+pub(crate) fn map_error(op: &str, url: &str, key: &str, e: object_store::Error) -> Error {
+    use object_store::Error as E;
+    let (kind, reason) = match &e {
+        E::NotFound { .. } => (ErrorKind::NotFound, "not found".to_string()),
+        E::AlreadyExists { .. } => (ErrorKind::AlreadyExists, "already exists".to_string()),
+        E::Precondition { .. } if op == "create" => {
+            (ErrorKind::AlreadyExists, "already exists".to_string())
+        }
+        E::NotSupported { .. } | E::NotImplemented { .. } => (
+            ErrorKind::Config,
+            format!(
+                "not supported by this backend: {}",
+                lowercase_first(&e.to_string())
+            ),
+        ),
+        E::PermissionDenied { .. } => (ErrorKind::Config, "permission denied".to_string()),
+        E::Unauthenticated { .. } => (
+            ErrorKind::Config,
+            "credentials missing or rejected".to_string(),
+        ),
+        E::UnknownConfigurationKey { .. } | E::InvalidPath { .. } => {
+            (ErrorKind::Config, lowercase_first(&e.to_string()))
+        }
+        _ => classify_generic(&e),
+    };
+    Error::with_source(kind, format!("{op} {url}/{key}: {reason}"), e)
+}
+
+fn classify_generic(e: &object_store::Error) -> (ErrorKind, String) {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        // object_store keeps its retry error private; its message carries the status.
+        if let Some(code) = status_in_message(&err.to_string()) {
+            let kind = if code == 429 || code == 408 || code >= 500 {
+                ErrorKind::Transient
+            } else if code == 401 || code == 403 {
+                ErrorKind::Config
+            } else {
+                ErrorKind::Permanent
+            };
+            return (kind, format!("server answered status {code}"));
+        }
+        if let Some(http) = err.downcast_ref::<object_store::client::HttpError>() {
+            let kind = match http.kind() {
+                HttpErrorKind::Connect
+                | HttpErrorKind::Request
+                | HttpErrorKind::Timeout
+                | HttpErrorKind::Interrupted => ErrorKind::Transient,
+                _ => ErrorKind::Permanent,
+            };
+            let what = match http.kind() {
+                HttpErrorKind::Connect => "endpoint unreachable",
+                HttpErrorKind::Timeout => "request timed out",
+                HttpErrorKind::Interrupted | HttpErrorKind::Request => "connection failed",
+                HttpErrorKind::Decode => "malformed response",
+                _ => "http error",
+            };
+            return (kind, format!("{what} ({})", innermost(err)));
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            let kind = match io.kind() {
+                std::io::ErrorKind::Interrupted | std::io::ErrorKind::TimedOut => {
+                    ErrorKind::Transient
+                }
+                std::io::ErrorKind::PermissionDenied => ErrorKind::Config,
+                _ => ErrorKind::Permanent,
+            };
+            return (kind, io.to_string());
+        }
+        source = err.source();
+    }
+    (ErrorKind::Permanent, lowercase_first(&e.to_string()))
+}
+
+/// The HTTP status in an object_store retry error's message
+/// ("... status code: 503 Service Unavailable ...").
+fn status_in_message(message: &str) -> Option<u16> {
+    let rest = &message[message.find("status code: ")? + "status code: ".len()..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    match digits.len() {
+        3 => digits.parse().ok(),
+        _ => None,
+    }
+}
+
+fn innermost(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut last = err;
+    while let Some(next) = last.source() {
+        last = next;
+    }
+    lowercase_first(&last.to_string())
+}
+
+/// A streaming upload of one object; see [`Store::upload`].
+///
+/// # Cancel safety
+///
+/// Dropping an `Upload` (or a future of it) before [`Upload::finish`] returns leaves
+/// nothing visible at the key. Parts already sent stay on S3-like services as an
+/// incomplete multipart upload until [`Upload::abort`] or the bucket's lifecycle
+/// rule removes them; Azure discards uncommitted blocks on its own, and local disk
+/// leaves a staging file that a later `abort` cannot find (it lives beside the key
+/// with a `#` suffix).
+pub struct Upload {
+    store: Store,
+    key: String,
+    path: Path,
+    /// Bytes held back until they fill a part: small objects never start a multipart
+    /// upload.
+    pending: Vec<Bytes>,
+    writer: Option<WriteMultipart>,
+}
+
+impl std::fmt::Debug for Upload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upload")
+            .field("store", &self.store.url)
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+impl Upload {
+    /// Appends `data`. Waits while `part_concurrency` parts are already in flight, so
+    /// memory stays bounded whatever the object's size.
+    pub async fn write(&mut self, data: impl Into<Bytes>) -> Result<()> {
+        let data = data.into();
+        let config = &self.store.config;
+        if self.writer.is_none() {
+            self.pending.push(data);
+            let held: usize = self.pending.iter().map(Bytes::len).sum();
+            if held < config.part_size {
+                return Ok(());
+            }
+            let upload = self
+                .store
+                .inner
+                .put_multipart(&self.path)
+                .await
+                .map_err(|e| self.store.error("upload", &self.key, e))?;
+            let mut writer = WriteMultipart::new_with_chunk_size(upload, config.part_size);
+            for chunk in self.pending.drain(..) {
+                writer.put(chunk);
+            }
+            self.writer = Some(writer);
+        } else if let Some(writer) = self.writer.as_mut() {
+            writer.put(data);
+        }
+        let concurrency = config.part_concurrency;
+        if let Some(writer) = self.writer.as_mut() {
+            writer
+                .wait_for_capacity(concurrency)
+                .await
+                .map_err(|e| map_error("upload", &self.store.url, &self.key, e))?;
+        }
+        Ok(())
+    }
+
+    /// Completes the upload: the object becomes visible at once, whole.
+    pub async fn finish(mut self) -> Result<()> {
+        match self.writer.take() {
+            Some(writer) => writer
+                .finish()
+                .await
+                .map(|_| ())
+                .map_err(|e| self.store.error("upload", &self.key, e)),
+            None => {
+                let parts = std::mem::take(&mut self.pending);
+                let payload: PutPayload = parts.into_iter().collect();
+                self.store
+                    .inner
+                    .put(&self.path, payload)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| self.store.error("upload", &self.key, e))
+            }
+        }
+    }
+
+    /// Abandons the upload and asks the backend to discard the parts already sent.
+    /// Nothing becomes visible at the key.
+    pub async fn abort(mut self) -> Result<()> {
+        match self.writer.take() {
+            Some(writer) => writer
+                .abort()
+                .await
+                .map_err(|e| self.store.error("abort upload", &self.key, e)),
+            None => Ok(()),
+        }
+    }
+}
