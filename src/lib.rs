@@ -1,12 +1,69 @@
 //! ckpt: fault-tolerant sharded checkpointing for distributed training.
 //!
-//! This crate will hold the checkpoint format, the save pipeline, the load and
-//! reshard planner and the commit protocol. Its storage layer is
-//! [`ckpt_storage`], re-exported here as [`storage`].
+//! Every rank describes what it holds as boxes of global tensors (plus non-tensor
+//! state) in a [`State`], and hands it to its [`Checkpointer`]: `save` blocks only for
+//! one copy into a reusable staging buffer, and a background task checksums, uploads
+//! and commits. The rank that finds every rank's part present writes the manifest
+//! create-if-absent; a checkpoint without a manifest does not exist for readers. Any
+//! rank of any later world size then loads exactly the boxes it wants with a
+//! [`CheckpointReader`], verified block by block.
+//!
+//! ```
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), ckpt::Error> {
+//! use ckpt::{CheckpointConfig, CheckpointReader, Checkpointer, DType, LoadRequest, State, as_bytes};
+//! use ckpt::storage::Store;
+//!
+//! let store = Store::from_url("memory://tour")?;
+//! let weights: Vec<f32> = (0..8 * 4).map(|i| i as f32).collect();
+//!
+//! // Two ranks, each holding half of an 8x4 matrix (dim-0 sharding, FSDP style).
+//! let mut handles = Vec::new();
+//! for rank in 0..2 {
+//!     let checkpointer = Checkpointer::new(store.clone(), CheckpointConfig::new(rank, 2))?;
+//!     let shard = &weights[rank * 16..(rank + 1) * 16];
+//!     let mut state = State::new();
+//!     state.add_dim0_shard("w", DType::F32, &[8, 4], rank, 2, as_bytes(shard))?;
+//!     state.set_rank_json("data_cursor", serde_json::json!({ "sample": 100 + rank }));
+//!     handles.push(checkpointer.save(10, &state).await?.handle().unwrap());
+//! }
+//! for handle in &handles {
+//!     handle.committed().await?;
+//! }
+//!
+//! // A single rank loads rows 2..6: parts of both saved shards.
+//! let reader = CheckpointReader::open(&store, None).await?;
+//! let request = LoadRequest::new().tensor("w", ckpt::Region::rows(&[8, 4], 2, 4));
+//! let loaded = reader.load(&request).await?;
+//! assert_eq!(loaded.tensors[0].data, as_bytes(&weights[8..24]));
+//! assert_eq!(reader.rank_states().await?.len(), 2);
+//! # Ok(())
+//! # }
+//! ```
 
 pub use ckpt_storage as storage;
 
+pub mod catalog;
+pub mod codec;
+mod commit;
+pub mod dtype;
+mod error;
+mod failpoint;
+pub mod format;
+pub mod load;
 pub mod probe;
+pub mod region;
+pub mod save;
+pub mod state;
+
+pub use catalog::{CheckpointInfo, latest, list_checkpoints, read_manifest};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use format::{Codec, Manifest, StateValue};
+pub use load::{CheckpointReader, LoadRequest, Loaded, LoadedTensor, load_latest};
+pub use region::Region;
+pub use save::{CheckpointConfig, Checkpointer, SaveHandle, SaveOutcome, WhenBusy};
+pub use state::{Element, State, as_bytes};
 
 /// The README's examples, compiled as doctests so they cannot go stale.
 #[cfg(doctest)]

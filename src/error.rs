@@ -1,0 +1,46 @@
+//! Errors of the checkpoint library, keyed by what the caller can do.
+
+use crate::format::FormatError;
+
+/// A checkpoint operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The store failed; its [`ckpt_storage::ErrorKind`] says whether retrying helps.
+    #[error(transparent)]
+    Storage(#[from] ckpt_storage::Error),
+    /// A checkpoint object is corrupt, truncated or hostile (bad JSON, checksum
+    /// mismatch, names leaving the checkpoint, absurd sizes). Names the object and
+    /// the byte offset. Retrying does not help; an older checkpoint may.
+    #[error("corrupt checkpoint: {0}")]
+    Corrupt(#[from] FormatError),
+    /// No such checkpoint, step or tensor.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request does not match the checkpoint (dtype, shape, box).
+    #[error("{0}")]
+    Mismatch(String),
+    /// An argument or setting is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// Waiting for something (a commit) took longer than allowed.
+    #[error("{0}")]
+    Timeout(String),
+    /// A background save failed; the message says where.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl Error {
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        Error::Invalid(message.into())
+    }
+
+    /// True when the checkpoint itself is damaged (as opposed to the store being
+    /// unavailable or the request being wrong): an older checkpoint may still load.
+    pub fn is_corruption(&self) -> bool {
+        matches!(self, Error::Corrupt(_))
+    }
+}
+
+/// Result alias of the library.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,648 @@
+//! The load path: plan which bytes a rank needs, read them, verify, scatter.
+//!
+//! A [`LoadRequest`] names, per tensor, the box the rank wants. The planner
+//! intersects each wanted box with the saved chunks (through the manifest's layouts,
+//! so only the rank parts that matter are fetched), turns every intersection into
+//! contiguous runs of bytes, and reads, per data file, just the blocks those runs
+//! touch: in batches, coalesced, checksummed block by block, decompressed when the
+//! file is compressed. A different world size or layout is the same path.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use ckpt_storage::{ErrorKind, Store};
+use futures::{StreamExt, TryStreamExt};
+use tracing::warn;
+
+use crate::codec::decompress_block;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::format::{Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue, step_dir};
+use crate::region::{Region, for_each_run};
+
+/// One tensor box a rank wants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Want {
+    /// Global tensor name.
+    pub name: String,
+    /// The box wanted.
+    pub region: Region,
+    /// Expected dtype; a different one in the checkpoint is an error.
+    pub dtype: Option<DType>,
+    /// Expected global shape; a different one is an error.
+    pub shape: Option<Vec<u64>>,
+}
+
+/// What a rank wants to load: a box per tensor.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadRequest {
+    /// The boxes wanted, in the order results are returned.
+    pub wants: Vec<Want>,
+}
+
+impl LoadRequest {
+    /// An empty request.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks for box `region` of tensor `name`.
+    pub fn tensor(mut self, name: impl Into<String>, region: Region) -> Self {
+        self.wants.push(Want {
+            name: name.into(),
+            region,
+            dtype: None,
+            shape: None,
+        });
+        self
+    }
+
+    /// Asks for box `region` of tensor `name`, which must have `dtype` and `shape`.
+    pub fn expect(
+        mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        region: Region,
+    ) -> Self {
+        self.wants.push(Want {
+            name: name.into(),
+            region,
+            dtype: Some(dtype),
+            shape: Some(shape.to_vec()),
+        });
+        self
+    }
+
+    /// Every tensor of the checkpoint, split evenly on dim 0 for `rank` of `world`
+    /// (FSDP2/ZeRO resume at any world size).
+    pub fn dim0_shards(manifest: &Manifest, rank: usize, world: usize) -> Self {
+        let mut request = Self::new();
+        for t in &manifest.tensors {
+            request = request.tensor(t.name.clone(), Region::dim0_shard(&t.shape, rank, world));
+        }
+        request
+    }
+
+    /// Every tensor of the checkpoint, whole.
+    pub fn everything(manifest: &Manifest) -> Self {
+        let mut request = Self::new();
+        for t in &manifest.tensors {
+            request = request.tensor(t.name.clone(), Region::full(&t.shape));
+        }
+        request
+    }
+}
+
+/// One loaded box.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedTensor {
+    /// Global tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The box loaded.
+    pub region: Region,
+    /// Row-major data of the box.
+    pub data: Vec<u8>,
+}
+
+/// Counters of one load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadStats {
+    /// Bytes of tensor data requested.
+    pub bytes_requested: u64,
+    /// Bytes fetched from data files (as stored: compressed when compressed).
+    pub bytes_read: u64,
+    /// Raw bytes verified (whole blocks).
+    pub bytes_verified: u64,
+    /// Rank parts fetched.
+    pub parts_read: usize,
+}
+
+/// Result of a load.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// One per want, in request order.
+    pub tensors: Vec<LoadedTensor>,
+    /// Counters.
+    pub stats: LoadStats,
+}
+
+/// Tuning of reads.
+#[derive(Debug, Clone)]
+pub struct ReadConfig {
+    /// Raw bytes per read batch of one file (memory in flight per file ≈ 2 batches).
+    /// Default 16 MiB.
+    pub batch_bytes: u64,
+    /// Data files read at once. Default 4.
+    pub file_concurrency: usize,
+}
+
+impl Default for ReadConfig {
+    fn default() -> Self {
+        Self {
+            batch_bytes: 16 << 20,
+            file_concurrency: 4,
+        }
+    }
+}
+
+/// A committed checkpoint opened for reading.
+#[derive(Debug)]
+pub struct CheckpointReader {
+    store: Store,
+    manifest: Arc<Manifest>,
+    parts: tokio::sync::Mutex<HashMap<u32, Arc<RankPart>>>,
+    config: ReadConfig,
+}
+
+/// A contiguous run of bytes: `len` bytes at raw file offset `src` go to byte `dst`
+/// of want `want`.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    src: u64,
+    len: u64,
+    want: usize,
+    dst: u64,
+}
+
+impl CheckpointReader {
+    /// Opens checkpoint `step`, or the newest committed one when `None` (skipping
+    /// corrupt manifests with a warning).
+    pub async fn open(store: &Store, step: Option<u64>) -> Result<Self> {
+        let manifest = match step {
+            Some(step) => crate::catalog::read_manifest(store, step).await?,
+            None => crate::catalog::latest(store).await?.ok_or_else(|| {
+                Error::NotFound(format!("no committed checkpoint in {}", store.url()))
+            })?,
+        };
+        Ok(Self::from_manifest(store, manifest))
+    }
+
+    /// A reader over an already validated manifest.
+    pub fn from_manifest(store: &Store, manifest: Manifest) -> Self {
+        Self {
+            store: store.clone(),
+            manifest: Arc::new(manifest),
+            parts: tokio::sync::Mutex::new(HashMap::new()),
+            config: ReadConfig::default(),
+        }
+    }
+
+    /// Replaces the read tuning.
+    pub fn with_read_config(mut self, config: ReadConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The step.
+    pub fn step(&self) -> u64 {
+        self.manifest.step
+    }
+
+    /// The part of `rank`, fetched once and verified against the manifest's checksum.
+    pub async fn part(&self, rank: u32) -> Result<Arc<RankPart>> {
+        if let Some(part) = self.parts.lock().await.get(&rank) {
+            return Ok(part.clone());
+        }
+        let entry = self.manifest.ranks.get(rank as usize).ok_or_else(|| {
+            Error::NotFound(format!(
+                "rank {rank} is not part of step {} (world size {})",
+                self.manifest.step, self.manifest.world_size
+            ))
+        })?;
+        let key = format!("{}/{}", step_dir(self.manifest.step), entry.part);
+        let bytes = match self.store.get(&key).await {
+            Ok(bytes) => bytes,
+            Err(e) if e.is_not_found() => {
+                return Err(FormatError::new(
+                    &key,
+                    None,
+                    "rank part is missing from a committed checkpoint",
+                )
+                .into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if bytes.len() as u64 > MAX_PART_BYTES || bytes.len() as u64 != entry.part_bytes {
+            return Err(FormatError::new(
+                &key,
+                None,
+                format!(
+                    "{} bytes, the manifest says {}",
+                    bytes.len(),
+                    entry.part_bytes
+                ),
+            )
+            .into());
+        }
+        let crc = crc32fast::hash(&bytes);
+        if crc != entry.part_crc32 {
+            return Err(FormatError::new(
+                &key,
+                None,
+                format!(
+                    "crc32 {crc:08x}, the manifest says {:08x}",
+                    entry.part_crc32
+                ),
+            )
+            .into());
+        }
+        let part = RankPart::parse(&bytes, &key)?;
+        if part.rank != rank || part.step != self.manifest.step || part.file.name != entry.file {
+            return Err(
+                FormatError::new(&key, None, "part does not match its manifest entry").into(),
+            );
+        }
+        let part = Arc::new(part);
+        self.parts.lock().await.insert(rank, part.clone());
+        Ok(part)
+    }
+
+    /// The global non-tensor state (empty when none was saved).
+    pub async fn global_state(&self) -> Result<BTreeMap<String, StateValue>> {
+        match self.manifest.global_state_rank {
+            Some(rank) => Ok(self
+                .part(rank)
+                .await?
+                .global_state
+                .clone()
+                .unwrap_or_default()),
+            None => Ok(BTreeMap::new()),
+        }
+    }
+
+    /// Every saved rank's own non-tensor state, by saved rank. After a world-size
+    /// change the loader decides how to map them onto its ranks.
+    pub async fn rank_states(&self) -> Result<Vec<(u32, BTreeMap<String, StateValue>)>> {
+        futures::stream::iter(0..self.manifest.world_size)
+            .map(|rank| async move { Ok::<_, Error>((rank, self.part(rank).await?.rank_state.clone())) })
+            .buffered(32)
+            .try_collect()
+            .await
+    }
+
+    /// Loads the boxes of `request`, verified.
+    pub async fn load(&self, request: &LoadRequest) -> Result<Loaded> {
+        let manifest = &self.manifest;
+        let step = manifest.step;
+        let mut stats = LoadStats::default();
+        let mut outputs = Vec::with_capacity(request.wants.len());
+        // (want index, chunk box, part box) per saved rank.
+        let mut pieces: BTreeMap<u32, Vec<(usize, Region, Region)>> = BTreeMap::new();
+        for (i, want) in request.wants.iter().enumerate() {
+            let tensor = manifest.tensor(&want.name).ok_or_else(|| {
+                Error::NotFound(format!(
+                    "tensor {:?} is not in checkpoint step {step} ({} tensors)",
+                    want.name,
+                    manifest.tensors.len()
+                ))
+            })?;
+            if let Some(dtype) = want.dtype
+                && dtype != tensor.dtype
+            {
+                return Err(Error::Mismatch(format!(
+                    "tensor {:?}: requested {dtype}, checkpoint step {step} has {}",
+                    want.name, tensor.dtype
+                )));
+            }
+            if let Some(shape) = &want.shape
+                && shape != &tensor.shape
+            {
+                return Err(Error::Mismatch(format!(
+                    "tensor {:?}: requested shape {shape:?}, checkpoint step {step} has {:?}",
+                    want.name, tensor.shape
+                )));
+            }
+            if !want.region.within(&tensor.shape) {
+                return Err(Error::Mismatch(format!(
+                    "tensor {:?}: requested box {} lies outside its shape {:?}",
+                    want.name, want.region, tensor.shape
+                )));
+            }
+            let bytes = want.region.volume().unwrap_or(0) * tensor.dtype.size() as u64;
+            stats.bytes_requested += bytes;
+            outputs.push(Mutex::new(vec![0u8; bytes as usize]));
+            let layout = &manifest.layouts[tensor.layout as usize];
+            let mut covered = 0u64;
+            for (rank, chunk, part) in layout.overlapping(&tensor.shape, &want.region) {
+                covered += part.volume().unwrap_or(0);
+                pieces.entry(rank).or_default().push((i, chunk, part));
+            }
+            if covered != want.region.volume().unwrap_or(0) {
+                return Err(FormatError::new(
+                    &format!("{}/manifest.json", step_dir(step)),
+                    None,
+                    format!(
+                        "chunks of {:?} cover {covered} of the {} elements of box {}",
+                        want.name,
+                        want.region.volume().unwrap_or(0),
+                        want.region
+                    ),
+                )
+                .into());
+            }
+        }
+
+        let ranks: Vec<u32> = pieces.keys().copied().collect();
+        stats.parts_read = ranks.len();
+        let parts: Vec<Arc<RankPart>> = futures::stream::iter(ranks.iter().copied())
+            .map(|rank| self.part(rank))
+            .buffered(32)
+            .try_collect()
+            .await?;
+
+        let mut files = Vec::with_capacity(parts.len());
+        for (part, (rank, rank_pieces)) in parts.iter().zip(pieces) {
+            let object = format!("{}/{}", step_dir(step), part.file.name);
+            let index: HashMap<&str, usize> = part
+                .chunks
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.tensor.as_str(), i))
+                .collect();
+            let mut runs = Vec::new();
+            for (want_index, chunk_region, part_region) in rank_pieces {
+                let want = &request.wants[want_index];
+                let chunk = index
+                    .get(want.name.as_str())
+                    .map(|&i| &part.chunks[i])
+                    .filter(|c| c.region() == chunk_region)
+                    .ok_or_else(|| {
+                        FormatError::new(
+                            &format!("{}/{}", step_dir(step), crate::format::rank_part_name(rank)),
+                            None,
+                            format!("has no chunk {chunk_region} of {:?} that the manifest places there", want.name),
+                        )
+                    })?;
+                let elem = chunk.dtype.size();
+                for_each_run(
+                    &part_region,
+                    &chunk_region,
+                    &want.region,
+                    elem,
+                    |s, d, len| {
+                        runs.push(Run {
+                            src: chunk.bytes[0] + s,
+                            len,
+                            want: want_index,
+                            dst: d,
+                        });
+                    },
+                );
+            }
+            runs.sort_by_key(|r| r.src);
+            files.push((object, part.clone(), runs));
+        }
+
+        let outputs_ref = &outputs;
+        let counters: Vec<(u64, u64)> = futures::stream::iter(files)
+            .map(|(object, part, runs)| async move {
+                read_file(
+                    &self.store,
+                    &object,
+                    &part,
+                    &runs,
+                    outputs_ref,
+                    self.config.batch_bytes,
+                )
+                .await
+            })
+            .buffer_unordered(self.config.file_concurrency.max(1))
+            .try_collect()
+            .await?;
+        for (read, verified) in counters {
+            stats.bytes_read += read;
+            stats.bytes_verified += verified;
+        }
+
+        let tensors = request
+            .wants
+            .iter()
+            .zip(outputs)
+            .map(|(want, data)| {
+                let tensor = manifest.tensor(&want.name).expect("checked above");
+                LoadedTensor {
+                    name: want.name.clone(),
+                    dtype: tensor.dtype,
+                    shape: tensor.shape.clone(),
+                    region: want.region.clone(),
+                    data: data.into_inner().unwrap_or_else(|p| p.into_inner()),
+                }
+            })
+            .collect();
+        Ok(Loaded { tensors, stats })
+    }
+}
+
+/// Reads the blocks `runs` touch in one data file, verifies them and copies the runs
+/// into `outputs`. Returns (stored bytes read, raw bytes verified).
+async fn read_file(
+    store: &Store,
+    object: &str,
+    part: &RankPart,
+    runs: &[Run],
+    outputs: &[Mutex<Vec<u8>>],
+    batch_bytes: u64,
+) -> Result<(u64, u64)> {
+    let block = part.block_size;
+    let raw_len = part.file.raw_bytes;
+    // Needed blocks as sorted, merged ranges of block indices.
+    let mut needed: Vec<Range<u64>> = Vec::new();
+    for run in runs {
+        let first = run.src / block;
+        let last = (run.src + run.len).div_ceil(block);
+        match needed.last_mut() {
+            Some(r) if first <= r.end => r.end = r.end.max(last),
+            _ => needed.push(first..last),
+        }
+    }
+    // Batches of whole blocks, at most `batch_bytes` raw each.
+    let per_batch = (batch_bytes / block).max(1);
+    let batches: Vec<Range<u64>> = needed
+        .iter()
+        .flat_map(|r| {
+            (r.start..r.end)
+                .step_by(per_batch as usize)
+                .map(move |s| s..(s + per_batch).min(r.end))
+        })
+        .collect();
+    let frame_offsets: Vec<u64> = match part.codec {
+        Codec::None => Vec::new(),
+        Codec::Zstd { .. } => std::iter::once(0)
+            .chain(part.file.frame_bytes.iter().scan(0u64, |acc, &f| {
+                *acc += f;
+                Some(*acc)
+            }))
+            .collect(),
+    };
+
+    let mut fetched = futures::stream::iter(batches)
+        .map(|blocks| fetch_batch(store, object, part, &frame_offsets, blocks))
+        .buffered(2);
+    let mut cursor = 0usize;
+    let (mut read, mut verified) = (0u64, 0u64);
+    while let Some((blocks, raw, stored)) = fetched.try_next().await? {
+        read += stored;
+        verified += raw.len() as u64;
+        let start = blocks.start * block;
+        let end = (blocks.end * block).min(raw_len);
+        while cursor < runs.len() && runs[cursor].src + runs[cursor].len <= start {
+            cursor += 1;
+        }
+        for run in &runs[cursor..] {
+            if run.src >= end {
+                break;
+            }
+            let lo = run.src.max(start);
+            let hi = (run.src + run.len).min(end);
+            if lo >= hi {
+                continue;
+            }
+            let mut out = outputs[run.want].lock().unwrap_or_else(|p| p.into_inner());
+            let dst = (run.dst + (lo - run.src)) as usize;
+            out[dst..dst + (hi - lo) as usize]
+                .copy_from_slice(&raw[(lo - start) as usize..(hi - start) as usize]);
+        }
+    }
+    Ok((read, verified))
+}
+
+/// Fetches blocks `blocks` of a file, verifies each block's CRC32 (after
+/// decompression) and returns their raw bytes and the stored bytes read.
+async fn fetch_batch(
+    store: &Store,
+    object: &str,
+    part: &RankPart,
+    frame_offsets: &[u64],
+    blocks: Range<u64>,
+) -> Result<(Range<u64>, Bytes, u64)> {
+    let block = part.block_size;
+    let raw_len = part.file.raw_bytes;
+    let raw_start = blocks.start * block;
+    let raw_end = (blocks.end * block).min(raw_len);
+    let (stored_start, stored_end) = match part.codec {
+        Codec::None => (raw_start, raw_end),
+        Codec::Zstd { .. } => (
+            frame_offsets[blocks.start as usize],
+            frame_offsets[blocks.end as usize],
+        ),
+    };
+    let stored = store
+        .get_range(object, stored_start..stored_end)
+        .await
+        .map_err(|e| match e.kind() {
+            ErrorKind::NotFound => FormatError::new(
+                object,
+                None,
+                "data file is missing from a committed checkpoint",
+            )
+            .into(),
+            ErrorKind::Permanent => FormatError::new(
+                object,
+                Some(stored_start),
+                format!("cannot read bytes {stored_start}..{stored_end} (truncated?): {e}"),
+            )
+            .into(),
+            _ => Error::from(e),
+        })?;
+    let object_owned = object.to_string();
+    let codec = part.codec;
+    let crcs = part.file.block_crc32[blocks.start as usize..blocks.end as usize].to_vec();
+    let frames: Vec<u64> = match codec {
+        Codec::None => Vec::new(),
+        Codec::Zstd { .. } => frame_offsets[blocks.start as usize..=blocks.end as usize].to_vec(),
+    };
+    let stored_len = stored.len() as u64;
+    let first = blocks.start;
+    // Checksums and decompression on a blocking thread.
+    let raw = tokio::task::spawn_blocking(move || -> Result<Bytes> {
+        let mut out: Option<Vec<u8>> = match codec {
+            Codec::None => None,
+            Codec::Zstd { .. } => Some(Vec::with_capacity((raw_end - raw_start) as usize)),
+        };
+        for (k, &expected) in crcs.iter().enumerate() {
+            let b = first + k as u64;
+            let b_start = b * block;
+            let b_end = ((b + 1) * block).min(raw_len);
+            let raw_block: std::borrow::Cow<'_, [u8]> = match codec {
+                Codec::None => std::borrow::Cow::Borrowed(&stored[(b_start - raw_start) as usize..(b_end - raw_start) as usize]),
+                Codec::Zstd { .. } => {
+                    let f0 = (frames[k] - stored_start) as usize;
+                    let f1 = (frames[k + 1] - stored_start) as usize;
+                    let plain = decompress_block(&stored[f0..f1], (b_end - b_start) as usize, codec).map_err(|e| {
+                        Error::from(FormatError::new(
+                            &object_owned,
+                            Some(frames[k]),
+                            format!("frame of block {b} (raw bytes {b_start}..{b_end}): {e}"),
+                        ))
+                    })?;
+                    std::borrow::Cow::Owned(plain)
+                }
+            };
+            let actual = crc32fast::hash(&raw_block);
+            if actual != expected {
+                let stored_at = match codec {
+                    Codec::None => b_start,
+                    Codec::Zstd { .. } => frames[k],
+                };
+                return Err(FormatError::new(
+                    &object_owned,
+                    Some(stored_at),
+                    format!(
+                        "block {b} (raw bytes {b_start}..{b_end}) fails its CRC32: computed {actual:08x}, recorded {expected:08x}"
+                    ),
+                )
+                .into());
+            }
+            if let Some(out) = out.as_mut() {
+                out.extend_from_slice(&raw_block);
+            }
+        }
+        Ok(match out {
+            Some(out) => Bytes::from(out),
+            None => stored,
+        })
+    })
+    .await
+    .map_err(|e| Error::Failed(format!("verification task failed: {e}")))??;
+    Ok((blocks, raw, stored_len))
+}
+
+/// Loads from the newest committed checkpoint; when it turns out to be corrupt
+/// (a checksum mismatch, a missing or truncated file), warns and tries the one before,
+/// down to the oldest. `request` builds the request from the manifest found.
+pub async fn load_latest(
+    store: &Store,
+    request: impl Fn(&Manifest) -> LoadRequest,
+) -> Result<(CheckpointReader, Loaded)> {
+    let steps = crate::catalog::committed_steps(store).await?;
+    let mut last_error = None;
+    for step in steps {
+        let attempt = async {
+            let reader = CheckpointReader::open(store, Some(step)).await?;
+            let loaded = reader.load(&request(reader.manifest())).await?;
+            Ok::<_, Error>((reader, loaded))
+        };
+        match attempt.await {
+            Ok(result) => return Ok(result),
+            Err(e) if e.is_corruption() => {
+                warn!(step, error = %e, "checkpoint is corrupt; falling back to the previous commit");
+                last_error = Some(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last_error
+        .unwrap_or_else(|| Error::NotFound(format!("no committed checkpoint in {}", store.url()))))
+}

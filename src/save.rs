@@ -1,0 +1,575 @@
+//! The save path: stage, checksum, (compress,) upload, describe, commit.
+//!
+//! [`Checkpointer::save`] is the only part the training loop waits for: it copies
+//! the rank's boxes into a staging buffer laid out as the final safetensors file
+//! (header first, then each box), and hands the buffer to a background task. The task
+//! computes block checksums, optionally compresses, uploads the data file, writes the
+//! rank's manifest part, and then tries to commit: the rank that finds every part
+//! present writes `manifest.json` create-if-absent. Any rank can commit, so a lost
+//! rank 0 does not block it.
+//!
+//! Memory is bounded by the staging pool: at most `max_in_flight` buffers, each the
+//! size of the rank's file, reused from save to save (capacity is kept, so after the
+//! first save no allocation or page fault happens on the hot path).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ckpt_storage::Store;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tracing::{Instrument, debug, info_span, warn};
+
+use crate::codec::{block_crcs, compress_block};
+use crate::commit::{CommitOutcome, try_commit};
+use crate::error::{Error, Result};
+use crate::format::{
+    Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
+    build_safetensors_header, rank_file_name, rank_part_name, step_dir,
+};
+
+/// What `save` does when `max_in_flight` saves are already running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WhenBusy {
+    /// Block until the oldest save finished uploading (the default: no checkpoint is
+    /// lost, the step waits).
+    #[default]
+    Wait,
+    /// Return [`SaveOutcome::Skipped`] at once (training never waits; this step is
+    /// not checkpointed).
+    Skip,
+}
+
+/// Settings of a rank's checkpointer.
+#[derive(Debug, Clone)]
+pub struct CheckpointConfig {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks that save each checkpoint; the commit waits for all of them.
+    pub world_size: usize,
+    /// Generation of the elastic world (recorded in the manifest).
+    pub generation: u64,
+    /// Raw bytes per checksum block and compression frame. Default 256 KiB: reads
+    /// at most one partial block at each end of a range.
+    pub block_size: u64,
+    /// Encoding of data files. Default [`Codec::None`].
+    pub codec: Codec,
+    /// Saves whose upload may run at once. Default 1.
+    pub max_in_flight: usize,
+    /// Policy when `max_in_flight` saves are running. Default [`WhenBusy::Wait`].
+    pub when_busy: WhenBusy,
+    /// Keep this many newest committed checkpoints (older ones and stale partial
+    /// ones are deleted by the committing rank). Default `None`: keep all.
+    pub keep_last: Option<usize>,
+    /// How long [`SaveHandle::committed`] waits for the other ranks. Default 10 min.
+    pub commit_timeout: Duration,
+}
+
+impl CheckpointConfig {
+    /// Defaults for `rank` of `world_size`.
+    pub fn new(rank: usize, world_size: usize) -> Self {
+        Self {
+            rank,
+            world_size,
+            generation: 0,
+            block_size: 256 << 10,
+            codec: Codec::None,
+            max_in_flight: 1,
+            when_busy: WhenBusy::Wait,
+            keep_last: None,
+            commit_timeout: Duration::from_secs(600),
+        }
+    }
+
+    /// Checks the settings; the error names the field and its value.
+    pub fn validate(&self) -> Result<()> {
+        if self.world_size == 0 || self.rank >= self.world_size {
+            return Err(Error::invalid(format!(
+                "rank {} is not in world_size {}",
+                self.rank, self.world_size
+            )));
+        }
+        if !(MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&self.block_size) {
+            return Err(Error::invalid(format!(
+                "block_size {} is outside {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE}",
+                self.block_size
+            )));
+        }
+        if self.max_in_flight == 0 {
+            return Err(Error::invalid("max_in_flight must be at least 1, got 0"));
+        }
+        if self.keep_last == Some(0) {
+            return Err(Error::invalid(
+                "keep_last must be at least 1 (the newest commit is never deleted), got 0",
+            ));
+        }
+        if let Codec::Zstd { level, shuffle } = self.codec
+            && (!(-7..=22).contains(&level) || shuffle > 16)
+        {
+            return Err(Error::invalid(format!(
+                "zstd level {level} must be in -7..=22 and shuffle {shuffle} in 0..=16"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What `save` did.
+#[derive(Debug)]
+pub enum SaveOutcome {
+    /// The state was staged and is being written; the handle follows it.
+    Started(SaveHandle),
+    /// `WhenBusy::Skip` and a save was running: nothing was staged.
+    Skipped {
+        /// The step that was not saved.
+        step: u64,
+    },
+}
+
+impl SaveOutcome {
+    /// The handle, when the save started.
+    pub fn handle(self) -> Option<SaveHandle> {
+        match self {
+            SaveOutcome::Started(handle) => Some(handle),
+            SaveOutcome::Skipped { .. } => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Status {
+    Writing,
+    Durable,
+    Committed,
+    Failed(Arc<str>),
+}
+
+/// Follows one rank's save in the background.
+///
+/// # Cancel safety
+///
+/// Dropping the handle does not cancel the save: the background task finishes the
+/// upload and the commit attempt. A crash of the process at any point leaves the
+/// previous committed checkpoint intact; the new step directory then lacks
+/// `manifest.json` (or some rank files) and does not exist for readers until it is
+/// garbage-collected.
+#[derive(Debug)]
+pub struct SaveHandle {
+    step: u64,
+    store: Store,
+    status: watch::Receiver<Status>,
+    commit_timeout: Duration,
+    stall: Duration,
+}
+
+impl SaveHandle {
+    /// The step being saved.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// How long `save` blocked the caller (staging copy included).
+    pub fn stall(&self) -> Duration {
+        self.stall
+    }
+
+    /// Waits until this rank's part is durable: its data file and manifest part are
+    /// written (fsynced on local disk).
+    pub async fn durable(&self) -> Result<()> {
+        let mut status = self.status.clone();
+        loop {
+            match &*status.borrow_and_update() {
+                Status::Durable | Status::Committed => return Ok(()),
+                Status::Failed(message) => return Err(Error::Failed(message.to_string())),
+                Status::Writing => {}
+            }
+            if status.changed().await.is_err() {
+                return Err(Error::Failed(format!(
+                    "save of step {} ended without reporting (the runtime shut down?)",
+                    self.step
+                )));
+            }
+        }
+    }
+
+    /// Waits until the whole checkpoint is committed (every rank's part written and
+    /// `manifest.json` present), up to `commit_timeout`.
+    pub async fn committed(&self) -> Result<()> {
+        self.durable().await?;
+        if matches!(&*self.status.borrow(), Status::Committed) {
+            return Ok(());
+        }
+        let key = format!("{}/{MANIFEST}", step_dir(self.step));
+        let deadline = Instant::now() + self.commit_timeout;
+        let mut delay = Duration::from_millis(5);
+        loop {
+            if matches!(&*self.status.borrow(), Status::Committed) {
+                return Ok(());
+            }
+            match self.store.head(&key).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(e.into()),
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout(format!(
+                    "step {} was not committed within {:?}: some rank has not finished its part",
+                    self.step, self.commit_timeout
+                )));
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(500));
+        }
+    }
+}
+
+/// A rank's checkpoint writer. Cheap to clone? No: one per rank; share it by
+/// reference.
+#[derive(Debug)]
+pub struct Checkpointer {
+    store: Store,
+    config: Arc<CheckpointConfig>,
+    pool: Arc<Mutex<Vec<Vec<u8>>>>,
+    slots: Arc<Semaphore>,
+}
+
+/// The staging buffer, shared with the upload as zero-copy `Bytes`.
+struct Staged(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for Staged {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+struct Job {
+    store: Store,
+    config: Arc<CheckpointConfig>,
+    step: u64,
+    buffer: Arc<Vec<u8>>,
+    chunks: Vec<Chunk>,
+    global: Option<BTreeMap<String, crate::format::StateValue>>,
+    rank_state: BTreeMap<String, crate::format::StateValue>,
+    metadata: BTreeMap<String, serde_json::Value>,
+}
+
+impl Checkpointer {
+    /// A checkpointer for one rank, writing under `store`'s root.
+    pub fn new(store: Store, config: CheckpointConfig) -> Result<Self> {
+        config.validate()?;
+        let slots = Arc::new(Semaphore::new(config.max_in_flight));
+        Ok(Self {
+            store,
+            config: Arc::new(config),
+            pool: Arc::new(Mutex::new(Vec::new())),
+            slots,
+        })
+    }
+
+    /// The store written to.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CheckpointConfig {
+        &self.config
+    }
+
+    /// Saves this rank's `state` as part of checkpoint `step`.
+    ///
+    /// Blocks only while the state is copied into a staging buffer (and, with
+    /// [`WhenBusy::Wait`], while `max_in_flight` earlier saves are still uploading).
+    /// The returned handle tells when this rank's part is durable and when the whole
+    /// checkpoint is committed. Must be called within a tokio runtime.
+    pub async fn save(&self, step: u64, state: &crate::State<'_>) -> Result<SaveOutcome> {
+        let permit = match self.config.when_busy {
+            WhenBusy::Wait => self
+                .slots
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Error::Failed("checkpointer closed".into()))?,
+            WhenBusy::Skip => match self.slots.clone().try_acquire_owned() {
+                Ok(permit) => permit,
+                Err(_) => {
+                    debug!(step, "save skipped: a save is still running");
+                    return Ok(SaveOutcome::Skipped { step });
+                }
+            },
+        };
+        let started = Instant::now();
+        let (buffer, chunks) = self.stage(step, state)?;
+        let stall = started.elapsed();
+        debug!(
+            step,
+            rank = self.config.rank,
+            bytes = buffer.len(),
+            ?stall,
+            "staged"
+        );
+
+        let rank = self.config.rank as u32;
+        let (tx, rx) = watch::channel(Status::Writing);
+        let job = Job {
+            store: self.store.clone(),
+            config: self.config.clone(),
+            step,
+            buffer: Arc::new(buffer),
+            chunks,
+            global: (!state.global.is_empty() || !state.metadata.is_empty())
+                .then(|| state.global.clone()),
+            rank_state: state.rank.clone(),
+            metadata: state.metadata.clone(),
+        };
+        let pool = self.pool.clone();
+        let span = info_span!("ckpt_save", step, rank);
+        tokio::spawn(run_job(job, pool, permit, tx).instrument(span));
+        Ok(SaveOutcome::Started(SaveHandle {
+            step,
+            store: self.store.clone(),
+            status: rx,
+            commit_timeout: self.config.commit_timeout,
+            stall,
+        }))
+    }
+
+    /// Copies the state into a pooled buffer laid out as the final safetensors file.
+    fn stage(&self, step: u64, state: &crate::State<'_>) -> Result<(Vec<u8>, Vec<Chunk>)> {
+        let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
+        let entries: Vec<_> = written
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype, t.region.lengths.clone()))
+            .collect();
+        let boxes: BTreeMap<&str, serde_json::Value> = written
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    serde_json::json!({"shape": t.shape, "offsets": t.region.offsets}),
+                )
+            })
+            .collect();
+        let mut metadata = BTreeMap::new();
+        metadata.insert("format".to_string(), "ckpt".to_string());
+        metadata.insert(
+            "ckpt.format_version".to_string(),
+            FORMAT_VERSION.to_string(),
+        );
+        metadata.insert("ckpt.step".to_string(), step.to_string());
+        metadata.insert("ckpt.rank".to_string(), self.config.rank.to_string());
+        metadata.insert(
+            "ckpt.world_size".to_string(),
+            self.config.world_size.to_string(),
+        );
+        metadata.insert(
+            "ckpt.boxes".to_string(),
+            serde_json::to_string(&boxes).expect("boxes serialize"),
+        );
+        let header = build_safetensors_header(&entries, &metadata);
+        let total = header.len() + written.iter().map(|t| t.data.len()).sum::<usize>();
+
+        let mut buffer = self
+            .pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default();
+        buffer.clear();
+        buffer.reserve_exact(total);
+        buffer.extend_from_slice(&header);
+        let mut chunks = Vec::with_capacity(written.len());
+        for (i, t) in written.iter().enumerate() {
+            if i == 1 {
+                crate::failpoint::hit("during-staging");
+            }
+            let begin = buffer.len() as u64;
+            buffer.extend_from_slice(t.data);
+            chunks.push(Chunk {
+                tensor: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offsets: t.region.offsets.clone(),
+                lengths: t.region.lengths.clone(),
+                bytes: [begin, buffer.len() as u64],
+            });
+        }
+        Ok((buffer, chunks))
+    }
+}
+
+async fn run_job(
+    job: Job,
+    pool: Arc<Mutex<Vec<Vec<u8>>>>,
+    permit: OwnedSemaphorePermit,
+    status: watch::Sender<Status>,
+) {
+    let step = job.step;
+    let result = write_rank(&job, &status).await;
+    let Job { buffer, .. } = job;
+    // Give the buffer back before the slot, so the next save finds it.
+    if let Ok(buffer) = Arc::try_unwrap(buffer) {
+        pool.lock().unwrap_or_else(|p| p.into_inner()).push(buffer);
+    }
+    drop(permit);
+    if let Err(e) = result {
+        warn!(step, error = %e, "checkpoint save failed");
+        let _ = status.send(Status::Failed(e.to_string().into()));
+    }
+}
+
+async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
+    let config = &job.config;
+    let rank = config.rank as u32;
+    let dir = step_dir(job.step);
+    let block = config.block_size as usize;
+    let compressed = matches!(config.codec, Codec::Zstd { .. });
+    let file_name = rank_file_name(rank, compressed);
+    let file_key = format!("{dir}/{file_name}");
+    crate::failpoint::hit("before-data-upload");
+
+    // Checksums (and frames) on blocking threads: CPU work off the async workers.
+    let started = Instant::now();
+    let (crcs, frames) = encode(job.buffer.clone(), block, config.codec).await?;
+    let encoded = started.elapsed();
+
+    let started = Instant::now();
+    let stored_bytes = match &frames {
+        None => {
+            let all = Bytes::from_owner(Staged(job.buffer.clone()));
+            upload(&job.store, &file_key, &[all]).await?;
+            job.buffer.len() as u64
+        }
+        Some(frames) => {
+            upload(&job.store, &file_key, frames).await?;
+            frames.iter().map(|f| f.len() as u64).sum()
+        }
+    };
+    debug!(
+        bytes = stored_bytes,
+        ?encoded,
+        upload = ?started.elapsed(),
+        "data file written"
+    );
+    crate::failpoint::hit("after-data-upload");
+
+    let part = RankPart {
+        format_version: FORMAT_VERSION,
+        step: job.step,
+        rank,
+        world_size: config.world_size as u32,
+        generation: config.generation,
+        block_size: config.block_size,
+        codec: config.codec,
+        file: FileEntry {
+            name: file_name,
+            raw_bytes: job.buffer.len() as u64,
+            stored_bytes,
+            block_crc32: crcs,
+            frame_bytes: frames
+                .as_ref()
+                .map(|f| f.iter().map(|b| b.len() as u64).collect())
+                .unwrap_or_default(),
+        },
+        chunks: job.chunks.clone(),
+        global_state: job.global.clone(),
+        rank_state: job.rank_state.clone(),
+        metadata: if job.global.is_some() {
+            job.metadata.clone()
+        } else {
+            BTreeMap::new()
+        },
+    };
+    job.store
+        .put(&format!("{dir}/{}", rank_part_name(rank)), part.to_bytes())
+        .await?;
+    let _ = status.send(Status::Durable);
+    crate::failpoint::hit("after-rank-part");
+
+    match try_commit(&job.store, job.step, config.world_size as u32).await? {
+        CommitOutcome::Committed => {
+            crate::failpoint::hit("after-commit");
+            let _ = status.send(Status::Committed);
+            if let Some(keep) = config.keep_last
+                && let Err(e) = crate::catalog::apply_retention(&job.store, keep).await
+            {
+                warn!(error = %e, "retention failed; old checkpoints stay");
+            }
+        }
+        CommitOutcome::AlreadyCommitted => {
+            let _ = status.send(Status::Committed);
+        }
+        CommitOutcome::Incomplete { .. } => {}
+    }
+    Ok(())
+}
+
+/// Block checksums, and with zstd the frames, computed on blocking threads in
+/// parallel slices of blocks.
+async fn encode(
+    buffer: Arc<Vec<u8>>,
+    block: usize,
+    codec: Codec,
+) -> Result<(Vec<u32>, Option<Vec<Bytes>>)> {
+    let blocks = buffer.len().div_ceil(block).max(1);
+    let workers = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(blocks);
+    let per = blocks.div_ceil(workers);
+    let mut tasks = Vec::with_capacity(workers);
+    for w in 0..workers {
+        let buffer = buffer.clone();
+        tasks.push(tokio::task::spawn_blocking(
+            move || -> std::io::Result<(Vec<u32>, Vec<Bytes>)> {
+                let start = (w * per * block).min(buffer.len());
+                let end = ((w + 1) * per * block).min(buffer.len());
+                let slice = &buffer[start..end];
+                let crcs = block_crcs(slice, block);
+                let frames = match codec {
+                    Codec::None => Vec::new(),
+                    Codec::Zstd { level, shuffle } => slice
+                        .chunks(block)
+                        .map(|raw| compress_block(raw, level, shuffle).map(Bytes::from))
+                        .collect::<std::io::Result<_>>()?,
+                };
+                Ok((crcs, frames))
+            },
+        ));
+    }
+    let mut crcs = Vec::with_capacity(blocks);
+    let mut frames = Vec::new();
+    for task in tasks {
+        let (c, f) = task
+            .await
+            .map_err(|e| Error::Failed(format!("checksum task failed: {e}")))?
+            .map_err(|e| Error::Failed(format!("compression failed: {e}")))?;
+        crcs.extend(c);
+        frames.extend(f);
+    }
+    if buffer.is_empty() {
+        crcs.clear();
+    }
+    Ok((crcs, matches!(codec, Codec::Zstd { .. }).then_some(frames)))
+}
+
+/// Streams `pieces` to `key` in parts of the store's part size.
+async fn upload(store: &Store, key: &str, pieces: &[Bytes]) -> Result<()> {
+    let part = store.config().part_size;
+    let mut upload = store.upload(key)?;
+    let mut written = 0;
+    for piece in pieces {
+        let mut offset = 0;
+        while offset < piece.len() {
+            let end = (offset + part).min(piece.len());
+            upload.write(piece.slice(offset..end)).await?;
+            written += end - offset;
+            if written >= part && written - (end - offset) < part {
+                crate::failpoint::hit("during-data-upload");
+            }
+            offset = end;
+        }
+    }
+    upload.finish().await?;
+    Ok(())
+}

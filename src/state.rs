@@ -1,0 +1,224 @@
+//! Describing what a rank saves: its boxes of global tensors, and non-tensor state.
+//!
+//! A [`State`] borrows the caller's tensor memory; nothing is copied until
+//! [`Checkpointer::save`](crate::Checkpointer::save) stages it.
+
+use std::collections::BTreeMap;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::format::{MAX_DIMS, StateValue};
+use crate::region::Region;
+
+/// One box of a global tensor held by this rank.
+#[derive(Debug, Clone)]
+pub struct TensorShard<'a> {
+    /// Global tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The box this rank holds.
+    pub region: Region,
+    /// The box's data, row-major over the box's lengths.
+    pub data: &'a [u8],
+    /// False for a replica that another rank writes.
+    pub write: bool,
+}
+
+/// Plain old data element types, viewable as bytes.
+///
+/// # Safety
+/// Implemented only for primitive numeric types without padding or invalid bit
+/// patterns.
+pub unsafe trait Element: Copy + Send + Sync + 'static {}
+// SAFETY: primitive numbers: no padding, every bit pattern valid.
+unsafe impl Element for f32 {}
+// SAFETY: as above.
+unsafe impl Element for f64 {}
+// SAFETY: as above.
+unsafe impl Element for u8 {}
+// SAFETY: as above.
+unsafe impl Element for i8 {}
+// SAFETY: as above.
+unsafe impl Element for u16 {}
+// SAFETY: as above.
+unsafe impl Element for i16 {}
+// SAFETY: as above.
+unsafe impl Element for u32 {}
+// SAFETY: as above.
+unsafe impl Element for i32 {}
+// SAFETY: as above.
+unsafe impl Element for u64 {}
+// SAFETY: as above.
+unsafe impl Element for i64 {}
+
+/// Views a slice of numbers as its bytes (native, i.e. little-endian on every
+/// platform ckpt supports).
+pub fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
+    // SAFETY: `T: Element` has no padding; the byte length is exact and the lifetime
+    // is tied to `data`.
+    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
+}
+
+/// Everything one rank saves at one step.
+#[derive(Debug, Clone, Default)]
+pub struct State<'a> {
+    pub(crate) tensors: Vec<TensorShard<'a>>,
+    pub(crate) global: BTreeMap<String, StateValue>,
+    pub(crate) rank: BTreeMap<String, StateValue>,
+    pub(crate) metadata: BTreeMap<String, serde_json::Value>,
+}
+
+impl<'a> State<'a> {
+    /// An empty state.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds this rank's box `region` of tensor `name` (global `shape`), with its data
+    /// row-major over the box. Checks that the box lies in the shape and that `data`
+    /// has exactly the box's bytes.
+    pub fn add(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        region: Region,
+        data: &'a [u8],
+    ) -> Result<&mut Self> {
+        self.push(name.into(), dtype, shape, region, data, true)
+    }
+
+    /// Adds this rank's even dim-0 shard (FSDP2 / ZeRO) of tensor `name`: rows
+    /// `rank·n/world .. (rank+1)·n/world` (see [`Region::dim0_shard`]).
+    pub fn add_dim0_shard(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        rank: usize,
+        world: usize,
+        data: &'a [u8],
+    ) -> Result<&mut Self> {
+        let region = Region::dim0_shard(shape, rank, world);
+        self.push(name.into(), dtype, shape, region, data, true)
+    }
+
+    /// Adds a box that several ranks hold identical copies of (a replicated tensor,
+    /// or a replica group in HSDP). Only the rank passing `writer = true` writes it;
+    /// exactly one rank of the world must.
+    pub fn add_replica(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        region: Region,
+        data: &'a [u8],
+        writer: bool,
+    ) -> Result<&mut Self> {
+        self.push(name.into(), dtype, shape, region, data, writer)
+    }
+
+    fn push(
+        &mut self,
+        name: String,
+        dtype: DType,
+        shape: &[u64],
+        region: Region,
+        data: &'a [u8],
+        write: bool,
+    ) -> Result<&mut Self> {
+        if name.is_empty() || name == "__metadata__" || name.len() > 1024 {
+            return Err(Error::invalid(format!(
+                "tensor name {name:?} is not allowed (empty, reserved or longer than 1024 bytes)"
+            )));
+        }
+        if shape.len() > MAX_DIMS {
+            return Err(Error::invalid(format!(
+                "tensor {name:?} has {} dimensions, more than {MAX_DIMS}",
+                shape.len()
+            )));
+        }
+        if !region.within(shape) {
+            return Err(Error::invalid(format!(
+                "tensor {name:?}: box {region} lies outside shape {shape:?}"
+            )));
+        }
+        let expected = region
+            .volume()
+            .and_then(|v| v.checked_mul(dtype.size() as u64))
+            .ok_or_else(|| Error::invalid(format!("tensor {name:?}: box {region} is too large")))?;
+        if data.len() as u64 != expected {
+            return Err(Error::invalid(format!(
+                "tensor {name:?}: a {dtype} box {region} needs {expected} bytes, got {}",
+                data.len()
+            )));
+        }
+        if self.tensors.iter().any(|t| t.name == name) {
+            return Err(Error::invalid(format!(
+                "tensor {name:?} was added twice; a rank holds one box per tensor"
+            )));
+        }
+        self.tensors.push(TensorShard {
+            name,
+            dtype,
+            shape: shape.to_vec(),
+            region,
+            data,
+            write,
+        });
+        Ok(self)
+    }
+
+    /// Sets global non-tensor state (identical on every rank: scheduler, step
+    /// counters). Stored once, by the lowest rank that has any global state.
+    pub fn set_global_json(
+        &mut self,
+        key: impl Into<String>,
+        value: serde_json::Value,
+    ) -> &mut Self {
+        self.global.insert(key.into(), StateValue::Json(value));
+        self
+    }
+
+    /// Sets global non-tensor state as bytes.
+    pub fn set_global_bytes(&mut self, key: impl Into<String>, value: &[u8]) -> &mut Self {
+        self.global.insert(key.into(), StateValue::bytes(value));
+        self
+    }
+
+    /// Sets this rank's own non-tensor state (RNG stream, data-loader cursor). Every
+    /// saved rank's entry stays readable after a world-size change.
+    pub fn set_rank_json(&mut self, key: impl Into<String>, value: serde_json::Value) -> &mut Self {
+        self.rank.insert(key.into(), StateValue::Json(value));
+        self
+    }
+
+    /// Sets this rank's own non-tensor state as bytes.
+    pub fn set_rank_bytes(&mut self, key: impl Into<String>, value: &[u8]) -> &mut Self {
+        self.rank.insert(key.into(), StateValue::bytes(value));
+        self
+    }
+
+    /// Sets user metadata, recorded in the manifest.
+    pub fn set_metadata(&mut self, key: impl Into<String>, value: serde_json::Value) -> &mut Self {
+        self.metadata.insert(key.into(), value);
+        self
+    }
+
+    /// The tensors added so far.
+    pub fn tensors(&self) -> &[TensorShard<'a>] {
+        &self.tensors
+    }
+
+    /// Bytes this rank writes (its boxes, replicas it does not write excluded).
+    pub fn bytes_to_write(&self) -> u64 {
+        self.tensors
+            .iter()
+            .filter(|t| t.write)
+            .map(|t| t.data.len() as u64)
+            .sum()
+    }
+}
