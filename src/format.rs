@@ -33,6 +33,8 @@ pub const MAX_WORLD_SIZE: u32 = 1 << 20;
 pub const MIN_BLOCK_SIZE: u64 = 4 << 10;
 /// Largest block size.
 pub const MAX_BLOCK_SIZE: u64 = 256 << 20;
+/// Layouts with at most this many boxes are checked pairwise for overlaps.
+pub const OVERLAP_CHECK_LIMIT: usize = 512;
 /// Largest tensor, in bytes (2^60).
 pub const MAX_TENSOR_BYTES: u64 = 1 << 60;
 
@@ -646,6 +648,13 @@ fn check_layout(layout: &Layout, tensor: &TensorEntry, world: u32, object: &str)
         Layout::Boxes(boxes) => {
             let mut covered: u64 = 0;
             for b in boxes {
+                if b.offsets.len() != b.lengths.len() {
+                    return Err(err(format!(
+                        "box has {} offsets and {} lengths",
+                        b.offsets.len(),
+                        b.lengths.len()
+                    )));
+                }
                 if b.rank >= world {
                     return Err(err(format!("box held by rank {} of {world}", b.rank)));
                 }
@@ -663,6 +672,22 @@ fn check_layout(layout: &Layout, tensor: &TensorEntry, world: u32, object: &str)
                     .volume()
                     .and_then(|v| covered.checked_add(v))
                     .ok_or_else(|| err("box volumes overflow".into()))?;
+            }
+            // Equal volumes and no overlap mean an exact tiling. The pairwise check
+            // is quadratic, so it runs for layouts of up to OVERLAP_CHECK_LIMIT boxes;
+            // larger ones rely on the volume check and on the loader's coverage check.
+            if boxes.len() <= OVERLAP_CHECK_LIMIT {
+                let regions: Vec<Region> = boxes
+                    .iter()
+                    .map(|b| Region::new(b.offsets.clone(), b.lengths.clone()))
+                    .collect();
+                for (i, a) in regions.iter().enumerate() {
+                    for b in &regions[i + 1..] {
+                        if let Some(common) = a.intersect(b) {
+                            return Err(err(format!("boxes {a} and {b} overlap in {common}")));
+                        }
+                    }
+                }
             }
             if covered != volume {
                 return Err(err(format!(

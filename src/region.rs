@@ -87,6 +87,7 @@ impl Region {
     /// True when the box lies inside a tensor of `shape`.
     pub fn within(&self, shape: &[u64]) -> bool {
         self.ndim() == shape.len()
+            && self.offsets.len() == self.lengths.len()
             && self
                 .offsets
                 .iter()
