@@ -1,0 +1,289 @@
+//! Shared fixtures of the end-to-end tests: stores, deterministic tensors, saving a
+//! whole world in one process, reading tensors back.
+//!
+//! The S3 store is the loopback server that `scripts/test` starts and announces
+//! through `CKPT_TEST_S3_*` variables; a missing variable fails the test with a
+//! message pointing at `scripts/test` (nothing is skipped silently).
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ckpt::storage::{RetrySettings, Store, StoreConfig};
+use ckpt::{
+    CheckpointConfig, CheckpointReader, Checkpointer, DType, LoadRequest, Region, State, as_bytes,
+};
+
+/// A prefix no other test (in this or a concurrent run) uses.
+pub fn unique(name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!(
+        "{name}-{}-{nanos}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Store settings of the tests: 5 MiB parts (so a few MiB of tensors already make a
+/// multipart upload) and quick retries.
+pub fn test_config() -> StoreConfig {
+    StoreConfig {
+        retry: RetrySettings {
+            max_retries: 3,
+            retry_timeout: Duration::from_secs(20),
+            init_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(200),
+            backoff_base: 2.0,
+        },
+        part_size: ckpt::storage::MIN_PART_SIZE,
+        ..StoreConfig::default()
+    }
+}
+
+/// A local store in a fresh temporary directory (kept alive by the returned guard).
+pub fn local_store(name: &str) -> (Store, tempfile::TempDir) {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("ckpt-{name}-"))
+        .tempdir()
+        .expect("temp dir");
+    (open_local(dir.path()), dir)
+}
+
+/// The `file://` store rooted at `dir`.
+pub fn open_local(dir: &std::path::Path) -> Store {
+    Store::open(&format!("file://{}", dir.display()), test_config()).expect("open local store")
+}
+
+/// A variable set by `scripts/test`.
+pub fn env(name: &str) -> String {
+    match std::env::var(name) {
+        Ok(value) if !value.is_empty() => value,
+        _ => panic!(
+            "{name} is not set: the S3 tests need the loopback server that scripts/test \
+             starts; run `scripts/test`, or `scripts/test --env` and source its output \
+             before `cargo test`"
+        ),
+    }
+}
+
+/// Options that point the S3 builder at the loopback server at `endpoint`.
+pub fn s3_config(endpoint: &str, base: StoreConfig) -> StoreConfig {
+    base.with_option("aws_endpoint", endpoint)
+        .with_option("aws_allow_http", "true")
+        .with_option("aws_region", "us-east-1")
+        .with_option("aws_access_key_id", "test")
+        .with_option("aws_secret_access_key", "test")
+}
+
+/// A fresh prefix in the loopback S3 server's bucket, reached at `endpoint`.
+pub fn s3_store_at(name: &str, endpoint: &str, base: StoreConfig) -> Store {
+    let bucket = env("CKPT_TEST_S3_BUCKET");
+    Store::open(
+        &format!("s3://{bucket}/{}", unique(name)),
+        s3_config(endpoint, base),
+    )
+    .expect("open s3 store")
+}
+
+/// A fresh prefix in the loopback S3 server's bucket.
+pub fn s3_store(name: &str) -> Store {
+    s3_store_at(name, &env("CKPT_TEST_S3_ENDPOINT"), test_config())
+}
+
+/// Deterministic floats, different for every seed (exact in f32: small integers
+/// plus a seed-dependent fraction of a power of two).
+pub fn floats(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as u32 as f32) / 1024.0 - 8192.0
+        })
+        .collect()
+}
+
+/// Little-endian bytes back into floats.
+pub fn to_f32(bytes: &[u8]) -> Vec<f32> {
+    assert_eq!(bytes.len() % 4, 0, "{} bytes are not f32s", bytes.len());
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// Rows `start..start + rows` of a row-major matrix with `cols` columns.
+pub fn rows_of(data: &[f32], cols: usize, start: usize, rows: usize) -> &[f32] {
+    &data[start * cols..(start + rows) * cols]
+}
+
+/// Columns `start..start + width` of a row-major matrix with `cols` columns, as a
+/// row-major box.
+pub fn columns_of(data: &[f32], cols: usize, start: usize, width: usize) -> Vec<f32> {
+    data.chunks_exact(cols)
+        .flat_map(|row| row[start..start + width].iter().copied())
+        .collect()
+}
+
+/// One global f32 tensor, split on dim 0 over the world when saved.
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub data: Vec<f32>,
+}
+
+impl Tensor {
+    pub fn new(name: &str, shape: &[u64], seed: u64) -> Self {
+        let len = shape.iter().product::<u64>() as usize;
+        Self {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            data: floats(len, seed),
+        }
+    }
+
+    /// Elements per row (product of every dimension but the first).
+    pub fn row_len(&self) -> usize {
+        self.shape[1..].iter().product::<u64>() as usize
+    }
+
+    /// Rank `rank`'s even dim-0 shard of `world`.
+    pub fn shard(&self, rank: usize, world: usize) -> &[f32] {
+        let region = Region::dim0_shard(&self.shape, rank, world);
+        rows_of(
+            &self.data,
+            self.row_len(),
+            region.offsets[0] as usize,
+            region.lengths[0] as usize,
+        )
+    }
+}
+
+/// The tensors of "step `step`" of a small model: every step has other values.
+pub fn model(step: u64, rows: u64) -> Vec<Tensor> {
+    vec![
+        Tensor::new("layers.0.weight", &[rows, 256], step * 10 + 1),
+        Tensor::new("layers.0.bias", &[rows], step * 10 + 2),
+        Tensor::new("embed", &[rows / 2 + 3, 16], step * 10 + 3),
+    ]
+}
+
+/// Rank `rank`'s state: its dim-0 shard of every tensor, plus its own and the global
+/// non-tensor state.
+pub fn dim0_state(tensors: &[Tensor], step: u64, rank: usize, world: usize) -> State<'_> {
+    let mut state = State::new();
+    for t in tensors {
+        state
+            .add_dim0_shard(
+                t.name.clone(),
+                DType::F32,
+                &t.shape,
+                rank,
+                world,
+                as_bytes(t.shard(rank, world)),
+            )
+            .expect("add shard");
+    }
+    state.set_rank_json("cursor", serde_json::json!({ "step": step, "rank": rank }));
+    state.set_global_json("step", serde_json::json!(step));
+    state
+}
+
+/// Every rank of `world` saves its dim-0 shards of `tensors` at `step` in this
+/// process; returns once the checkpoint is committed.
+pub async fn save_world(
+    store: &Store,
+    step: u64,
+    world: usize,
+    tensors: &[Tensor],
+    configure: impl Fn(&mut CheckpointConfig),
+) {
+    let mut handles = Vec::new();
+    let mut checkpointers = Vec::new();
+    for rank in 0..world {
+        let mut config = CheckpointConfig::new(rank, world);
+        configure(&mut config);
+        checkpointers.push(Checkpointer::new(store.clone(), config).expect("checkpointer"));
+    }
+    for (rank, checkpointer) in checkpointers.iter().enumerate() {
+        let state = dim0_state(tensors, step, rank, world);
+        let outcome = checkpointer.save(step, &state).await.expect("save");
+        handles.push(outcome.handle().expect("save started"));
+    }
+    for handle in &handles {
+        handle.committed().await.expect("committed");
+    }
+}
+
+/// Loads every tensor of `reader` whole and checks it against `expected`, element for
+/// element.
+pub async fn assert_loads(reader: &CheckpointReader, expected: &[Tensor]) {
+    let manifest = reader.manifest();
+    assert_eq!(
+        manifest.tensors.len(),
+        expected.len(),
+        "tensors of step {}",
+        manifest.step
+    );
+    let loaded = reader
+        .load(&LoadRequest::everything(manifest))
+        .await
+        .expect("load");
+    assert_same(&loaded.tensors, expected);
+}
+
+/// Whole loaded tensors equal the expected ones, element for element.
+pub fn assert_same(loaded: &[ckpt::LoadedTensor], expected: &[Tensor]) {
+    for t in expected {
+        let got = loaded
+            .iter()
+            .find(|l| l.name == t.name)
+            .unwrap_or_else(|| panic!("{} was not loaded", t.name));
+        assert_eq!(got.shape, t.shape, "shape of {}", t.name);
+        assert_eq!(got.region, Region::full(&t.shape), "box of {}", t.name);
+        let values = to_f32(&got.data);
+        assert_eq!(values.len(), t.data.len(), "elements of {}", t.name);
+        if let Some(i) = values.iter().zip(&t.data).position(|(a, b)| a != b) {
+            panic!(
+                "{}: element {i} is {}, saved {}",
+                t.name, values[i], t.data[i]
+            );
+        }
+    }
+}
+
+/// Waits, up to `limit`, until `check` holds. Only for effects that no API reports
+/// (retention runs after [`ckpt::SaveHandle::committed`] returns, and nothing
+/// reports its end).
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// (step, committed) of every step directory, oldest first.
+pub async fn steps(store: &Store) -> Vec<(u64, bool)> {
+    ckpt::list_checkpoints(store)
+        .await
+        .expect("list checkpoints")
+        .into_iter()
+        .map(|c| (c.step, c.committed))
+        .collect()
+}
