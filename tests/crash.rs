@@ -205,9 +205,11 @@ async fn crash_scenario(test: &str, failpoint: &str, expect: Expect) {
     } else {
         vec![(1, true), (3, true)]
     };
-    eventually(Duration::from_secs(30), "retention keeps 2 commits", || async {
-        common::steps(&store).await == wanted
-    })
+    eventually(
+        Duration::from_secs(30),
+        "retention keeps 2 commits",
+        || async { common::steps(&store).await == wanted },
+    )
     .await;
     let reader = CheckpointReader::open(&store, None).await.expect("open");
     assert_eq!(reader.step(), 3);
@@ -221,7 +223,10 @@ async fn crash_scenario(test: &str, failpoint: &str, expect: Expect) {
 /// `latest`, `load_latest` and the reader agree on `step`, and its data is exactly
 /// `expected`.
 async fn check_reader_view(store: &Store, step: u64, expected: &[Tensor]) {
-    let manifest = ckpt::latest(store).await.expect("latest").expect("a commit");
+    let manifest = ckpt::latest(store)
+        .await
+        .expect("latest")
+        .expect("a commit");
     assert_eq!(manifest.step, step, "latest committed step");
     let (reader, loaded) = load_latest(store, LoadRequest::everything)
         .await

@@ -1,0 +1,681 @@
+//! Integrity: bit flips, truncations, corrupt or hostile manifests and headers give
+//! precise errors (object and byte offset), never a panic or a huge allocation, and
+//! `load_latest` falls back to the previous valid commit with a warning.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use ckpt::format::{
+    Chunk, Codec, FileEntry, FormatError, Layout, MANIFEST, Manifest, RankPart,
+    parse_safetensors_header, rank_file_name, rank_part_name, seal, step_dir,
+};
+use ckpt::storage::Store;
+use ckpt::{CheckpointReader, DType, Error, LoadRequest, Region, load_latest};
+use common::{Tensor, assert_same, local_store, model, save_world};
+
+const BLOCK: u64 = 4096;
+const ROWS: u64 = 64;
+
+/// Steps 1 and 2 of a world of 2, committed, with 4 KiB checksum blocks.
+async fn two_commits(store: &Store, codec: Codec) -> (Vec<Tensor>, Vec<Tensor>) {
+    let (one, two) = (model(1, ROWS), model(2, ROWS));
+    let configure = |c: &mut ckpt::CheckpointConfig| {
+        c.block_size = BLOCK;
+        c.codec = codec;
+    };
+    save_world(store, 1, 2, &one, configure).await;
+    save_world(store, 2, 2, &two, configure).await;
+    (one, two)
+}
+
+fn file_of(root: &Path, step: u64, name: &str) -> std::path::PathBuf {
+    root.join(step_dir(step)).join(name)
+}
+
+fn flip_bit(path: &Path, offset: u64, bit: u8) {
+    let mut bytes = std::fs::read(path).expect("read file to corrupt");
+    bytes[offset as usize] ^= 1 << bit;
+    std::fs::write(path, bytes).expect("write corrupted file");
+}
+
+fn format_error(e: &Error) -> &FormatError {
+    match e {
+        Error::Corrupt(f) => f,
+        other => panic!("expected a corruption error, got {other:?}"),
+    }
+}
+
+/// Tracing output of the current thread while the guard lives.
+struct Captured {
+    buffer: Arc<Mutex<Vec<u8>>>,
+    _guard: tracing::subscriber::DefaultGuard,
+}
+
+struct CaptureWriter(Arc<Mutex<Vec<u8>>>);
+
+impl Write for CaptureWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn start() -> Self {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || CaptureWriter(writer.clone()))
+            .finish();
+        Self {
+            buffer,
+            _guard: tracing::subscriber::set_default(subscriber),
+        }
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.buffer.lock().unwrap()).into_owned()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flipped_bit_in_a_data_file_names_file_and_offset_and_load_latest_falls_back() {
+    let (store, dir) = local_store("bitflip");
+    let (one, two) = two_commits(&store, Codec::None).await;
+    let name = rank_file_name(1, false);
+    let path = file_of(dir.path(), 2, &name);
+    let size = std::fs::metadata(&path).unwrap().len();
+    let at = size / 2 + 123;
+    flip_bit(&path, at, 5);
+
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    let e = reader
+        .load(&LoadRequest::everything(reader.manifest()))
+        .await
+        .unwrap_err();
+    assert!(e.is_corruption(), "{e}");
+    let f = format_error(&e);
+    assert_eq!(f.object, format!("{}/{name}", step_dir(2)));
+    assert_eq!(f.offset, Some(at / BLOCK * BLOCK), "{e}");
+    assert!(e.to_string().contains("CRC32"), "{e}");
+    assert!(e.to_string().contains(&name), "{e}");
+
+    // Boxes that do not touch the damaged block still load (rank 0's rows).
+    let rows = LoadRequest::dim0_shards(reader.manifest(), 0, 2);
+    let loaded = reader.load(&rows).await.expect("undamaged rows load");
+    for t in &two {
+        let got = loaded.tensors.iter().find(|l| l.name == t.name).unwrap();
+        assert_eq!(common::to_f32(&got.data), t.shard(0, 2), "{}", t.name);
+    }
+
+    // The manifest itself is intact: `latest` still names step 2 ...
+    assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 2);
+    // ... and load_latest falls back to step 1 with a warning naming the damage.
+    let captured = Captured::start();
+    let (reader, loaded) = load_latest(&store, LoadRequest::everything)
+        .await
+        .expect("falls back");
+    assert_eq!(reader.step(), 1);
+    assert_same(&loaded.tensors, &one);
+    let log = captured.text();
+    assert!(log.contains("WARN"), "{log}");
+    assert!(log.contains("falling back"), "{log}");
+    assert!(log.contains("step=2"), "{log}");
+    assert!(log.contains(&format!("{}/{name}", step_dir(2))), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flipped_bit_in_a_compressed_frame_names_the_frame_offset() {
+    let (store, dir) = local_store("bitflip-zst");
+    let codec = Codec::Zstd {
+        level: 3,
+        shuffle: 4,
+    };
+    let (one, _) = two_commits(&store, codec).await;
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    let part = reader.part(0).await.unwrap();
+    assert!(part.file.frame_bytes.len() > 3, "{:?}", part.file);
+    let frame = 2;
+    let start: u64 = part.file.frame_bytes[..frame].iter().sum();
+    let path = file_of(dir.path(), 2, &part.file.name);
+    flip_bit(&path, start + part.file.frame_bytes[frame] / 2, 0);
+
+    let e = reader
+        .load(&LoadRequest::everything(reader.manifest()))
+        .await
+        .unwrap_err();
+    let f = format_error(&e);
+    assert_eq!(f.object, format!("{}/{}", step_dir(2), part.file.name));
+    assert_eq!(f.offset, Some(start), "{e}");
+    assert!(f.message.contains("block 2"), "{e}");
+
+    let (reader, loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(reader.step(), 1);
+    assert_same(&loaded.tensors, &one);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_data_file_fails_naming_it_and_load_latest_falls_back() {
+    let (store, dir) = local_store("truncated-data");
+    let (one, _) = two_commits(&store, Codec::None).await;
+    let name = rank_file_name(0, false);
+    let path = file_of(dir.path(), 2, &name);
+    let size = std::fs::metadata(&path).unwrap().len();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(size - 1000).unwrap();
+    drop(file);
+
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    let e = reader
+        .load(&LoadRequest::everything(reader.manifest()))
+        .await
+        .unwrap_err();
+    let f = format_error(&e);
+    assert_eq!(f.object, format!("{}/{name}", step_dir(2)), "{e}");
+    let offset = f.offset.expect("an offset");
+    assert!(offset < size, "{e}");
+    assert!(f.message.contains("truncated"), "{e}");
+
+    let (reader, loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(reader.step(), 1);
+    assert_same(&loaded.tensors, &one);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_data_file_in_a_committed_checkpoint_is_corruption() {
+    let (store, _dir) = local_store("missing-data");
+    let (one, _) = two_commits(&store, Codec::None).await;
+    let key = format!("{}/{}", step_dir(2), rank_file_name(1, false));
+    store.delete(&key).await.unwrap();
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    let e = reader
+        .load(&LoadRequest::everything(reader.manifest()))
+        .await
+        .unwrap_err();
+    assert_eq!(format_error(&e).object, key);
+    assert!(e.to_string().contains("missing"), "{e}");
+    let (reader, loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(reader.step(), 1);
+    assert_same(&loaded.tensors, &one);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_manifest_is_corrupt_and_latest_skips_it_with_a_warning() {
+    let (store, _dir) = local_store("truncated-manifest");
+    two_commits(&store, Codec::None).await;
+    let key = format!("{}/{MANIFEST}", step_dir(2));
+    let bytes = store.get(&key).await.unwrap();
+    store
+        .put(&key, bytes.slice(..bytes.len() / 2))
+        .await
+        .unwrap();
+
+    let e = ckpt::read_manifest(&store, 2).await.unwrap_err();
+    let f = format_error(&e);
+    assert_eq!(f.object, key);
+    assert!(f.message.contains("truncated"), "{e}");
+    assert!(f.offset.is_some(), "{e}");
+
+    let captured = Captured::start();
+    let latest = ckpt::latest(&store).await.unwrap().expect("step 1");
+    assert_eq!(latest.step, 1);
+    let log = captured.text();
+    assert!(
+        log.contains("skipping corrupt checkpoint") && log.contains("step=2"),
+        "{log}"
+    );
+    assert!(log.contains(&key), "{log}");
+    assert_eq!(
+        CheckpointReader::open(&store, None).await.unwrap().step(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_with_a_broken_crc_is_refused_at_the_body_offset() {
+    let (store, _dir) = local_store("manifest-crc");
+    two_commits(&store, Codec::None).await;
+    let key = format!("{}/{MANIFEST}", step_dir(2));
+    let mut bytes = store.get(&key).await.unwrap().to_vec();
+    let body_at = find(&bytes, b"\"body\":") + 7;
+    // Change a digit of the step inside the body: still valid JSON, wrong CRC.
+    let step_at = find(&bytes, b"\"step\":2") + 7;
+    bytes[step_at] = b'3';
+    store.put(&key, bytes).await.unwrap();
+
+    let e = ckpt::read_manifest(&store, 2).await.unwrap_err();
+    let f = format_error(&e);
+    assert_eq!(f.object, key);
+    assert_eq!(f.offset, Some(body_at as u64), "{e}");
+    assert!(f.message.contains("checksum mismatch"), "{e}");
+    assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 1);
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> usize {
+    haystack
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap_or_else(|| panic!("{:?} not found", String::from_utf8_lossy(needle)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_json_under_a_valid_crc_names_the_object_and_offset() {
+    let (store, _dir) = local_store("corrupt-json");
+    two_commits(&store, Codec::None).await;
+    let key = format!("{}/{MANIFEST}", step_dir(2));
+    let manifest = ckpt::read_manifest(&store, 2).await.unwrap();
+    let body = serde_json::to_vec(&manifest).unwrap();
+    let sealed_header = seal(b"x").len() - 2; // everything before the body
+    for cut in [body.len() / 3, body.len() - 1] {
+        store.put(&key, seal(&body[..cut])).await.unwrap();
+        let e = ckpt::read_manifest(&store, 2).await.unwrap_err();
+        let f = format_error(&e);
+        assert_eq!(f.object, key);
+        assert!(f.message.contains("invalid JSON"), "{e}");
+        let offset = f.offset.expect("offset") as usize;
+        assert!(
+            offset + 2 >= sealed_header + cut && offset <= sealed_header + cut,
+            "offset {offset} for a body cut at {cut} (body starts at {sealed_header}): {e}"
+        );
+    }
+    // A syntax error in the middle: a string where a number belongs.
+    let text = String::from_utf8(body).unwrap();
+    let at = text.find("\"world_size\":2").unwrap() + "\"world_size\":".len();
+    let broken = format!("{}[}}{}", &text[..at], &text[at + 1..]);
+    store.put(&key, seal(broken.as_bytes())).await.unwrap();
+    let e = ckpt::read_manifest(&store, 2).await.unwrap_err();
+    let offset = format_error(&e).offset.expect("offset") as usize;
+    assert!(
+        (sealed_header + at - 1..=sealed_header + at + 2).contains(&offset),
+        "offset {offset}, error at body byte {at}: {e}"
+    );
+}
+
+/// Writes `manifest` (sealed, so the CRC is valid) as step 2's manifest and returns
+/// what reading it says.
+async fn refuse(store: &Store, manifest: &Manifest) -> Error {
+    let key = format!("{}/{MANIFEST}", step_dir(2));
+    store.put(&key, manifest.to_bytes()).await.unwrap();
+    let e = ckpt::read_manifest(store, 2)
+        .await
+        .expect_err("a hostile manifest must be refused");
+    assert_eq!(format_error(&e).object, key, "{e}");
+    e
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_with_paths_leaving_the_checkpoint_is_refused() {
+    let (store, _dir) = local_store("manifest-paths");
+    two_commits(&store, Codec::None).await;
+    let good = ckpt::read_manifest(&store, 2).await.unwrap();
+    for bad in [
+        "../step-00000001/rank-00000.safetensors",
+        "..",
+        "/etc/passwd",
+        "sub/rank-00000.safetensors",
+        "..\\x",
+        "",
+    ] {
+        let mut m = good.clone();
+        m.ranks[0].file = bad.to_string();
+        let e = refuse(&store, &m).await;
+        assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
+        let mut m = good.clone();
+        m.ranks[1].part = bad.to_string();
+        let e = refuse(&store, &m).await;
+        assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
+    }
+    // The manifest's guard holds: `latest` skips the hostile step.
+    assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rank_part_naming_a_file_outside_the_checkpoint_is_refused() {
+    let (store, _dir) = local_store("part-paths");
+    let (one, _) = two_commits(&store, Codec::None).await;
+    let mut manifest = ckpt::read_manifest(&store, 2).await.unwrap();
+    let part_key = format!("{}/{}", step_dir(2), rank_part_name(1));
+    let mut part = RankPart::parse(&store.get(&part_key).await.unwrap(), &part_key).unwrap();
+    part.file.name = "../step-00000001/rank-00001.safetensors".into();
+    let bytes = part.to_bytes();
+    // The manifest vouches for the hostile part (size and CRC), so only the part's
+    // own validation stands between it and the reader.
+    manifest.ranks[1].part_bytes = bytes.len() as u64;
+    manifest.ranks[1].part_crc32 = crc32fast::hash(&bytes);
+    store.put(&part_key, bytes).await.unwrap();
+    store
+        .put(&format!("{}/{MANIFEST}", step_dir(2)), manifest.to_bytes())
+        .await
+        .unwrap();
+
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    let e = reader
+        .load(&LoadRequest::everything(reader.manifest()))
+        .await
+        .unwrap_err();
+    let f = format_error(&e);
+    assert_eq!(f.object, part_key);
+    assert!(f.message.contains("'..'"), "{e}");
+    let (reader, loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(reader.step(), 1);
+    assert_same(&loaded.tensors, &one);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rank_part_swapped_for_another_steps_is_refused_by_its_checksum() {
+    let (store, _dir) = local_store("part-swap");
+    let (one, _) = two_commits(&store, Codec::None).await;
+    let old = store
+        .get(&format!("{}/{}", step_dir(1), rank_part_name(1)))
+        .await
+        .unwrap();
+    let key = format!("{}/{}", step_dir(2), rank_part_name(1));
+    store.put(&key, old).await.unwrap();
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    let e = reader.rank_states().await.unwrap_err();
+    let f = format_error(&e);
+    assert_eq!(f.object, key);
+    assert!(
+        f.message.contains("the manifest says"),
+        "size or crc32 against the manifest: {e}"
+    );
+    let (reader, loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(reader.step(), 1);
+    assert_same(&loaded.tensors, &one);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_of_another_step_is_refused() {
+    let (store, _dir) = local_store("manifest-step");
+    two_commits(&store, Codec::None).await;
+    let one = store
+        .get(&format!("{}/{MANIFEST}", step_dir(1)))
+        .await
+        .unwrap();
+    store
+        .put(&format!("{}/{MANIFEST}", step_dir(2)), one)
+        .await
+        .unwrap();
+    let e = ckpt::read_manifest(&store, 2).await.unwrap_err();
+    assert!(e.to_string().contains("says step 1"), "{e}");
+    assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_with_absurd_sizes_is_refused_without_allocating() {
+    let (store, _dir) = local_store("manifest-sizes");
+    two_commits(&store, Codec::None).await;
+    let good = ckpt::read_manifest(&store, 2).await.unwrap();
+    let cases: Vec<(&str, Box<dyn Fn(&mut Manifest)>)> = vec![
+        (
+            "exceeds",
+            Box::new(|m| m.tensors[0].shape = vec![u64::MAX, u64::MAX]),
+        ),
+        (
+            "exceeds",
+            Box::new(|m| m.tensors[0].shape = vec![1 << 40, 1 << 40, 8]),
+        ),
+        (
+            "more than 32",
+            Box::new(|m| m.tensors[0].shape = vec![1; 10_000]),
+        ),
+        ("limit", Box::new(|m| m.ranks[0].part_bytes = u64::MAX)),
+        ("world_size", Box::new(|m| m.world_size = u32::MAX)),
+        ("world_size", Box::new(|m| m.world_size = 0)),
+        ("block_size", Box::new(|m| m.block_size = 0)),
+        ("block_size", Box::new(|m| m.block_size = u64::MAX)),
+        ("format_version", Box::new(|m| m.format_version = 99)),
+        ("layout", Box::new(|m| m.tensors[0].layout = u32::MAX)),
+        (
+            "global_state_rank",
+            Box::new(|m| m.global_state_rank = Some(7)),
+        ),
+        ("ranks", Box::new(|m| drop(m.ranks.pop()))),
+        (
+            "boundaries",
+            Box::new(|m| m.layouts = vec![Layout::Dim0(vec![0; 1_000]); m.layouts.len()]),
+        ),
+        (
+            "cover",
+            Box::new(|m| {
+                let shape = m.tensors[0].shape.clone();
+                m.layouts[m.tensors[0].layout as usize] =
+                    Layout::Boxes(vec![ckpt::format::LayoutBox {
+                        rank: 0,
+                        offsets: vec![0; shape.len()],
+                        lengths: shape.iter().map(|&d| d / 2).collect(),
+                    }]);
+            }),
+        ),
+        (
+            "overlap",
+            Box::new(|m| {
+                let shape = m.tensors[0].shape.clone();
+                let half = Region::rows(&shape, 0, shape[0] / 2);
+                let boxes = [0, 1, 1]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &rank)| {
+                        let region = if i == 0 {
+                            half.clone()
+                        } else {
+                            Region::rows(&shape, shape[0] / 4, shape[0] / 4)
+                        };
+                        ckpt::format::LayoutBox {
+                            rank,
+                            offsets: region.offsets,
+                            lengths: region.lengths,
+                        }
+                    })
+                    .collect();
+                m.layouts[m.tensors[0].layout as usize] = Layout::Boxes(boxes);
+            }),
+        ),
+        (
+            "offsets",
+            Box::new(|m| {
+                m.layouts[m.tensors[0].layout as usize] =
+                    Layout::Boxes(vec![ckpt::format::LayoutBox {
+                        rank: 0,
+                        offsets: vec![0],
+                        lengths: vec![1, 2, 3],
+                    }]);
+            }),
+        ),
+    ];
+    for (expected, mutate) in cases {
+        let mut m = good.clone();
+        mutate(&mut m);
+        let e = refuse(&store, &m).await;
+        assert!(e.to_string().contains(expected), "{expected:?}: {e}");
+    }
+}
+
+/// A rank part of step 2 of one rank, for hostile variations.
+fn sample_part() -> RankPart {
+    RankPart {
+        format_version: 1,
+        step: 2,
+        rank: 0,
+        world_size: 1,
+        generation: 0,
+        block_size: BLOCK,
+        codec: Codec::None,
+        file: FileEntry {
+            name: rank_file_name(0, false),
+            raw_bytes: 2 * BLOCK,
+            stored_bytes: 2 * BLOCK,
+            block_crc32: vec![1, 2],
+            frame_bytes: Vec::new(),
+        },
+        chunks: vec![Chunk {
+            tensor: "w".into(),
+            dtype: DType::F32,
+            shape: vec![16, 16],
+            offsets: vec![0, 0],
+            lengths: vec![16, 16],
+            bytes: [1024, 2048],
+        }],
+        global_state: None,
+        rank_state: Default::default(),
+        metadata: Default::default(),
+    }
+}
+
+#[test]
+fn rank_parts_with_absurd_sizes_or_frame_tables_are_refused() {
+    let object = "step-00000002/rank-00000.json";
+    RankPart::parse(&sample_part().to_bytes(), object).expect("the sample is valid");
+    let zstd = Codec::Zstd {
+        level: 3,
+        shuffle: 0,
+    };
+    let cases: Vec<(&str, Box<dyn Fn(&mut RankPart)>)> = vec![
+        (
+            "block checksums",
+            Box::new(|p| {
+                p.file.raw_bytes = u64::MAX;
+                p.file.stored_bytes = u64::MAX;
+            }),
+        ),
+        (
+            "frames",
+            Box::new(move |p| {
+                p.codec = zstd;
+                p.file.frame_bytes = vec![100];
+            }),
+        ),
+        (
+            "frames add up",
+            Box::new(move |p| {
+                p.codec = zstd;
+                p.file.stored_bytes = 300;
+                p.file.frame_bytes = vec![100, 100];
+            }),
+        ),
+        (
+            "overflow",
+            Box::new(move |p| {
+                p.codec = zstd;
+                p.file.frame_bytes = vec![u64::MAX, 2];
+            }),
+        ),
+        (
+            "stores",
+            Box::new(|p| p.file.stored_bytes = p.file.raw_bytes + 1),
+        ),
+        (
+            "claims bytes",
+            Box::new(|p| p.chunks[0].bytes = [1024, 4096]),
+        ),
+        (
+            "claims bytes",
+            Box::new(|p| p.chunks[0].bytes = [u64::MAX - 10, u64::MAX]),
+        ),
+        (
+            "claims bytes",
+            Box::new(|p| p.chunks[0].bytes = [2048, 1024]),
+        ),
+        (
+            "exceeds",
+            Box::new(|p| p.chunks[0].shape = vec![u64::MAX, 16]),
+        ),
+        (
+            "outside shape",
+            Box::new(|p| p.chunks[0].offsets = vec![u64::MAX, 0]),
+        ),
+        ("outside shape", Box::new(|p| p.chunks[0].offsets = vec![0])),
+        (
+            "two chunks",
+            Box::new(|p| p.chunks.push(p.chunks[0].clone())),
+        ),
+        ("rank 3", Box::new(|p| p.rank = 3)),
+        ("'..'", Box::new(|p| p.file.name = "../../x".into())),
+    ];
+    for (expected, mutate) in cases {
+        let mut part = sample_part();
+        mutate(&mut part);
+        let e =
+            RankPart::parse(&part.to_bytes(), object).expect_err("a hostile part must be refused");
+        assert_eq!(e.object, object);
+        assert!(e.to_string().contains(expected), "{expected:?}: {e}");
+    }
+    // Not even JSON, or a CRC that does not match: refused at a byte offset.
+    for garbage in [&b""[..], b"{", b"not json at all", &[0xff; 64]] {
+        let e = RankPart::parse(garbage, object).unwrap_err();
+        assert!(e.offset.is_some(), "{e}");
+    }
+    let mut sealed = sample_part().to_bytes();
+    let last = sealed.len() - 2;
+    sealed[last] ^= 0x20;
+    let e = RankPart::parse(&sealed, object).unwrap_err();
+    assert!(e.message.contains("checksum mismatch"), "{e}");
+}
+
+#[test]
+fn safetensors_headers_with_absurd_lengths_are_refused_without_allocating() {
+    let object = "step-00000002/rank-00000.safetensors";
+    let mut huge = u64::MAX.to_le_bytes().to_vec();
+    huge.extend_from_slice(b"{}      ");
+    let e = parse_safetensors_header(&huge, u64::MAX, object).unwrap_err();
+    assert_eq!((e.object.as_str(), e.offset), (object, Some(0)));
+    assert!(e.message.contains("limit"), "{e}");
+
+    let mut past = 64u64.to_le_bytes().to_vec();
+    past.extend_from_slice(b"{}");
+    let e = parse_safetensors_header(&past, 16, object).unwrap_err();
+    assert!(e.message.contains("past the end"), "{e}");
+
+    let e = parse_safetensors_header(&[8, 0, 0], 3, object).unwrap_err();
+    assert!(e.message.contains("truncated"), "{e}");
+
+    // Header says 64 bytes, only 10 of them are here.
+    let e = parse_safetensors_header(&past, 1 << 20, object).unwrap_err();
+    assert!(e.message.contains("truncated"), "{e}");
+
+    let header = |json: &str| {
+        let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(json.as_bytes());
+        bytes
+    };
+    let cases = [
+        (
+            r#"{"w":{"dtype":"F32","shape":[18446744073709551615,4],"data_offsets":[0,16]}}"#,
+            "absurd size",
+        ),
+        (
+            r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551615]}}"#,
+            "do not hold",
+        ),
+        (
+            r#"{"w":{"dtype":"F32","shape":[1024],"data_offsets":[0,4096]}}"#,
+            "past the end",
+        ),
+        (
+            r#"{"w":{"dtype":"F99","shape":[1],"data_offsets":[0,4]}}"#,
+            "F99",
+        ),
+        (
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
+            "gap or overlap",
+        ),
+        (r#"{"w":{"dtype":"F32","shape":[1],"#, "invalid header JSON"),
+        (r#"[1,2,3]"#, "not a JSON object"),
+    ];
+    for (json, expected) in cases {
+        let bytes = header(json);
+        let e = parse_safetensors_header(&bytes, bytes.len() as u64 + 64, object)
+            .expect_err("hostile header");
+        assert_eq!(e.object, object);
+        assert!(e.offset.is_some(), "{e}");
+        assert!(e.message.contains(expected), "{expected:?}: {e}");
+    }
+}
