@@ -619,7 +619,12 @@ impl Manifest {
     }
 }
 
-fn check_layout(layout: &Layout, tensor: &TensorEntry, world: u32, object: &str) -> FResult<()> {
+pub(crate) fn check_layout(
+    layout: &Layout,
+    tensor: &TensorEntry,
+    world: u32,
+    object: &str,
+) -> FResult<()> {
     let err = |message: String| {
         FormatError::new(object, None, format!("tensor {:?}: {message}", tensor.name))
     };

@@ -43,6 +43,7 @@
 
 pub use ckpt_storage as storage;
 
+mod blocks;
 pub mod catalog;
 pub mod codec;
 mod commit;
@@ -55,6 +56,8 @@ pub mod probe;
 pub mod region;
 pub mod save;
 pub mod state;
+pub mod tools;
+pub mod writer;
 
 pub use catalog::{CheckpointInfo, latest, list_checkpoints, read_manifest};
 pub use dtype::DType;

@@ -92,7 +92,8 @@ impl<'a> State<'a> {
     }
 
     /// Adds this rank's even dim-0 shard (FSDP2 / ZeRO) of tensor `name`: rows
-    /// `rank·n/world .. (rank+1)·n/world` (see [`Region::dim0_shard`]).
+    /// `rank·n/world .. (rank+1)·n/world` (see [`Region::dim0_shard`]). A scalar is
+    /// held whole by every rank and written by rank 0.
     pub fn add_dim0_shard(
         &mut self,
         name: impl Into<String>,
@@ -103,7 +104,9 @@ impl<'a> State<'a> {
         data: &'a [u8],
     ) -> Result<&mut Self> {
         let region = Region::dim0_shard(shape, rank, world);
-        self.push(name.into(), dtype, shape, region, data, true)
+        // A scalar cannot be split: every rank holds it, rank 0 writes it.
+        let write = !shape.is_empty() || rank == 0;
+        self.push(name.into(), dtype, shape, region, data, write)
     }
 
     /// Adds a box that several ranks hold identical copies of (a replicated tensor,

@@ -1,0 +1,326 @@
+//! `ckpt ls` and `ckpt inspect`: what a root holds, and one manifest made readable.
+
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+use ckpt_storage::Store;
+use serde::Serialize;
+
+use crate::catalog::{list_checkpoints, read_manifest};
+use crate::error::{Error, Result};
+use crate::format::{Codec, Layout, Manifest, RankPart, rank_part_name, step_dir};
+use crate::load::CheckpointReader;
+
+/// One step directory as `ckpt ls` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ListedCheckpoint {
+    /// The step.
+    pub step: u64,
+    /// `committed`, `partial` (no manifest) or `corrupt` (a manifest that fails its
+    /// checks).
+    pub status: &'static str,
+    /// True for the checkpoint a resume would load.
+    pub latest: bool,
+    /// Ranks that saved (from the manifest, or from a rank part when partial).
+    pub world_size: Option<u32>,
+    /// Ranks whose part is missing (partial checkpoints).
+    pub missing_ranks: Vec<u32>,
+    /// Number of tensors.
+    pub tensors: Option<usize>,
+    /// Bytes of tensor data (uncompressed).
+    pub tensor_bytes: Option<u64>,
+    /// Bytes stored in the step directory.
+    pub stored_bytes: u64,
+    /// `none` or `zstd` with its level.
+    pub compression: Option<String>,
+    /// Seconds since the last object of the step was written.
+    pub age_s: Option<f64>,
+    /// Why the checkpoint is partial or corrupt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+}
+
+/// A codec as words.
+pub fn codec_name(codec: &Codec) -> String {
+    match codec {
+        Codec::None => "none".to_string(),
+        Codec::Zstd { level, shuffle } if *shuffle > 1 => format!("zstd-{level}+shuffle{shuffle}"),
+        Codec::Zstd { level, .. } => format!("zstd-{level}"),
+    }
+}
+
+/// Every checkpoint under the root, oldest first.
+pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
+    let now = SystemTime::now();
+    let mut out = Vec::new();
+    for info in list_checkpoints(store).await? {
+        let age_s = info
+            .modified
+            .and_then(|m| now.duration_since(m).ok())
+            .map(|d| d.as_secs_f64());
+        let mut listed = ListedCheckpoint {
+            step: info.step,
+            status: "partial",
+            latest: false,
+            world_size: None,
+            missing_ranks: Vec::new(),
+            tensors: None,
+            tensor_bytes: None,
+            stored_bytes: info.bytes,
+            compression: None,
+            age_s,
+            problem: None,
+        };
+        if info.committed {
+            match read_manifest(store, info.step).await {
+                Ok(manifest) => {
+                    listed.status = "committed";
+                    listed.world_size = Some(manifest.world_size);
+                    listed.tensors = Some(manifest.tensors.len());
+                    listed.tensor_bytes = Some(manifest.tensor_bytes());
+                    listed.compression = Some(codec_name(&manifest.codec));
+                }
+                Err(Error::Corrupt(e)) => {
+                    listed.status = "corrupt";
+                    listed.problem = Some(e.to_string());
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            // The world size is in any part that made it.
+            let world = match info.ranks_present.first() {
+                Some(&rank) => {
+                    let key = format!("{}/{}", step_dir(info.step), rank_part_name(rank));
+                    match store.get(&key).await {
+                        Ok(bytes) => RankPart::parse(&bytes, &key).ok().map(|p| p.world_size),
+                        Err(_) => None,
+                    }
+                }
+                None => None,
+            };
+            listed.world_size = world;
+            if let Some(world) = world {
+                listed.missing_ranks = (0..world)
+                    .filter(|r| info.ranks_present.binary_search(r).is_err())
+                    .collect();
+                listed.problem = Some(format!(
+                    "no manifest; {} of {world} rank parts present, missing ranks {}",
+                    info.ranks_present.len(),
+                    ranges_text(&listed.missing_ranks)
+                ));
+            } else {
+                listed.problem = Some("no manifest and no readable rank part".to_string());
+            }
+        }
+        out.push(listed);
+    }
+    if let Some(latest) = out.iter_mut().rev().find(|c| c.status == "committed") {
+        latest.latest = true;
+    }
+    Ok(out)
+}
+
+/// `0-3,7,9-10` for a sorted list of ranks.
+pub fn ranges_text(ranks: &[u32]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let start = ranks[i];
+        let mut end = start;
+        while i + 1 < ranks.len() && ranks[i + 1] == end + 1 {
+            i += 1;
+            end = ranks[i];
+        }
+        parts.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    parts.join(",")
+}
+
+/// One chunk of a tensor, for `inspect --tensors`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChunkView {
+    /// Rank whose file holds it.
+    pub rank: u32,
+    /// Box offsets.
+    pub offsets: Vec<u64>,
+    /// Box lengths.
+    pub lengths: Vec<u64>,
+    /// The data file.
+    pub file: String,
+}
+
+/// One tensor, for `inspect --tensors`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorView {
+    /// Global name.
+    pub name: String,
+    /// Element type.
+    pub dtype: String,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Bytes of data.
+    pub bytes: u64,
+    /// `dim0` or `boxes`.
+    pub layout: &'static str,
+    /// Where its chunks are.
+    pub chunks: Vec<ChunkView>,
+}
+
+/// One rank, for `inspect --ranks`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankView {
+    /// The rank.
+    pub rank: u32,
+    /// Its data file.
+    pub file: String,
+    /// Stored bytes of the file.
+    pub stored_bytes: u64,
+    /// Raw bytes of the file.
+    pub raw_bytes: u64,
+    /// Bytes of its manifest part.
+    pub part_bytes: u64,
+    /// Chunks in the file (from its part).
+    pub chunks: usize,
+    /// Keys of its own non-tensor state.
+    pub rank_state: Vec<String>,
+}
+
+/// A manifest made readable.
+#[derive(Debug, Clone, Serialize)]
+pub struct Inspection {
+    /// Step.
+    pub step: u64,
+    /// Ranks that saved.
+    pub world_size: u32,
+    /// Elastic generation.
+    pub generation: u64,
+    /// Format version.
+    pub format_version: u32,
+    /// Commit time, ms since the epoch.
+    pub created_unix_ms: u64,
+    /// Checksum block size.
+    pub block_size: u64,
+    /// Compression.
+    pub compression: String,
+    /// Number of tensors in the checkpoint (before filtering).
+    pub tensor_count: usize,
+    /// Bytes of tensor data.
+    pub tensor_bytes: u64,
+    /// Bytes of data files as stored.
+    pub stored_bytes: u64,
+    /// Layouts by kind: how many tensors use a dim-0 layout and how many boxes.
+    pub layouts: BTreeMap<String, usize>,
+    /// Keys of the global non-tensor state.
+    pub global_state: Vec<String>,
+    /// User metadata.
+    pub metadata: BTreeMap<String, serde_json::Value>,
+    /// Tensors (with `--tensors`), filtered by the glob.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<Vec<TensorView>>,
+    /// Ranks (with `--ranks`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<RankView>>,
+}
+
+/// Reads checkpoint `step` (or the newest) and describes it.
+pub async fn inspect(
+    store: &Store,
+    step: Option<u64>,
+    tensors: bool,
+    ranks: bool,
+    filter: &str,
+) -> Result<Inspection> {
+    let reader = CheckpointReader::open(store, step).await?;
+    let manifest: &Manifest = reader.manifest();
+    let mut layouts = BTreeMap::new();
+    for t in &manifest.tensors {
+        let kind = match manifest.layouts[t.layout as usize] {
+            Layout::Dim0(_) => "dim0",
+            Layout::Boxes(_) => "boxes",
+        };
+        *layouts.entry(kind.to_string()).or_insert(0) += 1;
+    }
+    let tensor_views = tensors.then(|| {
+        manifest
+            .tensors
+            .iter()
+            .filter(|t| super::glob_match(filter, &t.name))
+            .map(|t| {
+                let layout = &manifest.layouts[t.layout as usize];
+                TensorView {
+                    name: t.name.clone(),
+                    dtype: t.dtype.to_string(),
+                    shape: t.shape.clone(),
+                    bytes: t.shape.iter().product::<u64>() * t.dtype.size() as u64,
+                    layout: match layout {
+                        Layout::Dim0(_) => "dim0",
+                        Layout::Boxes(_) => "boxes",
+                    },
+                    chunks: layout
+                        .boxes(&t.shape)
+                        .into_iter()
+                        .map(|(rank, region)| ChunkView {
+                            rank,
+                            offsets: region.offsets,
+                            lengths: region.lengths,
+                            file: manifest.ranks[rank as usize].file.clone(),
+                        })
+                        .collect(),
+                }
+            })
+            .collect()
+    });
+    let rank_views = if ranks {
+        let mut views = Vec::with_capacity(manifest.ranks.len());
+        for entry in &manifest.ranks {
+            let part = reader.part(entry.rank).await?;
+            views.push(RankView {
+                rank: entry.rank,
+                file: entry.file.clone(),
+                stored_bytes: entry.stored_bytes,
+                raw_bytes: entry.raw_bytes,
+                part_bytes: entry.part_bytes,
+                chunks: part.chunks.len(),
+                rank_state: part.rank_state.keys().cloned().collect(),
+            });
+        }
+        Some(views)
+    } else {
+        None
+    };
+    let global_state = reader.global_state().await?.keys().cloned().collect();
+    Ok(Inspection {
+        step: manifest.step,
+        world_size: manifest.world_size,
+        generation: manifest.generation,
+        format_version: manifest.format_version,
+        created_unix_ms: manifest.created_unix_ms,
+        block_size: manifest.block_size,
+        compression: codec_name(&manifest.codec),
+        tensor_count: manifest.tensors.len(),
+        tensor_bytes: manifest.tensor_bytes(),
+        stored_bytes: manifest.ranks.iter().map(|r| r.stored_bytes).sum(),
+        layouts,
+        global_state,
+        metadata: manifest.metadata.clone(),
+        tensors: tensor_views,
+        ranks: rank_views,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_ranges_read_naturally() {
+        assert_eq!(ranges_text(&[0, 1, 2, 3, 7, 9, 10]), "0-3,7,9-10");
+        assert_eq!(ranges_text(&[]), "");
+        assert_eq!(ranges_text(&[5]), "5");
+    }
+}

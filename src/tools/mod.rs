@@ -1,0 +1,94 @@
+//! The operations behind the `ckpt` command line, as library functions.
+//!
+//! Each works on any store URL and keeps memory bounded by a budget, whatever the
+//! checkpoint's size: data is read and written in slabs, never whole tensors.
+
+pub mod convert;
+pub mod diff;
+pub mod export;
+pub mod gc;
+pub mod import;
+pub mod inspect;
+pub mod reshard;
+pub mod verify;
+
+/// Matches `name` against a shell-style glob (`*` any run, `?` one character).
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let n: Vec<char> = name.chars().collect();
+    // Iterative matcher with backtracking to the last star.
+    let (mut pi, mut ni) = (0, 0);
+    let (mut star, mut mark) = (None, 0);
+    while ni < n.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
+            pi += 1;
+            ni += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ni;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ni = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+/// Rows of a box read per slab so that one slab stays within `budget` bytes (at
+/// least one row).
+pub(crate) fn slab_rows(region: &crate::Region, elem: usize, budget: u64) -> u64 {
+    let row_bytes: u64 = region.lengths.iter().skip(1).product::<u64>() * elem as u64;
+    (budget / row_bytes.max(1)).max(1)
+}
+
+/// Splits a box into consecutive dim-0 slabs of at most `rows` rows; a scalar or an
+/// empty box is one slab.
+pub(crate) fn slabs(region: &crate::Region, rows: u64) -> Vec<crate::Region> {
+    if region.ndim() == 0 || region.lengths[0] == 0 {
+        return vec![region.clone()];
+    }
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < region.lengths[0] {
+        let take = rows.min(region.lengths[0] - start);
+        let mut slab = region.clone();
+        slab.offsets[0] += start;
+        slab.lengths[0] = take;
+        out.push(slab);
+        start += take;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("*", "anything"));
+        assert!(glob_match("layer.*.weight", "layer.3.weight"));
+        assert!(!glob_match("layer.*.weight", "layer.3.bias"));
+        assert!(glob_match("a?c", "abc"));
+        assert!(!glob_match("a?c", "ac"));
+        assert!(glob_match("*bias", "x.bias"));
+        assert!(glob_match("", ""));
+        assert!(!glob_match("", "x"));
+    }
+
+    #[test]
+    fn slabs_cover_the_box_in_order() {
+        let region = crate::Region::new(vec![3, 0], vec![10, 4]);
+        let rows = slab_rows(&region, 4, 3 * 16);
+        assert_eq!(rows, 3);
+        let parts = slabs(&region, rows);
+        assert_eq!(parts.len(), 4);
+        assert_eq!(parts[0].offsets, vec![3, 0]);
+        assert_eq!(parts[3].lengths, vec![1, 4]);
+        assert_eq!(slabs(&crate::Region::full(&[]), 5).len(), 1);
+    }
+}

@@ -1,0 +1,281 @@
+//! Streaming writer of one rank's data file, for offline tools.
+//!
+//! [`Checkpointer::save`](crate::Checkpointer::save) stages a rank's whole state in
+//! memory, which is right for a training loop (the stall is one memcpy). Offline
+//! tools that rewrite checkpoints (`ckpt reshard`, `ckpt import`) must not hold whole
+//! tensors: they know every box and its size up front, so the header can be written
+//! first and the data streamed in order, checksummed (and compressed) block by block
+//! as it goes. The result is byte-for-byte the format of section 3 of
+//! `docs/FORMAT.md`, committed by the same protocol.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use ckpt_storage::{Store, Upload};
+
+use crate::codec::compress_block;
+use crate::commit::{CommitOutcome, try_commit};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::format::{
+    Chunk, Codec, FORMAT_VERSION, FileEntry, RankPart, StateValue, build_safetensors_header,
+    rank_file_name, rank_part_name, step_dir,
+};
+use crate::region::Region;
+
+/// One box the file will hold, in write order.
+#[derive(Debug, Clone)]
+pub struct PlannedBox {
+    /// Global tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The box.
+    pub region: Region,
+}
+
+/// The safetensors header of a rank file holding `boxes` in order (packed), with
+/// ckpt's `__metadata__`.
+pub fn rank_file_header(step: u64, rank: u32, world: u32, boxes: &[PlannedBox]) -> Vec<u8> {
+    let entries: Vec<_> = boxes
+        .iter()
+        .map(|b| (b.name.clone(), b.dtype, b.region.lengths.clone()))
+        .collect();
+    let described: BTreeMap<&str, serde_json::Value> = boxes
+        .iter()
+        .map(|b| {
+            (
+                b.name.as_str(),
+                serde_json::json!({"shape": b.shape, "offsets": b.region.offsets}),
+            )
+        })
+        .collect();
+    let mut metadata = BTreeMap::new();
+    metadata.insert("format".to_string(), "ckpt".to_string());
+    metadata.insert(
+        "ckpt.format_version".to_string(),
+        FORMAT_VERSION.to_string(),
+    );
+    metadata.insert("ckpt.step".to_string(), step.to_string());
+    metadata.insert("ckpt.rank".to_string(), rank.to_string());
+    metadata.insert("ckpt.world_size".to_string(), world.to_string());
+    metadata.insert(
+        "ckpt.boxes".to_string(),
+        serde_json::to_string(&described).expect("boxes serialize"),
+    );
+    build_safetensors_header(&entries, &metadata)
+}
+
+/// Writes one rank's data file and part as a stream. Create with
+/// [`RankFileWriter::begin`], feed every box's bytes in order with
+/// [`RankFileWriter::write`], then [`RankFileWriter::finish`].
+///
+/// Memory: one block (plus the store's multipart buffers), whatever the file size.
+pub struct RankFileWriter {
+    store: Store,
+    step: u64,
+    rank: u32,
+    world: u32,
+    block_size: u64,
+    codec: Codec,
+    file_name: String,
+    upload: Option<Upload>,
+    chunks: Vec<Chunk>,
+    total: u64,
+    written: u64,
+    block: Vec<u8>,
+    crcs: Vec<u32>,
+    frames: Vec<u64>,
+    stored: u64,
+}
+
+impl std::fmt::Debug for RankFileWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankFileWriter")
+            .field("step", &self.step)
+            .field("rank", &self.rank)
+            .field("written", &self.written)
+            .field("total", &self.total)
+            .finish()
+    }
+}
+
+impl RankFileWriter {
+    /// Starts rank `rank`'s file of step `step` holding `boxes` (in this order).
+    pub async fn begin(
+        store: &Store,
+        step: u64,
+        rank: u32,
+        world: u32,
+        block_size: u64,
+        codec: Codec,
+        boxes: &[PlannedBox],
+    ) -> Result<Self> {
+        if rank >= world {
+            return Err(Error::invalid(format!(
+                "rank {rank} is not in world_size {world}"
+            )));
+        }
+        let header = rank_file_header(step, rank, world, boxes);
+        let mut offset = header.len() as u64;
+        let mut chunks = Vec::with_capacity(boxes.len());
+        for b in boxes {
+            if !b.region.within(&b.shape) {
+                return Err(Error::invalid(format!(
+                    "box {} of {:?} lies outside shape {:?}",
+                    b.region, b.name, b.shape
+                )));
+            }
+            let bytes = b.region.volume().unwrap_or(0) * b.dtype.size() as u64;
+            chunks.push(Chunk {
+                tensor: b.name.clone(),
+                dtype: b.dtype,
+                shape: b.shape.clone(),
+                offsets: b.region.offsets.clone(),
+                lengths: b.region.lengths.clone(),
+                bytes: [offset, offset + bytes],
+            });
+            offset += bytes;
+        }
+        let compressed = matches!(codec, Codec::Zstd { .. });
+        let file_name = rank_file_name(rank, compressed);
+        let upload = store.upload(&format!("{}/{file_name}", step_dir(step)))?;
+        let mut writer = Self {
+            store: store.clone(),
+            step,
+            rank,
+            world,
+            block_size,
+            codec,
+            file_name,
+            upload: Some(upload),
+            chunks,
+            total: offset,
+            written: 0,
+            block: Vec::with_capacity(block_size as usize),
+            crcs: Vec::new(),
+            frames: Vec::new(),
+            stored: 0,
+        };
+        writer.push(&header).await?;
+        Ok(writer)
+    }
+
+    /// Raw bytes of tensor data still expected.
+    pub fn remaining(&self) -> u64 {
+        self.total - self.written
+    }
+
+    /// Appends tensor bytes (the boxes' data, row-major, in the order given to
+    /// `begin`).
+    pub async fn write(&mut self, data: &[u8]) -> Result<()> {
+        if data.len() as u64 > self.remaining() {
+            return Err(Error::invalid(format!(
+                "rank {} file of step {}: {} bytes written past the planned {} bytes",
+                self.rank,
+                self.step,
+                data.len() as u64 - self.remaining(),
+                self.total
+            )));
+        }
+        self.push(data).await
+    }
+
+    async fn push(&mut self, mut data: &[u8]) -> Result<()> {
+        self.written += data.len() as u64;
+        let block = self.block_size as usize;
+        while !data.is_empty() {
+            let take = (block - self.block.len()).min(data.len());
+            self.block.extend_from_slice(&data[..take]);
+            data = &data[take..];
+            if self.block.len() == block {
+                self.flush_block().await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn flush_block(&mut self) -> Result<()> {
+        if self.block.is_empty() {
+            return Ok(());
+        }
+        self.crcs.push(crc32fast::hash(&self.block));
+        let bytes = match self.codec {
+            Codec::None => Bytes::copy_from_slice(&self.block),
+            Codec::Zstd { level, shuffle } => {
+                let frame = compress_block(&self.block, level, shuffle)
+                    .map_err(|e| Error::Failed(format!("compression failed: {e}")))?;
+                self.frames.push(frame.len() as u64);
+                Bytes::from(frame)
+            }
+        };
+        self.stored += bytes.len() as u64;
+        self.block.clear();
+        self.upload
+            .as_mut()
+            .expect("upload open until finish")
+            .write(bytes)
+            .await?;
+        Ok(())
+    }
+
+    /// Completes the data file and writes the rank's part. Fails when fewer bytes
+    /// than planned were written.
+    pub async fn finish(
+        mut self,
+        global_state: Option<BTreeMap<String, StateValue>>,
+        rank_state: BTreeMap<String, StateValue>,
+        metadata: BTreeMap<String, serde_json::Value>,
+    ) -> Result<()> {
+        if self.remaining() != 0 {
+            let missing = self.remaining();
+            if let Some(upload) = self.upload.take() {
+                let _ = upload.abort().await;
+            }
+            return Err(Error::invalid(format!(
+                "rank {} file of step {}: {missing} planned bytes were never written",
+                self.rank, self.step
+            )));
+        }
+        self.flush_block().await?;
+        self.upload.take().expect("upload open").finish().await?;
+        let part = RankPart {
+            format_version: FORMAT_VERSION,
+            step: self.step,
+            rank: self.rank,
+            world_size: self.world,
+            generation: 0,
+            block_size: self.block_size,
+            codec: self.codec,
+            file: FileEntry {
+                name: self.file_name.clone(),
+                raw_bytes: self.written,
+                stored_bytes: self.stored,
+                block_crc32: std::mem::take(&mut self.crcs),
+                frame_bytes: std::mem::take(&mut self.frames),
+            },
+            chunks: std::mem::take(&mut self.chunks),
+            global_state,
+            rank_state,
+            metadata,
+        };
+        self.store
+            .put(
+                &format!("{}/{}", step_dir(self.step), rank_part_name(self.rank)),
+                part.to_bytes(),
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// Commits step `step` of a world of `world` ranks if every part is present.
+/// Returns true when the checkpoint is committed (by this call or earlier).
+pub async fn commit(store: &Store, step: u64, world: u32) -> Result<bool> {
+    Ok(matches!(
+        try_commit(store, step, world).await?,
+        CommitOutcome::Committed | CommitOutcome::AlreadyCommitted
+    ))
+}
