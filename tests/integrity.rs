@@ -17,6 +17,9 @@ use ckpt::{CheckpointReader, DType, Error, LoadRequest, Region, load_latest};
 use common::{Tensor, assert_same, local_store, model, save_world};
 
 const BLOCK: u64 = 4096;
+
+/// A hostile variation: the text its error must contain, and how to make it.
+type Case<T> = (&'static str, Box<dyn Fn(&mut T)>);
 const ROWS: u64 = 64;
 
 /// Steps 1 and 2 of a world of 2, committed, with 4 KiB checksum blocks.
@@ -414,7 +417,7 @@ async fn manifest_with_absurd_sizes_is_refused_without_allocating() {
     let (store, _dir) = local_store("manifest-sizes");
     two_commits(&store, Codec::None).await;
     let good = ckpt::read_manifest(&store, 2).await.unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut Manifest)>)> = vec![
+    let cases: Vec<Case<Manifest>> = vec![
         (
             "exceeds",
             Box::new(|m| m.tensors[0].shape = vec![u64::MAX, u64::MAX]),
@@ -538,7 +541,7 @@ fn rank_parts_with_absurd_sizes_or_frame_tables_are_refused() {
         level: 3,
         shuffle: 0,
     };
-    let cases: Vec<(&str, Box<dyn Fn(&mut RankPart)>)> = vec![
+    let cases: Vec<Case<RankPart>> = vec![
         (
             "block checksums",
             Box::new(|p| {
