@@ -241,6 +241,24 @@ fn fixtures_are_valid_to_begin_with() {
         &f.header[..8],
         "block 0 starts with the header length"
     );
+
+    // `CKPT_FUZZ_SEEDS=fuzz/corpus` refreshes the fuzz targets' seed corpora.
+    if let Some(dir) = std::env::var_os("CKPT_FUZZ_SEEDS") {
+        let dir = std::path::PathBuf::from(dir);
+        let mut frame_input = (f.frame_raw_len as u32).to_le_bytes();
+        frame_input[3] = 4; // shuffle width, as the zstd_frame target decodes it
+        let mut frame_seed = frame_input.to_vec();
+        frame_seed.extend_from_slice(&f.frame);
+        for (target, seed) in [
+            ("manifest", f.manifest.clone()),
+            ("rank_part", f.part.clone()),
+            ("safetensors_header", f.header.clone()),
+            ("zstd_frame", frame_seed),
+        ] {
+            std::fs::create_dir_all(dir.join(target)).unwrap();
+            std::fs::write(dir.join(target).join("seed-save"), seed).unwrap();
+        }
+    }
 }
 
 #[test]
