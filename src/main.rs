@@ -1,5 +1,7 @@
 //! The `ckpt` command line.
 
+mod cli;
+
 use std::process::ExitCode;
 
 use ckpt::probe::probe;
@@ -41,6 +43,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    #[command(flatten)]
+    Tool(cli::Tool),
 }
 
 fn main() -> ExitCode {
@@ -58,6 +62,7 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Probe { url, options, json } => runtime.block_on(run_probe(&url, &options, json)),
+        Command::Tool(tool) => runtime.block_on(cli::run(tool)),
     }
 }
 
