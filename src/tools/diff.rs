@@ -151,7 +151,15 @@ pub async fn diff(
     }
 
     let mut state_differences = Vec::new();
-    let (ga, gb) = (a.global_state().await?, b.global_state().await?);
+    // `ckpt.*` entries are ckpt's own bookkeeping (e.g. the per-rank state a reshard
+    // to another world size keeps), not training state.
+    let user = |state: BTreeMap<String, crate::format::StateValue>| {
+        state
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with("ckpt."))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let (ga, gb) = (user(a.global_state().await?), user(b.global_state().await?));
     for key in ga
         .keys()
         .chain(gb.keys())

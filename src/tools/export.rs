@@ -62,11 +62,12 @@ pub async fn export(
 ) -> Result<ExportReport> {
     let manifest = reader.manifest();
     if let Some(dtype) = options.dtype
-        && !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(Error::invalid(format!(
-                "--dtype must be f32, f16 or bf16, not {dtype}"
-            )));
-        }
+        && !matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+    {
+        return Err(Error::invalid(format!(
+            "--dtype must be f32, f16 or bf16, not {dtype}"
+        )));
+    }
     let selected: Vec<_> = manifest
         .tensors
         .iter()
@@ -145,9 +146,10 @@ pub async fn export(
     std::fs::rename(&tmp, out)
         .map_err(|e| Error::Failed(format!("cannot move {} into place: {e}", out.display())))?;
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty())
-        && let Ok(dir) = std::fs::File::open(dir) {
-            let _ = dir.sync_all();
-        }
+        && let Ok(dir) = std::fs::File::open(dir)
+    {
+        let _ = dir.sync_all();
+    }
     Ok(ExportReport {
         step: manifest.step,
         path: out.display().to_string(),

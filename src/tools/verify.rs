@@ -50,9 +50,9 @@ impl Default for VerifyOptions {
 pub struct Fault {
     /// The object at fault, relative to the store root.
     pub object: String,
-    /// The tensor concerned, when one is.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tensor: Option<String>,
+    /// The tensors concerned: those whose data lies in the faulty block or object.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tensors: Vec<String>,
     /// Byte offset in the object, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
@@ -66,8 +66,10 @@ impl std::fmt::Display for Fault {
         if let Some(offset) = self.offset {
             write!(f, " at byte {offset}")?;
         }
-        if let Some(tensor) = &self.tensor {
-            write!(f, " (tensor {tensor:?})")?;
+        match self.tensors.as_slice() {
+            [] => {}
+            [one] => write!(f, " (tensor {one:?})")?,
+            many => write!(f, " (tensors {})", many.join(", "))?,
         }
         write!(f, ": {}", self.message)
     }
@@ -100,7 +102,7 @@ fn fault(
 ) -> Fault {
     Fault {
         object: object.to_string(),
-        tensor: tensor.map(str::to_string),
+        tensors: tensor.map(str::to_string).into_iter().collect(),
         offset,
         message: message.into(),
     }
@@ -352,12 +354,15 @@ async fn verify_blocks(
     // Chunks by start offset, to name the tensor a bad block belongs to.
     let mut by_offset: Vec<&Chunk> = part.chunks.iter().collect();
     by_offset.sort_by_key(|c| c.bytes[0]);
-    let tensor_at = |offset: u64| -> Option<String> {
-        let i = by_offset.partition_point(|c| c.bytes[0] <= offset);
-        i.checked_sub(1)
-            .map(|i| by_offset[i])
-            .filter(|c| offset < c.bytes[1])
+    // Tensors whose data meets raw bytes `range`, to say what a bad block holds.
+    let tensors_in = |range: &Range<u64>| -> Vec<String> {
+        let first = by_offset.partition_point(|c| c.bytes[1] <= range.start);
+        by_offset[first..]
+            .iter()
+            .take_while(|c| c.bytes[0] < range.end)
+            .filter(|c| c.bytes[1] > c.bytes[0])
             .map(|c| c.tensor.clone())
+            .collect()
     };
 
     let mut start = 0;
@@ -416,8 +421,9 @@ async fn verify_blocks(
                     }
                 }
                 Err(e) => {
-                    let tensor = tensor_at(raw.start);
-                    faults.push(fault(&e.object, tensor.as_deref(), e.offset, e.message));
+                    let mut f = fault(&e.object, None, e.offset, e.message);
+                    f.tensors = tensors_in(&raw);
+                    faults.push(f);
                     // A bad block before the header is whole: the CRC fault says it all.
                     header = None;
                 }
