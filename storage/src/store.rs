@@ -290,7 +290,47 @@ impl Store {
                 Err(e) => return Err(self.error("delete", prefix, e)),
             }
         }
+        drop(results);
+        if self.backend == Backend::Local {
+            self.remove_local_leftovers(prefix).await?;
+        }
         Ok(deleted)
+    }
+
+    /// On local disk an upload cut short by a crash leaves its staging file
+    /// (`KEY#N`, invisible to listings) and directories behind; removing the prefix's
+    /// directory takes them too.
+    async fn remove_local_leftovers(&self, prefix: &str) -> Result<()> {
+        let Some(root) = self.url.strip_prefix("file://") else {
+            return Ok(());
+        };
+        let dir = std::path::Path::new(root).join(prefix.trim_matches('/'));
+        let result = tokio::task::spawn_blocking(move || {
+            // Only a directory: a file named like the prefix is an object, not ours.
+            if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
+                return Ok(());
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            }
+        })
+        .await;
+        match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::with_source(
+                ErrorKind::Permanent,
+                format!(
+                    "delete {}/{prefix}: cannot remove leftover files: {e}",
+                    self.url
+                ),
+                e,
+            )),
+            Err(e) => Err(Error::new(
+                ErrorKind::Permanent,
+                format!("delete {}/{prefix}: cleanup task failed: {e}", self.url),
+            )),
+        }
     }
 
     async fn read_range(&self, key: &str, path: &Path, range: Range<u64>) -> Result<Bytes> {
