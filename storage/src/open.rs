@@ -154,21 +154,55 @@ fn open_local(path: &str, original: &str, config: &StoreConfig) -> Result<Opened
         })?;
         dir = cwd.join(dir);
     }
-    std::fs::create_dir_all(&dir).map_err(|e| local_dir_error(&dir, e))?;
-    let dir = dir.canonicalize().map_err(|e| local_dir_error(&dir, e))?;
-    let inner = LocalFileSystem::new_with_prefix(&dir)
+    // Opening has no side effect: the directory is created by the first write. The
+    // store is rooted at the deepest directory that exists, and the rest of the path
+    // becomes a prefix.
+    let mut base = dir.clone();
+    let mut missing: Vec<String> = Vec::new();
+    while !base.is_dir() {
+        let name = match base.file_name() {
+            Some(name) => name.to_string_lossy().into_owned(),
+            None => return Err(local_dir_error(&dir, std::io::ErrorKind::NotFound.into())),
+        };
+        if base.exists() {
+            return Err(Error::config(format!(
+                "store url {original:?}: {} is a file, not a directory",
+                base.display()
+            )));
+        }
+        missing.push(name);
+        base = match base.parent() {
+            Some(parent) => parent.to_path_buf(),
+            None => return Err(local_dir_error(&dir, std::io::ErrorKind::NotFound.into())),
+        };
+    }
+    missing.reverse();
+    if missing.iter().any(|m| m == ".." || m == ".") {
+        return Err(Error::config(format!(
+            "store url {original:?}: '.' or '..' below a directory that does not exist"
+        )));
+    }
+    let base = base.canonicalize().map_err(|e| local_dir_error(&base, e))?;
+    let inner = LocalFileSystem::new_with_prefix(&base)
         .map_err(|e| {
             Error::with_source(
                 crate::ErrorKind::Config,
-                format!("cannot open directory {}: {e}", dir.display()),
+                format!("cannot open directory {}: {e}", base.display()),
                 e,
             )
         })?
         .with_fsync(config.fsync);
+    let mut canonical = base.clone();
+    canonical.extend(&missing);
+    let root = if missing.is_empty() {
+        None
+    } else {
+        parse_prefix(&missing.join("/"), original)?
+    };
     Ok(Opened {
-        inner: Arc::new(inner),
+        inner: rooted(Arc::new(inner), root),
         backend: Backend::Local,
-        url: format!("file://{}", dir.display()),
+        url: format!("file://{}", canonical.display()),
     })
 }
 

@@ -68,7 +68,7 @@ impl Store {
     /// Opens the store at `url`:
     ///
     /// - `file:///abs/dir`, `file://rel/dir` or a plain path: a local directory,
-    ///   created if missing; relative paths are resolved against the current directory;
+    ///   created by the first write (opening has no side effect); relative paths are resolved against the current directory;
     /// - `s3://bucket/prefix`, `gs://bucket/prefix`, `az://container/prefix`;
     /// - `memory://name`: process memory, shared by every handle with the same name.
     ///

@@ -80,22 +80,30 @@ fn invalid_settings_are_rejected_before_opening() {
     assert!(err.to_string().contains("part_concurrency"), "{err}");
 }
 
-#[test]
-fn relative_local_paths_become_absolute_and_are_created() {
+#[tokio::test]
+async fn relative_local_paths_become_absolute_and_are_created_on_write() {
     let dir = tempfile::tempdir().unwrap();
     let nested = dir.path().join("a/b");
     let store = Store::from_url(&format!("file://{}", nested.display())).unwrap();
-    assert!(nested.is_dir());
     assert_eq!(store.backend(), Backend::Local);
+    assert!(!nested.exists(), "opening has no side effect");
+    assert!(store.list("").await.unwrap().is_empty());
+    store.put("k", &b"v"[..]).await.unwrap();
+    assert!(
+        nested.join("k").is_file(),
+        "the first write creates the directory"
+    );
 
     // `file://rel/dir` and a plain relative path resolve against the current directory.
     let cwd = std::env::current_dir().unwrap();
     let rel = format!("target/ckpt-open-test-{}", std::process::id());
     let store = Store::from_url(&format!("file://{rel}")).unwrap();
-    let expected = cwd.join(&rel).canonicalize().unwrap();
+    let expected = cwd.canonicalize().unwrap().join(&rel);
     assert_eq!(store.url(), format!("file://{}", expected.display()));
     let plain = Store::from_url(&rel).unwrap();
     assert_eq!(plain.url(), store.url());
+    store.put("x", &b"1"[..]).await.unwrap();
+    assert_eq!(plain.get("x").await.unwrap(), &b"1"[..]);
     std::fs::remove_dir_all(expected).unwrap();
 }
 
