@@ -104,9 +104,10 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 /// The checkpoint subcommands.
 #[derive(Subcommand, Debug)]
 pub(crate) enum Tool {
-    /// List every checkpoint under a root: step, committed or partial (and which
-    /// ranks are missing), world size, tensors, bytes, compression, age; marks the
-    /// one a resume would load.
+    /// List the checkpoints under a root.
+    ///
+    /// Step, committed or partial (and which ranks are missing), world size,
+    /// tensors, bytes, compression, age; `*` marks the latest commit.
     #[command(
         after_help = "Example:\n  ckpt ls file://./runs/demo\n  ckpt ls s3://bucket/run1 --json"
     )]
@@ -119,9 +120,10 @@ pub(crate) enum Tool {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Show a checkpoint's manifest: step, world size, layout, format, metadata;
-    /// with --tensors each tensor's dtype, shape and chunk boxes; with --ranks each
-    /// rank's files.
+    /// Show a checkpoint's manifest.
+    ///
+    /// Step, world size, layouts, format, metadata; with --tensors each tensor's
+    /// dtype, shape and chunk boxes; with --ranks each rank's files.
     #[command(
         after_help = "Example:\n  ckpt inspect file://./runs/demo --tensors --filter 'layers.0.*'\n  ckpt inspect s3://bucket/run1 --step 1200 --ranks --json"
     )]
@@ -146,9 +148,11 @@ pub(crate) enum Tool {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Read every byte of a checkpoint and check every block checksum, the manifest
-    /// and part checksums, and that chunks tile each tensor exactly once. Exit 0
-    /// when sound, 1 with each fault's file, tensor and byte offset.
+    /// Check every byte of a checkpoint.
+    ///
+    /// Reads everything and checks every block checksum, the manifest and part
+    /// checksums, and that chunks tile each tensor exactly once. Exit 0 when sound,
+    /// 1 with each fault's file, tensors and byte offset.
     #[command(
         after_help = "Example:\n  ckpt verify file://./runs/demo\n  ckpt verify s3://bucket/run1 --all --memory-budget 256MiB --json"
     )]
@@ -170,10 +174,11 @@ pub(crate) enum Tool {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Compare two checkpoints tensor by tensor, whatever their layouts and world
-    /// sizes: bitwise identical, or max abs / max rel difference and the count of
-    /// differing elements; tensors on one side only; non-tensor state. Exit 0 only
-    /// when identical (or within --atol/--rtol).
+    /// Compare two checkpoints tensor by tensor.
+    ///
+    /// Whatever their layouts and world sizes: bitwise identical, or max abs / max
+    /// rel difference and the count of differing elements; tensors on one side
+    /// only; non-tensor state. Exit 0 only when identical (or within --atol/--rtol).
     #[command(
         after_help = "Example:\n  ckpt diff file://./runs/a file://./runs/b\n  ckpt diff s3://bucket/run1 file://./resharded --step-a 1200 --atol 1e-6 --json"
     )]
@@ -203,8 +208,10 @@ pub(crate) enum Tool {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Rewrite a checkpoint for another world size (even dim-0 split) or layout,
-    /// streaming from SRC to DST; DST gets a committed checkpoint of the same step.
+    /// Rewrite a checkpoint for another world size or layout.
+    ///
+    /// Streams from SRC to DST (even dim-0 split with --world-size, any boxes with
+    /// --layout); DST gets a committed checkpoint of the same step.
     #[command(
         after_help = "Example:\n  ckpt reshard file://./runs/demo file://./runs/demo-3 --world-size 3\n  ckpt reshard s3://bucket/run1 s3://bucket/run1-tp --layout tp2.json --step 1200\n\nLayout file: {\"world_size\": 2, \"default\": \"dim0\", \"tensors\": {\"w\": [{\"rank\": 0, \"offsets\": [0, 0], \"lengths\": [8, 2]}, {\"rank\": 1, \"offsets\": [0, 2], \"lengths\": [8, 2]}]}}"
     )]
@@ -237,8 +244,9 @@ pub(crate) enum Tool {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Consolidate a checkpoint into one standard safetensors file (what Hugging
-    /// Face tools load).
+    /// Consolidate a checkpoint into one safetensors file.
+    ///
+    /// A standard file of whole tensors, what Hugging Face tools load.
     #[command(
         after_help = "Example:\n  ckpt export file://./runs/demo model.safetensors --dtype bf16\n  ckpt export s3://bucket/run1 head.safetensors --step 1200 --tensors 'head.*'"
     )]
@@ -265,8 +273,10 @@ pub(crate) enum Tool {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Start a sharded checkpoint from a safetensors file: every tensor split
-    /// evenly on dim 0 over --world-size ranks, committed at --step.
+    /// Start a sharded checkpoint from a safetensors file.
+    ///
+    /// Every tensor is split evenly on dim 0 over --world-size ranks and committed
+    /// at --step.
     #[command(
         after_help = "Example:\n  ckpt import model.safetensors file://./runs/finetune --world-size 8"
     )]
@@ -293,10 +303,11 @@ pub(crate) enum Tool {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Retention: keep the K newest commits, remove older ones and stale partial
-    /// checkpoints. Never removes the newest commit, nor one superseded less than
-    /// --grace ago (a reader may be loading it), nor a partial one newer than the
-    /// newest commit (a save in progress).
+    /// Remove old and partial checkpoints, keeping the K newest.
+    ///
+    /// Never removes the newest commit, nor one superseded less than --grace ago (a
+    /// reader may be loading it), nor a partial one newer than the newest commit (a
+    /// save in progress).
     #[command(
         after_help = "Example:\n  ckpt gc file://./runs/demo --keep 3 --dry-run\n  ckpt gc s3://bucket/run1 --keep 5 --grace 30m --json"
     )]
@@ -520,7 +531,7 @@ async fn ls(url: &str, json: bool, args: &StoreArgs) -> Result<u8, Error> {
             c.problem.as_deref().unwrap_or_default()
         );
     }
-    println!("* = what a resume loads");
+    println!("* = latest: the newest commit whose manifest is valid");
     Ok(EXIT_OK)
 }
 
