@@ -73,6 +73,34 @@ pub(crate) async fn try_commit(store: &Store, step: u64, world: u32) -> Result<C
         .await?;
     let manifest = build_manifest(step, world, &parts)?;
     manifest.validate(&format!("{dir}/{MANIFEST}"))?;
+    // Every data file must be there, whole, before the commit vouches for it (a
+    // rank's part is written after its file, but files can vanish: retention
+    // racing a slow save, an operator's cleanup).
+    let files: Vec<(String, u64)> = manifest
+        .ranks
+        .iter()
+        .map(|entry| (format!("{dir}/{}", entry.file), entry.stored_bytes))
+        .collect();
+    futures::stream::iter(files)
+        .map(|(key, expected)| async move {
+            let info = store.head(&key).await.map_err(|e| {
+                if e.is_not_found() {
+                    Error::Failed(format!("cannot commit step {step}: {key} is missing"))
+                } else {
+                    Error::from(e)
+                }
+            })?;
+            if info.size != expected {
+                return Err(Error::Failed(format!(
+                    "cannot commit step {step}: {key} has {} bytes, its part records {expected}",
+                    info.size
+                )));
+            }
+            Ok(())
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await?;
     crate::failpoint::hit("before-commit");
     match store
         .put_if_absent(&format!("{dir}/{MANIFEST}"), manifest.to_bytes())
