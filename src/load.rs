@@ -133,6 +133,40 @@ pub struct Loaded {
     pub stats: LoadStats,
 }
 
+/// What a load will read: per data file, the byte runs to fetch and where they go.
+/// Made by [`CheckpointReader::plan`], consumed by [`CheckpointReader::execute`].
+#[derive(Debug, Clone)]
+pub struct LoadPlan {
+    /// (object key, its rank part, runs sorted by source offset) per data file.
+    files: Vec<(String, Arc<RankPart>, Vec<Run>)>,
+    /// Bytes of each want's output, in request order.
+    sizes: Vec<u64>,
+    /// Counters so far (requested bytes, parts read).
+    stats: LoadStats,
+}
+
+impl LoadPlan {
+    /// Data files the load reads.
+    pub fn files(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Contiguous byte runs copied out of those files.
+    pub fn runs(&self) -> usize {
+        self.files.iter().map(|(_, _, runs)| runs.len()).sum()
+    }
+
+    /// Bytes of tensor data requested.
+    pub fn bytes_requested(&self) -> u64 {
+        self.stats.bytes_requested
+    }
+
+    /// Rank parts fetched to make the plan.
+    pub fn parts_read(&self) -> usize {
+        self.stats.parts_read
+    }
+}
+
 /// Tuning of reads.
 #[derive(Debug, Clone)]
 pub struct ReadConfig {
@@ -294,10 +328,19 @@ impl CheckpointReader {
 
     /// Loads the boxes of `request`, verified.
     pub async fn load(&self, request: &LoadRequest) -> Result<Loaded> {
+        let plan = self.plan(request).await?;
+        self.execute(request, plan).await
+    }
+
+    /// Plans a load without reading data: checks the request against the manifest,
+    /// fetches the rank parts its boxes touch and turns every intersection into byte
+    /// runs per data file. [`CheckpointReader::execute`] then reads them; the split
+    /// lets the planning cost be measured on its own (`ckpt bench`).
+    pub async fn plan(&self, request: &LoadRequest) -> Result<LoadPlan> {
         let manifest = &self.manifest;
         let step = manifest.step;
         let mut stats = LoadStats::default();
-        let mut outputs = Vec::with_capacity(request.wants.len());
+        let mut sizes = Vec::with_capacity(request.wants.len());
         // (want index, chunk box, part box) per saved rank.
         let mut pieces: BTreeMap<u32, Vec<(usize, Region, Region)>> = BTreeMap::new();
         for (i, want) in request.wants.iter().enumerate() {
@@ -332,7 +375,7 @@ impl CheckpointReader {
             }
             let bytes = want.region.volume().unwrap_or(0) * tensor.dtype.size() as u64;
             stats.bytes_requested += bytes;
-            outputs.push(Mutex::new(vec![0u8; bytes as usize]));
+            sizes.push(bytes);
             let layout = &manifest.layouts[tensor.layout as usize];
             let mut covered = 0u64;
             for (rank, chunk, part) in layout.overlapping(&tensor.shape, &want.region) {
@@ -404,7 +447,33 @@ impl CheckpointReader {
             runs.sort_by_key(|r| r.src);
             files.push((object, part.clone(), runs));
         }
+        Ok(LoadPlan {
+            files,
+            sizes,
+            stats,
+        })
+    }
 
+    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`]
+    /// for the same `request`) names.
+    pub async fn execute(&self, request: &LoadRequest, plan: LoadPlan) -> Result<Loaded> {
+        let manifest = &self.manifest;
+        let LoadPlan {
+            files,
+            sizes,
+            mut stats,
+        } = plan;
+        if sizes.len() != request.wants.len() {
+            return Err(Error::invalid(format!(
+                "the plan has {} boxes, the request {}",
+                sizes.len(),
+                request.wants.len()
+            )));
+        }
+        let outputs: Vec<Mutex<Vec<u8>>> = sizes
+            .iter()
+            .map(|&n| Mutex::new(vec![0u8; n as usize]))
+            .collect();
         let outputs_ref = &outputs;
         let counters: Vec<(u64, u64)> = futures::stream::iter(files)
             .map(|(object, part, runs)| async move {
@@ -431,16 +500,21 @@ impl CheckpointReader {
             .iter()
             .zip(outputs)
             .map(|(want, data)| {
-                let tensor = manifest.tensor(&want.name).expect("checked above");
-                LoadedTensor {
+                let tensor = manifest.tensor(&want.name).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "tensor {:?} is not in the checkpoint the plan was made for",
+                        want.name
+                    ))
+                })?;
+                Ok(LoadedTensor {
                     name: want.name.clone(),
                     dtype: tensor.dtype,
                     shape: tensor.shape.clone(),
                     region: want.region.clone(),
                     data: data.into_inner().unwrap_or_else(|p| p.into_inner()),
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(Loaded { tensors, stats })
     }
 }
