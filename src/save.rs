@@ -219,7 +219,7 @@ impl SaveHandle {
                 )));
             }
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(500));
+            delay = (delay * 2).min(Duration::from_millis(100));
         }
     }
 }
@@ -505,8 +505,15 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
     Ok(())
 }
 
-/// Block checksums, and with zstd the frames, computed on blocking threads in
-/// parallel slices of blocks.
+/// Block checksums, and with zstd the frames, computed in parallel slices of blocks on
+/// threads of their own at a lower scheduling priority.
+///
+/// Why not tokio's blocking pool: this is background work that competes for the same
+/// cores as the training loop, and in particular as other ranks' staging copies (every
+/// `save` stall is one memcpy only if nothing else runs). Threads of their own can be
+/// niced without lowering the priority of the shared pool's threads for good (an
+/// unprivileged thread cannot raise its priority back), and the pool's I/O stays at
+/// normal priority.
 async fn encode(
     buffer: Arc<Vec<u8>>,
     block: usize,
@@ -520,7 +527,7 @@ async fn encode(
     let mut tasks = Vec::with_capacity(workers);
     for w in 0..workers {
         let buffer = buffer.clone();
-        tasks.push(tokio::task::spawn_blocking(
+        tasks.push(spawn_background(
             move || -> std::io::Result<(Vec<u32>, Vec<Bytes>)> {
                 let start = (w * per * block).min(buffer.len());
                 let end = ((w + 1) * per * block).min(buffer.len());
@@ -542,7 +549,7 @@ async fn encode(
     for task in tasks {
         let (c, f) = task
             .await
-            .map_err(|e| Error::Failed(format!("checksum task failed: {e}")))?
+            .map_err(|_| Error::Failed("checksum thread panicked".into()))?
             .map_err(|e| Error::Failed(format!("compression failed: {e}")))?;
         crcs.extend(c);
         frames.extend(f);
@@ -551,6 +558,38 @@ async fn encode(
         crcs.clear();
     }
     Ok((crcs, matches!(codec, Codec::Zstd { .. }).then_some(frames)))
+}
+
+/// Niceness of the background encode threads (0 is normal, 19 the lowest).
+const BACKGROUND_NICE: i32 = 10;
+
+/// Runs `work` on a new thread at [`BACKGROUND_NICE`] and hands back its result.
+fn spawn_background<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> tokio::sync::oneshot::Receiver<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("ckpt-encode".into())
+        .spawn(move || {
+            lower_priority();
+            let _ = tx.send(work());
+        });
+    if let Err(e) = spawned {
+        // Out of threads: the receiver reports a failure when `tx` is dropped.
+        warn!(error = %e, "cannot start an encode thread");
+    }
+    rx
+}
+
+/// Lowers this thread's scheduling priority (Linux: `setpriority` on a thread id
+/// applies to that thread only). Best effort.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: plain syscalls on the calling thread's own id.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, BACKGROUND_NICE);
+    }
 }
 
 /// Streams `pieces` to `key` in parts of the store's part size.
