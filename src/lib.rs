@@ -43,6 +43,7 @@
 
 pub use ckpt_storage as storage;
 
+pub mod bench;
 mod blocks;
 pub mod catalog;
 pub mod codec;

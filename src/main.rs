@@ -4,6 +4,7 @@ mod cli;
 
 use std::process::ExitCode;
 
+use ckpt::bench::{self, BenchConfig};
 use ckpt::probe::probe;
 use ckpt::storage::{Store, StoreConfig};
 use clap::{Parser, Subcommand};
@@ -43,8 +44,87 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Measure ckpt against its baselines (memcpy, raw sequential write and read) on a
+    /// store: stall, time until committed, same-size and resharded loads, zstd,
+    /// metadata at scale. Defaults to workload W1 (4 ranks x 64 fp32 tensors of
+    /// 8192x1024, 2 GiB); progress goes to stderr.
+    #[command(
+        after_help = "Examples:\n  ckpt bench file:///tmp/ckpt-bench\n  ckpt bench --url file:///tmp/ckpt-bench --rss-saves 20 --json > bench.json\n  ckpt bench file:///tmp/b --ranks 2 --tensors 4 --rows 256 --cols 256 --reps 1 --raw-mib 1"
+    )]
+    Bench(Box<BenchArgs>),
     #[command(flatten)]
     Tool(cli::Tool),
+}
+
+/// Flags of `ckpt bench`.
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Store URL to benchmark (a scratch location: the bench writes and deletes
+    /// step directories and a `.ckpt-bench/` baseline file there).
+    #[arg(long = "url", value_name = "URL")]
+    url_flag: Option<String>,
+    /// Store URL (same as --url).
+    url: Option<String>,
+    /// Backend option KEY=VALUE as object_store names it; repeatable.
+    #[arg(long = "option", short = 'o', value_name = "KEY=VALUE")]
+    options: Vec<String>,
+    /// Print a JSON report instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Saving ranks (threads).
+    #[arg(long, default_value_t = 4)]
+    ranks: usize,
+    /// Ranks of the resharded load.
+    #[arg(long, default_value_t = 3)]
+    reshard_ranks: usize,
+    /// Tensors.
+    #[arg(long, default_value_t = 64)]
+    tensors: usize,
+    /// Rows per tensor (dim 0, sharded).
+    #[arg(long, default_value_t = 8192)]
+    rows: u64,
+    /// Columns per tensor.
+    #[arg(long, default_value_t = 1024)]
+    cols: u64,
+    /// Measured repetitions (medians are reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Block size in bytes (checksum block and zstd frame).
+    #[arg(long, default_value_t = 256 << 10)]
+    block_size: u64,
+    /// zstd level of the compressed runs.
+    #[arg(long, default_value_t = 3)]
+    zstd_level: i32,
+    /// Skip the compressed runs.
+    #[arg(long)]
+    no_zstd: bool,
+    /// Size of the raw sequential write/read baseline, MiB.
+    #[arg(long, default_value_t = 1024)]
+    raw_mib: u64,
+    /// Skip the O_DIRECT raw write.
+    #[arg(long)]
+    no_direct: bool,
+    /// Keep the page cache before reads (default: empty it for a local store).
+    #[arg(long)]
+    warm: bool,
+    /// Seed of the workload's values.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Tensors of the synthetic metadata-scale checkpoint (0 skips it).
+    #[arg(long, default_value_t = 1000)]
+    meta_tensors: usize,
+    /// Ranks of the synthetic metadata-scale checkpoint.
+    #[arg(long, default_value_t = 1024)]
+    meta_ranks: usize,
+    /// Run only the metadata-scale part.
+    #[arg(long)]
+    metadata_only: bool,
+    /// Record host RSS over this many consecutive saves (0 skips it).
+    #[arg(long, default_value_t = 0)]
+    rss_saves: usize,
+    /// Data (MiB) of the per-block codec comparison.
+    #[arg(long, default_value_t = 64)]
+    codec_sample_mib: u64,
 }
 
 fn main() -> ExitCode {
@@ -62,8 +142,67 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Probe { url, options, json } => runtime.block_on(run_probe(&url, &options, json)),
+        Command::Bench(args) => run_bench(&runtime, *args),
         Command::Tool(tool) => runtime.block_on(cli::run(tool)),
     }
+}
+
+fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
+    let Some(url) = args.url_flag.clone().or(args.url.clone()) else {
+        eprintln!("error: ckpt bench needs a store URL (--url URL)");
+        return ExitCode::from(EXIT_USAGE);
+    };
+    let store = match store_config(&args.options)
+        .and_then(|c| Store::open(&url, c).map_err(|e| e.to_string()))
+    {
+        Ok(store) => store,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let config = BenchConfig {
+        ranks: args.ranks,
+        reshard_ranks: args.reshard_ranks,
+        tensors: args.tensors,
+        rows: args.rows,
+        cols: args.cols,
+        reps: args.reps,
+        block_size: args.block_size,
+        zstd_level: (!args.no_zstd).then_some(args.zstd_level),
+        raw_bytes: args.raw_mib << 20,
+        direct: !args.no_direct,
+        warm: args.warm,
+        seed: args.seed,
+        meta_tensors: args.meta_tensors,
+        meta_ranks: args.meta_ranks,
+        metadata_only: args.metadata_only,
+        rss_saves: args.rss_saves,
+        codec_sample_bytes: args.codec_sample_mib << 20,
+    };
+    let started = std::time::Instant::now();
+    let progress = |line: &str| {
+        eprintln!("[{:>7.1} s] {line}", started.elapsed().as_secs_f64());
+    };
+    let report = match bench::run(&store, runtime.handle(), &config, &progress) {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_CHECK_FAILED);
+        }
+    };
+    if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("error: cannot encode the report: {e}");
+                return ExitCode::from(EXIT_CHECK_FAILED);
+            }
+        }
+    } else {
+        print!("{}", bench::render(&report));
+    }
+    ExitCode::from(EXIT_OK)
 }
 
 fn store_config(options: &[String]) -> Result<StoreConfig, String> {

@@ -1,0 +1,1486 @@
+//! `ckpt bench`: ckpt and its baselines, side by side, on the user's own storage.
+//!
+//! A checkpointing library is only as good as its distance from the hardware, so every
+//! figure here comes with the baseline it should be judged against, measured in the
+//! same run on the same machine and the same store:
+//!
+//! - **stall** (what `save` blocks a rank for) against **memcpy**: the same rank
+//!   threads each copying the same bytes once into a pre-faulted buffer, at the same
+//!   time. The stall's floor is that copy.
+//! - **time until committed** against a **raw sequential write** of a file in the same
+//!   directory, fsynced (and, for comparison, one written with `O_DIRECT`); for a
+//!   remote URL, one object of the same size uploaded through [`Store::upload`].
+//! - **load** (same world size, and resharded onto another world size) against a
+//!   **raw sequential read** of that file. On local disk the page cache is emptied of
+//!   both (`posix_fadvise(DONTNEED)` on clean, fsynced files) before each read, so both
+//!   sides read from the device; `--warm` keeps the cache.
+//! - zstd with and without the byte-shuffle filter: bytes stored, ratio, throughput.
+//! - metadata at scale: a synthetic checkpoint description (default 1,000 tensors ×
+//!   1,024 ranks) built, parsed and planned without any tensor data.
+//! - host RSS over consecutive saves, to show that staging does not grow.
+//!
+//! Ranks are OS threads of this process; each calls `block_on(checkpointer.save(..))`,
+//! so the staging copy runs on the rank's own thread, as in a trainer. Baselines and
+//! ckpt runs are interleaved repetition by repetition so that a noisy neighbour
+//! disturbs both alike; figures are medians over the repetitions, and ratios are the
+//! point (absolute numbers depend on the machine).
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use ckpt_storage::{Backend, Store};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::format::{
+    Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, RankPart, rank_file_name, rank_part_name,
+    step_dir,
+};
+use crate::load::{CheckpointReader, LoadRequest};
+use crate::region::Region;
+use crate::save::{CheckpointConfig, Checkpointer};
+use crate::state::{State, as_bytes};
+use crate::{DType, codec};
+
+/// What to run. [`BenchConfig::default`] is workload W1: 4 ranks, 64 fp32 tensors of
+/// 8192×1024 sharded on dim 0 (512 MiB per rank, 2 GiB in all), 5 repetitions.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchConfig {
+    /// Ranks (threads) that save.
+    pub ranks: usize,
+    /// Ranks that load the resharded checkpoint.
+    pub reshard_ranks: usize,
+    /// Tensors per checkpoint.
+    pub tensors: usize,
+    /// Rows of each tensor (dim 0, the sharded one).
+    pub rows: u64,
+    /// Columns of each tensor.
+    pub cols: u64,
+    /// Measured repetitions (a warm-up save comes on top).
+    pub reps: usize,
+    /// Raw bytes per checksum block and zstd frame.
+    pub block_size: u64,
+    /// zstd level of the compressed runs; `None` skips them.
+    pub zstd_level: Option<i32>,
+    /// Size of the raw sequential write/read baseline.
+    pub raw_bytes: u64,
+    /// Also write the raw baseline with `O_DIRECT` (local disk).
+    pub direct: bool,
+    /// Keep the page cache before reads (local disk) instead of emptying it.
+    pub warm: bool,
+    /// Seed of the normal(0, 0.02) values.
+    pub seed: u64,
+    /// Tensors of the synthetic metadata-scale checkpoint; 0 skips it.
+    pub meta_tensors: usize,
+    /// Ranks of the synthetic metadata-scale checkpoint.
+    pub meta_ranks: usize,
+    /// Run only the metadata-scale part.
+    pub metadata_only: bool,
+    /// Consecutive saves whose RSS is recorded; 0 skips it.
+    pub rss_saves: usize,
+    /// Bytes of rank 0's data compressed block by block in the codec comparison.
+    pub codec_sample_bytes: u64,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        Self {
+            ranks: 4,
+            reshard_ranks: 3,
+            tensors: 64,
+            rows: 8192,
+            cols: 1024,
+            reps: 5,
+            block_size: 256 << 10,
+            zstd_level: Some(3),
+            raw_bytes: 1 << 30,
+            direct: true,
+            warm: false,
+            seed: 42,
+            meta_tensors: 1000,
+            meta_ranks: 1024,
+            metadata_only: false,
+            rss_saves: 0,
+            codec_sample_bytes: 64 << 20,
+        }
+    }
+}
+
+impl BenchConfig {
+    /// Checks the sizes; the error names the value.
+    pub fn validate(&self) -> Result<()> {
+        if self.ranks == 0 || self.reshard_ranks == 0 {
+            return Err(Error::invalid(format!(
+                "ranks {} and reshard ranks {} must be at least 1",
+                self.ranks, self.reshard_ranks
+            )));
+        }
+        if self.rows < self.ranks.max(self.reshard_ranks) as u64 || self.cols == 0 {
+            return Err(Error::invalid(format!(
+                "rows {} must be at least the number of ranks and cols {} at least 1",
+                self.rows, self.cols
+            )));
+        }
+        if self.reps == 0 || self.tensors == 0 {
+            return Err(Error::invalid(format!(
+                "reps {} and tensors {} must be at least 1",
+                self.reps, self.tensors
+            )));
+        }
+        if self.raw_bytes < (1 << 20) {
+            return Err(Error::invalid(format!(
+                "raw baseline of {} bytes is below 1 MiB",
+                self.raw_bytes
+            )));
+        }
+        if self.meta_tensors > 0 && self.meta_ranks == 0 {
+            return Err(Error::invalid("meta ranks must be at least 1, got 0"));
+        }
+        Ok(())
+    }
+
+    fn bytes_per_rank(&self, rank: usize) -> u64 {
+        Region::dim0_shard(&[self.rows, self.cols], rank, self.ranks)
+            .volume()
+            .unwrap_or(0)
+            * 4
+            * self.tensors as u64
+    }
+
+    fn total_bytes(&self) -> u64 {
+        self.rows * self.cols * 4 * self.tensors as u64
+    }
+}
+
+/// A target of the issue and whether this run met it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    /// What is compared.
+    pub name: String,
+    /// The measured value.
+    pub value: f64,
+    /// The bound.
+    pub bound: f64,
+    /// `"<="` or `">="`.
+    pub relation: &'static str,
+    /// Whether the value is within the bound.
+    pub met: bool,
+}
+
+/// One compressed configuration, saved and loaded end to end.
+#[derive(Debug, Clone, Serialize)]
+pub struct CodecRun {
+    /// `zstd` or `zstd+shuffle4`.
+    pub codec: String,
+    /// zstd level.
+    pub level: i32,
+    /// Byte-shuffle width (0: none).
+    pub shuffle: u32,
+    /// Raw bytes of all data files.
+    pub raw_bytes: u64,
+    /// Bytes stored.
+    pub stored_bytes: u64,
+    /// raw ÷ stored.
+    pub ratio: f64,
+    /// Median time from `save` until committed.
+    pub commit_ms: f64,
+    /// Raw bytes ÷ commit time.
+    pub save_gbps: f64,
+    /// Median same-size load time.
+    pub load_ms: f64,
+    /// Raw bytes ÷ load time.
+    pub load_gbps: f64,
+}
+
+/// zstd on a sample of the data, block by block on one thread.
+#[derive(Debug, Clone, Serialize)]
+pub struct CodecSample {
+    /// `fp32` or `bf16`.
+    pub data: &'static str,
+    /// Byte-shuffle width (0: none).
+    pub shuffle: u32,
+    /// zstd level.
+    pub level: i32,
+    /// raw ÷ compressed.
+    pub ratio: f64,
+    /// Raw GB/s compressed, one thread (median of reps).
+    pub compress_gbps: f64,
+    /// Raw GB/s decompressed, one thread (median of reps).
+    pub decompress_gbps: f64,
+}
+
+/// The synthetic metadata-scale checkpoint.
+#[derive(Debug, Clone, Serialize)]
+pub struct MetadataReport {
+    /// Tensors.
+    pub tensors: usize,
+    /// Saving ranks.
+    pub ranks: usize,
+    /// Chunks in all (tensors × ranks).
+    pub chunks: u64,
+    /// Bytes of `manifest.json`.
+    pub manifest_bytes: u64,
+    /// Bytes of one rank part.
+    pub part_bytes: u64,
+    /// Building the manifest from every part (what the committing rank does), ms.
+    pub build_ms: f64,
+    /// Reading and parsing (validating) the manifest, ms (median).
+    pub open_ms: f64,
+    /// Planning one rank's same-size load (parts fetched and parsed included), ms.
+    pub plan_ms: f64,
+    /// Bytes of metadata that rank reads (manifest + parts).
+    pub plan_bytes_read: u64,
+    /// World size of the resharded plan.
+    pub reshard_ranks: usize,
+    /// Planning one rank's resharded load, ms.
+    pub reshard_plan_ms: f64,
+    /// Bytes of metadata that rank reads (manifest + parts).
+    pub reshard_plan_bytes_read: u64,
+}
+
+/// Host memory over consecutive saves.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssReport {
+    /// Resident set size after each save committed, MiB.
+    pub rss_mib: Vec<f64>,
+    /// Last minus second (the first save allocates the staging buffers), MiB.
+    pub growth_after_first_mib: f64,
+}
+
+/// Everything `ckpt bench` measured. The top-level ratios are the ones scripts track.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// The store benchmarked.
+    pub url: String,
+    /// The configuration.
+    pub config: BenchConfig,
+    /// Raw bytes per rank (header included).
+    pub bytes_per_rank: u64,
+    /// Tensor bytes in all.
+    pub total_bytes: u64,
+    /// Bytes of all data files (safetensors headers included).
+    pub file_bytes: u64,
+    /// Worst rank's stall per save, ms (median over reps).
+    pub stall_ms: f64,
+    /// Each rank's stall, ms (median over reps).
+    pub stall_ms_per_rank: Vec<f64>,
+    /// The first (cold) save's worst stall, ms: staging buffers are allocated and
+    /// faulted in once.
+    pub cold_stall_ms: f64,
+    /// Worst rank's memcpy of the same bytes, same threads, ms (median).
+    pub memcpy_ms: f64,
+    /// Each rank's memcpy, ms (median).
+    pub memcpy_ms_per_rank: Vec<f64>,
+    /// stall ÷ memcpy.
+    pub stall_ratio: f64,
+    /// From the first `save` call until the checkpoint is committed, ms (median).
+    pub commit_ms: f64,
+    /// Data-file bytes ÷ commit time.
+    pub write_gbps: f64,
+    /// Raw sequential write (+ fsync), GB/s (median).
+    pub raw_write_gbps: f64,
+    /// Raw sequential write with `O_DIRECT`, GB/s (median), when measured.
+    pub raw_write_direct_gbps: Option<f64>,
+    /// Committed-save GB/s ÷ raw write GB/s (buffered, then fsync: the write path
+    /// of ckpt's local store and of any plain safetensors writer).
+    pub write_ratio: f64,
+    /// Committed-save GB/s ÷ raw `O_DIRECT` write GB/s, when measured.
+    pub write_ratio_direct: Option<f64>,
+    /// Same-size load, ms (median).
+    pub load_ms: f64,
+    /// Tensor bytes ÷ load time.
+    pub read_gbps: f64,
+    /// Raw sequential read, GB/s (median).
+    pub raw_read_gbps: f64,
+    /// Same-size load GB/s ÷ raw read GB/s.
+    pub read_ratio: f64,
+    /// Load onto `reshard_ranks` ranks, ms (median).
+    pub reshard_load_ms: f64,
+    /// Resharded load time ÷ same-size load time.
+    pub reshard_ratio: f64,
+    /// Bytes read ÷ bytes requested in the resharded load.
+    pub reshard_read_amplification: f64,
+    /// Whether reads found the page cache emptied first.
+    pub cold_reads: bool,
+    /// Compressed runs, end to end.
+    pub zstd: Vec<CodecRun>,
+    /// zstd with and without byte shuffle on fp32 and bf16 samples.
+    pub codec_samples: Vec<CodecSample>,
+    /// The metadata-scale part.
+    pub metadata: Option<MetadataReport>,
+    /// RSS over consecutive saves.
+    pub rss: Option<RssReport>,
+    /// The issue's targets.
+    pub targets: Vec<Target>,
+    /// Every repetition's figures, for the curious.
+    pub samples: BTreeMap<String, Vec<f64>>,
+}
+
+/// Runs the benchmark against `store` on runtime `rt`; `progress` receives one line
+/// per stage.
+pub fn run(
+    store: &Store,
+    rt: &tokio::runtime::Handle,
+    config: &BenchConfig,
+    progress: &dyn Fn(&str),
+) -> Result<BenchReport> {
+    config.validate()?;
+    let mut report = empty_report(store, config);
+    if config.meta_tensors > 0 {
+        progress(&format!(
+            "metadata scale: {} tensors x {} ranks",
+            config.meta_tensors, config.meta_ranks
+        ));
+        report.metadata = Some(rt.block_on(metadata_scale(config, progress))?);
+    }
+    if config.metadata_only {
+        report.targets = targets(&report);
+        return Ok(report);
+    }
+
+    progress(&format!(
+        "generating {:.2} GiB of normal(0, 0.02) fp32 on {} ranks",
+        config.total_bytes() as f64 / (1u64 << 30) as f64,
+        config.ranks
+    ));
+    let data = generate(config);
+    let raw = RawTarget::new(store, config)?;
+    let mut samples: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut push = |key: &str, value: f64| samples.entry(key.to_string()).or_default().push(value);
+
+    // memcpy baseline: same threads, same bytes, same time.
+    progress("memcpy baseline");
+    let per_rank_memcpy = memcpy_baseline(&data, config.reps);
+    let mut stall_per_rank: Vec<Vec<f64>> = vec![Vec::new(); config.ranks];
+
+    let checkpointers = make_checkpointers(store, config, Codec::None)?;
+    let root = store.url().to_string();
+    progress("warm-up save (allocates staging)");
+    let cold = save_once(rt, &checkpointers, &data, config, 1)?;
+    report.cold_stall_ms = max(&cold.stalls);
+    let mut step = 1u64;
+    for rep in 0..config.reps {
+        progress(&format!("rep {}/{}: raw write", rep + 1, config.reps));
+        push("raw_write_gbps", raw.write(rt, config.raw_bytes, false)?);
+        if config.direct && raw.is_local() {
+            push(
+                "raw_write_direct_gbps",
+                raw.write(rt, config.raw_bytes, true)?,
+            );
+        }
+        let previous = step;
+        step += 1;
+        rt.block_on(store.delete_prefix(&step_dir(previous)))?;
+        progress(&format!("rep {}/{}: ckpt save", rep + 1, config.reps));
+        let saved = save_once(rt, &checkpointers, &data, config, step)?;
+        for (r, s) in saved.stalls.iter().enumerate() {
+            stall_per_rank[r].push(*s);
+        }
+        push("stall_ms", max(&saved.stalls));
+        push("commit_ms", saved.commit_ms);
+        push("write_gbps", gbps(saved.file_bytes, saved.commit_ms / 1e3));
+
+        progress(&format!("rep {}/{}: raw read", rep + 1, config.reps));
+        push(
+            "raw_read_gbps",
+            raw.read(rt, config.raw_bytes, config.warm)?,
+        );
+        progress(&format!("rep {}/{}: ckpt load", rep + 1, config.reps));
+        evict_step(&root, step, config.warm);
+        let loaded = load_once(rt, store, step, config.ranks, &data, config, rep == 0)?;
+        push("load_ms", loaded.ms);
+        push("read_gbps", gbps(loaded.requested, loaded.ms / 1e3));
+        progress(&format!(
+            "rep {}/{}: ckpt load onto {} ranks",
+            rep + 1,
+            config.reps,
+            config.reshard_ranks
+        ));
+        evict_step(&root, step, config.warm);
+        let resharded = load_once(
+            rt,
+            store,
+            step,
+            config.reshard_ranks,
+            &data,
+            config,
+            rep == 0,
+        )?;
+        push("reshard_load_ms", resharded.ms);
+        push(
+            "reshard_read_amplification",
+            resharded.read as f64 / resharded.requested.max(1) as f64,
+        );
+    }
+    let file_bytes = cold.file_bytes;
+
+    if config.rss_saves > 0 {
+        progress(&format!("rss over {} saves", config.rss_saves));
+        let mut rss = Vec::with_capacity(config.rss_saves);
+        for _ in 0..config.rss_saves {
+            let previous = step;
+            step += 1;
+            rt.block_on(store.delete_prefix(&step_dir(previous)))?;
+            save_once(rt, &checkpointers, &data, config, step)?;
+            rss.push(rss_mib());
+        }
+        let second = rss.get(1).copied().unwrap_or(rss[0]);
+        report.rss = Some(RssReport {
+            growth_after_first_mib: rss[rss.len() - 1] - second,
+            rss_mib: rss,
+        });
+    }
+    drop(checkpointers);
+    rt.block_on(store.delete_prefix(&step_dir(step)))?;
+
+    if let Some(level) = config.zstd_level {
+        for shuffle in [0u32, 4] {
+            let codec = Codec::Zstd { level, shuffle };
+            let label = codec_label(codec);
+            progress(&format!("{label} level {level}: warm-up save"));
+            let checkpointers = make_checkpointers(store, config, codec)?;
+            step += 1;
+            let first = save_once(rt, &checkpointers, &data, config, step)?;
+            let (mut commit, mut load) = (Vec::new(), Vec::new());
+            for rep in 0..config.reps {
+                progress(&format!("{label}: rep {}/{}", rep + 1, config.reps));
+                let previous = step;
+                step += 1;
+                rt.block_on(store.delete_prefix(&step_dir(previous)))?;
+                let saved = save_once(rt, &checkpointers, &data, config, step)?;
+                commit.push(saved.commit_ms);
+                evict_step(&root, step, config.warm);
+                let loaded = load_once(rt, store, step, config.ranks, &data, config, rep == 0)?;
+                load.push(loaded.ms);
+            }
+            rt.block_on(store.delete_prefix(&step_dir(step)))?;
+            let (commit_ms, load_ms) = (median(&commit), median(&load));
+            report.zstd.push(CodecRun {
+                codec: label.clone(),
+                level,
+                shuffle,
+                raw_bytes: first.file_bytes,
+                stored_bytes: first.stored_bytes,
+                ratio: first.file_bytes as f64 / first.stored_bytes.max(1) as f64,
+                commit_ms,
+                save_gbps: gbps(first.file_bytes, commit_ms / 1e3),
+                load_ms,
+                load_gbps: gbps(config.total_bytes(), load_ms / 1e3),
+            });
+            samples.insert(format!("{label}_commit_ms"), commit);
+            samples.insert(format!("{label}_load_ms"), load);
+        }
+        progress("codec samples (fp32, bf16; with and without shuffle)");
+        report.codec_samples = codec_samples(&data, config, level)?;
+    }
+    raw.cleanup();
+
+    report.memcpy_ms = median(&per_rank_memcpy.worst);
+    samples.insert("memcpy_ms".into(), per_rank_memcpy.worst);
+    let med = |key: &str| samples.get(key).map_or(0.0, |v| median(v));
+    report.stall_ms = med("stall_ms");
+    report.stall_ms_per_rank = stall_per_rank.iter().map(|v| median(v)).collect();
+    report.memcpy_ms_per_rank = per_rank_memcpy.per_rank;
+    report.stall_ratio = report.stall_ms / report.memcpy_ms.max(1e-9);
+    report.commit_ms = med("commit_ms");
+    report.write_gbps = gbps(file_bytes, report.commit_ms / 1e3);
+    report.raw_write_gbps = med("raw_write_gbps");
+    report.raw_write_direct_gbps = samples.get("raw_write_direct_gbps").map(|v| median(v));
+    report.write_ratio = report.write_gbps / report.raw_write_gbps.max(1e-9);
+    report.write_ratio_direct = report
+        .raw_write_direct_gbps
+        .map(|direct| report.write_gbps / direct.max(1e-9));
+    report.load_ms = med("load_ms");
+    report.read_gbps = gbps(config.total_bytes(), report.load_ms / 1e3);
+    report.raw_read_gbps = med("raw_read_gbps");
+    report.read_ratio = report.read_gbps / report.raw_read_gbps.max(1e-9);
+    report.reshard_load_ms = med("reshard_load_ms");
+    report.reshard_ratio = report.reshard_load_ms / report.load_ms.max(1e-9);
+    report.reshard_read_amplification = med("reshard_read_amplification");
+    report.cold_reads = raw.is_local() && !config.warm;
+    report.file_bytes = file_bytes;
+    report.samples = samples;
+    report.targets = targets(&report);
+    Ok(report)
+}
+
+fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
+    BenchReport {
+        url: store.url().to_string(),
+        config: config.clone(),
+        bytes_per_rank: config.bytes_per_rank(0),
+        total_bytes: config.total_bytes(),
+        file_bytes: 0,
+        stall_ms: 0.0,
+        stall_ms_per_rank: Vec::new(),
+        cold_stall_ms: 0.0,
+        memcpy_ms: 0.0,
+        memcpy_ms_per_rank: Vec::new(),
+        stall_ratio: 0.0,
+        commit_ms: 0.0,
+        write_gbps: 0.0,
+        raw_write_gbps: 0.0,
+        raw_write_direct_gbps: None,
+        write_ratio: 0.0,
+        write_ratio_direct: None,
+        load_ms: 0.0,
+        read_gbps: 0.0,
+        raw_read_gbps: 0.0,
+        read_ratio: 0.0,
+        reshard_load_ms: 0.0,
+        reshard_ratio: 0.0,
+        reshard_read_amplification: 0.0,
+        cold_reads: false,
+        zstd: Vec::new(),
+        codec_samples: Vec::new(),
+        metadata: None,
+        rss: None,
+        targets: Vec::new(),
+        samples: BTreeMap::new(),
+    }
+}
+
+fn targets(r: &BenchReport) -> Vec<Target> {
+    let le = |name: &str, value: f64, bound: f64| Target {
+        name: name.to_string(),
+        value,
+        bound,
+        relation: "<=",
+        met: value <= bound,
+    };
+    let ge = |name: &str, value: f64, bound: f64| Target {
+        name: name.to_string(),
+        value,
+        bound,
+        relation: ">=",
+        met: value >= bound,
+    };
+    let mut out = Vec::new();
+    if !r.config.metadata_only {
+        out.push(le("stall / memcpy", r.stall_ratio, 1.5));
+        out.push(ge("committed save / raw write", r.write_ratio, 0.7));
+        if let Some(direct) = r.write_ratio_direct {
+            out.push(ge("committed save / raw O_DIRECT write", direct, 0.7));
+        }
+        out.push(ge("same-size load / raw read", r.read_ratio, 0.7));
+        out.push(le("resharded / same-size load", r.reshard_ratio, 1.25));
+        out.push(le(
+            "reshard bytes read / requested",
+            r.reshard_read_amplification,
+            1.05,
+        ));
+    }
+    if let Some(m) = &r.metadata {
+        out.push(le("metadata: plan one rank (ms)", m.plan_ms, 1000.0));
+        out.push(le(
+            "metadata: read by one rank (MiB)",
+            m.plan_bytes_read as f64 / (1 << 20) as f64,
+            16.0,
+        ));
+    }
+    out
+}
+
+fn codec_label(codec: Codec) -> String {
+    match codec {
+        Codec::Zstd { shuffle, .. } if shuffle > 1 => format!("zstd+shuffle{shuffle}"),
+        Codec::Zstd { .. } => "zstd".into(),
+        Codec::None => "none".into(),
+    }
+}
+
+/// Median of a non-empty slice (0 when empty).
+fn median(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn max(values: &[f64]) -> f64 {
+    values.iter().copied().fold(0.0, f64::max)
+}
+
+fn gbps(bytes: u64, seconds: f64) -> f64 {
+    bytes as f64 / seconds.max(1e-9) / 1e9
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+// ---------------------------------------------------------------------------------
+// Workload
+
+/// Each rank's tensors: `tensors` row-major fp32 shards.
+type Workload = Vec<Vec<Vec<f32>>>;
+
+/// splitmix64: a tiny seeded generator, so the workload is the same on every run.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Values from normal(0, 0.02), Box-Muller, seeded per (rank, tensor).
+fn generate(config: &BenchConfig) -> Workload {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..config.ranks)
+            .map(|rank| {
+                scope.spawn(move || {
+                    let region =
+                        Region::dim0_shard(&[config.rows, config.cols], rank, config.ranks);
+                    let n = region.volume().unwrap_or(0) as usize;
+                    (0..config.tensors)
+                        .map(|t| {
+                            let mut rng = SplitMix(
+                                config.seed
+                                    ^ ((rank as u64) << 32)
+                                    ^ (t as u64).wrapping_mul(0x1000_0001),
+                            );
+                            let mut v = Vec::with_capacity(n);
+                            while v.len() < n {
+                                let (u1, u2) = (rng.unit(), rng.unit());
+                                let r = (-2.0 * u1.ln()).sqrt() * 0.02;
+                                let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
+                                v.push((r * c) as f32);
+                                if v.len() < n {
+                                    v.push((r * s) as f32);
+                                }
+                            }
+                            v
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("generator thread panicked"))
+            .collect()
+    })
+}
+
+fn state_of<'a>(rank: usize, config: &BenchConfig, data: &'a [Vec<f32>]) -> Result<State<'a>> {
+    let mut state = State::new();
+    for (t, values) in data.iter().enumerate() {
+        state.add_dim0_shard(
+            format!("layers.{t:03}.weight"),
+            DType::F32,
+            &[config.rows, config.cols],
+            rank,
+            config.ranks,
+            as_bytes(values),
+        )?;
+    }
+    state.set_rank_json("data_cursor", serde_json::json!({ "rank": rank }));
+    Ok(state)
+}
+
+/// Runs `f(rank, barrier)` on `n` OS threads at once and collects the results.
+fn on_ranks<T: Send>(n: usize, f: impl Fn(usize, &Barrier) -> T + Sync) -> Vec<T> {
+    let barrier = Barrier::new(n);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (f, barrier) = (&f, &barrier);
+                scope.spawn(move || f(rank, barrier))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+// ---------------------------------------------------------------------------------
+// memcpy
+
+struct MemcpyFigures {
+    /// Worst rank per rep, ms.
+    worst: Vec<f64>,
+    /// Median per rank, ms.
+    per_rank: Vec<f64>,
+}
+
+fn memcpy_baseline(data: &Workload, reps: usize) -> MemcpyFigures {
+    let times: Vec<Vec<f64>> = on_ranks(data.len(), |rank, barrier| {
+        let bytes: usize = data[rank].iter().map(|t| t.len() * 4).sum();
+        // Pre-faulted destination, as the staging pool is after the first save.
+        let mut dst = vec![1u8; bytes];
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            barrier.wait();
+            let started = Instant::now();
+            let mut offset = 0;
+            for t in &data[rank] {
+                let src = as_bytes(t);
+                dst[offset..offset + src.len()].copy_from_slice(src);
+                offset += src.len();
+            }
+            std::hint::black_box(&mut dst);
+            times.push(ms(started.elapsed()));
+        }
+        times
+    });
+    let reps_n = times.first().map_or(0, Vec::len);
+    MemcpyFigures {
+        worst: (0..reps_n)
+            .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
+            .collect(),
+        per_rank: times.iter().map(|t| median(t)).collect(),
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// ckpt save and load
+
+fn make_checkpointers(
+    store: &Store,
+    config: &BenchConfig,
+    codec: Codec,
+) -> Result<Vec<Checkpointer>> {
+    (0..config.ranks)
+        .map(|rank| {
+            let mut c = CheckpointConfig::new(rank, config.ranks);
+            c.block_size = config.block_size;
+            c.codec = codec;
+            Checkpointer::new(store.clone(), c)
+        })
+        .collect()
+}
+
+struct Saved {
+    stalls: Vec<f64>,
+    commit_ms: f64,
+    file_bytes: u64,
+    stored_bytes: u64,
+}
+
+fn save_once(
+    rt: &tokio::runtime::Handle,
+    checkpointers: &[Checkpointer],
+    data: &Workload,
+    config: &BenchConfig,
+    step: u64,
+) -> Result<Saved> {
+    let results = on_ranks(
+        checkpointers.len(),
+        |rank, barrier| -> Result<(f64, Instant, Instant)> {
+            let state = state_of(rank, config, &data[rank])?;
+            barrier.wait();
+            let started = Instant::now();
+            let handle = rt
+                .block_on(checkpointers[rank].save(step, &state))?
+                .handle()
+                .ok_or_else(|| Error::Failed("save was skipped".into()))?;
+            let stall = ms(handle.stall());
+            rt.block_on(handle.committed())?;
+            Ok((stall, started, Instant::now()))
+        },
+    );
+    let mut stalls = Vec::new();
+    let mut first_start: Option<Instant> = None;
+    let mut first_commit: Option<Instant> = None;
+    for result in results {
+        let (stall, started, committed) = result?;
+        stalls.push(stall);
+        first_start = Some(first_start.map_or(started, |s| s.min(started)));
+        // The committing rank learns of the commit at once; the others poll for it,
+        // so the earliest rank to see it marks the commit.
+        first_commit = Some(first_commit.map_or(committed, |c| c.min(committed)));
+    }
+    let commit_ms = match (first_start, first_commit) {
+        (Some(s), Some(c)) => ms(c - s),
+        _ => 0.0,
+    };
+    let store = checkpointers[0].store();
+    let manifest = rt.block_on(crate::catalog::read_manifest(store, step))?;
+    Ok(Saved {
+        stalls,
+        commit_ms,
+        file_bytes: manifest.ranks.iter().map(|r| r.raw_bytes).sum(),
+        stored_bytes: manifest.ranks.iter().map(|r| r.stored_bytes).sum(),
+    })
+}
+
+struct LoadFigures {
+    ms: f64,
+    requested: u64,
+    read: u64,
+}
+
+fn load_once(
+    rt: &tokio::runtime::Handle,
+    store: &Store,
+    step: u64,
+    world: usize,
+    data: &Workload,
+    config: &BenchConfig,
+    verify: bool,
+) -> Result<LoadFigures> {
+    let results = on_ranks(
+        world,
+        |rank, barrier| -> Result<(Instant, Instant, u64, u64)> {
+            barrier.wait();
+            let started = Instant::now();
+            let (requested, read, loaded) = rt.block_on(async {
+                let reader = CheckpointReader::open(store, Some(step)).await?;
+                let request = LoadRequest::dim0_shards(reader.manifest(), rank, world);
+                let loaded = reader.load(&request).await?;
+                Ok::<_, Error>((
+                    loaded.stats.bytes_requested,
+                    loaded.stats.bytes_read,
+                    loaded,
+                ))
+            })?;
+            let finished = Instant::now();
+            if verify {
+                check_loaded(&loaded.tensors, data, config)?;
+            }
+            drop(loaded);
+            Ok((started, finished, requested, read))
+        },
+    );
+    let (mut start, mut end): (Option<Instant>, Option<Instant>) = (None, None);
+    let (mut requested, mut read) = (0, 0);
+    for result in results {
+        let (s, e, q, r) = result?;
+        start = Some(start.map_or(s, |x| x.min(s)));
+        end = Some(end.map_or(e, |x| x.max(e)));
+        requested += q;
+        read += r;
+    }
+    Ok(LoadFigures {
+        ms: match (start, end) {
+            (Some(s), Some(e)) => ms(e - s),
+            _ => 0.0,
+        },
+        requested,
+        read,
+    })
+}
+
+/// Compares loaded row boxes with the generated rows they came from.
+fn check_loaded(
+    tensors: &[crate::LoadedTensor],
+    data: &Workload,
+    config: &BenchConfig,
+) -> Result<()> {
+    let row_bytes = (config.cols * 4) as usize;
+    let shape = [config.rows, config.cols];
+    for (t, loaded) in tensors.iter().enumerate() {
+        let first = loaded.region.offsets.first().copied().unwrap_or(0);
+        for (i, row) in loaded.data.chunks(row_bytes).enumerate() {
+            let global = first + i as u64;
+            let rank = (0..config.ranks)
+                .find(|&r| {
+                    let b = Region::dim0_shard(&shape, r, config.ranks);
+                    global >= b.offsets[0] && global < b.offsets[0] + b.lengths[0]
+                })
+                .unwrap_or(0);
+            let local =
+                (global - Region::dim0_shard(&shape, rank, config.ranks).offsets[0]) as usize;
+            let src = &as_bytes(&data[rank][t])[local * row_bytes..(local + 1) * row_bytes];
+            if src != row {
+                return Err(Error::Failed(format!(
+                    "bench: row {global} of {} loaded wrong",
+                    loaded.name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------
+// Raw baselines
+
+/// Where the raw sequential write/read baseline goes.
+enum RawTarget {
+    /// A file in the store's directory.
+    Local(PathBuf),
+    /// One object uploaded through the store.
+    Remote(Store),
+}
+
+const RAW_KEY: &str = ".ckpt-bench/raw-sequential";
+const RAW_CHUNK: usize = 8 << 20;
+
+impl RawTarget {
+    fn new(store: &Store, _config: &BenchConfig) -> Result<Self> {
+        Ok(match (store.backend(), local_root(store)) {
+            (Backend::Local, Some(root)) => {
+                let dir = root.join(".ckpt-bench");
+                std::fs::create_dir_all(&dir).map_err(|e| io_error(&dir, e))?;
+                RawTarget::Local(dir.join("raw-sequential"))
+            }
+            _ => RawTarget::Remote(store.clone()),
+        })
+    }
+
+    fn is_local(&self) -> bool {
+        matches!(self, RawTarget::Local(_))
+    }
+
+    /// Writes `bytes` sequentially (+ fsync), returns GB/s.
+    fn write(&self, rt: &tokio::runtime::Handle, bytes: u64, direct: bool) -> Result<f64> {
+        let chunk = AlignedBuf::filled(RAW_CHUNK);
+        match self {
+            RawTarget::Local(path) => {
+                let _ = std::fs::remove_file(path);
+                let mut options = std::fs::OpenOptions::new();
+                options.write(true).create(true).truncate(true);
+                if direct {
+                    use std::os::unix::fs::OpenOptionsExt;
+                    options.custom_flags(libc::O_DIRECT);
+                }
+                let started = Instant::now();
+                let mut file = options.open(path).map_err(|e| io_error(path, e))?;
+                let mut left = bytes;
+                while left > 0 {
+                    let n = left.min(RAW_CHUNK as u64) as usize;
+                    file.write_all(&chunk.as_slice()[..n])
+                        .map_err(|e| io_error(path, e))?;
+                    left -= n as u64;
+                }
+                file.sync_all().map_err(|e| io_error(path, e))?;
+                Ok(gbps(bytes, started.elapsed().as_secs_f64()))
+            }
+            RawTarget::Remote(store) => {
+                let shared = bytes::Bytes::copy_from_slice(chunk.as_slice());
+                let started = Instant::now();
+                rt.block_on(async {
+                    let mut upload = store.upload(RAW_KEY)?;
+                    let mut left = bytes;
+                    while left > 0 {
+                        let n = left.min(RAW_CHUNK as u64) as usize;
+                        upload.write(shared.slice(..n)).await?;
+                        left -= n as u64;
+                    }
+                    upload.finish().await
+                })?;
+                Ok(gbps(bytes, started.elapsed().as_secs_f64()))
+            }
+        }
+    }
+
+    /// Reads the whole baseline file sequentially, returns GB/s.
+    fn read(&self, rt: &tokio::runtime::Handle, bytes: u64, warm: bool) -> Result<f64> {
+        match self {
+            RawTarget::Local(path) => {
+                if !warm {
+                    evict(path);
+                }
+                let mut buf = vec![0u8; RAW_CHUNK];
+                let started = Instant::now();
+                let mut file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
+                let mut total = 0u64;
+                loop {
+                    let n = file.read(&mut buf).map_err(|e| io_error(path, e))?;
+                    if n == 0 {
+                        break;
+                    }
+                    total += n as u64;
+                }
+                std::hint::black_box(&buf);
+                Ok(gbps(total.max(1), started.elapsed().as_secs_f64()))
+            }
+            RawTarget::Remote(store) => {
+                let started = Instant::now();
+                let data = rt.block_on(store.get(RAW_KEY))?;
+                let total = data.len() as u64;
+                debug_assert_eq!(total, bytes);
+                Ok(gbps(total.max(1), started.elapsed().as_secs_f64()))
+            }
+        }
+    }
+
+    fn cleanup(&self) {
+        if let RawTarget::Local(path) = self {
+            let _ = std::fs::remove_file(path);
+            if let Some(dir) = path.parent() {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
+}
+
+/// A page-aligned buffer of non-zero bytes (`O_DIRECT` needs alignment).
+struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn layout(len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(len, 4096).expect("valid layout")
+    }
+
+    fn filled(len: usize) -> Self {
+        // SAFETY: the layout has a non-zero size; the pointer is checked.
+        let ptr = unsafe { std::alloc::alloc(Self::layout(len)) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(Self::layout(len));
+        }
+        // SAFETY: `ptr` is valid for `len` bytes, just allocated.
+        let slice = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+        let mut rng = SplitMix(7);
+        for chunk in slice.chunks_mut(8) {
+            let v = rng.next().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+        Self { ptr, len }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: valid and initialized for `len` bytes until drop.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `filled` with the same layout.
+        unsafe { std::alloc::dealloc(self.ptr, Self::layout(self.len)) }
+    }
+}
+
+/// The directory of a local store.
+fn local_root(store: &Store) -> Option<PathBuf> {
+    match store.backend() {
+        Backend::Local => store.url().strip_prefix("file://").map(PathBuf::from),
+        _ => None,
+    }
+}
+
+fn io_error(path: &Path, e: std::io::Error) -> Error {
+    Error::Failed(format!("bench: {}: {e}", path.display()))
+}
+
+/// Drops a clean (fsynced) file's pages from the page cache, so the next read comes
+/// from the device. Best effort.
+fn evict(path: &Path) {
+    use std::os::fd::AsRawFd;
+    if let Ok(file) = std::fs::File::open(path) {
+        // SAFETY: a valid open descriptor; fadvise only drops cached clean pages.
+        unsafe {
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
+    }
+}
+
+/// Evicts every file of step `step` of a local store (no-op elsewhere or when warm).
+fn evict_step(url: &str, step: u64, warm: bool) {
+    if warm {
+        return;
+    }
+    let Some(root) = url.strip_prefix("file://") else {
+        return;
+    };
+    let dir = Path::new(root).join(step_dir(step));
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            evict(&entry.path());
+        }
+    }
+}
+
+/// Resident set size of this process, MiB.
+fn rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+// ---------------------------------------------------------------------------------
+// Codec samples
+
+fn codec_samples(data: &Workload, config: &BenchConfig, level: i32) -> Result<Vec<CodecSample>> {
+    let block = config.block_size as usize;
+    let mut fp32 = Vec::new();
+    for t in &data[0] {
+        if fp32.len() as u64 >= config.codec_sample_bytes {
+            break;
+        }
+        fp32.extend_from_slice(as_bytes(t));
+    }
+    fp32.truncate(config.codec_sample_bytes as usize);
+    // bf16: the upper half of each fp32, rounded to nearest even.
+    let bf16: Vec<u8> = fp32
+        .chunks_exact(4)
+        .flat_map(|b| {
+            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+            (rounded as u16).to_le_bytes()
+        })
+        .collect();
+    let mut out = Vec::new();
+    for (name, bytes, width) in [("fp32", &fp32, 4u32), ("bf16", &bf16, 2u32)] {
+        for shuffle in [0, width] {
+            let codec = Codec::Zstd { level, shuffle };
+            let (mut c_times, mut d_times) = (Vec::new(), Vec::new());
+            let mut stored = 0usize;
+            for _ in 0..config.reps.min(3) {
+                let started = Instant::now();
+                let frames: Vec<Vec<u8>> = bytes
+                    .chunks(block)
+                    .map(|raw| codec::compress_block(raw, level, shuffle))
+                    .collect::<std::io::Result<_>>()
+                    .map_err(|e| Error::Failed(format!("bench: zstd: {e}")))?;
+                c_times.push(started.elapsed().as_secs_f64());
+                stored = frames.iter().map(Vec::len).sum();
+                let started = Instant::now();
+                for (frame, raw) in frames.iter().zip(bytes.chunks(block)) {
+                    let back = codec::decompress_block(frame, raw.len(), codec)
+                        .map_err(|e| Error::Failed(format!("bench: zstd: {e}")))?;
+                    std::hint::black_box(back);
+                }
+                d_times.push(started.elapsed().as_secs_f64());
+            }
+            out.push(CodecSample {
+                data: name,
+                shuffle,
+                level,
+                ratio: bytes.len() as f64 / stored.max(1) as f64,
+                compress_gbps: gbps(bytes.len() as u64, median(&c_times)),
+                decompress_gbps: gbps(bytes.len() as u64, median(&d_times)),
+            });
+        }
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------
+// Metadata scale
+
+/// Builds a synthetic checkpoint description in a private memory store (parts and
+/// manifest, no data files) and times what a committing rank and a loading rank do.
+async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result<MetadataReport> {
+    let (tensors, world) = (config.meta_tensors, config.meta_ranks);
+    let name = format!(
+        "memory://ckpt-bench-metadata-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let store = Store::from_url(&name)?;
+    let step = 1u64;
+    let dir = step_dir(step);
+    // Each tensor 4096 x 1024 fp32 (16 MiB) when the world allows, else a row per rank.
+    let rows = (world as u64).max(4096);
+    let cols = 1024u64;
+    let shape = [rows, cols];
+    let block = config.block_size;
+    let mut parts = Vec::with_capacity(world);
+    for rank in 0..world {
+        let region = Region::dim0_shard(&shape, rank, world);
+        let bytes_each = region.volume().unwrap_or(0) * 4;
+        let header = 4096u64;
+        let chunks: Vec<Chunk> = (0..tensors)
+            .map(|t| {
+                let begin = header + t as u64 * bytes_each;
+                Chunk {
+                    tensor: format!("model.layers.{t:04}.weight"),
+                    dtype: DType::F32,
+                    shape: shape.to_vec(),
+                    offsets: region.offsets.clone(),
+                    lengths: region.lengths.clone(),
+                    bytes: [begin, begin + bytes_each],
+                }
+            })
+            .collect();
+        let raw_bytes = header + tensors as u64 * bytes_each;
+        let blocks = raw_bytes.div_ceil(block) as usize;
+        let part = RankPart {
+            format_version: FORMAT_VERSION,
+            step,
+            rank: rank as u32,
+            world_size: world as u32,
+            generation: 0,
+            block_size: block,
+            codec: Codec::None,
+            file: FileEntry {
+                name: rank_file_name(rank as u32, false),
+                raw_bytes,
+                stored_bytes: raw_bytes,
+                block_crc32: (0..blocks as u32)
+                    .map(|b| b.wrapping_mul(0x9e37_79b9))
+                    .collect(),
+                frame_bytes: Vec::new(),
+            },
+            chunks,
+            global_state: None,
+            rank_state: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+        };
+        let bytes = part.to_bytes();
+        parts.push((bytes, part));
+    }
+    progress("metadata scale: building the manifest");
+    let started = Instant::now();
+    let manifest = crate::commit::build_manifest(step, world as u32, &parts)?;
+    manifest.validate(&format!("{dir}/{MANIFEST}"))?;
+    let manifest_bytes = manifest.to_bytes();
+    let build_ms = ms(started.elapsed());
+    let part_bytes = parts[0].0.len() as u64;
+    let manifest_len = manifest_bytes.len() as u64;
+    for (bytes, part) in parts {
+        store
+            .put(&format!("{dir}/{}", rank_part_name(part.rank)), bytes)
+            .await?;
+    }
+    store
+        .put(&format!("{dir}/{MANIFEST}"), manifest_bytes)
+        .await?;
+
+    progress("metadata scale: open and plan");
+    let plan_for = |load_world: usize| {
+        let store = store.clone();
+        async move {
+            let mut opens = Vec::new();
+            let mut plans = Vec::new();
+            let mut read = 0u64;
+            for _ in 0..config.reps.clamp(1, 5) {
+                let started = Instant::now();
+                let reader = CheckpointReader::open(&store, Some(step)).await?;
+                opens.push(ms(started.elapsed()));
+                // The middle rank: it straddles saved ranks when resharding.
+                let rank = load_world / 2;
+                let started = Instant::now();
+                let request = LoadRequest::dim0_shards(reader.manifest(), rank, load_world);
+                let plan = reader.plan(&request).await?;
+                plans.push(ms(started.elapsed()));
+                read = manifest_len + plan.parts_read() as u64 * part_bytes;
+            }
+            Ok::<_, Error>((median(&opens), median(&plans), read))
+        }
+    };
+    let (open_ms, plan_ms, plan_bytes_read) = plan_for(world).await?;
+    let reshard_ranks = (world * 3 / 4).max(1);
+    let (_, reshard_plan_ms, reshard_plan_bytes_read) = plan_for(reshard_ranks).await?;
+    store.delete_prefix(&dir).await?;
+    Ok(MetadataReport {
+        tensors,
+        ranks: world,
+        chunks: tensors as u64 * world as u64,
+        manifest_bytes: manifest_len,
+        part_bytes,
+        build_ms,
+        open_ms,
+        plan_ms,
+        plan_bytes_read,
+        reshard_ranks,
+        reshard_plan_ms,
+        reshard_plan_bytes_read,
+    })
+}
+
+// ---------------------------------------------------------------------------------
+// Human output
+
+/// The report as an aligned table.
+pub fn render(r: &BenchReport) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let c = &r.config;
+    let _ = writeln!(s, "ckpt bench on {}", r.url);
+    if !c.metadata_only {
+        let _ = writeln!(
+            s,
+            "workload: {} ranks, {} fp32 tensors of {}x{} sharded on dim 0 ({:.1} MiB per rank, {:.2} GiB total), {} reps, median; reads {}",
+            c.ranks,
+            c.tensors,
+            c.rows,
+            c.cols,
+            r.bytes_per_rank as f64 / (1 << 20) as f64,
+            r.total_bytes as f64 / (1u64 << 30) as f64,
+            c.reps,
+            if r.cold_reads {
+                "cold (page cache emptied)"
+            } else {
+                "warm"
+            }
+        );
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "{:<34} {:>12} {:>12} {:>9}",
+            "measure", "ckpt", "baseline", "ratio"
+        );
+        let row = |s: &mut String, name: &str, a: String, b: String, ratio: f64| {
+            let _ = writeln!(s, "{name:<34} {a:>12} {b:>12} {ratio:>9.2}");
+        };
+        row(
+            &mut s,
+            "stall per rank (worst) vs memcpy",
+            format!("{:.1} ms", r.stall_ms),
+            format!("{:.1} ms", r.memcpy_ms),
+            r.stall_ratio,
+        );
+        let _ = writeln!(
+            s,
+            "{:<34} {:>12}",
+            "  first (cold) save stall",
+            format!("{:.1} ms", r.cold_stall_ms)
+        );
+        row(
+            &mut s,
+            "save until committed vs raw write",
+            format!("{:.2} GB/s", r.write_gbps),
+            format!("{:.2} GB/s", r.raw_write_gbps),
+            r.write_ratio,
+        );
+        if let (Some(direct), Some(ratio)) = (r.raw_write_direct_gbps, r.write_ratio_direct) {
+            row(
+                &mut s,
+                "  vs raw O_DIRECT write",
+                String::new(),
+                format!("{direct:.2} GB/s"),
+                ratio,
+            );
+        }
+        let _ = writeln!(
+            s,
+            "{:<34} {:>12}",
+            "  time until committed",
+            format!("{:.0} ms", r.commit_ms)
+        );
+        row(
+            &mut s,
+            "load, same world vs raw read",
+            format!("{:.2} GB/s", r.read_gbps),
+            format!("{:.2} GB/s", r.raw_read_gbps),
+            r.read_ratio,
+        );
+        row(
+            &mut s,
+            &format!("load onto {} ranks vs same world", c.reshard_ranks),
+            format!("{:.0} ms", r.reshard_load_ms),
+            format!("{:.0} ms", r.load_ms),
+            r.reshard_ratio,
+        );
+        let _ = writeln!(
+            s,
+            "{:<34} {:>12}",
+            "  reshard bytes read / requested",
+            format!("{:.4}", r.reshard_read_amplification)
+        );
+        if !r.zstd.is_empty() {
+            let _ = writeln!(s);
+            let _ = writeln!(
+                s,
+                "{:<16} {:>14} {:>7} {:>11} {:>11}",
+                "codec", "stored", "ratio", "save GB/s", "load GB/s"
+            );
+            let _ = writeln!(
+                s,
+                "{:<16} {:>14} {:>7.3} {:>11.2} {:>11.2}",
+                "none", r.file_bytes, 1.0, r.write_gbps, r.read_gbps
+            );
+            for z in &r.zstd {
+                let _ = writeln!(
+                    s,
+                    "{:<16} {:>14} {:>7.3} {:>11.2} {:>11.2}",
+                    format!("{}-{}", z.codec, z.level),
+                    z.stored_bytes,
+                    z.ratio,
+                    z.save_gbps,
+                    z.load_gbps
+                );
+            }
+        }
+        if !r.codec_samples.is_empty() {
+            let _ = writeln!(s);
+            let _ = writeln!(
+                s,
+                "{:<6} {:>8} {:>7} {:>16} {:>18}",
+                "data", "shuffle", "ratio", "compress GB/s/c", "decompress GB/s/c"
+            );
+            for z in &r.codec_samples {
+                let _ = writeln!(
+                    s,
+                    "{:<6} {:>8} {:>7.3} {:>16.3} {:>18.3}",
+                    z.data, z.shuffle, z.ratio, z.compress_gbps, z.decompress_gbps
+                );
+            }
+        }
+        if let Some(rss) = &r.rss {
+            let _ = writeln!(s);
+            let _ = writeln!(
+                s,
+                "rss over {} saves: first {:.0} MiB, last {:.0} MiB, growth after the first {:+.1} MiB",
+                rss.rss_mib.len(),
+                rss.rss_mib.first().copied().unwrap_or(0.0),
+                rss.rss_mib.last().copied().unwrap_or(0.0),
+                rss.growth_after_first_mib
+            );
+        }
+    }
+    if let Some(m) = &r.metadata {
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "metadata: {} tensors x {} ranks ({} chunks): manifest {:.1} KiB, one part {:.1} KiB, build {:.0} ms",
+            m.tensors,
+            m.ranks,
+            m.chunks,
+            m.manifest_bytes as f64 / 1024.0,
+            m.part_bytes as f64 / 1024.0,
+            m.build_ms
+        );
+        let _ = writeln!(
+            s,
+            "  open (read + parse) {:.1} ms; plan one rank {:.1} ms reading {:.2} MiB; onto {} ranks {:.1} ms reading {:.2} MiB",
+            m.open_ms,
+            m.plan_ms,
+            m.plan_bytes_read as f64 / (1 << 20) as f64,
+            m.reshard_ranks,
+            m.reshard_plan_ms,
+            m.reshard_plan_bytes_read as f64 / (1 << 20) as f64
+        );
+    }
+    let _ = writeln!(s);
+    let _ = writeln!(s, "{:<36} {:>10} {:>10}  met", "target", "value", "bound");
+    for t in &r.targets {
+        let _ = writeln!(
+            s,
+            "{:<36} {:>10.3} {:>2} {:>7.2}  {}",
+            t.name,
+            t.value,
+            t.relation,
+            t.bound,
+            if t.met { "yes" } else { "NO" }
+        );
+    }
+    s
+}

@@ -1,0 +1,112 @@
+//! `ckpt bench` end to end on a tiny workload: the JSON report carries the keys
+//! scripts track, as positive numbers. Timings are never asserted (machines differ);
+//! only that each figure was measured.
+
+use std::process::Command;
+
+fn bench_json(args: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", dir.path().display());
+    let output = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["bench", "--url", &url, "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "ckpt bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+#[test]
+fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
+    let report = bench_json(&[
+        "--ranks",
+        "2",
+        "--reshard-ranks",
+        "3",
+        "--tensors",
+        "3",
+        "--rows",
+        "96",
+        "--cols",
+        "64",
+        "--reps",
+        "1",
+        "--block-size",
+        "4096",
+        "--raw-mib",
+        "1",
+        "--codec-sample-mib",
+        "1",
+        "--meta-tensors",
+        "10",
+        "--meta-ranks",
+        "8",
+        "--rss-saves",
+        "2",
+    ]);
+    for key in [
+        "stall_ms",
+        "memcpy_ms",
+        "write_ratio",
+        "read_ratio",
+        "reshard_ratio",
+        "commit_ms",
+        "raw_write_gbps",
+        "raw_read_gbps",
+        "load_ms",
+        "reshard_load_ms",
+        "reshard_read_amplification",
+    ] {
+        let value = report[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing: {report}"));
+        assert!(value > 0.0 && value.is_finite(), "{key} = {value}");
+    }
+    // Every saved byte was read at least once, and no more than the blocks touched.
+    assert!(report["reshard_read_amplification"].as_f64().unwrap() >= 1.0);
+    let zstd = report["zstd"].as_array().unwrap();
+    assert_eq!(zstd.len(), 2, "zstd with and without shuffle: {report}");
+    for run in zstd {
+        assert!(run["stored_bytes"].as_u64().unwrap() > 0);
+        assert!(run["ratio"].as_f64().unwrap() > 0.0);
+    }
+    let samples = report["codec_samples"].as_array().unwrap();
+    assert_eq!(
+        samples.len(),
+        4,
+        "fp32 and bf16, each with and without shuffle"
+    );
+    let metadata = &report["metadata"];
+    assert_eq!(metadata["chunks"].as_u64(), Some(80));
+    assert!(metadata["manifest_bytes"].as_u64().unwrap() > 0);
+    assert!(metadata["plan_bytes_read"].as_u64().unwrap() > 0);
+    assert_eq!(report["rss"]["rss_mib"].as_array().unwrap().len(), 2);
+    assert!(!report["targets"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn metadata_only_bench_skips_the_data_runs() {
+    let report = bench_json(&[
+        "--metadata-only",
+        "--meta-tensors",
+        "20",
+        "--meta-ranks",
+        "16",
+    ]);
+    assert_eq!(report["metadata"]["chunks"].as_u64(), Some(320));
+    assert!(report["metadata"]["plan_ms"].as_f64().unwrap() >= 0.0);
+    assert!(report["zstd"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn bench_without_a_url_is_a_usage_error() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["bench", "--reps", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+}
