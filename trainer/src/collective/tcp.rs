@@ -1,0 +1,771 @@
+//! The TCP backend: a ring over one connection to each neighbour.
+//!
+//! Rank `r` writes to rank `r+1` and reads from rank `r-1` (mod the world size).
+//! All-gather and reduce-scatter are the classic rings (`W-1` steps, each moving one
+//! shard), so each rank sends `(W-1)/W` of the buffer: bandwidth-optimal, and the
+//! uneven shards of dim-0 splits are the ring's segments as they are. An all-reduce
+//! is a reduce-scatter followed by an all-gather. In each step the send runs on a
+//! scoped thread while the calling thread receives (a large write could otherwise
+//! fill both socket buffers and deadlock the ring); steps of at most 32 KiB write
+//! inline, since a matched ring step never finds the peer's buffer full.
+//!
+//! Bootstrap: rank 0 listens on the rendezvous address (`MASTER_ADDR:MASTER_PORT`
+//! when launched), every rank binds a data listener on the interface it reaches the
+//! rendezvous from and reports it; rank 0 answers everyone with the table of
+//! addresses; each rank then connects to its successor and accepts its predecessor.
+//!
+//! Failure: socket read and write timeouts bound every blocking call, so an operation
+//! fails when a peer makes no progress for [`TcpConfig::timeout`]. On any error the
+//! communicator shuts its sockets down (this is also what [`Collective::abort`]
+//! does from another thread: `shutdown` wakes a blocked `read` or `write`), which
+//! its neighbours see at once as a lost peer, and so on around the ring.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{
+    Collective, CollectiveError, CollectiveResult, Pod, pod_bytes, pod_bytes_mut, shard_counts,
+};
+
+/// Settings of a TCP communicator.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// An operation fails when a peer makes no progress for this long. Default 60 s.
+    pub timeout: Duration,
+    /// How long bootstrap waits for every rank to show up. Default 120 s.
+    pub connect_timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+const MAGIC: &[u8; 8] = b"CKPTRING";
+const INLINE_SEND: usize = 32 << 10;
+
+/// The tag of each transfer, checked by the receiver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+enum Tag {
+    AllGather = 1,
+    ReduceScatter = 2,
+    Broadcast = 3,
+}
+
+struct Links {
+    /// To rank + 1.
+    next: TcpStream,
+    /// From rank - 1.
+    prev: TcpStream,
+}
+
+/// A communicator over TCP (one process per rank, or threads in tests).
+pub struct TcpCollective {
+    rank: usize,
+    world: usize,
+    config: TcpConfig,
+    links: Mutex<Option<Links>>,
+    /// Clones of the sockets, for `abort` and poisoning without taking the lock.
+    handles: Vec<TcpStream>,
+    aborted: AtomicBool,
+    poisoned: Mutex<Option<CollectiveError>>,
+}
+
+impl std::fmt::Debug for TcpCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpCollective")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("aborted", &self.aborted.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+fn io_err(op: &'static str, peer: Option<usize>, e: impl std::fmt::Display) -> CollectiveError {
+    CollectiveError::Io {
+        op,
+        peer,
+        message: e.to_string(),
+    }
+}
+
+/// Polls a non-blocking listener until a connection arrives or the deadline passes.
+fn accept_until(
+    listener: &TcpListener,
+    deadline: Instant,
+    op: &'static str,
+) -> CollectiveResult<TcpStream> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| io_err(op, None, e))?;
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream
+                    .set_nonblocking(false)
+                    .map_err(|e| io_err(op, None, e))?;
+                return Ok(stream);
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(io_err(op, None, "timed out waiting for a peer to connect"));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(io_err(op, None, e)),
+        }
+    }
+}
+
+fn read_u32(stream: &mut TcpStream) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    stream.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn write_str(stream: &mut TcpStream, s: &str) -> std::io::Result<()> {
+    stream.write_all(&(s.len() as u32).to_le_bytes())?;
+    stream.write_all(s.as_bytes())
+}
+
+fn read_str(stream: &mut TcpStream) -> std::io::Result<String> {
+    let len = read_u32(stream)? as usize;
+    if len > 1024 {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            "address too long",
+        ));
+    }
+    let mut b = vec![0u8; len];
+    stream.read_exact(&mut b)?;
+    String::from_utf8(b).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
+}
+
+impl TcpCollective {
+    /// Joins the world as `rank` of `world`; rank 0 listens on `rendezvous`, the
+    /// others connect to it (retrying until [`TcpConfig::connect_timeout`]).
+    pub fn bootstrap(
+        rank: usize,
+        world: usize,
+        rendezvous: SocketAddr,
+        config: TcpConfig,
+    ) -> CollectiveResult<Self> {
+        let op = "bootstrap";
+        if world == 0 || rank >= world {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!("rank {rank} is not in world size {world}"),
+            });
+        }
+        if world == 1 {
+            return Ok(Self::single(config));
+        }
+        if rank == 0 {
+            let listener = TcpListener::bind(rendezvous)
+                .map_err(|e| io_err(op, None, format!("binding rendezvous {rendezvous}: {e}")))?;
+            return Self::bootstrap_root(listener, world, config);
+        }
+        let deadline = Instant::now() + config.connect_timeout;
+        let mut master = loop {
+            match TcpStream::connect_timeout(&rendezvous, Duration::from_secs(1)) {
+                Ok(stream) => break stream,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "rendezvous not reachable yet");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => {
+                    return Err(io_err(
+                        op,
+                        Some(0),
+                        format!("rendezvous {rendezvous} unreachable: {e}"),
+                    ));
+                }
+            }
+        };
+        master
+            .set_read_timeout(Some(config.connect_timeout))
+            .map_err(|e| io_err(op, Some(0), e))?;
+        let ip = master
+            .local_addr()
+            .map_err(|e| io_err(op, Some(0), e))?
+            .ip();
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| io_err(op, None, e))?;
+        let me = listener.local_addr().map_err(|e| io_err(op, None, e))?;
+        let table = (|| -> std::io::Result<Vec<String>> {
+            master.write_all(MAGIC)?;
+            master.write_all(&(rank as u32).to_le_bytes())?;
+            master.write_all(&(world as u32).to_le_bytes())?;
+            write_str(&mut master, &me.to_string())?;
+            let n = read_u32(&mut master)? as usize;
+            if n != world {
+                return Err(std::io::Error::new(
+                    ErrorKind::InvalidData,
+                    format!("rendezvous answered a table of {n} ranks, expected {world}"),
+                ));
+            }
+            (0..n).map(|_| read_str(&mut master)).collect()
+        })()
+        .map_err(|e| io_err(op, Some(0), e))?;
+        Self::connect_ring(rank, world, listener, &table, config, deadline)
+    }
+
+    /// Rank 0's side of the bootstrap, on an already bound rendezvous listener (tests
+    /// bind port 0 and hand the address to the other ranks).
+    pub fn bootstrap_root(
+        rendezvous: TcpListener,
+        world: usize,
+        config: TcpConfig,
+    ) -> CollectiveResult<Self> {
+        let op = "bootstrap";
+        if world == 1 {
+            return Ok(Self::single(config));
+        }
+        let deadline = Instant::now() + config.connect_timeout;
+        let ip = rendezvous
+            .local_addr()
+            .map_err(|e| io_err(op, None, e))?
+            .ip();
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| io_err(op, None, e))?;
+        let mut table = vec![String::new(); world];
+        table[0] = listener
+            .local_addr()
+            .map_err(|e| io_err(op, None, e))?
+            .to_string();
+        let mut joined: Vec<(usize, TcpStream)> = Vec::with_capacity(world - 1);
+        while joined.len() < world - 1 {
+            let mut stream = accept_until(&rendezvous, deadline, op).map_err(|_| {
+                io_err(
+                    op,
+                    None,
+                    format!(
+                        "only {} of {world} ranks joined within {:?}",
+                        joined.len() + 1,
+                        config.connect_timeout
+                    ),
+                )
+            })?;
+            stream
+                .set_read_timeout(Some(config.connect_timeout))
+                .map_err(|e| io_err(op, None, e))?;
+            let hello = (|| -> std::io::Result<(usize, usize, String)> {
+                let mut magic = [0u8; 8];
+                stream.read_exact(&mut magic)?;
+                if &magic != MAGIC {
+                    return Err(std::io::Error::new(ErrorKind::InvalidData, "bad magic"));
+                }
+                let rank = read_u32(&mut stream)? as usize;
+                let their_world = read_u32(&mut stream)? as usize;
+                Ok((rank, their_world, read_str(&mut stream)?))
+            })();
+            let (rank, their_world, addr) = match hello {
+                Ok(hello) => hello,
+                Err(e) => {
+                    tracing::warn!(error = %e, "ignoring a bad rendezvous connection");
+                    continue;
+                }
+            };
+            if their_world != world || rank == 0 || rank >= world || !table[rank].is_empty() {
+                return Err(CollectiveError::Invalid {
+                    op,
+                    message: format!(
+                        "rank {rank} of world {their_world} joined a world of {world} (duplicate or out of range)"
+                    ),
+                });
+            }
+            table[rank] = addr;
+            joined.push((rank, stream));
+        }
+        for (rank, stream) in &mut joined {
+            (|| -> std::io::Result<()> {
+                stream.write_all(&(world as u32).to_le_bytes())?;
+                for addr in &table {
+                    write_str(stream, addr)?;
+                }
+                stream.flush()
+            })()
+            .map_err(|e| io_err(op, Some(*rank), e))?;
+        }
+        Self::connect_ring(0, world, listener, &table, config, deadline)
+    }
+
+    fn single(config: TcpConfig) -> Self {
+        Self {
+            rank: 0,
+            world: 1,
+            config,
+            links: Mutex::new(None),
+            handles: Vec::new(),
+            aborted: AtomicBool::new(false),
+            poisoned: Mutex::new(None),
+        }
+    }
+
+    fn connect_ring(
+        rank: usize,
+        world: usize,
+        listener: TcpListener,
+        table: &[String],
+        config: TcpConfig,
+        deadline: Instant,
+    ) -> CollectiveResult<Self> {
+        let op = "bootstrap";
+        let next_rank = (rank + 1) % world;
+        let prev_rank = (rank + world - 1) % world;
+        let next_addr: SocketAddr = table[next_rank].parse().map_err(|e| {
+            io_err(
+                op,
+                Some(next_rank),
+                format!("bad address {:?}: {e}", table[next_rank]),
+            )
+        })?;
+        let mut next = TcpStream::connect_timeout(&next_addr, config.connect_timeout)
+            .map_err(|e| io_err(op, Some(next_rank), e))?;
+        next.write_all(MAGIC)
+            .and_then(|_| next.write_all(&(rank as u32).to_le_bytes()))
+            .map_err(|e| io_err(op, Some(next_rank), e))?;
+        let mut prev =
+            accept_until(&listener, deadline, op).map_err(|e| io_err(op, Some(prev_rank), e))?;
+        prev.set_read_timeout(Some(config.connect_timeout))
+            .map_err(|e| io_err(op, Some(prev_rank), e))?;
+        let mut magic = [0u8; 8];
+        prev.read_exact(&mut magic)
+            .map_err(|e| io_err(op, Some(prev_rank), e))?;
+        let who = read_u32(&mut prev).map_err(|e| io_err(op, Some(prev_rank), e))? as usize;
+        if &magic != MAGIC || who != prev_rank {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!("expected rank {prev_rank} to connect, got rank {who}"),
+            });
+        }
+        for s in [&next, &prev] {
+            s.set_nodelay(true).map_err(|e| io_err(op, None, e))?;
+            s.set_read_timeout(Some(config.timeout))
+                .map_err(|e| io_err(op, None, e))?;
+            s.set_write_timeout(Some(config.timeout))
+                .map_err(|e| io_err(op, None, e))?;
+        }
+        let handles = vec![
+            next.try_clone().map_err(|e| io_err(op, None, e))?,
+            prev.try_clone().map_err(|e| io_err(op, None, e))?,
+        ];
+        Ok(Self {
+            rank,
+            world,
+            config,
+            links: Mutex::new(Some(Links { next, prev })),
+            handles,
+            aborted: AtomicBool::new(false),
+            poisoned: Mutex::new(None),
+        })
+    }
+
+    fn next_rank(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    fn prev_rank(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    /// Takes the links for one operation, or the error that poisoned them.
+    fn begin(&self, op: &'static str) -> CollectiveResult<MutexGuard<'_, Option<Links>>> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(CollectiveError::Aborted { op });
+        }
+        if let Some(e) = self
+            .poisoned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Err(e);
+        }
+        Ok(self.links.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Records the first error and shuts the sockets down, so that the other half of
+    /// a ring step wakes up and the neighbours learn of the failure.
+    fn fail(&self, e: CollectiveError) -> CollectiveError {
+        let first = {
+            let mut poisoned = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
+            poisoned.get_or_insert(e).clone()
+        };
+        for s in &self.handles {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        if self.aborted.load(Ordering::SeqCst) {
+            return CollectiveError::Aborted {
+                op: match first {
+                    CollectiveError::Aborted { op }
+                    | CollectiveError::Timeout { op, .. }
+                    | CollectiveError::PeerLost { op, .. }
+                    | CollectiveError::Io { op, .. }
+                    | CollectiveError::Invalid { op, .. } => op,
+                },
+            };
+        }
+        first
+    }
+
+    fn classify(&self, op: &'static str, peer: usize, e: std::io::Error) -> CollectiveError {
+        if self.aborted.load(Ordering::SeqCst) {
+            return CollectiveError::Aborted { op };
+        }
+        match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => CollectiveError::Timeout {
+                op,
+                peer,
+                timeout: self.config.timeout,
+            },
+            ErrorKind::UnexpectedEof
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::BrokenPipe
+            | ErrorKind::NotConnected => CollectiveError::PeerLost {
+                op,
+                peer,
+                detail: if e.kind() == ErrorKind::UnexpectedEof {
+                    "connection closed".to_string()
+                } else {
+                    e.to_string()
+                },
+            },
+            _ => io_err(op, Some(peer), e),
+        }
+    }
+
+    fn send(
+        &self,
+        stream: &mut TcpStream,
+        op: &'static str,
+        tag: Tag,
+        data: &[u8],
+    ) -> CollectiveResult {
+        let mut header = [0u8; 12];
+        header[..4].copy_from_slice(&(tag as u32).to_le_bytes());
+        header[4..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        stream
+            .write_all(&header)
+            .and_then(|_| stream.write_all(data))
+            .map_err(|e| self.classify(op, self.next_rank(), e))
+    }
+
+    fn recv(
+        &self,
+        stream: &mut TcpStream,
+        op: &'static str,
+        tag: Tag,
+        out: &mut [u8],
+    ) -> CollectiveResult {
+        let peer = self.prev_rank();
+        let mut header = [0u8; 12];
+        stream
+            .read_exact(&mut header)
+            .map_err(|e| self.classify(op, peer, e))?;
+        let their_tag = u32::from_le_bytes(header[..4].try_into().expect("4 bytes"));
+        let len = u64::from_le_bytes(header[4..].try_into().expect("8 bytes"));
+        if their_tag != tag as u32 || len != out.len() as u64 {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!(
+                    "rank {peer} sent operation {their_tag} with {len} bytes, expected operation {} with {} bytes (ranks disagree on the sequence of collectives)",
+                    tag as u32,
+                    out.len()
+                ),
+            });
+        }
+        stream
+            .read_exact(out)
+            .map_err(|e| self.classify(op, peer, e))
+    }
+
+    /// One ring step: send `send` to the successor while receiving `recv` from the
+    /// predecessor.
+    fn exchange(
+        &self,
+        links: &mut Links,
+        op: &'static str,
+        tag: Tag,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> CollectiveResult {
+        let Links { next, prev } = links;
+        let result = if send.len() <= INLINE_SEND {
+            self.send(next, op, tag, send)
+                .and_then(|_| self.recv(prev, op, tag, recv))
+        } else {
+            std::thread::scope(|scope| {
+                let sender = scope.spawn(|| {
+                    let r = self.send(next, op, tag, send);
+                    if let Err(e) = &r {
+                        self.fail(e.clone());
+                    }
+                    r
+                });
+                let received = self.recv(prev, op, tag, recv);
+                if let Err(e) = &received {
+                    self.fail(e.clone());
+                }
+                let sent = sender.join().unwrap_or_else(|_| {
+                    Err(CollectiveError::Invalid {
+                        op,
+                        message: "sender thread panicked".into(),
+                    })
+                });
+                sent.and(received)
+            })
+        };
+        result.map_err(|e| self.fail(e))
+    }
+
+    /// Ring all-gather over `buf`, segments given by `offsets` (len W+1); each rank's
+    /// own segment is already in place.
+    fn ring_all_gather(
+        &self,
+        links: &mut Links,
+        op: &'static str,
+        buf: &mut [u8],
+        offsets: &[usize],
+    ) -> CollectiveResult {
+        let (w, r) = (self.world, self.rank);
+        for s in 0..w - 1 {
+            let send_seg = (r + w - s) % w;
+            let recv_seg = (r + w - s - 1) % w;
+            let (send, recv) = split(buf, offsets, send_seg, recv_seg);
+            self.exchange(links, op, Tag::AllGather, send, recv)?;
+        }
+        Ok(())
+    }
+
+    /// Ring reduce-scatter over `data`: afterwards segment `rank` holds the sum.
+    fn ring_reduce_scatter<T: Pod>(
+        &self,
+        links: &mut Links,
+        op: &'static str,
+        data: &mut [T],
+        offsets: &[usize],
+    ) -> CollectiveResult {
+        let (w, r) = (self.world, self.rank);
+        let largest = offsets.windows(2).map(|p| p[1] - p[0]).max().unwrap_or(0);
+        let mut scratch: Vec<T> = Vec::with_capacity(largest);
+        for s in 0..w - 1 {
+            let send_seg = (r + 2 * w - 1 - s) % w;
+            let recv_seg = (r + 2 * w - 2 - s) % w;
+            let recv_len = offsets[recv_seg + 1] - offsets[recv_seg];
+            // SAFETY: T is Pod (every bit pattern valid); recv fills every element
+            // before it is read.
+            unsafe { scratch.set_len(recv_len) };
+            {
+                let send = pod_bytes(&data[offsets[send_seg]..offsets[send_seg + 1]]);
+                self.exchange(
+                    links,
+                    op,
+                    Tag::ReduceScatter,
+                    send,
+                    pod_bytes_mut(&mut scratch),
+                )?;
+            }
+            let target = &mut data[offsets[recv_seg]..offsets[recv_seg + 1]];
+            for (t, x) in target.iter_mut().zip(&scratch) {
+                *t = T::add(*t, *x);
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter<T: Pod>(
+        &self,
+        op: &'static str,
+        data: &mut [T],
+        counts: &[usize],
+        out: &mut [T],
+    ) -> CollectiveResult {
+        let offsets = self.offsets(op, counts, data.len())?;
+        if out.len() != counts[self.rank] {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!(
+                    "rank {} owns {} elements but the output holds {}",
+                    self.rank,
+                    counts[self.rank],
+                    out.len()
+                ),
+            });
+        }
+        let mut links = self.begin(op)?;
+        if let Some(links) = links.as_mut() {
+            self.ring_reduce_scatter(links, op, data, &offsets)?;
+        }
+        out.copy_from_slice(&data[offsets[self.rank]..offsets[self.rank + 1]]);
+        Ok(())
+    }
+
+    fn all_reduce<T: Pod>(&self, op: &'static str, data: &mut [T]) -> CollectiveResult {
+        let counts = shard_counts(data.len(), self.world);
+        let offsets = self.offsets(op, &counts, data.len())?;
+        let mut links = self.begin(op)?;
+        let Some(links) = links.as_mut() else {
+            return Ok(());
+        };
+        self.ring_reduce_scatter(links, op, data, &offsets)?;
+        let bytes: Vec<usize> = offsets
+            .iter()
+            .map(|o| o * std::mem::size_of::<T>())
+            .collect();
+        self.ring_all_gather(links, op, pod_bytes_mut(data), &bytes)
+    }
+
+    fn offsets(
+        &self,
+        op: &'static str,
+        counts: &[usize],
+        total: usize,
+    ) -> CollectiveResult<Vec<usize>> {
+        if counts.len() != self.world {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!("{} counts for a world of {}", counts.len(), self.world),
+            });
+        }
+        let mut offsets = Vec::with_capacity(self.world + 1);
+        let mut at = 0usize;
+        offsets.push(0);
+        for c in counts {
+            at += c;
+            offsets.push(at);
+        }
+        if at != total {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!("counts sum to {at} but the buffer holds {total}"),
+            });
+        }
+        Ok(offsets)
+    }
+}
+
+/// Disjoint segments `a` (read) and `b` (written) of `buf`.
+fn split<'a>(buf: &'a mut [u8], offsets: &[usize], a: usize, b: usize) -> (&'a [u8], &'a mut [u8]) {
+    let ra = offsets[a]..offsets[a + 1];
+    let rb = offsets[b]..offsets[b + 1];
+    if ra.end <= rb.start {
+        let (lo, hi) = buf.split_at_mut(rb.start);
+        (&lo[ra], &mut hi[..rb.len()])
+    } else {
+        let (lo, hi) = buf.split_at_mut(ra.start);
+        (&hi[..ra.len()], &mut lo[rb])
+    }
+}
+
+impl Collective for TcpCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(&self, mine: &[u8], counts: &[usize], out: &mut [u8]) -> CollectiveResult {
+        let op = "all_gather";
+        let offsets = self.offsets(op, counts, out.len())?;
+        if mine.len() != counts[self.rank] {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!(
+                    "rank {} contributes {} bytes but counts say {}",
+                    self.rank,
+                    mine.len(),
+                    counts[self.rank]
+                ),
+            });
+        }
+        let mut links = self.begin(op)?;
+        out[offsets[self.rank]..offsets[self.rank + 1]].copy_from_slice(mine);
+        match links.as_mut() {
+            Some(links) => self.ring_all_gather(links, op, out, &offsets),
+            None => Ok(()),
+        }
+    }
+
+    fn reduce_scatter_i64(
+        &self,
+        data: &mut [i64],
+        counts: &[usize],
+        out: &mut [i64],
+    ) -> CollectiveResult {
+        self.reduce_scatter("reduce_scatter_i64", data, counts, out)
+    }
+
+    fn reduce_scatter_f32(
+        &self,
+        data: &mut [f32],
+        counts: &[usize],
+        out: &mut [f32],
+    ) -> CollectiveResult {
+        self.reduce_scatter("reduce_scatter_f32", data, counts, out)
+    }
+
+    fn all_reduce_i64(&self, data: &mut [i64]) -> CollectiveResult {
+        self.all_reduce("all_reduce_i64", data)
+    }
+
+    fn all_reduce_f32(&self, data: &mut [f32]) -> CollectiveResult {
+        self.all_reduce("all_reduce_f32", data)
+    }
+
+    fn broadcast(&self, root: usize, data: &mut [u8]) -> CollectiveResult {
+        let op = "broadcast";
+        if root >= self.world {
+            return Err(CollectiveError::Invalid {
+                op,
+                message: format!("root {root} is not in world size {}", self.world),
+            });
+        }
+        let mut links = self.begin(op)?;
+        let Some(links) = links.as_mut() else {
+            return Ok(());
+        };
+        // Store and forward around the ring in pieces, so ranks overlap.
+        let last = (root + self.world - 1) % self.world;
+        let piece = 1 << 20;
+        let result = (|| {
+            let mut at = 0;
+            loop {
+                let end = (at + piece).min(data.len());
+                if self.rank != root {
+                    self.recv(&mut links.prev, op, Tag::Broadcast, &mut data[at..end])?;
+                }
+                if self.rank != last {
+                    self.send(&mut links.next, op, Tag::Broadcast, &data[at..end])?;
+                }
+                if end == data.len() {
+                    return Ok(());
+                }
+                at = end;
+            }
+        })();
+        result.map_err(|e| self.fail(e))
+    }
+
+    fn barrier(&self) -> CollectiveResult {
+        let counts = vec![1; self.world];
+        let mut out = vec![0u8; self.world];
+        self.all_gather(&[1], &counts, &mut out)
+    }
+
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        for s in &self.handles {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! A torchrun-like launcher: N rank processes of this binary on this machine.
+//!
+//! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `MASTER_ADDR` and `MASTER_PORT` (a free port chosen by the launcher unless given)
+//! in its environment. Its stdout and stderr are streamed line by line with a
+//! `[rank N]` prefix. The ranks run in one process group of their own (printed, with
+//! every pid, at start), so a terminal's Ctrl-C reaches only the launcher, which
+//! forwards SIGINT and SIGTERM to every rank; tests kill the group or single pids.
+//!
+//! When a rank fails (non-zero exit or killed by a signal) without a signal having
+//! been forwarded, the launcher sends SIGTERM to the others, then SIGKILL after
+//! [`LaunchConfig::grace`]. Exit status: 0 when every rank succeeded;
+//! [`EXIT_STOPPED`] when every rank stopped cleanly after a final save; otherwise the
+//! first failure's code (128 + signal for a rank killed by a signal).
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, TcpListener};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::signals;
+
+/// Exit code of a rank (and of the launcher) that stopped on SIGTERM/SIGINT after
+/// committing a final checkpoint: 75 (`EX_TEMPFAIL`, "try again later": resume).
+pub const EXIT_STOPPED: i32 = 75;
+
+/// What to launch.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// Rank processes.
+    pub nproc: usize,
+    /// Rendezvous address (rank 0 listens there).
+    pub master_addr: IpAddr,
+    /// Rendezvous port; `None` picks a free one.
+    pub master_port: Option<u16>,
+    /// Arguments of every rank's command line (after the program name).
+    pub args: Vec<OsString>,
+    /// Time between SIGTERM and SIGKILL of the survivors after a failure.
+    pub grace: Duration,
+}
+
+static OUTPUT: Mutex<()> = Mutex::new(());
+
+fn stream<R: std::io::Read + Send + 'static>(
+    reader: R,
+    prefix: String,
+    stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).split(b'\n') {
+            let Ok(line) = line else { break };
+            let _guard = OUTPUT.lock().unwrap_or_else(|p| p.into_inner());
+            if stderr {
+                let mut out = std::io::stderr().lock();
+                let _ = out.write_all(prefix.as_bytes());
+                let _ = out.write_all(&line);
+                let _ = out.write_all(b"\n");
+            } else {
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(prefix.as_bytes());
+                let _ = out.write_all(&line);
+                let _ = out.write_all(b"\n");
+                let _ = out.flush();
+            }
+        }
+    })
+}
+
+fn say(line: std::fmt::Arguments<'_>) {
+    let _guard = OUTPUT.lock().unwrap_or_else(|p| p.into_inner());
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_fmt(line);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+}
+
+fn code_of(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
+
+fn kill(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on a pid we spawned and have not reaped yet.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, sig);
+    }
+}
+
+/// Runs the ranks to completion; returns the launcher's exit code.
+pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
+    signals::install();
+    let port = match config.master_port {
+        Some(port) => port,
+        None => TcpListener::bind((config.master_addr, 0))?
+            .local_addr()?
+            .port(),
+    };
+    let exe = std::env::current_exe()?;
+    let mut children: Vec<Option<Child>> = Vec::with_capacity(config.nproc);
+    let mut pumps = Vec::new();
+    let mut pgid = 0;
+    for rank in 0..config.nproc {
+        let mut command = Command::new(&exe);
+        command
+            .args(&config.args)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", config.nproc.to_string())
+            .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
+            .env("MASTER_ADDR", config.master_addr.to_string())
+            .env("MASTER_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(pgid);
+        let mut child = command.spawn()?;
+        if rank == 0 {
+            pgid = child.id() as i32;
+            say(format_args!(
+                "launch: {} ranks, rendezvous {}:{port}, process group {pgid}",
+                config.nproc, config.master_addr
+            ));
+        }
+        say(format_args!("launch: rank {rank} pid {}", child.id()));
+        let prefix = format!("[rank {rank}] ");
+        pumps.push(stream(
+            child.stdout.take().expect("piped"),
+            prefix.clone(),
+            false,
+        ));
+        pumps.push(stream(child.stderr.take().expect("piped"), prefix, true));
+        children.push(Some(child));
+    }
+
+    let mut forwarded = 0;
+    let mut statuses: Vec<Option<ExitStatus>> = vec![None; config.nproc];
+    let mut first_failure: Option<(usize, i32)> = None;
+    let mut kill_at: Option<Instant> = None;
+    let mut terminate = false;
+    while statuses.iter().any(Option::is_none) {
+        let (count, last) = signals::received();
+        if count > forwarded {
+            forwarded = count;
+            say(format_args!(
+                "launch: forwarding signal {last} to the ranks"
+            ));
+            for child in children.iter().flatten() {
+                kill(child, last);
+            }
+        }
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            if let Some(status) = child.try_wait()? {
+                let code = code_of(status);
+                if code != 0 && code != EXIT_STOPPED || (code == EXIT_STOPPED && forwarded == 0) {
+                    say(format_args!("launch: rank {rank} failed: {status}"));
+                    if first_failure.is_none() {
+                        first_failure = Some((rank, code));
+                        if forwarded == 0 {
+                            kill_at = Some(Instant::now() + config.grace);
+                            terminate = true;
+                        }
+                    }
+                }
+                statuses[rank] = Some(status);
+                *slot = None;
+            }
+        }
+        if terminate {
+            // First failure: ask the others to stop at once, kill them after the grace.
+            terminate = false;
+            for child in children.iter().flatten() {
+                kill(child, libc::SIGTERM);
+            }
+        }
+        if let Some(at) = kill_at
+            && Instant::now() >= at
+        {
+            for child in children.iter().flatten() {
+                kill(child, libc::SIGKILL);
+            }
+            kill_at = None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for pump in pumps {
+        let _ = pump.join();
+    }
+    let codes: Vec<i32> = statuses
+        .iter()
+        .map(|s| code_of(s.expect("reaped")))
+        .collect();
+    Ok(match first_failure {
+        Some((_, code)) => code,
+        None if codes.iter().all(|c| *c == 0) => 0,
+        None if codes.iter().all(|c| *c == EXIT_STOPPED || *c == 0) => EXIT_STOPPED,
+        None => codes.into_iter().find(|c| *c != 0).unwrap_or(1),
+    })
+}

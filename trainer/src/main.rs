@@ -1,0 +1,399 @@
+//! `ckpt-train`: the reference trainer's command line.
+//!
+//! `ckpt-train [train] [OPTIONS]` runs one rank (rank, world size and rendezvous from
+//! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; a single rank without them);
+//! `ckpt-train launch --nproc N -- [OPTIONS]` starts N ranks; `bench-collectives`
+//! measures the TCP backend; `collective-probe` is a fault-injection helper for tests.
+
+use std::ffi::OsString;
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use ckpt::storage::Store;
+use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
+use ckpt_trainer::launch::{self, EXIT_STOPPED, LaunchConfig};
+use ckpt_trainer::model::Preset;
+use ckpt_trainer::train::{self, Outcome, Stats, TrainConfig};
+use ckpt_trainer::{bench, signals};
+use clap::{ArgAction, Parser};
+
+const EXIT_FAILED: u8 = 1;
+const EXIT_USAGE: u8 = 2;
+
+const TRAIN_HELP: &str = "\
+Examples:
+  # 4 ranks, checkpoints on local disk every 50 steps
+  ckpt-train launch --nproc 4 -- --preset tiny --steps 200 --ckpt file://./runs/demo
+  # resume the newest commit on 3 ranks and continue to step 400
+  ckpt-train launch --nproc 3 -- --preset tiny --steps 400 --ckpt file://./runs/demo --resume
+  ckpt ls file://./runs/demo && ckpt inspect file://./runs/demo
+
+Other commands:
+  ckpt-train launch --nproc N [--master-port P] -- [TRAIN OPTIONS]   start N ranks
+  ckpt-train bench-collectives [--size BYTES] [--iters N]             (under launch)
+
+Exit codes: 0 finished; 1 failed (a collective, a checkpoint, a rank); 2 usage;
+75 stopped by SIGTERM/SIGINT after committing a final checkpoint (resume later).";
+
+/// Train one rank of a sharded data-parallel MLP on a seeded synthetic task,
+/// checkpointing through ckpt.
+#[derive(Parser, Debug)]
+#[command(name = "ckpt-train", version, after_help = TRAIN_HELP)]
+struct TrainArgs {
+    /// Model and batch sizes: tiny (tests, ~2k parameters), small (~25M), medium (~100M).
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// Seed of the initial weights, the teacher network and the data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The step to reach; a resumed run continues up to it.
+    #[arg(long, default_value_t = 100)]
+    steps: u64,
+    /// Store URL for checkpoints (file://./dir, s3://bucket/prefix, gs://…, az://…);
+    /// none: no checkpoints.
+    #[arg(long)]
+    ckpt: Option<String>,
+    /// Save every K steps (plus the final step); 0: only the final step.
+    #[arg(long, default_value_t = 50)]
+    ckpt_every: u64,
+    /// Resume from the newest committed checkpoint under --ckpt (any world size);
+    /// starts fresh when there is none.
+    #[arg(long)]
+    resume: bool,
+    /// Exact fixed-point gradient sums: weights bitwise identical for any world size
+    /// and any stop/resume history. --deterministic=false: f32 sums (faster).
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    deterministic: bool,
+    /// Keep the K newest checkpoints.
+    #[arg(long, default_value_t = 3)]
+    keep: usize,
+    /// Print the loss every N steps (rank 0).
+    #[arg(long, default_value_t = 10)]
+    log_every: u64,
+    /// A collective fails when a peer makes no progress for this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    timeout_secs: f64,
+    /// Fault injection for tests: STEP:RANK stops that rank forever right before it
+    /// saves STEP.
+    #[arg(long, hide = true)]
+    fault_hold_before_save: Option<String>,
+}
+
+/// Measure the TCP backend: all-reduce and all-gather bus bandwidth against one raw
+/// loopback TCP stream (run it under `launch`).
+#[derive(Parser, Debug)]
+#[command(
+    name = "ckpt-train bench-collectives",
+    after_help = "Example:\n  ckpt-train launch --nproc 4 -- bench-collectives --size 67108864 --iters 5"
+)]
+struct BenchArgs {
+    /// Bytes per operation (the all-reduced buffer, the gathered buffer).
+    #[arg(long, default_value_t = 64 << 20)]
+    size: usize,
+    /// Timed iterations of each operation.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Test helper: loop all-gathers; one rank kills itself during one of them.
+#[derive(Parser, Debug)]
+#[command(name = "ckpt-train collective-probe")]
+struct ProbeArgs {
+    /// Bytes per rank per all-gather.
+    #[arg(long, default_value_t = 16 << 20)]
+    size: usize,
+    /// Iterations.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// RANK:ITER — that rank SIGKILLs itself while entering that iteration.
+    #[arg(long)]
+    kill: Option<String>,
+    /// Collective timeout in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout_secs: f64,
+}
+
+/// Start N rank processes of this program on this machine (like torchrun).
+#[derive(Parser, Debug)]
+#[command(
+    name = "ckpt-train launch",
+    after_help = "Example:\n  ckpt-train launch --nproc 4 -- --preset tiny --steps 200 --ckpt file://./runs/demo"
+)]
+struct LaunchArgs {
+    /// Rank processes to start.
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Rendezvous address (rank 0 listens there).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: IpAddr,
+    /// Rendezvous port (default: a free one).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Seconds between SIGTERM and SIGKILL of the other ranks after one fails.
+    #[arg(long, default_value_t = 10.0)]
+    grace_secs: f64,
+    /// The ranks' arguments: training options, or `bench-collectives …`.
+    #[arg(last = true)]
+    args: Vec<OsString>,
+}
+
+struct World {
+    rank: usize,
+    world: usize,
+    rendezvous: SocketAddr,
+}
+
+fn world_from_env() -> Result<World, String> {
+    let get = |key: &str| std::env::var(key).ok();
+    let parse = |key: &str, default: usize| -> Result<usize, String> {
+        match get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .parse()
+                .map_err(|e| format!("{key}={v:?} is not a number: {e}")),
+        }
+    };
+    let rank = parse("RANK", 0)?;
+    let world = parse("WORLD_SIZE", 1)?;
+    let addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+    let port = parse("MASTER_PORT", 29500)?;
+    let ip: IpAddr = addr
+        .parse()
+        .map_err(|e| format!("MASTER_ADDR={addr:?} is not an IP address: {e}"))?;
+    if world == 0 || rank >= world {
+        return Err(format!("RANK={rank} is not in WORLD_SIZE={world}"));
+    }
+    Ok(World {
+        rank,
+        world,
+        rendezvous: SocketAddr::new(ip, port as u16),
+    })
+}
+
+fn connect(world: &World, timeout_secs: f64) -> Result<TcpCollective, String> {
+    let config = TcpConfig {
+        timeout: Duration::from_secs_f64(timeout_secs),
+        ..TcpConfig::default()
+    };
+    TcpCollective::bootstrap(world.rank, world.world, world.rendezvous, config)
+        .map_err(|e| format!("rank {}: {e}", world.rank))
+}
+
+fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("error: {message}");
+    ExitCode::from(code)
+}
+
+fn parse_pair(text: &str, what: &str) -> Result<(u64, usize), String> {
+    let (a, b) = text
+        .split_once(':')
+        .ok_or_else(|| format!("{what} {text:?} is not A:B"))?;
+    Ok((
+        a.parse().map_err(|e| format!("{what} {text:?}: {e}"))?,
+        b.parse().map_err(|e| format!("{what} {text:?}: {e}"))?,
+    ))
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    let command = args.get(1).and_then(|a| a.to_str()).map(str::to_owned);
+    match command.as_deref() {
+        Some("launch") => {
+            args.remove(1);
+            run_launch(LaunchArgs::parse_from(args))
+        }
+        Some("bench-collectives") => {
+            args.remove(1);
+            run_bench(BenchArgs::parse_from(args))
+        }
+        Some("collective-probe") => {
+            args.remove(1);
+            run_probe(ProbeArgs::parse_from(args))
+        }
+        Some("train") => {
+            args.remove(1);
+            run_train(TrainArgs::parse_from(args))
+        }
+        _ => run_train(TrainArgs::parse_from(args)),
+    }
+}
+
+fn run_launch(args: LaunchArgs) -> ExitCode {
+    if args.nproc == 0 {
+        return fail(EXIT_USAGE, "--nproc must be at least 1");
+    }
+    let config = LaunchConfig {
+        nproc: args.nproc,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        args: args.args,
+        grace: Duration::from_secs_f64(args.grace_secs),
+    };
+    match launch::launch(&config) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => fail(EXIT_FAILED, format!("launch: {e}")),
+    }
+}
+
+fn run_bench(args: BenchArgs) -> ExitCode {
+    let world = match world_from_env() {
+        Ok(w) => w,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let comm = match connect(&world, 120.0) {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_FAILED, e),
+    };
+    match bench::run(&comm, args.size, args.iters) {
+        Ok(report) => {
+            if world.rank == 0 {
+                if args.json {
+                    println!("{}", serde_json::to_string(&report).expect("serializable"));
+                } else {
+                    println!(
+                        "world {} size {} MiB x{}: raw loopback TCP {:.2} GB/s | all-reduce algbw {:.2} GB/s busbw {:.2} GB/s | all-gather algbw {:.2} GB/s busbw {:.2} GB/s",
+                        report.world_size,
+                        report.bytes >> 20,
+                        report.iters,
+                        report.raw_tcp_gbps,
+                        report.all_reduce_algbw_gbps,
+                        report.all_reduce_busbw_gbps,
+                        report.all_gather_algbw_gbps,
+                        report.all_gather_busbw_gbps
+                    );
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(EXIT_FAILED, format!("rank {}: {e}", world.rank)),
+    }
+}
+
+fn run_probe(args: ProbeArgs) -> ExitCode {
+    let world = match world_from_env() {
+        Ok(w) => w,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let kill = match args
+        .kill
+        .as_deref()
+        .map(|k| parse_pair(k, "--kill"))
+        .transpose()
+    {
+        Ok(k) => k.map(|(rank, at)| (rank as usize, at)),
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let comm = match connect(&world, args.timeout_secs) {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_FAILED, e),
+    };
+    match bench::probe(&comm, args.size, args.iters, kill) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(EXIT_FAILED, format!("rank {}: {e}", world.rank)),
+    }
+}
+
+fn run_train(args: TrainArgs) -> ExitCode {
+    let Some(preset) = Preset::named(&args.preset) else {
+        return fail(
+            EXIT_USAGE,
+            format!(
+                "unknown preset {:?}: expected tiny, small or medium",
+                args.preset
+            ),
+        );
+    };
+    if args.resume && args.ckpt.is_none() {
+        return fail(EXIT_USAGE, "--resume needs --ckpt URL");
+    }
+    if !args.timeout_secs.is_finite() || args.timeout_secs <= 0.0 {
+        return fail(
+            EXIT_USAGE,
+            format!("--timeout-secs must be positive, got {}", args.timeout_secs),
+        );
+    }
+    let hold = match args
+        .fault_hold_before_save
+        .as_deref()
+        .map(|h| parse_pair(h, "--fault-hold-before-save"))
+        .transpose()
+    {
+        Ok(h) => h,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let store = match args.ckpt.as_deref().map(Store::from_url).transpose() {
+        Ok(s) => s,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let world = match world_from_env() {
+        Ok(w) => w,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    signals::install();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(EXIT_FAILED, format!("tokio runtime: {e}")),
+    };
+    let comm = match connect(&world, args.timeout_secs) {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_FAILED, e),
+    };
+    let config = TrainConfig {
+        preset,
+        seed: args.seed,
+        steps: args.steps,
+        deterministic: args.deterministic,
+        ckpt_every: args.ckpt_every,
+        keep: args.keep,
+        resume: args.resume,
+        log_every: args.log_every,
+        generation: 0,
+        hold_before_save: hold,
+    };
+    let mut stats = Stats::default();
+    let outcome = train::run_generation(
+        &comm,
+        runtime.handle(),
+        store.as_ref(),
+        &config,
+        &signals::STOP,
+        &mut stats,
+    );
+    let rank = comm.rank();
+    match outcome {
+        Ok(Outcome::Finished { step, loss }) => {
+            if rank == 0 {
+                let secs = stats.elapsed.as_secs_f64();
+                println!(
+                    "done: step {step}, loss {loss:.6}; {} steps in {secs:.3} s ({:.3} steps/s, steady {:.3} steps/s), {} saves, {:.3} s blocked on checkpoints",
+                    stats.steps,
+                    stats.steps as f64 / secs.max(1e-9),
+                    stats.steady_steps_per_s(),
+                    stats.saves,
+                    stats.ckpt_blocked.as_secs_f64()
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(Outcome::Stopped { step }) => {
+            eprintln!("rank {rank}: stopped at step {step} after a committed checkpoint");
+            ExitCode::from(EXIT_STOPPED as u8)
+        }
+        Err(e) => fail(EXIT_FAILED, format!("rank {rank}: {e}")),
+    }
+}

@@ -1,0 +1,36 @@
+//! SIGINT/SIGTERM as flags: handlers only store the signal number in an atomic
+//! (async-signal-safe); loops poll it.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+static LAST: AtomicI32 = AtomicI32::new(0);
+static COUNT: AtomicI32 = AtomicI32::new(0);
+
+/// Set by the handler on the first SIGINT or SIGTERM; training loops poll it.
+pub static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(signum: libc::c_int) {
+    LAST.store(signum, Ordering::SeqCst);
+    STOP.store(true, Ordering::SeqCst);
+    COUNT.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Installs the handler for SIGINT and SIGTERM.
+pub fn install() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only touches atomics, which is async-signal-safe; the
+        // sigaction struct is zero-initialized and then filled in.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as *const () as usize;
+            libc::sigemptyset(&mut action.sa_mask);
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigaction(sig, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// The signals received so far and the last one (0 when none).
+pub fn received() -> (i32, i32) {
+    (COUNT.load(Ordering::SeqCst), LAST.load(Ordering::SeqCst))
+}

@@ -1,0 +1,557 @@
+//! The training loop of one *generation*: a fixed world that runs until the target
+//! step, a stop request, or the first failure, which it returns to its caller.
+//!
+//! [`run_generation`] takes its communicator as an argument and owns nothing global,
+//! so an elastic agent can call it again in the same process with a new world and
+//! `resume = true` after a failure: it then loads the newest committed checkpoint
+//! resharded onto the new world size and carries on.
+//!
+//! One step, FSDP2 style, on rank `r` of `W`:
+//! 1. all-gather every parameter from its dim-0 shards (`r·n/W .. (r+1)·n/W` rows);
+//! 2. forward and backward of chunks `r, r+W, …` of the step's global batch (a fixed
+//!    number of chunks, independent of `W`), adding each chunk's gradient in exact
+//!    fixed point (deterministic mode) or in f32 (fast mode);
+//! 3. reduce-scatter the gradients: each rank receives the sum over all chunks of the
+//!    rows it owns;
+//! 4. one small all-reduce carries every chunk's loss (summed afterwards in chunk
+//!    order, so the logged loss is identical for every `W`) and the ranks' stop flags
+//!    (so that all ranks agree on the step at which a SIGTERM stops them);
+//! 5. Adam on the owned rows of parameters and moments.
+//!
+//! Checkpoints hold the parameters and both Adam moments as dim-0 shards, and as
+//! global state the step, the data position, the generator description and the loss
+//! history. Nothing is per rank: the data of a step is a function of (seed, step,
+//! chunk), so a resumed run at any world size continues the same sequence.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use ckpt::storage::Store;
+use ckpt::{CheckpointConfig, Checkpointer, DType, LoadRequest, SaveHandle, State, as_bytes};
+use serde_json::json;
+
+use crate::collective::{Collective, CollectiveError, CollectiveExt, shard_counts, shard_range};
+use crate::fixed;
+use crate::model::{self, GradSink, Preset, Teacher, TensorSpec};
+
+/// What one generation is asked to do.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Model, task and batch sizes.
+    pub preset: Preset,
+    /// Seed of the initial parameters, the teacher and the data.
+    pub seed: u64,
+    /// The step to reach (a resumed run continues up to it).
+    pub steps: u64,
+    /// Exact fixed-point gradient sums (bitwise identical for every world size) or
+    /// f32 sums (less traffic and arithmetic, but the last bits depend on the world).
+    pub deterministic: bool,
+    /// Save every this many steps (0: only the final save).
+    pub ckpt_every: u64,
+    /// Keep this many newest checkpoints.
+    pub keep: usize,
+    /// Resume from the newest committed checkpoint, if there is one.
+    pub resume: bool,
+    /// Print the loss every this many steps (rank 0).
+    pub log_every: u64,
+    /// Generation number recorded in the checkpoints.
+    pub generation: u64,
+    /// Fault injection for tests: `(step, rank)`; that rank stops forever right
+    /// before saving that step, so the step's checkpoint never commits.
+    pub hold_before_save: Option<(u64, usize)>,
+}
+
+/// How a generation ended without failure.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The target step was reached (and saved, when checkpointing).
+    Finished {
+        /// Steps completed.
+        step: u64,
+        /// Loss of the last step.
+        loss: f64,
+    },
+    /// A stop was requested (SIGTERM); the ranks agreed on a step, saved it and
+    /// waited for the commit.
+    Stopped {
+        /// Steps completed (and saved).
+        step: u64,
+    },
+}
+
+/// Why a generation failed. A collective error means the world is broken (a new
+/// world may resume); a checkpoint error means the store or a checkpoint failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A collective failed (lost peer, timeout, abort).
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// Saving or loading a checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] ckpt::Error),
+    /// The settings or the checkpoint found do not fit this run.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Counters of one generation, for benchmarks.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    /// Steps run in this generation.
+    pub steps: u64,
+    /// Wall time of those steps (checkpoint stalls included).
+    pub elapsed: Duration,
+    /// Time blocked in `save` (staging) and waiting for the previous commit.
+    pub ckpt_blocked: Duration,
+    /// Checkpoints saved.
+    pub saves: u64,
+    /// Time since the generation's first step at the end of each step (its save
+    /// call included).
+    pub marks: Vec<Duration>,
+}
+
+impl Stats {
+    /// Steps per second after the first two steps (warm-up, first allocation).
+    pub fn steady_steps_per_s(&self) -> f64 {
+        let n = self.marks.len();
+        if n < 4 {
+            return f64::NAN;
+        }
+        (n - 3) as f64 / (self.marks[n - 1] - self.marks[2]).as_secs_f64().max(1e-9)
+    }
+}
+
+/// One rank's training state: its dim-0 shards of parameters and moments.
+struct Shards {
+    params: Vec<Vec<f32>>,
+    m: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    step: u64,
+    losses: Vec<f64>,
+}
+
+fn owned_rows(spec: &TensorSpec, rank: usize, world: usize) -> std::ops::Range<usize> {
+    shard_range(spec.rows, rank, world)
+}
+
+fn trainer_state(config: &TrainConfig) -> serde_json::Value {
+    let p = &config.preset;
+    json!({
+        "preset": p.name,
+        "seed": config.seed,
+        "global_batch": p.batch,
+        "chunks": p.chunks,
+        "parameters": p.parameters(),
+    })
+}
+
+/// Prints one line on stdout (flushed, so launchers and tests see it at once).
+fn say(line: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_fmt(line);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+}
+
+/// Runs one generation on `comm`'s world. See the module docs.
+///
+/// `stop` is polled once per step (a signal handler sets it); the ranks agree on the
+/// first step at which any of them saw it. `stats` receives counters.
+pub fn run_generation(
+    comm: &dyn Collective,
+    runtime: &tokio::runtime::Handle,
+    store: Option<&Store>,
+    config: &TrainConfig,
+    stop: &AtomicBool,
+    stats: &mut Stats,
+) -> Result<Outcome, TrainError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let preset = &config.preset;
+    if preset.chunks > fixed::MAX_CHUNKS || !preset.batch.is_multiple_of(preset.chunks) {
+        return Err(TrainError::Invalid(format!(
+            "preset {}: {} chunks of a batch of {} (need a divisor, at most {})",
+            preset.name,
+            preset.chunks,
+            preset.batch,
+            fixed::MAX_CHUNKS
+        )));
+    }
+    let specs = preset.tensors();
+    let mut offsets = Vec::with_capacity(specs.len() + 1);
+    let mut total = 0;
+    for s in &specs {
+        offsets.push(total);
+        total += s.numel();
+    }
+    offsets.push(total);
+
+    let checkpointer = match store {
+        Some(store) => {
+            let mut c = CheckpointConfig::new(rank, world);
+            c.keep_last = Some(config.keep.max(1));
+            c.generation = config.generation;
+            Some(Checkpointer::new(store.clone(), c)?)
+        }
+        None => None,
+    };
+
+    let mut st = match (store, config.resume) {
+        (Some(store), true) => load(comm, runtime, store, config, &specs)?,
+        _ => None,
+    }
+    .unwrap_or_else(|| init(config, &specs, rank, world));
+    if rank == 0 {
+        say(format_args!(
+            "start: preset {} ({} parameters), world {world}, step {} of {}, {} mode",
+            preset.name,
+            preset.parameters(),
+            st.step,
+            config.steps,
+            if config.deterministic {
+                "deterministic"
+            } else {
+                "fast"
+            }
+        ));
+    }
+
+    let teacher = Teacher::new(config.seed, preset);
+    let mut full = vec![0f32; total];
+    let mut acc_i64 = if config.deterministic {
+        vec![0i64; total]
+    } else {
+        Vec::new()
+    };
+    let mut acc_f32 = vec![0f32; total];
+    let mut grad_shard: Vec<f32> = Vec::new();
+    let mut grad_shard_i64: Vec<i64> = Vec::new();
+    let mut pending: Option<SaveHandle> = None;
+    let started = Instant::now();
+    let first_step = st.step;
+    let mut loss = f64::NAN;
+
+    while st.step < config.steps {
+        let step = st.step;
+        // 1. All-gather the parameters.
+        for (i, spec) in specs.iter().enumerate() {
+            let counts: Vec<usize> = shard_counts(spec.rows, world)
+                .into_iter()
+                .map(|r| r * spec.cols)
+                .collect();
+            comm.all_gather_f32(
+                &st.params[i],
+                &counts,
+                &mut full[offsets[i]..offsets[i + 1]],
+            )?;
+        }
+        // 2. This rank's chunks.
+        let mut flags = vec![0i64; preset.chunks + 1];
+        if config.deterministic {
+            acc_i64.fill(0);
+        } else {
+            acc_f32.fill(0.0);
+        }
+        for chunk in (rank..preset.chunks).step_by(world) {
+            let (x, y) = model::chunk_data(config.seed, step, chunk, preset, &teacher);
+            let mut sink = if config.deterministic {
+                GradSink::Fixed {
+                    acc: &mut acc_i64,
+                    scratch: &mut acc_f32,
+                }
+            } else {
+                GradSink::Float { acc: &mut acc_f32 }
+            };
+            let chunk_loss = model::chunk_step(preset, &full, &offsets, &x, &y, &mut sink);
+            flags[chunk] = chunk_loss.to_bits() as i64;
+        }
+        // 3. Reduce-scatter the gradients and 5. update the owned rows.
+        // 4. Losses and stop flags first, so a stop is agreed before any update.
+        flags[preset.chunks] = i64::from(stop.load(Ordering::SeqCst));
+        comm.all_reduce_i64(&mut flags)?;
+        loss = flags[..preset.chunks]
+            .iter()
+            .map(|b| f64::from_bits(*b as u64))
+            .sum();
+        let stopping = flags[preset.chunks] != 0;
+        for (i, spec) in specs.iter().enumerate() {
+            let counts: Vec<usize> = shard_counts(spec.rows, world)
+                .into_iter()
+                .map(|r| r * spec.cols)
+                .collect();
+            let mine = counts[rank];
+            grad_shard.resize(mine, 0.0);
+            let range = offsets[i]..offsets[i + 1];
+            if config.deterministic {
+                grad_shard_i64.resize(mine, 0);
+                comm.reduce_scatter_i64(&mut acc_i64[range], &counts, &mut grad_shard_i64)?;
+                for (g, s) in grad_shard.iter_mut().zip(&grad_shard_i64) {
+                    *g = fixed::from_fixed(*s);
+                }
+            } else {
+                comm.reduce_scatter_f32(&mut acc_f32[range], &counts, &mut grad_shard)?;
+            }
+            model::adam(
+                preset.lr,
+                step + 1,
+                &mut st.params[i],
+                &mut st.m[i],
+                &mut st.v[i],
+                &grad_shard,
+            );
+        }
+        st.step = step + 1;
+        st.losses.push(loss);
+        stats.steps += 1;
+        if rank == 0 && (st.step % config.log_every.max(1) == 0 || st.step == config.steps) {
+            say(format_args!("step {} loss {loss:.6}", st.step));
+        }
+
+        if let Some((at, who)) = config.hold_before_save
+            && at == st.step
+            && who == rank
+        {
+            say(format_args!(
+                "fault: rank {rank} holds before saving step {at}"
+            ));
+            loop {
+                std::thread::park();
+            }
+        }
+        let due = (config.ckpt_every > 0 && st.step % config.ckpt_every == 0)
+            || st.step == config.steps
+            || stopping;
+        if let Some(checkpointer) = &checkpointer
+            && due
+        {
+            let blocked = Instant::now();
+            if let Some(previous) = pending.take() {
+                runtime.block_on(previous.committed())?;
+            }
+            let handle = save(runtime, checkpointer, config, &specs, &st, rank, world)?;
+            stats.ckpt_blocked += blocked.elapsed();
+            stats.saves += 1;
+            if rank == 0 {
+                say(format_args!(
+                    "saving step {} (stall {:.1} ms)",
+                    st.step,
+                    handle.stall().as_secs_f64() * 1e3
+                ));
+            }
+            pending = Some(handle);
+        }
+        stats.marks.push(started.elapsed());
+        if stopping {
+            if let Some(handle) = pending.take() {
+                runtime.block_on(handle.committed())?;
+            }
+            stats.elapsed += started.elapsed();
+            if rank == 0 {
+                say(format_args!(
+                    "stopped at step {} (checkpoint committed)",
+                    st.step
+                ));
+            }
+            return Ok(Outcome::Stopped { step: st.step });
+        }
+    }
+    if let Some(handle) = pending.take() {
+        runtime.block_on(handle.committed())?;
+        if rank == 0 {
+            say(format_args!("committed step {}", handle.step()));
+        }
+    }
+    stats.elapsed += started.elapsed();
+    if fixed::clamped() > 0 {
+        tracing::warn!(
+            clamped = fixed::clamped(),
+            "gradient elements were clamped to ±65536 (diverging?)"
+        );
+    }
+    if st.step == first_step && !st.losses.is_empty() {
+        loss = *st.losses.last().expect("non-empty");
+    }
+    Ok(Outcome::Finished {
+        step: st.step,
+        loss,
+    })
+}
+
+fn init(config: &TrainConfig, specs: &[TensorSpec], rank: usize, world: usize) -> Shards {
+    let mut params = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        let rows = owned_rows(spec, rank, world);
+        let mut p = vec![0f32; rows.len() * spec.cols];
+        model::init_rows(config.seed, i, spec, rows, &mut p);
+        params.push(p);
+    }
+    let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0f32; p.len()]).collect();
+    Shards {
+        params,
+        m: zeros.clone(),
+        v: zeros,
+        step: 0,
+        losses: Vec::new(),
+    }
+}
+
+fn save(
+    runtime: &tokio::runtime::Handle,
+    checkpointer: &Checkpointer,
+    config: &TrainConfig,
+    specs: &[TensorSpec],
+    st: &Shards,
+    rank: usize,
+    world: usize,
+) -> Result<SaveHandle, TrainError> {
+    let mut state = State::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let shape = spec.shape();
+        for (prefix, data) in [
+            ("param", &st.params[i]),
+            ("adam_m", &st.m[i]),
+            ("adam_v", &st.v[i]),
+        ] {
+            state.add_dim0_shard(
+                format!("{prefix}/{}", spec.name),
+                DType::F32,
+                &shape,
+                rank,
+                world,
+                as_bytes(data),
+            )?;
+        }
+    }
+    let batch = config.preset.batch as u64;
+    state.set_global_json("step", json!(st.step));
+    state.set_global_json("trainer", trainer_state(config));
+    state.set_global_json(
+        "data_position",
+        json!({ "next_step": st.step, "samples_consumed": st.step * batch }),
+    );
+    state.set_global_json(
+        "rng",
+        json!({
+            "algorithm": "counter-based splitmix64 of (seed, stream, step, sample)",
+            "seed": config.seed,
+            "note": "no generator state: step N's data is a function of (seed, N)",
+        }),
+    );
+    state.set_global_json("loss_history", json!(st.losses));
+    state.set_global_json(
+        "optimizer",
+        json!({ "kind": "adam", "lr": config.preset.lr, "beta1": model::BETA1, "beta2": model::BETA2, "eps": model::EPS, "t": st.step }),
+    );
+    let outcome = runtime.block_on(checkpointer.save(st.step, &state))?;
+    outcome
+        .handle()
+        .ok_or_else(|| TrainError::Invalid("save skipped although the policy is to wait".into()))
+}
+
+/// Loads the newest committed checkpoint resharded onto this world, or `None` when
+/// the store holds none. Every rank checks that all loaded the same step.
+fn load(
+    comm: &dyn Collective,
+    runtime: &tokio::runtime::Handle,
+    store: &Store,
+    config: &TrainConfig,
+    specs: &[TensorSpec],
+) -> Result<Option<Shards>, TrainError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let found = runtime.block_on(async {
+        if ckpt::latest(store).await?.is_none() {
+            return Ok::<_, ckpt::Error>(None);
+        }
+        let (reader, loaded) =
+            ckpt::load_latest(store, |m| LoadRequest::dim0_shards(m, rank, world)).await?;
+        let global = reader.global_state().await?;
+        Ok(Some((reader.step(), loaded, global)))
+    })?;
+    // Agree on the step (u64::MAX: nothing found).
+    let mine = found.as_ref().map_or(u64::MAX, |f| f.0);
+    let mut steps = vec![0u8; 8 * world];
+    comm.all_gather(&mine.to_le_bytes(), &vec![8; world], &mut steps)?;
+    let steps: Vec<u64> = steps
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect();
+    if steps.iter().any(|s| *s != mine) {
+        return Err(TrainError::Invalid(format!(
+            "ranks found different newest checkpoints: {steps:?} (u64::MAX = none)"
+        )));
+    }
+    let Some((step, loaded, global)) = found else {
+        return Ok(None);
+    };
+    let expect = trainer_state(config);
+    let saved = global.get("trainer").and_then(|v| v.as_json()).cloned();
+    for key in ["preset", "seed", "global_batch", "chunks"] {
+        let saved = saved.as_ref().and_then(|s| s.get(key));
+        if saved != expect.get(key) {
+            return Err(TrainError::Invalid(format!(
+                "checkpoint step {step} was written with {key} = {}, this run has {key} = {}",
+                saved.map_or("nothing".to_string(), |v| v.to_string()),
+                expect[key]
+            )));
+        }
+    }
+    let saved_step = global
+        .get("step")
+        .and_then(|v| v.as_json())
+        .and_then(|v| v.as_u64());
+    if saved_step != Some(step) {
+        return Err(TrainError::Invalid(format!(
+            "checkpoint step {step} records step {saved_step:?} in its global state"
+        )));
+    }
+    let losses: Vec<f64> = global
+        .get("loss_history")
+        .and_then(|v| v.as_json())
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .ok_or_else(|| {
+            TrainError::Invalid(format!("checkpoint step {step} has no loss_history"))
+        })?;
+    let mut by_name: BTreeMap<String, Vec<u8>> = loaded
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, t.data))
+        .collect();
+    let mut take = |name: String, spec: &TensorSpec| -> Result<Vec<f32>, TrainError> {
+        let bytes = by_name.remove(&name).ok_or_else(|| {
+            TrainError::Invalid(format!("checkpoint step {step} lacks tensor {name}"))
+        })?;
+        let want = owned_rows(spec, rank, world).len() * spec.cols * 4;
+        if bytes.len() != want {
+            return Err(TrainError::Invalid(format!(
+                "tensor {name}: loaded {} bytes, rank {rank} of {world} owns {want}",
+                bytes.len()
+            )));
+        }
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect())
+    };
+    let mut shards = Shards {
+        params: Vec::new(),
+        m: Vec::new(),
+        v: Vec::new(),
+        step,
+        losses,
+    };
+    for spec in specs {
+        shards
+            .params
+            .push(take(format!("param/{}", spec.name), spec)?);
+        shards.m.push(take(format!("adam_m/{}", spec.name), spec)?);
+        shards.v.push(take(format!("adam_v/{}", spec.name), spec)?);
+    }
+    if rank == 0 {
+        say(format_args!(
+            "resumed from step {step} of {} (saved by another world is fine: resharded to {world})",
+            store.url()
+        ));
+    }
+    Ok(Some(shards))
+}
