@@ -249,14 +249,16 @@ fn fixtures_are_valid_to_begin_with() {
         frame_input[3] = 4; // shuffle width, as the zstd_frame target decodes it
         let mut frame_seed = frame_input.to_vec();
         frame_seed.extend_from_slice(&f.frame);
-        for (target, seed) in [
-            ("manifest", f.manifest.clone()),
-            ("rank_part", f.part.clone()),
-            ("safetensors_header", f.header.clone()),
-            ("zstd_frame", frame_seed),
+        for (target, seed, file) in [
+            ("manifest", f.manifest.clone(), "seed-save"),
+            ("manifest", body(&f.manifest).to_vec(), "seed-body"),
+            ("rank_part", f.part.clone(), "seed-save"),
+            ("rank_part", body(&f.part).to_vec(), "seed-body"),
+            ("safetensors_header", f.header.clone(), "seed-save"),
+            ("zstd_frame", frame_seed, "seed-save"),
         ] {
             std::fs::create_dir_all(dir.join(target)).unwrap();
-            std::fs::write(dir.join(target).join("seed-save"), seed).unwrap();
+            std::fs::write(dir.join(target).join(file), seed).unwrap();
         }
     }
 }
