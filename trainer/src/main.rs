@@ -14,7 +14,7 @@ use ckpt::storage::Store;
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
 use ckpt_trainer::launch::{self, EXIT_STOPPED, LaunchConfig};
 use ckpt_trainer::model::Preset;
-use ckpt_trainer::train::{self, Outcome, Stats, TrainConfig};
+use ckpt_trainer::train::{self, Hold, Outcome, Stats, TrainConfig};
 use ckpt_trainer::{bench, signals};
 use clap::{ArgAction, Parser};
 
@@ -74,10 +74,10 @@ struct TrainArgs {
     /// A collective fails when a peer makes no progress for this many seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout_secs: f64,
-    /// Fault injection for tests: STEP:RANK stops that rank forever right before it
-    /// saves STEP.
+    /// Fault injection for tests: STEP:RANK:before-save|after-save parks that rank
+    /// forever at that step (the world then hangs mid-step until killed).
     #[arg(long, hide = true)]
-    fault_hold_before_save: Option<String>,
+    fault_hold: Option<String>,
 }
 
 /// Measure the TCP backend: all-reduce and all-gather bus bandwidth against one raw
@@ -196,6 +196,23 @@ fn parse_pair(text: &str, what: &str) -> Result<(u64, usize), String> {
         a.parse().map_err(|e| format!("{what} {text:?}: {e}"))?,
         b.parse().map_err(|e| format!("{what} {text:?}: {e}"))?,
     ))
+}
+
+fn parse_hold(text: &str) -> Result<Hold, String> {
+    let bad = || format!("--fault-hold {text:?} is not STEP:RANK:before-save|after-save");
+    let mut parts = text.split(':');
+    let step = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let rank = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let before_save = match parts.next() {
+        Some("before-save") => true,
+        Some("after-save") => false,
+        _ => return Err(bad()),
+    };
+    Ok(Hold {
+        step,
+        rank,
+        before_save,
+    })
 }
 
 fn main() -> ExitCode {
@@ -323,12 +340,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
             format!("--timeout-secs must be positive, got {}", args.timeout_secs),
         );
     }
-    let hold = match args
-        .fault_hold_before_save
-        .as_deref()
-        .map(|h| parse_pair(h, "--fault-hold-before-save"))
-        .transpose()
-    {
+    let hold = match args.fault_hold.as_deref().map(parse_hold).transpose() {
         Ok(h) => h,
         Err(e) => return fail(EXIT_USAGE, e),
     };
@@ -363,7 +375,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         resume: args.resume,
         log_every: args.log_every,
         generation: 0,
-        hold_before_save: hold,
+        hold,
     };
     let mut stats = Stats::default();
     let outcome = train::run_generation(

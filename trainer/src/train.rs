@@ -58,9 +58,39 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// Generation number recorded in the checkpoints.
     pub generation: u64,
-    /// Fault injection for tests: `(step, rank)`; that rank stops forever right
-    /// before saving that step, so the step's checkpoint never commits.
-    pub hold_before_save: Option<(u64, usize)>,
+    /// Fault injection for tests: one rank stops forever at a step, so that a test
+    /// can kill the world at a known point instead of racing a fast loop.
+    pub hold: Option<Hold>,
+}
+
+/// Where a rank holds (parks its training thread forever); see
+/// [`TrainConfig::hold`]. The other ranks go on until their next collective, which
+/// waits for the held rank: the world is stuck mid-step, as if that rank hung.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    /// The step just completed.
+    pub step: u64,
+    /// The rank that holds.
+    pub rank: usize,
+    /// Before calling `save` for that step (its checkpoint can never commit) or
+    /// after (the save runs on in the background and may commit).
+    pub before_save: bool,
+}
+
+fn hold_here(hold: Option<Hold>, step: u64, rank: usize, before_save: bool) {
+    if let Some(h) = hold
+        && h.step == step
+        && h.rank == rank
+        && h.before_save == before_save
+    {
+        say(format_args!(
+            "fault: rank {rank} holds {} saving step {step}",
+            if before_save { "before" } else { "after" }
+        ));
+        loop {
+            std::thread::park();
+        }
+    }
 }
 
 /// How a generation ended without failure.
@@ -308,17 +338,7 @@ pub fn run_generation(
             say(format_args!("step {} loss {loss:.6}", st.step));
         }
 
-        if let Some((at, who)) = config.hold_before_save
-            && at == st.step
-            && who == rank
-        {
-            say(format_args!(
-                "fault: rank {rank} holds before saving step {at}"
-            ));
-            loop {
-                std::thread::park();
-            }
-        }
+        hold_here(config.hold, st.step, rank, true);
         let due = (config.ckpt_every > 0 && st.step % config.ckpt_every == 0)
             || st.step == config.steps
             || stopping;
@@ -341,6 +361,7 @@ pub fn run_generation(
             }
             pending = Some(handle);
         }
+        hold_here(config.hold, st.step, rank, false);
         stats.marks.push(started.elapsed());
         if stopping {
             if let Some(handle) = pending.take() {

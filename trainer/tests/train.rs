@@ -1,0 +1,350 @@
+//! End-to-end runs of the real `ckpt-train` binary through its launcher, on `file://`
+//! stores in temporary directories, with the `tiny` preset.
+//!
+//! The oracle is bitwise identity: the final checkpoint of an interrupted, resumed,
+//! resharded run must equal the one of an uninterrupted run, tensor by tensor and in
+//! its global state (step, data position, loss history), as `ckpt diff` compares them.
+//! Kills happen at known points: a hidden `--fault-hold` option parks one rank at a
+//! step, the others block in their next collective (mid-step), the test sees the
+//! rank's log line and SIGKILLs every rank by pid.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use ckpt::storage::Store;
+use ckpt::tools::diff::{DiffOptions, diff};
+use ckpt::{CheckpointReader, list_checkpoints};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ckpt-train");
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn url(dir: &Path) -> String {
+    format!("file://{}", dir.display())
+}
+
+/// `ckpt-train launch --nproc N -- --preset tiny … ARGS`, to completion.
+fn launch(nproc: usize, args: &[&str]) -> Output {
+    let output = Command::new(BIN)
+        .args(["launch", "--nproc", &nproc.to_string(), "--"])
+        .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "launch {nproc} {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+fn train(nproc: usize, dir: &Path, steps: u64, extra: &[&str]) -> String {
+    let steps = steps.to_string();
+    let url = url(dir);
+    let mut args = vec!["--steps", &steps, "--ckpt", &url, "--ckpt-every", "10"];
+    args.extend_from_slice(extra);
+    String::from_utf8(launch(nproc, &args).stdout).unwrap()
+}
+
+/// Asserts that the newest checkpoints under `a` and `b` are bitwise identical
+/// (tensors and non-tensor state), with the library's `ckpt diff`.
+fn assert_identical(a: &Path, b: &Path) {
+    runtime().block_on(async {
+        let ra = CheckpointReader::open(&Store::from_url(&url(a)).unwrap(), None)
+            .await
+            .unwrap();
+        let rb = CheckpointReader::open(&Store::from_url(&url(b)).unwrap(), None)
+            .await
+            .unwrap();
+        let report = diff(&ra, &rb, &DiffOptions::default(), &|_| {})
+            .await
+            .unwrap();
+        assert!(
+            report.identical,
+            "{} (world {}) and {} (world {}) differ: {report:#?}",
+            a.display(),
+            ra.manifest().world_size,
+            b.display(),
+            rb.manifest().world_size
+        );
+        assert_eq!(
+            report.tensors.len(),
+            18,
+            "params and both Adam moments of 6 tensors"
+        );
+        assert!(report.only_in_a.is_empty() && report.only_in_b.is_empty());
+    });
+}
+
+fn latest_step(dir: &Path) -> Option<u64> {
+    runtime().block_on(async {
+        ckpt::latest(&Store::from_url(&url(dir)).unwrap())
+            .await
+            .unwrap()
+            .map(|m| m.step)
+    })
+}
+
+/// Starts a launch, waits until a line containing `marker` appears on its output,
+/// then SIGKILLs every rank process (by the pids the launcher prints) and reaps the
+/// launcher. Returns everything printed.
+fn kill_all_ranks_at(nproc: usize, args: &[&str], marker: &str) -> String {
+    let mut child = Command::new(BIN)
+        .args(["launch", "--nproc", &nproc.to_string(), "--"])
+        .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut pids = Vec::new();
+    let mut seen = String::new();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if let Some(pid) = line
+            .strip_prefix("launch: rank ")
+            .and_then(|l| l.split(" pid ").nth(1))
+        {
+            pids.push(pid.trim().parse::<i32>().unwrap());
+        }
+        if line.contains(marker) {
+            break;
+        }
+    }
+    assert!(seen.contains(marker), "never saw {marker:?}:\n{seen}");
+    assert_eq!(pids.len(), nproc, "{seen}");
+    for pid in &pids {
+        // SAFETY: kill(2) on rank processes this test started (through the launcher)
+        // and that are still running: the launcher has not reaped them.
+        assert_eq!(unsafe { libc::kill(*pid, libc::SIGKILL) }, 0);
+    }
+    for line in lines {
+        seen.push_str(&line.unwrap());
+        seen.push('\n');
+    }
+    let status = child.wait().unwrap();
+    assert!(
+        !status.success(),
+        "killed ranks must fail the launch:\n{seen}"
+    );
+    assert!(seen.contains("failed: signal: 9"), "{seen}");
+    seen
+}
+
+fn resumed_from(output: &str) -> u64 {
+    output
+        .lines()
+        .find_map(|l| l.split("resumed from step ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no resume line in:\n{output}"))
+}
+
+fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+#[test]
+fn world_sizes_one_to_four_end_with_bitwise_identical_weights() {
+    let dirs: Vec<_> = (1..=4).map(|_| tempdir()).collect();
+    for (i, dir) in dirs.iter().enumerate() {
+        train(i + 1, dir.path(), 40, &[]);
+        assert_eq!(latest_step(dir.path()), Some(40));
+    }
+    for dir in &dirs[1..] {
+        assert_identical(dirs[0].path(), dir.path());
+    }
+    // The same verdict from the `ckpt` command line, when it has been built.
+    let ckpt_bin = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/ckpt");
+    if ckpt_bin.exists() {
+        let out = Command::new(&ckpt_bin)
+            .args(["diff", &url(dirs[0].path()), &url(dirs[3].path())])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "ckpt diff: {text}");
+        assert!(text.contains("identical"), "{text}");
+    }
+}
+
+#[test]
+fn the_fast_mode_also_trains_but_sums_gradients_in_f32() {
+    let (a, b) = (tempdir(), tempdir());
+    let one = train(1, a.path(), 20, &["--deterministic=false"]);
+    let three = train(3, b.path(), 20, &["--deterministic=false"]);
+    assert!(one.contains("fast mode") && three.contains("fast mode"));
+    assert_eq!(latest_step(b.path()), Some(20));
+}
+
+fn kill_at_20_then_resume(before: usize, after: usize) {
+    let (reference, run) = (tempdir(), tempdir());
+    train(before, reference.path(), 40, &[]);
+
+    // Rank 0 parks after starting the save of step 20; the others block in step
+    // 21's first all-gather: the world is killed mid-step with a save in flight.
+    let run_url = url(run.path());
+    let hold = "20:0:after-save";
+    let seen = kill_all_ranks_at(
+        before,
+        &[
+            "--steps",
+            "1000",
+            "--ckpt",
+            &run_url,
+            "--ckpt-every",
+            "5",
+            "--log-every",
+            "1",
+            "--fault-hold",
+            hold,
+        ],
+        "fault: rank 0 holds after saving step 20",
+    );
+    assert!(seen.contains("[rank 0] step 20 loss"), "{seen}");
+    let saved = latest_step(run.path()).expect("a commit before the kill");
+    assert!((5..=20).contains(&saved), "latest commit {saved}");
+
+    let out = train(after, run.path(), 40, &["--resume"]);
+    assert_eq!(resumed_from(&out), saved);
+    assert_eq!(latest_step(run.path()), Some(40));
+    assert_identical(reference.path(), run.path());
+}
+
+#[test]
+fn four_ranks_killed_at_step_20_resume_on_three_bitwise_identical_to_an_uninterrupted_run() {
+    kill_at_20_then_resume(4, 3);
+}
+
+#[test]
+fn two_ranks_killed_at_step_20_resume_on_five_bitwise_identical_to_an_uninterrupted_run() {
+    kill_at_20_then_resume(2, 5);
+}
+
+#[test]
+fn a_save_in_flight_when_killed_never_commits_and_resume_uses_the_previous_commit() {
+    let (reference, run) = (tempdir(), tempdir());
+    train(4, reference.path(), 40, &[]);
+
+    // Rank 1 parks before saving step 20: ranks 0, 2 and 3 wait for step 15 to
+    // commit, then start writing their parts of step 20, which can therefore never be
+    // complete; rank 0's line says its save started, and everything is killed.
+    let run_url = url(run.path());
+    kill_all_ranks_at(
+        4,
+        &[
+            "--steps",
+            "1000",
+            "--ckpt",
+            &run_url,
+            "--ckpt-every",
+            "5",
+            "--log-every",
+            "1",
+            "--fault-hold",
+            "20:1:before-save",
+        ],
+        "[rank 0] saving step 20",
+    );
+    let listed = runtime().block_on(async {
+        list_checkpoints(&Store::from_url(&run_url).unwrap())
+            .await
+            .unwrap()
+    });
+    assert!(
+        listed.iter().all(|c| c.step < 20 || !c.committed),
+        "step 20 must not commit: {listed:?}"
+    );
+    assert_eq!(latest_step(run.path()), Some(15));
+
+    let out = train(3, run.path(), 40, &["--resume"]);
+    assert_eq!(resumed_from(&out), 15);
+    assert_identical(reference.path(), run.path());
+}
+
+#[test]
+fn the_tiny_loss_falls_below_half_of_its_start() {
+    let dir = tempdir();
+    train(2, dir.path(), 40, &[]);
+    let losses: Vec<f64> = runtime().block_on(async {
+        let reader = CheckpointReader::open(&Store::from_url(&url(dir.path())).unwrap(), None)
+            .await
+            .unwrap();
+        let global = reader.global_state().await.unwrap();
+        serde_json::from_value(global["loss_history"].as_json().unwrap().clone()).unwrap()
+    });
+    assert_eq!(losses.len(), 40);
+    let first = losses[0];
+    let last5 = losses[35..].iter().sum::<f64>() / 5.0;
+    assert!(
+        last5 < first / 2.0,
+        "loss went from {first} to {last5} (mean of the last 5 steps)"
+    );
+}
+
+#[test]
+fn sigterm_makes_a_final_save_and_exits_with_a_distinct_code() {
+    let (run, reference) = (tempdir(), tempdir());
+    let run_url = url(run.path());
+    let mut child = Command::new(BIN)
+        .args([
+            "launch", "--nproc", "2", "--", "--preset", "tiny", "--seed", "7",
+        ])
+        .args([
+            "--steps",
+            "100000",
+            "--ckpt",
+            &run_url,
+            "--ckpt-every",
+            "0",
+            "--log-every",
+            "1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.contains("[rank 0] step 5 loss") {
+            break;
+        }
+    }
+    // SAFETY: kill(2) on the launcher this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    for line in lines {
+        seen.push_str(&line.unwrap());
+        seen.push('\n');
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(75), "{seen}");
+    let stopped: u64 = seen
+        .lines()
+        .find_map(|l| l.split("stopped at step ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no stop line:\n{seen}"));
+    assert!(stopped >= 5);
+    assert_eq!(latest_step(run.path()), Some(stopped));
+
+    // The stop lost nothing: continuing to stop + 5 equals an uninterrupted run.
+    let target = stopped + 5;
+    train(3, run.path(), target, &["--resume"]);
+    train(1, reference.path(), target, &[]);
+    assert_identical(reference.path(), run.path());
+}
