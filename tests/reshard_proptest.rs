@@ -78,15 +78,22 @@ fn tensor_spec() -> impl Strategy<Value = TensorSpec> {
     ];
     (
         prop::collection::vec(extent(), 0..=4),
+        // Many rows, so that files span several blocks.
+        prop::option::weighted(0.75, 16u64..=600),
         0..DType::ALL.len(),
         source,
         target,
     )
-        .prop_map(|(shape, dtype, source, target)| TensorSpec {
-            shape,
-            dtype: DType::ALL[dtype],
-            source,
-            target,
+        .prop_map(|(mut shape, rows, dtype, source, target)| {
+            if let (Some(first), Some(rows)) = (shape.first_mut(), rows) {
+                *first = rows;
+            }
+            TensorSpec {
+                shape,
+                dtype: DType::ALL[dtype],
+                source,
+                target,
+            }
         })
 }
 
@@ -96,7 +103,7 @@ fn case() -> impl Strategy<Value = Case> {
         1usize..=4,
         prop::collection::vec(tensor_spec(), 1..=4),
         0u8..3,
-        MIN_BLOCK_SIZE..=64 << 10,
+        prop_oneof![Just(MIN_BLOCK_SIZE), MIN_BLOCK_SIZE..=64 << 10],
         0u64..1000,
         any::<u64>(),
     )
@@ -170,12 +177,21 @@ fn extract(global: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8
 }
 
 /// The cells of a grid over `shape` with at most `world` cells: cut points from
-/// `masks`, dropped from the most cut dimension until the grid fits.
+/// `masks` (bit `i` cuts at `i·n/16`, or at `i` when `n` ≤ 16), dropped from the most
+/// cut dimension until the grid fits.
 fn grid(shape: &[u64], masks: &[u16], world: usize) -> Vec<Region> {
     let mut cuts: Vec<Vec<u64>> = shape
         .iter()
         .zip(masks)
-        .map(|(&n, &mask)| (1..n.min(16)).filter(|&i| mask & (1 << i) != 0).collect())
+        .map(|(&n, &mask)| {
+            let mut c: Vec<u64> = (1..16)
+                .filter(|&i| mask & (1 << i) != 0)
+                .map(|i| if n <= 16 { i } else { i * n / 16 })
+                .filter(|&at| at < n)
+                .collect();
+            c.dedup();
+            c
+        })
         .collect();
     while cuts.iter().map(|c| c.len() + 1).product::<usize>() > world {
         let widest = (0..cuts.len()).max_by_key(|&d| cuts[d].len()).unwrap();
@@ -464,7 +480,12 @@ proptest! {
 
 #[test]
 fn grids_tile_the_shape_and_fit_the_world() {
-    for (shape, world) in [(vec![5u64, 7], 3usize), (vec![9, 1, 4], 4), (vec![], 2)] {
+    for (shape, world) in [
+        (vec![5u64, 7], 3usize),
+        (vec![9, 1, 4], 4),
+        (vec![], 2),
+        (vec![300, 2], 5),
+    ] {
         let cells = grid(&shape, &[u16::MAX; 4], world);
         assert!(
             cells.len() <= world,
