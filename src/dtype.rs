@@ -109,6 +109,7 @@ impl fmt::Display for DType {
     }
 }
 
+/// Parses the exact safetensors name (`F32`, not `f32`), as safetensors readers do.
 impl FromStr for DType {
     type Err = String;
 
@@ -116,7 +117,7 @@ impl FromStr for DType {
         DType::ALL
             .iter()
             .copied()
-            .find(|d| d.name().eq_ignore_ascii_case(s))
+            .find(|d| d.name() == s)
             .ok_or_else(|| format!("unknown dtype {s:?}"))
     }
 }
@@ -133,5 +134,9 @@ mod tests {
             assert_eq!(json, format!("\"{}\"", dtype.name()));
         }
         assert!("F33".parse::<DType>().is_err());
+        assert!(
+            "f32".parse::<DType>().is_err(),
+            "names are exact, as in safetensors"
+        );
     }
 }

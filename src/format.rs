@@ -5,7 +5,7 @@
 //! arithmetic is checked, names are confined to the checkpoint directory, and every
 //! failure is a [`FormatError`] naming the object and, where known, the byte offset.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -417,6 +417,7 @@ pub fn unseal<'a>(bytes: &'a [u8], object: &str, cap: u64) -> FResult<(&'a [u8],
     let hex = &bytes[ENVELOPE_PREFIX.len()..ENVELOPE_PREFIX.len() + 8];
     let expected = std::str::from_utf8(hex)
         .ok()
+        .filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
         .and_then(|h| u32::from_str_radix(h, 16).ok())
         .ok_or_else(|| bad(ENVELOPE_PREFIX.len(), "crc32 is not 8 hex digits"))?;
     if &bytes[ENVELOPE_PREFIX.len() + 8..header_len] != ENVELOPE_MIDDLE.as_bytes() {
@@ -583,11 +584,15 @@ impl Manifest {
         {
             return Err(err(format!("global_state_rank {rank} is not a rank")));
         }
-        let mut names = HashSet::with_capacity(self.tensors.len());
-        for tensor in &self.tensors {
-            if !names.insert(tensor.name.as_str()) {
-                return Err(err(format!("tensor {:?} is listed twice", tensor.name)));
+        for pair in self.tensors.windows(2) {
+            if pair[0].name >= pair[1].name {
+                return Err(err(format!(
+                    "tensors must be sorted by name without repeats: {:?} comes before {:?}",
+                    pair[0].name, pair[1].name
+                )));
             }
+        }
+        for tensor in &self.tensors {
             check_shape(&tensor.shape, tensor.dtype, object, &tensor.name)?;
             let layout = self.layouts.get(tensor.layout as usize).ok_or_else(|| {
                 err(format!(
