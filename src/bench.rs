@@ -362,6 +362,24 @@ pub fn run(
     let cold = save_once(rt, &checkpointers, &data, config, 1)?;
     report.cold_stall_ms = max(&cold.stalls);
     let mut step = 1u64;
+    // RSS first, before any load: freed load buffers that the allocator keeps
+    // would otherwise hide what staging does.
+    if config.rss_saves > 0 {
+        progress(&format!("rss over {} saves", config.rss_saves));
+        let mut rss = Vec::with_capacity(config.rss_saves);
+        for _ in 0..config.rss_saves {
+            let previous = step;
+            step += 1;
+            rt.block_on(store.delete_prefix(&step_dir(previous)))?;
+            save_once(rt, &checkpointers, &data, config, step)?;
+            rss.push(rss_mib());
+        }
+        let second = rss.get(1).copied().unwrap_or(rss[0]);
+        report.rss = Some(RssReport {
+            growth_after_first_mib: rss[rss.len() - 1] - second,
+            rss_mib: rss,
+        });
+    }
     for rep in 0..config.reps {
         progress(&format!("rep {}/{}: raw write", rep + 1, config.reps));
         push("raw_write_gbps", raw.write(rt, config.raw_bytes, false)?);
@@ -417,22 +435,6 @@ pub fn run(
     }
     let file_bytes = cold.file_bytes;
 
-    if config.rss_saves > 0 {
-        progress(&format!("rss over {} saves", config.rss_saves));
-        let mut rss = Vec::with_capacity(config.rss_saves);
-        for _ in 0..config.rss_saves {
-            let previous = step;
-            step += 1;
-            rt.block_on(store.delete_prefix(&step_dir(previous)))?;
-            save_once(rt, &checkpointers, &data, config, step)?;
-            rss.push(rss_mib());
-        }
-        let second = rss.get(1).copied().unwrap_or(rss[0]);
-        report.rss = Some(RssReport {
-            growth_after_first_mib: rss[rss.len() - 1] - second,
-            rss_mib: rss,
-        });
-    }
     drop(checkpointers);
     rt.block_on(store.delete_prefix(&step_dir(step)))?;
 
