@@ -26,8 +26,9 @@ use crate::commit::{CommitOutcome, try_commit};
 use crate::error::{Error, Result};
 use crate::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
-    build_safetensors_header, rank_file_name, rank_part_name, step_dir,
+    rank_file_name, rank_part_name, step_dir,
 };
+use crate::writer::{PlannedBox, rank_file_header};
 
 /// What `save` does when `max_in_flight` saves are already running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -203,9 +204,12 @@ impl SaveHandle {
         let key = format!("{}/{MANIFEST}", step_dir(self.step));
         let deadline = Instant::now() + self.commit_timeout;
         let mut delay = Duration::from_millis(5);
+        let mut status = self.status.clone();
         loop {
-            if matches!(&*self.status.borrow(), Status::Committed) {
-                return Ok(());
+            match &*status.borrow_and_update() {
+                Status::Committed => return Ok(()),
+                Status::Failed(message) => return Err(Error::Failed(message.to_string())),
+                Status::Writing | Status::Durable => {}
             }
             match self.store.head(&key).await {
                 Ok(_) => return Ok(()),
@@ -218,7 +222,12 @@ impl SaveHandle {
                     self.step, self.commit_timeout
                 )));
             }
-            tokio::time::sleep(delay).await;
+            // Another rank commits (seen by polling), or this rank's own commit
+            // attempt ends (seen at once).
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = status.changed() => {}
+            }
             delay = (delay * 2).min(Duration::from_millis(100));
         }
     }
@@ -318,8 +327,10 @@ impl Checkpointer {
             step,
             buffer: Arc::new(buffer),
             chunks,
-            global: (!state.global.is_empty() || !state.metadata.is_empty())
-                .then(|| state.global.clone()),
+            // Global state is identical on every rank: rank 0's copy is stored.
+            global: (self.config.rank == 0
+                && (!state.global.is_empty() || !state.metadata.is_empty()))
+            .then(|| state.global.clone()),
             rank_state: state.rank.clone(),
             metadata: state.metadata.clone(),
         };
@@ -338,36 +349,21 @@ impl Checkpointer {
     /// Copies the state into a pooled buffer laid out as the final safetensors file.
     fn stage(&self, step: u64, state: &crate::State<'_>) -> Result<(Vec<u8>, Vec<Chunk>)> {
         let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
-        let entries: Vec<_> = written
+        let planned: Vec<PlannedBox> = written
             .iter()
-            .map(|t| (t.name.clone(), t.dtype, t.region.lengths.clone()))
-            .collect();
-        let boxes: BTreeMap<&str, serde_json::Value> = written
-            .iter()
-            .map(|t| {
-                (
-                    t.name.as_str(),
-                    serde_json::json!({"shape": t.shape, "offsets": t.region.offsets}),
-                )
+            .map(|t| PlannedBox {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                region: t.region.clone(),
             })
             .collect();
-        let mut metadata = BTreeMap::new();
-        metadata.insert("format".to_string(), "ckpt".to_string());
-        metadata.insert(
-            "ckpt.format_version".to_string(),
-            FORMAT_VERSION.to_string(),
+        let header = rank_file_header(
+            step,
+            self.config.rank as u32,
+            self.config.world_size as u32,
+            &planned,
         );
-        metadata.insert("ckpt.step".to_string(), step.to_string());
-        metadata.insert("ckpt.rank".to_string(), self.config.rank.to_string());
-        metadata.insert(
-            "ckpt.world_size".to_string(),
-            self.config.world_size.to_string(),
-        );
-        metadata.insert(
-            "ckpt.boxes".to_string(),
-            serde_json::to_string(&boxes).expect("boxes serialize"),
-        );
-        let header = build_safetensors_header(&entries, &metadata);
         let total = header.len() + written.iter().map(|t| t.data.len()).sum::<usize>();
 
         let mut buffer = self
@@ -490,12 +486,14 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
     match try_commit(&job.store, job.step, config.world_size as u32).await? {
         CommitOutcome::Committed => {
             crate::failpoint::hit("after-commit");
-            let _ = status.send(Status::Committed);
+            // Retention before reporting, so that `committed()` on the committing rank
+            // also means old checkpoints are gone.
             if let Some(keep) = config.keep_last
                 && let Err(e) = crate::catalog::apply_retention(&job.store, keep).await
             {
                 warn!(error = %e, "retention failed; old checkpoints stay");
             }
+            let _ = status.send(Status::Committed);
         }
         CommitOutcome::AlreadyCommitted => {
             let _ = status.send(Status::Committed);

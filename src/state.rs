@@ -176,7 +176,7 @@ impl<'a> State<'a> {
     }
 
     /// Sets global non-tensor state (identical on every rank: scheduler, step
-    /// counters). Stored once, by the lowest rank that has any global state.
+    /// counters). Stored once, from rank 0; other ranks' copies are not written.
     pub fn set_global_json(
         &mut self,
         key: impl Into<String>,

@@ -530,3 +530,42 @@ async fn a_later_step_with_another_world_size_is_the_latest() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_is_reported_not_waited_out() {
+    let (store, _dir) = local_store("failed-commit");
+    let data = vec![1.0f32; 8];
+    let mut handles = Vec::new();
+    let mut checkpointers = Vec::new();
+    for rank in 0..2 {
+        let mut config = CheckpointConfig::new(rank, 2);
+        config.commit_timeout = Duration::from_secs(120);
+        checkpointers.push(Checkpointer::new(store.clone(), config).unwrap());
+    }
+    for checkpointer in &checkpointers {
+        // Both ranks claim to write the whole tensor: the boxes overlap.
+        let mut state = State::new();
+        state
+            .add("w", DType::F32, &[8], Region::full(&[8]), as_bytes(&data))
+            .unwrap();
+        handles.push(
+            checkpointer
+                .save(1, &state)
+                .await
+                .unwrap()
+                .handle()
+                .unwrap(),
+        );
+    }
+    // The rank whose commit attempt fails reports it at once; the other rank would
+    // only learn by waiting, so the first answer is the failure.
+    let first = tokio::select! {
+        r = handles[0].committed() => r,
+        r = handles[1].committed() => r,
+    };
+    match first {
+        Err(Error::Failed(message)) => assert!(message.contains("overlap"), "{message}"),
+        other => panic!("expected the overlap to fail the commit, got {other:?}"),
+    }
+    assert!(ckpt::latest(&store).await.unwrap().is_none());
+}
