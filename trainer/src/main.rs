@@ -198,6 +198,10 @@ fn parse_pair(text: &str, what: &str) -> Result<(u64, usize), String> {
     ))
 }
 
+fn ms(total: Duration, steps: u64) -> f64 {
+    total.as_secs_f64() * 1e3 / steps.max(1) as f64
+}
+
 fn parse_hold(text: &str) -> Result<Hold, String> {
     let bad = || format!("--fault-hold {text:?} is not STEP:RANK:before-save|after-save");
     let mut parts = text.split(':');
@@ -398,6 +402,14 @@ fn run_train(args: TrainArgs) -> ExitCode {
                     stats.steady_steps_per_s(),
                     stats.saves,
                     stats.ckpt_blocked.as_secs_f64()
+                );
+                println!(
+                    "time per step (rank 0): all-gather {:.1} ms, forward/backward {:.1} ms, reduce-scatter {:.1} ms, adam {:.1} ms, checkpoint {:.1} ms",
+                    ms(stats.gather, stats.steps),
+                    ms(stats.compute, stats.steps),
+                    ms(stats.reduce, stats.steps),
+                    ms(stats.update, stats.steps),
+                    ms(stats.ckpt_blocked, stats.steps)
                 );
             }
             ExitCode::SUCCESS

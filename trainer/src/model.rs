@@ -318,7 +318,7 @@ fn gemm(
 
 /// Where the gradient of each chunk goes.
 pub enum GradSink<'a> {
-    /// Exact fixed point: each chunk's gradient is rounded to `fixed::SCALE` and added
+    /// Exact fixed point: each chunk's gradient is truncated to `fixed::SCALE` and added
     /// into i64 accumulators (deterministic).
     Fixed {
         /// Accumulators, laid out as the flat parameters.

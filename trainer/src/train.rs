@@ -135,6 +135,14 @@ pub struct Stats {
     pub elapsed: Duration,
     /// Time blocked in `save` (staging) and waiting for the previous commit.
     pub ckpt_blocked: Duration,
+    /// Time in parameter all-gathers.
+    pub gather: Duration,
+    /// Time in forward and backward (fixed-point conversion included).
+    pub compute: Duration,
+    /// Time in gradient reduce-scatters and the loss/stop all-reduce.
+    pub reduce: Duration,
+    /// Time in Adam.
+    pub update: Duration,
     /// Checkpoints saved.
     pub saves: u64,
     /// Time since the generation's first step at the end of each step (its save
@@ -265,6 +273,7 @@ pub fn run_generation(
     while st.step < config.steps {
         let step = st.step;
         // 1. All-gather the parameters.
+        let mut clock = Instant::now();
         for (i, spec) in specs.iter().enumerate() {
             let counts: Vec<usize> = shard_counts(spec.rows, world)
                 .into_iter()
@@ -276,6 +285,7 @@ pub fn run_generation(
                 &mut full[offsets[i]..offsets[i + 1]],
             )?;
         }
+        stats.gather += lap(&mut clock);
         // 2. This rank's chunks.
         let mut flags = vec![0i64; preset.chunks + 1];
         if config.deterministic {
@@ -296,6 +306,7 @@ pub fn run_generation(
             let chunk_loss = model::chunk_step(preset, &full, &offsets, &x, &y, &mut sink);
             flags[chunk] = chunk_loss.to_bits() as i64;
         }
+        stats.compute += lap(&mut clock);
         // 3. Reduce-scatter the gradients and 5. update the owned rows.
         // 4. Losses and stop flags first, so a stop is agreed before any update.
         flags[preset.chunks] = i64::from(stop.load(Ordering::SeqCst));
@@ -305,6 +316,7 @@ pub fn run_generation(
             .map(|b| f64::from_bits(*b as u64))
             .sum();
         let stopping = flags[preset.chunks] != 0;
+        stats.reduce += lap(&mut clock);
         for (i, spec) in specs.iter().enumerate() {
             let counts: Vec<usize> = shard_counts(spec.rows, world)
                 .into_iter()
@@ -322,6 +334,7 @@ pub fn run_generation(
             } else {
                 comm.reduce_scatter_f32(&mut acc_f32[range], &counts, &mut grad_shard)?;
             }
+            stats.reduce += lap(&mut clock);
             model::adam(
                 preset.lr,
                 step + 1,
@@ -330,6 +343,7 @@ pub fn run_generation(
                 &mut st.v[i],
                 &grad_shard,
             );
+            stats.update += lap(&mut clock);
         }
         st.step = step + 1;
         st.losses.push(loss);
@@ -397,6 +411,14 @@ pub fn run_generation(
         step: st.step,
         loss,
     })
+}
+
+/// Time since `clock`, which moves to now.
+fn lap(clock: &mut Instant) -> Duration {
+    let now = Instant::now();
+    let d = now - *clock;
+    *clock = now;
+    d
 }
 
 fn init(config: &TrainConfig, specs: &[TensorSpec], rank: usize, world: usize) -> Shards {
@@ -487,7 +509,12 @@ fn load(
         let (reader, loaded) =
             ckpt::load_latest(store, |m| LoadRequest::dim0_shards(m, rank, world)).await?;
         let global = reader.global_state().await?;
-        Ok(Some((reader.step(), loaded, global)))
+        Ok(Some((
+            reader.step(),
+            reader.manifest().world_size,
+            loaded,
+            global,
+        )))
     })?;
     // Agree on the step (u64::MAX: nothing found).
     let mine = found.as_ref().map_or(u64::MAX, |f| f.0);
@@ -502,7 +529,7 @@ fn load(
             "ranks found different newest checkpoints: {steps:?} (u64::MAX = none)"
         )));
     }
-    let Some((step, loaded, global)) = found else {
+    let Some((step, saved_world, loaded, global)) = found else {
         return Ok(None);
     };
     let expect = trainer_state(config);
@@ -570,7 +597,7 @@ fn load(
     }
     if rank == 0 {
         say(format_args!(
-            "resumed from step {step} of {} (saved by another world is fine: resharded to {world})",
+            "resumed from step {step} of {} (saved by {saved_world} ranks, resharded onto {world})",
             store.url()
         ));
     }
