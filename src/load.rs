@@ -16,7 +16,7 @@ use ckpt_storage::{ErrorKind, Store};
 use futures::{StreamExt, TryStreamExt};
 use tracing::warn;
 
-use crate::codec::decompress_block;
+use crate::blocks::BlockMap;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::{Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue, step_dir};
@@ -470,10 +470,49 @@ impl CheckpointReader {
                 request.wants.len()
             )));
         }
-        let outputs: Vec<Mutex<Vec<u8>>> = sizes
+        // Sizes claimed by the manifest and parts are checked against the objects
+        // before anything is allocated, and allocation failure is an error: a hostile
+        // checkpoint whose documents vouch for each other cannot abort the process.
+        let claimed: Vec<(String, u64)> = files
             .iter()
-            .map(|&n| Mutex::new(vec![0u8; n as usize]))
+            .map(|(object, part, _)| (object.clone(), part.file.stored_bytes))
             .collect();
+        futures::stream::iter(claimed)
+            .map(|(object, stored)| async move {
+                let info = self.store.head(&object).await.map_err(|e| match e.kind() {
+                    ErrorKind::NotFound => Error::from(FormatError::new(
+                        &object,
+                        None,
+                        "data file is missing from a committed checkpoint",
+                    )),
+                    _ => Error::from(e),
+                })?;
+                if info.size != stored {
+                    return Err(Error::from(FormatError::new(
+                        &object,
+                        Some(info.size.min(stored)),
+                        format!(
+                            "{}{} bytes stored, its part records {stored}",
+                            if info.size < stored {
+                                "truncated: "
+                            } else {
+                                ""
+                            },
+                            info.size
+                        ),
+                    )));
+                }
+                Ok::<(), Error>(())
+            })
+            .buffer_unordered(32)
+            .try_collect::<Vec<()>>()
+            .await?;
+        let outputs: Vec<Mutex<Vec<u8>>> = request
+            .wants
+            .iter()
+            .zip(&sizes)
+            .map(|(want, &n)| zeroed(n, &want.name).map(Mutex::new))
+            .collect::<Result<_>>()?;
         let outputs_ref = &outputs;
         let counters: Vec<(u64, u64)> = futures::stream::iter(files)
             .map(|(object, part, runs)| async move {
@@ -519,6 +558,32 @@ impl CheckpointReader {
     }
 }
 
+/// A zero-filled buffer of `n` bytes, or an error when it cannot be had (rather than
+/// the abort of `vec![0; n]`). Zeroed pages come from the allocator lazily, so a load
+/// touches only what it writes.
+fn zeroed(n: u64, tensor: &str) -> Result<Vec<u8>> {
+    let too_big = || {
+        Error::Failed(format!(
+            "cannot allocate {n} bytes to load tensor {tensor:?}: request a smaller box"
+        ))
+    };
+    let len = usize::try_from(n).map_err(|_| too_big())?;
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| too_big())?;
+    // SAFETY: `layout` has a non-zero size; a null result is handled; on success the
+    // allocation holds `len` initialized (zero) bytes with the global allocator's
+    // layout for a `Vec<u8>` of capacity `len`, which is what `from_raw_parts` needs.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout);
+        if ptr.is_null() {
+            return Err(too_big());
+        }
+        Ok(Vec::from_raw_parts(ptr, len, len))
+    }
+}
+
 /// Reads the blocks `runs` touch in one data file, verifies them and copies the runs
 /// into `outputs`. Returns (stored bytes read, raw bytes verified).
 async fn read_file(
@@ -551,18 +616,9 @@ async fn read_file(
                 .map(move |s| s..(s + per_batch).min(r.end))
         })
         .collect();
-    let frame_offsets: Vec<u64> = match part.codec {
-        Codec::None => Vec::new(),
-        Codec::Zstd { .. } => std::iter::once(0)
-            .chain(part.file.frame_bytes.iter().scan(0u64, |acc, &f| {
-                *acc += f;
-                Some(*acc)
-            }))
-            .collect(),
-    };
-
+    let map = BlockMap::new(part);
     let mut fetched = futures::stream::iter(batches)
-        .map(|blocks| fetch_batch(store, object, part, &frame_offsets, blocks))
+        .map(|blocks| fetch_batch(store, object, part, &map, blocks))
         .buffered(2);
     let mut cursor = 0usize;
     let (mut read, mut verified) = (0u64, 0u64);
@@ -598,95 +654,43 @@ async fn fetch_batch(
     store: &Store,
     object: &str,
     part: &RankPart,
-    frame_offsets: &[u64],
+    map: &BlockMap,
     blocks: Range<u64>,
 ) -> Result<(Range<u64>, Bytes, u64)> {
-    let block = part.block_size;
-    let raw_len = part.file.raw_bytes;
-    let raw_start = blocks.start * block;
-    let raw_end = (blocks.end * block).min(raw_len);
-    let (stored_start, stored_end) = match part.codec {
-        Codec::None => (raw_start, raw_end),
-        Codec::Zstd { .. } => (
-            frame_offsets[blocks.start as usize],
-            frame_offsets[blocks.end as usize],
-        ),
-    };
-    let stored = store
-        .get_range(object, stored_start..stored_end)
-        .await
-        .map_err(|e| match e.kind() {
-            ErrorKind::NotFound => FormatError::new(
-                object,
-                None,
-                "data file is missing from a committed checkpoint",
-            )
-            .into(),
-            ErrorKind::Permanent => FormatError::new(
-                object,
-                Some(stored_start),
-                format!("cannot read bytes {stored_start}..{stored_end} (truncated?): {e}"),
-            )
-            .into(),
-            _ => Error::from(e),
-        })?;
-    let object_owned = object.to_string();
-    let codec = part.codec;
-    let crcs = part.file.block_crc32[blocks.start as usize..blocks.end as usize].to_vec();
-    let frames: Vec<u64> = match codec {
-        Codec::None => Vec::new(),
-        Codec::Zstd { .. } => frame_offsets[blocks.start as usize..=blocks.end as usize].to_vec(),
-    };
+    let stored = crate::blocks::fetch(store, object, map, &blocks).await?;
     let stored_len = stored.len() as u64;
-    let first = blocks.start;
+    let crcs = part.file.block_crc32[blocks.start as usize..blocks.end as usize].to_vec();
+    let (object, map, range) = (object.to_string(), map.clone(), blocks.clone());
+    let compressed = matches!(part.codec, Codec::Zstd { .. });
     // Checksums and decompression on a blocking thread.
     let raw = tokio::task::spawn_blocking(move || -> Result<Bytes> {
-        let mut out: Option<Vec<u8>> = match codec {
-            Codec::None => None,
-            Codec::Zstd { .. } => Some(Vec::with_capacity((raw_end - raw_start) as usize)),
-        };
-        for (k, &expected) in crcs.iter().enumerate() {
-            let b = first + k as u64;
-            let b_start = b * block;
-            let b_end = ((b + 1) * block).min(raw_len);
-            let raw_block: std::borrow::Cow<'_, [u8]> = match codec {
-                Codec::None => std::borrow::Cow::Borrowed(&stored[(b_start - raw_start) as usize..(b_end - raw_start) as usize]),
-                Codec::Zstd { .. } => {
-                    let f0 = (frames[k] - stored_start) as usize;
-                    let f1 = (frames[k + 1] - stored_start) as usize;
-                    let plain = decompress_block(&stored[f0..f1], (b_end - b_start) as usize, codec).map_err(|e| {
-                        Error::from(FormatError::new(
-                            &object_owned,
-                            Some(frames[k]),
-                            format!("frame of block {b} (raw bytes {b_start}..{b_end}): {e}"),
-                        ))
-                    })?;
-                    std::borrow::Cow::Owned(plain)
+        let mut plain = Vec::new();
+        let mut failure = None;
+        crate::blocks::check(
+            &object,
+            &map,
+            &range,
+            &crcs,
+            &stored,
+            |_, block| match block {
+                Ok(data) => {
+                    if compressed {
+                        plain.extend_from_slice(&data);
+                    }
+                    true
                 }
-            };
-            let actual = crc32fast::hash(&raw_block);
-            if actual != expected {
-                let stored_at = match codec {
-                    Codec::None => b_start,
-                    Codec::Zstd { .. } => frames[k],
-                };
-                return Err(FormatError::new(
-                    &object_owned,
-                    Some(stored_at),
-                    format!(
-                        "block {b} (raw bytes {b_start}..{b_end}) fails its CRC32: computed {actual:08x}, recorded {expected:08x}"
-                    ),
-                )
-                .into());
-            }
-            if let Some(out) = out.as_mut() {
-                out.extend_from_slice(&raw_block);
-            }
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
+            },
+        );
+        match failure {
+            Some(e) => Err(e.into()),
+            // Uncompressed and sound: the stored bytes are the raw bytes, no copy.
+            None if !compressed => Ok(stored),
+            None => Ok(Bytes::from(plain)),
         }
-        Ok(match out {
-            Some(out) => Bytes::from(out),
-            None => stored,
-        })
     })
     .await
     .map_err(|e| Error::Failed(format!("verification task failed: {e}")))??;

@@ -682,3 +682,57 @@ fn safetensors_headers_with_absurd_lengths_are_refused_without_allocating() {
         assert!(e.message.contains(expected), "{expected:?}: {e}");
     }
 }
+
+/// A manifest and a rank part that vouch for each other (valid checksums) claiming a
+/// 1 TiB tensor: loading it must be an error naming the data file, never an attempt
+/// to allocate 1 TiB (which aborts the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documents_vouching_for_a_huge_tensor_cannot_make_a_load_allocate_it() {
+    use ckpt::format::{Chunk, Layout, MANIFEST, RankPart, TensorEntry, rank_part_name, step_dir};
+    let (store, _dir) = local_store("huge-claim");
+    save_world(&store, 1, 1, &model(1, 8), |c| c.block_size = 256 << 20).await;
+    let mut manifest = ckpt::read_manifest(&store, 1).await.unwrap();
+    let key = format!("{}/{}", step_dir(1), rank_part_name(0));
+    let mut part = RankPart::parse(&store.get(&key).await.unwrap(), &key).unwrap();
+    let huge: u64 = 1 << 40;
+    let start = part.file.raw_bytes;
+    part.file.raw_bytes = start + huge;
+    part.file.stored_bytes = start + huge;
+    part.file.block_crc32 = vec![0; (start + huge).div_ceil(256 << 20) as usize];
+    part.chunks.push(Chunk {
+        tensor: "a.huge".into(),
+        dtype: DType::U8,
+        shape: vec![huge],
+        offsets: vec![0],
+        lengths: vec![huge],
+        bytes: [start, start + huge],
+    });
+    let bytes = part.to_bytes();
+    manifest.ranks[0].part_bytes = bytes.len() as u64;
+    manifest.ranks[0].part_crc32 = crc32fast::hash(&bytes);
+    manifest.ranks[0].raw_bytes = start + huge;
+    manifest.ranks[0].stored_bytes = start + huge;
+    store.put(&key, bytes).await.unwrap();
+    manifest.layouts.push(Layout::Dim0(vec![0, huge]));
+    let layout = (manifest.layouts.len() - 1) as u32;
+    manifest.tensors.insert(
+        0,
+        TensorEntry {
+            name: "a.huge".into(),
+            dtype: DType::U8,
+            shape: vec![huge],
+            layout,
+        },
+    );
+    store
+        .put(&format!("{}/{MANIFEST}", step_dir(1)), manifest.to_bytes())
+        .await
+        .unwrap();
+    let err = load_latest(&store, LoadRequest::everything)
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(err.is_corruption(), "{message}");
+    assert!(message.contains("rank-00000.safetensors"), "{message}");
+    assert!(message.contains("its part records"), "{message}");
+}
