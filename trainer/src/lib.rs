@@ -15,7 +15,7 @@
 //! - [`train`]: one *generation* of FSDP2-style training on a fixed world, with
 //!   async checkpoints and resharding resume through ckpt's public API;
 //! - [`launch`]: a torchrun-like launcher of rank processes;
-//! - [`bench`]: collective bandwidth against raw loopback TCP.
+//! - [`bench`](mod@bench): collective bandwidth against raw loopback TCP.
 //!
 //! Run `ckpt-train --help` for the command line; `trainer/README.md` has the
 //! semantics of the saved state, the modes and what each costs.

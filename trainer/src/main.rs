@@ -357,6 +357,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Err(e) => return fail(EXIT_USAGE, e),
     };
     signals::install();
+    signals::exit_on_second_signal();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

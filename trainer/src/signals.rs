@@ -12,7 +12,19 @@ pub static STOP: AtomicBool = AtomicBool::new(false);
 extern "C" fn on_signal(signum: libc::c_int) {
     LAST.store(signum, Ordering::SeqCst);
     STOP.store(true, Ordering::SeqCst);
-    COUNT.fetch_add(1, Ordering::SeqCst);
+    let count = COUNT.fetch_add(1, Ordering::SeqCst) + 1;
+    if count >= 2 && EXIT_ON_SECOND.load(Ordering::SeqCst) {
+        // SAFETY: _exit is async-signal-safe. A second signal means "now".
+        unsafe { libc::_exit(128 + signum) };
+    }
+}
+
+static EXIT_ON_SECOND: AtomicBool = AtomicBool::new(false);
+
+/// Makes a second SIGINT/SIGTERM exit the process at once (code 128 + signal),
+/// skipping the final save that the first one asked for.
+pub fn exit_on_second_signal() {
+    EXIT_ON_SECOND.store(true, Ordering::SeqCst);
 }
 
 /// Installs the handler for SIGINT and SIGTERM.

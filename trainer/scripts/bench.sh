@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Reproduces the trainer figures of docs/BENCHMARKS.md (section "Trainer"):
+# TCP collective bandwidth against raw loopback TCP, and the checkpoint overhead on
+# training throughput (preset small, 2 and 4 ranks, no checkpoints / every 10 steps /
+# every step), plus the cost of deterministic mode.
+#
+#   trainer/scripts/bench.sh [SCRATCH_DIR]     (default /tmp/ckpt-train-bench)
+#   STEPS=40 REPS=2 trainer/scripts/bench.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cargo build --release -p ckpt-trainer --quiet
+BIN=target/release/ckpt-train
+DIR=${1:-/tmp/ckpt-train-bench}
+STEPS=${STEPS:-40}
+REPS=${REPS:-2}
+echo "load before: $(uptime)"
+for n in 2 4; do
+  "$BIN" launch --nproc "$n" -- bench-collectives --size 67108864 --iters 5 | grep -v '^launch:'
+done
+for rep in $(seq "$REPS"); do
+  for n in 2 4; do
+    for every in none 10 1; do
+      rm -rf "$DIR"
+      args=(--preset small --steps "$STEPS" --log-every 1000)
+      if [ "$every" != none ]; then args+=(--ckpt "file://$DIR" --ckpt-every "$every"); fi
+      echo "== rep $rep nproc $n ckpt-every $every"
+      "$BIN" launch --nproc "$n" -- "${args[@]}" | grep -E 'done:|time per step'
+    done
+  done
+  rm -rf "$DIR"
+  echo "== rep $rep nproc 2 no checkpoints, fast mode (--deterministic=false)"
+  "$BIN" launch --nproc 2 -- --preset small --steps "$STEPS" --log-every 1000 --deterministic=false | grep -E 'done:|time per step'
+done
+rm -rf "$DIR"
+echo "load after: $(uptime)"
