@@ -28,6 +28,7 @@ use crate::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
     rank_file_name, rank_part_name, step_dir,
 };
+use crate::staging::StagingBuffer;
 use crate::writer::{PlannedBox, rank_file_header};
 
 /// What `save` does when `max_in_flight` saves are already running.
@@ -65,6 +66,10 @@ pub struct CheckpointConfig {
     pub keep_last: Option<usize>,
     /// How long [`SaveHandle::committed`] waits for the other ranks. Default 10 min.
     pub commit_timeout: Duration,
+    /// Local disk, uncompressed: write data files with `O_DIRECT` straight from the
+    /// page-aligned staging buffer (file systems that refuse it get buffered writes).
+    /// Default true; false writes through the page cache like other objects.
+    pub direct_io: bool,
 }
 
 impl CheckpointConfig {
@@ -80,6 +85,7 @@ impl CheckpointConfig {
             when_busy: WhenBusy::Wait,
             keep_last: None,
             commit_timeout: Duration::from_secs(600),
+            direct_io: true,
         }
     }
 
@@ -239,12 +245,12 @@ impl SaveHandle {
 pub struct Checkpointer {
     store: Store,
     config: Arc<CheckpointConfig>,
-    pool: Arc<Mutex<Vec<Vec<u8>>>>,
+    pool: Arc<Mutex<Vec<StagingBuffer>>>,
     slots: Arc<Semaphore>,
 }
 
 /// The staging buffer, shared with the upload as zero-copy `Bytes`.
-struct Staged(Arc<Vec<u8>>);
+struct Staged(Arc<StagingBuffer>);
 
 impl AsRef<[u8]> for Staged {
     fn as_ref(&self) -> &[u8] {
@@ -256,7 +262,7 @@ struct Job {
     store: Store,
     config: Arc<CheckpointConfig>,
     step: u64,
-    buffer: Arc<Vec<u8>>,
+    buffer: Arc<StagingBuffer>,
     chunks: Vec<Chunk>,
     global: Option<BTreeMap<String, crate::format::StateValue>>,
     rank_state: BTreeMap<String, crate::format::StateValue>,
@@ -347,7 +353,7 @@ impl Checkpointer {
     }
 
     /// Copies the state into a pooled buffer laid out as the final safetensors file.
-    fn stage(&self, step: u64, state: &crate::State<'_>) -> Result<(Vec<u8>, Vec<Chunk>)> {
+    fn stage(&self, step: u64, state: &crate::State<'_>) -> Result<(StagingBuffer, Vec<Chunk>)> {
         let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
         let planned: Vec<PlannedBox> = written
             .iter()
@@ -371,9 +377,8 @@ impl Checkpointer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .pop()
-            .unwrap_or_default();
-        buffer.clear();
-        buffer.reserve_exact(total);
+            .unwrap_or_else(StagingBuffer::new);
+        buffer.reset(total);
         buffer.extend_from_slice(&header);
         let mut chunks = Vec::with_capacity(written.len());
         for (i, t) in written.iter().enumerate() {
@@ -397,7 +402,7 @@ impl Checkpointer {
 
 async fn run_job(
     job: Job,
-    pool: Arc<Mutex<Vec<Vec<u8>>>>,
+    pool: Arc<Mutex<Vec<StagingBuffer>>>,
     permit: OwnedSemaphorePermit,
     status: watch::Sender<Status>,
 ) {
@@ -431,13 +436,28 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
     let encoded = started.elapsed();
 
     let started = Instant::now();
-    let stored_bytes = match &frames {
-        None => {
+    let stored_bytes = match (&frames, job.store.local_root()) {
+        // Local disk, uncompressed: straight from the aligned staging buffer.
+        (None, Some(root)) if config.direct_io => {
+            let buffer = job.buffer.clone();
+            let path = root.join(&dir).join(&file_name);
+            let fsync = job.store.config().fsync;
+            tokio::task::spawn_blocking(move || {
+                crate::direct::write_file(&path, &buffer, fsync, || {
+                    crate::failpoint::hit("during-data-upload")
+                })
+                .map_err(|e| Error::Failed(format!("write {}: {e}", path.display())))
+            })
+            .await
+            .map_err(|e| Error::Failed(format!("data file writer failed: {e}")))??;
+            job.buffer.len() as u64
+        }
+        (None, _) => {
             let all = Bytes::from_owner(Staged(job.buffer.clone()));
             upload(&job.store, &file_key, &[all]).await?;
             job.buffer.len() as u64
         }
-        Some(frames) => {
+        (Some(frames), _) => {
             upload(&job.store, &file_key, frames).await?;
             frames.iter().map(|f| f.len() as u64).sum()
         }
@@ -513,7 +533,7 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
 /// unprivileged thread cannot raise its priority back), and the pool's I/O stays at
 /// normal priority.
 async fn encode(
-    buffer: Arc<Vec<u8>>,
+    buffer: Arc<StagingBuffer>,
     block: usize,
     codec: Codec,
 ) -> Result<(Vec<u32>, Option<Vec<Bytes>>)> {

@@ -94,6 +94,20 @@ impl Store {
         self.backend
     }
 
+    /// The directory of a local store (`None` for other backends), for callers that
+    /// write large files themselves with I/O object_store does not offer (direct
+    /// I/O). They must keep this crate's guarantees: atomic, durable, and invisible
+    /// until complete (write beside the key with a `#` suffix, then rename).
+    pub fn local_root(&self) -> Option<std::path::PathBuf> {
+        match self.backend {
+            Backend::Local => self
+                .url
+                .strip_prefix("file://")
+                .map(std::path::PathBuf::from),
+            _ => None,
+        }
+    }
+
     /// The settings the store was opened with.
     pub fn config(&self) -> &StoreConfig {
         &self.config
