@@ -380,6 +380,7 @@ pub fn run_generation(
         if stopping {
             if let Some(handle) = pending.take() {
                 runtime.block_on(handle.committed())?;
+                final_retention(runtime, store, config, rank);
             }
             stats.elapsed += started.elapsed();
             if rank == 0 {
@@ -396,6 +397,7 @@ pub fn run_generation(
         if rank == 0 {
             say(format_args!("committed step {}", handle.step()));
         }
+        final_retention(runtime, store, config, rank);
     }
     stats.elapsed += started.elapsed();
     if fixed::clamped() > 0 {
@@ -411,6 +413,26 @@ pub fn run_generation(
         step: st.step,
         loss,
     })
+}
+
+/// Retention after the last commit of a run, by rank 0. The committing rank applies
+/// retention in its background save task after the commit, but `committed()` may
+/// return before that task is done, and the process is about to exit: without this,
+/// the final commit's retention can be cut off (leaving `keep + 1` checkpoints).
+fn final_retention(
+    runtime: &tokio::runtime::Handle,
+    store: Option<&Store>,
+    config: &TrainConfig,
+    rank: usize,
+) {
+    if rank != 0 {
+        return;
+    }
+    if let Some(store) = store
+        && let Err(e) = runtime.block_on(ckpt::catalog::apply_retention(store, config.keep.max(1)))
+    {
+        tracing::warn!(error = %e, "retention after the final commit failed; old checkpoints stay");
+    }
 }
 
 /// Time since `clock`, which moves to now.

@@ -14,6 +14,7 @@ use std::process::{Command, Output, Stdio};
 
 use ckpt::storage::Store;
 use ckpt::tools::diff::{DiffOptions, diff};
+use ckpt::tools::verify::{VerifyOptions, verify};
 use ckpt::{CheckpointReader, list_checkpoints};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-train");
@@ -267,6 +268,16 @@ fn a_save_in_flight_when_killed_never_commits_and_resume_uses_the_previous_commi
         "step 20 must not commit: {listed:?}"
     );
     assert_eq!(latest_step(run.path()), Some(15));
+    // Every commit that exists is whole: every byte verifies.
+    runtime().block_on(async {
+        let store = Store::from_url(&run_url).unwrap();
+        for c in listed.iter().filter(|c| c.committed) {
+            let report = verify(&store, c.step, &VerifyOptions::default(), &|_| {})
+                .await
+                .unwrap();
+            assert!(report.ok, "step {}: {:?}", c.step, report.faults);
+        }
+    });
 
     let out = train(3, run.path(), 40, &["--resume"]);
     assert_eq!(resumed_from(&out), 15);
