@@ -46,7 +46,7 @@ pub(crate) fn write_file(
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "a data file needs a name"))?;
     let tmp = dir.join(format!("{}#direct", name.to_string_lossy()));
 
-    let aligned = data.as_ptr() as usize % ALIGN == 0;
+    let aligned = (data.as_ptr() as usize).is_multiple_of(ALIGN);
     let direct_len = if aligned {
         data.len() / ALIGN * ALIGN
     } else {
