@@ -467,3 +467,78 @@ pub fn adam(lr: f32, t: u64, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f
         *p -= lr * mhat / (vhat.sqrt() + EPS);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backward pass agrees with central finite differences of the loss.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let preset = Preset::named("tiny").unwrap();
+        let specs = preset.tensors();
+        let mut offsets = vec![0];
+        for s in &specs {
+            offsets.push(offsets.last().unwrap() + s.numel());
+        }
+        let mut params = vec![0f32; *offsets.last().unwrap()];
+        for (i, s) in specs.iter().enumerate() {
+            init_rows(3, i, s, 0..s.rows, &mut params[offsets[i]..offsets[i + 1]]);
+            if !s.matrix {
+                // Non-zero biases, so their gradients are exercised off the origin.
+                for (k, b) in params[offsets[i]..offsets[i + 1]].iter_mut().enumerate() {
+                    *b = (k as f32 * 0.37).sin() * 0.1;
+                }
+            }
+        }
+        let teacher = Teacher::new(3, &preset);
+        let (x, y) = chunk_data(3, 0, 0, &preset, &teacher);
+        let mut grad = vec![0f32; params.len()];
+        chunk_step(
+            &preset,
+            &params,
+            &offsets,
+            &x,
+            &y,
+            &mut GradSink::Float { acc: &mut grad },
+        );
+        let loss_at = |p: &[f32]| {
+            let mut scratch = vec![0f32; p.len()];
+            chunk_step(
+                &preset,
+                p,
+                &offsets,
+                &x,
+                &y,
+                &mut GradSink::Float { acc: &mut scratch },
+            )
+        };
+        let base = loss_at(&params);
+        let (mut checked, mut kinks) = (0, 0);
+        for i in (0..params.len()).step_by(37) {
+            let h = 3e-3f32;
+            let mut p = params.clone();
+            p[i] += h;
+            let up = loss_at(&p);
+            p[i] -= 2.0 * h;
+            let down = loss_at(&p);
+            let (forward, backward) = ((up - base) / f64::from(h), (base - down) / f64::from(h));
+            let numeric = (forward + backward) / 2.0;
+            let analytic = f64::from(grad[i]);
+            let scale = numeric.abs().max(analytic.abs()).max(1e-2);
+            if (forward - backward).abs() > 0.1 * scale {
+                kinks += 1; // a ReLU switches within ±h: no derivative to compare with
+                continue;
+            }
+            assert!(
+                (numeric - analytic).abs() / scale < 0.05,
+                "parameter {i}: numeric {numeric}, analytic {analytic}"
+            );
+            checked += 1;
+        }
+        assert!(
+            checked > 40 && kinks < checked / 4,
+            "{checked} checked, {kinks} kinks"
+        );
+    }
+}
