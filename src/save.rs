@@ -430,44 +430,31 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
     let file_key = format!("{dir}/{file_name}");
     crate::failpoint::hit("before-data-upload");
 
-    // Checksums (and frames) on blocking threads: CPU work off the async workers.
+    // Checksums (and frames) on background threads: CPU work off the async workers.
+    // A plain file does not depend on its checksums, so it is written meanwhile.
     let started = Instant::now();
-    let (crcs, frames) = encode(job.buffer.clone(), block, config.codec).await?;
-    let encoded = started.elapsed();
-
-    let started = Instant::now();
-    let stored_bytes = match (&frames, job.store.local_root()) {
-        // Local disk, uncompressed: straight from the aligned staging buffer.
-        (None, Some(root)) if config.direct_io => {
-            let buffer = job.buffer.clone();
-            let path = root.join(&dir).join(&file_name);
-            let fsync = job.store.config().fsync;
-            tokio::task::spawn_blocking(move || {
-                crate::direct::write_file(&path, &buffer, fsync, || {
-                    crate::failpoint::hit("during-data-upload")
-                })
-                .map_err(|e| Error::Failed(format!("write {}: {e}", path.display())))
-            })
-            .await
-            .map_err(|e| Error::Failed(format!("data file writer failed: {e}")))??;
-            job.buffer.len() as u64
+    let (crcs, frames, stored_bytes) = match config.codec {
+        Codec::None => {
+            let (crcs, stored) = tokio::try_join!(
+                async {
+                    encode(job.buffer.clone(), block, config.codec)
+                        .await
+                        .map(|(crcs, _)| crcs)
+                },
+                write_plain(job, &dir, &file_name, &file_key),
+            )?;
+            (crcs, None, stored)
         }
-        (None, _) => {
-            let all = Bytes::from_owner(Staged(job.buffer.clone()));
-            upload(&job.store, &file_key, &[all]).await?;
-            job.buffer.len() as u64
-        }
-        (Some(frames), _) => {
-            upload(&job.store, &file_key, frames).await?;
-            frames.iter().map(|f| f.len() as u64).sum()
+        Codec::Zstd { .. } => {
+            let (crcs, frames) = encode(job.buffer.clone(), block, config.codec).await?;
+            let frames = frames.unwrap_or_default();
+            upload(&job.store, &file_key, &frames).await?;
+            let stored = frames.iter().map(|f| f.len() as u64).sum();
+            (crcs, Some(frames), stored)
         }
     };
-    debug!(
-        bytes = stored_bytes,
-        ?encoded,
-        upload = ?started.elapsed(),
-        "data file written"
-    );
+    let encoded = started.elapsed();
+    debug!(bytes = stored_bytes, elapsed = ?encoded, "data file written");
     crate::failpoint::hit("after-data-upload");
 
     let part = RankPart {
@@ -521,6 +508,32 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
         CommitOutcome::Incomplete { .. } => {}
     }
     Ok(())
+}
+
+/// Writes the staging buffer as the rank's plain data file: on local disk with
+/// direct I/O straight from the aligned buffer, elsewhere as a streaming upload.
+/// Returns the bytes stored.
+async fn write_plain(job: &Job, dir: &str, file_name: &str, file_key: &str) -> Result<u64> {
+    match job.store.local_root() {
+        Some(root) if job.config.direct_io => {
+            let buffer = job.buffer.clone();
+            let path = root.join(dir).join(file_name);
+            let fsync = job.store.config().fsync;
+            tokio::task::spawn_blocking(move || {
+                crate::direct::write_file(&path, &buffer, fsync, || {
+                    crate::failpoint::hit("during-data-upload")
+                })
+                .map_err(|e| Error::Failed(format!("write {}: {e}", path.display())))
+            })
+            .await
+            .map_err(|e| Error::Failed(format!("data file writer failed: {e}")))??;
+        }
+        _ => {
+            let all = Bytes::from_owner(Staged(job.buffer.clone()));
+            upload(&job.store, file_key, &[all]).await?;
+        }
+    }
+    Ok(job.buffer.len() as u64)
 }
 
 /// Block checksums, and with zstd the frames, computed in parallel slices of blocks on
