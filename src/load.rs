@@ -617,9 +617,19 @@ async fn read_file(
         })
         .collect();
     let map = BlockMap::new(part);
+    // About two full batches of bytes in flight: more requests when the runs are
+    // short (a rank of a resharded load reads a slice of every chunk of a file), so
+    // small reads do not leave the device idle between them.
+    let batch_count = batches.len().max(1) as u64;
+    let mean_batch = batches
+        .iter()
+        .map(|b| (b.end - b.start) * block)
+        .sum::<u64>()
+        / batch_count;
+    let in_flight = (2 * batch_bytes / mean_batch.max(1)).clamp(2, 16) as usize;
     let mut fetched = futures::stream::iter(batches)
         .map(|blocks| fetch_batch(store, object, part, &map, blocks))
-        .buffered(2);
+        .buffered(in_flight);
     let mut cursor = 0usize;
     let (mut read, mut verified) = (0u64, 0u64);
     while let Some((blocks, raw, stored)) = fetched.try_next().await? {
