@@ -4,9 +4,7 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 
 use ckpt::format::{
     Chunk, Codec, FileEntry, FormatError, Layout, MANIFEST, Manifest, RankPart,
@@ -51,44 +49,6 @@ fn format_error(e: &Error) -> &FormatError {
     }
 }
 
-/// Tracing output of the current thread while the guard lives.
-struct Captured {
-    buffer: Arc<Mutex<Vec<u8>>>,
-    _guard: tracing::subscriber::DefaultGuard,
-}
-
-struct CaptureWriter(Arc<Mutex<Vec<u8>>>);
-
-impl Write for CaptureWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn start() -> Self {
-        let buffer = Arc::new(Mutex::new(Vec::new()));
-        let writer = buffer.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .with_writer(move || CaptureWriter(writer.clone()))
-            .finish();
-        Self {
-            buffer,
-            _guard: tracing::subscriber::set_default(subscriber),
-        }
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.buffer.lock().unwrap()).into_owned()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flipped_bit_in_a_data_file_names_file_and_offset_and_load_latest_falls_back() {
     let (store, dir) = local_store("bitflip");
@@ -121,18 +81,14 @@ async fn flipped_bit_in_a_data_file_names_file_and_offset_and_load_latest_falls_
 
     // The manifest itself is intact: `latest` still names step 2 ...
     assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 2);
-    // ... and load_latest falls back to step 1 with a warning naming the damage.
-    let captured = Captured::start();
+    // ... and load_latest falls back to step 1 (its warning is checked in
+    // tests/fallback_warnings.rs, a binary of its own so no other test's tracing
+    // setup interferes).
     let (reader, loaded) = load_latest(&store, LoadRequest::everything)
         .await
         .expect("falls back");
     assert_eq!(reader.step(), 1);
     assert_same(&loaded.tensors, &one);
-    let log = captured.text();
-    assert!(log.contains("WARN"), "{log}");
-    assert!(log.contains("falling back"), "{log}");
-    assert!(log.contains("step=2"), "{log}");
-    assert!(log.contains(&format!("{}/{name}", step_dir(2))), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,15 +183,8 @@ async fn truncated_manifest_is_corrupt_and_latest_skips_it_with_a_warning() {
     assert!(f.message.contains("truncated"), "{e}");
     assert!(f.offset.is_some(), "{e}");
 
-    let captured = Captured::start();
     let latest = ckpt::latest(&store).await.unwrap().expect("step 1");
     assert_eq!(latest.step, 1);
-    let log = captured.text();
-    assert!(
-        log.contains("skipping corrupt checkpoint") && log.contains("step=2"),
-        "{log}"
-    );
-    assert!(log.contains(&key), "{log}");
     assert_eq!(
         CheckpointReader::open(&store, None).await.unwrap().step(),
         1
