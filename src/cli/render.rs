@@ -119,8 +119,8 @@ mod tests {
         table.row(vec!["x".into(), "1000".into()]);
         let text = table.render(&[1]);
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines[0], "A           NUM");
-        assert_eq!(lines[1], "long name      1");
-        assert_eq!(lines[2], "x           1000");
+        assert_eq!(lines[0], format!("A{}NUM", " ".repeat(11)));
+        assert_eq!(lines[1], format!("long name{}1", " ".repeat(5)));
+        assert_eq!(lines[2], format!("x{}1000", " ".repeat(10)));
     }
 }
