@@ -6,6 +6,7 @@
 #
 #   trainer/scripts/bench.sh [SCRATCH_DIR]     (default /tmp/ckpt-train-bench)
 #   STEPS=40 REPS=2 trainer/scripts/bench.sh
+#   MODES="none 10" COLLECTIVES=0 FAST=0 REPS=3 trainer/scripts/bench.sh   # A/B only
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p ckpt-trainer --quiet
@@ -13,13 +14,17 @@ BIN=target/release/ckpt-train
 DIR=${1:-/tmp/ckpt-train-bench}
 STEPS=${STEPS:-40}
 REPS=${REPS:-2}
+MODES=${MODES:-none 10 1}
+COLLECTIVES=${COLLECTIVES:-1}
+FAST=${FAST:-1}
 echo "load before: $(uptime)"
 for n in 2 4; do
+  [ "$COLLECTIVES" = 1 ] || break
   "$BIN" launch --nproc "$n" -- bench-collectives --size 67108864 --iters 5 | grep -v '^launch:'
 done
 for rep in $(seq "$REPS"); do
   for n in 2 4; do
-    for every in none 10 1; do
+    for every in $MODES; do
       rm -rf "$DIR"
       args=(--preset small --steps "$STEPS" --log-every 1000)
       if [ "$every" != none ]; then args+=(--ckpt "file://$DIR" --ckpt-every "$every"); fi
@@ -28,6 +33,7 @@ for rep in $(seq "$REPS"); do
     done
   done
   rm -rf "$DIR"
+  [ "$FAST" = 1 ] || continue
   echo "== rep $rep nproc 2 no checkpoints, fast mode (--deterministic=false)"
   "$BIN" launch --nproc 2 -- --preset small --steps "$STEPS" --log-every 1000 --deterministic=false | grep -E 'done:|time per step'
 done
