@@ -202,7 +202,23 @@ impl SaveHandle {
 
     /// Waits until the whole checkpoint is committed (every rank's part written and
     /// `manifest.json` present), up to `commit_timeout`.
+    ///
+    /// Returns only once this rank's background work for the save (its own commit
+    /// attempt, and retention when it committed) has ended too, so a process may
+    /// exit right after.
     pub async fn committed(&self) -> Result<()> {
+        self.wait_committed().await?;
+        // The sender goes away when the background task ends.
+        let mut status = self.status.clone();
+        while status.changed().await.is_ok() {
+            if let Status::Failed(message) = &*status.borrow_and_update() {
+                return Err(Error::Failed(message.to_string()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn wait_committed(&self) -> Result<()> {
         self.durable().await?;
         if matches!(&*self.status.borrow(), Status::Committed) {
             return Ok(());
