@@ -192,6 +192,9 @@ pub struct CheckpointReader {
     store: Store,
     manifest: Arc<Manifest>,
     parts: tokio::sync::Mutex<HashMap<u32, Arc<RankPart>>>,
+    /// Data files whose stored size was checked against their part (once per reader:
+    /// tools load a checkpoint in many slabs).
+    sized: Mutex<std::collections::HashSet<String>>,
     config: ReadConfig,
 }
 
@@ -224,6 +227,7 @@ impl CheckpointReader {
             store: store.clone(),
             manifest: Arc::new(manifest),
             parts: tokio::sync::Mutex::new(HashMap::new()),
+            sized: Mutex::new(Default::default()),
             config: ReadConfig::default(),
         }
     }
@@ -473,10 +477,14 @@ impl CheckpointReader {
         // Sizes claimed by the manifest and parts are checked against the objects
         // before anything is allocated, and allocation failure is an error: a hostile
         // checkpoint whose documents vouch for each other cannot abort the process.
-        let claimed: Vec<(String, u64)> = files
-            .iter()
-            .map(|(object, part, _)| (object.clone(), part.file.stored_bytes))
-            .collect();
+        let claimed: Vec<(String, u64)> = {
+            let sized = self.sized.lock().unwrap_or_else(|p| p.into_inner());
+            files
+                .iter()
+                .filter(|(object, _, _)| !sized.contains(object))
+                .map(|(object, part, _)| (object.clone(), part.file.stored_bytes))
+                .collect()
+        };
         futures::stream::iter(claimed)
             .map(|(object, stored)| async move {
                 let info = self.store.head(&object).await.map_err(|e| match e.kind() {
@@ -502,11 +510,18 @@ impl CheckpointReader {
                         ),
                     )));
                 }
-                Ok::<(), Error>(())
+                Ok::<String, Error>(object)
             })
             .buffer_unordered(32)
-            .try_collect::<Vec<()>>()
-            .await?;
+            .try_collect::<Vec<String>>()
+            .await?
+            .into_iter()
+            .for_each(|object| {
+                self.sized
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(object);
+            });
         let outputs: Vec<Mutex<Vec<u8>>> = request
             .wants
             .iter()
