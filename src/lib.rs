@@ -43,6 +43,7 @@
 
 pub use ckpt_storage as storage;
 
+#[cfg(feature = "cli")]
 pub mod bench;
 mod blocks;
 pub mod catalog;
