@@ -1042,12 +1042,16 @@ impl AlignedBuf {
     }
 
     fn filled(len: usize) -> Self {
-        // SAFETY: the layout has a non-zero size; the pointer is checked.
-        let ptr = unsafe { std::alloc::alloc(Self::layout(len)) };
+        assert!(len > 0, "an aligned buffer holds at least one byte");
+        // Zeroed, so that the slice below never covers uninitialized memory.
+        // SAFETY: the layout's size is non-zero (asserted above), which is all that
+        // `alloc_zeroed` requires; a null result is handled next.
+        let ptr = unsafe { std::alloc::alloc_zeroed(Self::layout(len)) };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(Self::layout(len));
         }
-        // SAFETY: `ptr` is valid for `len` bytes, just allocated.
+        // SAFETY: `ptr` is non-null, aligned, valid for `len` bytes and initialized
+        // (zeroed); this is the only reference to the fresh allocation.
         let slice = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
         let mut rng = SplitMix(7);
         for chunk in slice.chunks_mut(8) {
@@ -1058,14 +1062,17 @@ impl AlignedBuf {
     }
 
     fn as_slice(&self) -> &[u8] {
-        // SAFETY: valid and initialized for `len` bytes until drop.
+        // SAFETY: `ptr` owns `len` initialized bytes (zeroed, then filled, in
+        // `filled`) that are freed only in `drop`, and nothing mutates them after
+        // construction, so a shared borrow of `self` can lend them out.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `filled` with the same layout.
+        // SAFETY: `ptr` came from the global allocator in `filled` with exactly this
+        // layout (`len` never changes) and is freed only here, once.
         unsafe { std::alloc::dealloc(self.ptr, Self::layout(self.len)) }
     }
 }
@@ -1087,7 +1094,9 @@ fn io_error(path: &Path, e: std::io::Error) -> Error {
 fn evict(path: &Path) {
     use std::os::fd::AsRawFd;
     if let Ok(file) = std::fs::File::open(path) {
-        // SAFETY: a valid open descriptor; fadvise only drops cached clean pages.
+        // SAFETY: `posix_fadvise` takes no pointers; the descriptor stays open for
+        // the call because `file` is alive, and the advice only drops clean cached
+        // pages, never data.
         unsafe {
             libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
         }

@@ -20,9 +20,12 @@ pub(crate) struct StagingBuffer {
     cap: usize,
 }
 
-// SAFETY: the buffer owns its allocation exclusively, like a Vec<u8>.
+// SAFETY: the buffer owns its allocation exclusively, like a Vec<u8>, and holds no
+// thread-bound state, so moving it to another thread moves sole ownership.
 unsafe impl Send for StagingBuffer {}
-// SAFETY: shared access is read-only (`Deref` to `[u8]`).
+// SAFETY: every method that writes takes `&mut self`; through `&self` the bytes
+// are only read (`Deref` to `[u8]`), so shared references on several threads race
+// on nothing.
 unsafe impl Sync for StagingBuffer {}
 
 impl StagingBuffer {
@@ -45,7 +48,7 @@ impl StagingBuffer {
         self.release();
         let cap = total.div_ceil(ALIGN).max(1) * ALIGN;
         let layout = Layout::from_size_align(cap, ALIGN).expect("staging size fits a layout");
-        // SAFETY: `layout` has a non-zero size.
+        // SAFETY: `alloc` requires a non-zero size, and `cap` is at least `ALIGN`.
         let ptr = unsafe { std::alloc::alloc(layout) };
         self.ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         self.cap = cap;

@@ -14,7 +14,9 @@ extern "C" fn on_signal(signum: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
     let count = COUNT.fetch_add(1, Ordering::SeqCst) + 1;
     if count >= 2 && EXIT_ON_SECOND.load(Ordering::SeqCst) {
-        // SAFETY: _exit is async-signal-safe. A second signal means "now".
+        // SAFETY: `_exit` is async-signal-safe (unlike `exit`, it runs no atexit
+        // handlers or destructors that could meet a lock this handler interrupted),
+        // so calling it from a signal handler is sound. A second signal means "now".
         unsafe { libc::_exit(128 + signum) };
     }
 }
@@ -30,8 +32,10 @@ pub fn exit_on_second_signal() {
 /// Installs the handler for SIGINT and SIGTERM.
 pub fn install() {
     for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only touches atomics, which is async-signal-safe; the
-        // sigaction struct is zero-initialized and then filled in.
+        // SAFETY: all-zero bytes are a valid `sigaction` (a C struct of integers,
+        // a signal set and a function pointer stored as an integer); the pointers
+        // handed to `sigemptyset` and `sigaction` point at that live local; and the
+        // installed handler does only async-signal-safe things (atomics, `_exit`).
         unsafe {
             let mut action: libc::sigaction = std::mem::zeroed();
             action.sa_sigaction = on_signal as *const () as usize;

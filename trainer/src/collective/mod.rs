@@ -196,24 +196,28 @@ pub fn shard_counts(n: usize, world: usize) -> Vec<usize> {
 /// Plain numbers that may be viewed as bytes.
 ///
 /// # Safety
-/// Only for primitive numbers: no padding, every bit pattern valid.
-pub(crate) unsafe trait Pod: Copy + Send + Sync + 'static {
+/// Only for primitive numbers: no padding bytes (so every byte of a value is
+/// initialized) and every bit pattern is a valid value (so any bytes received from
+/// a peer may be read back as `Self`).
+pub(crate) unsafe trait Pod: Copy + Default + Send + Sync + 'static {
     /// The reduction (sum) of two elements.
     fn add(a: Self, b: Self) -> Self;
 }
-// SAFETY: primitive number.
+// SAFETY: an 8-byte two's-complement integer: no padding, every bit pattern is a
+// value.
 unsafe impl Pod for i64 {
     fn add(a: Self, b: Self) -> Self {
         a.wrapping_add(b)
     }
 }
-// SAFETY: primitive number.
+// SAFETY: an IEEE 754 binary32: no padding, every bit pattern is a value (NaNs
+// included).
 unsafe impl Pod for f32 {
     fn add(a: Self, b: Self) -> Self {
         a + b
     }
 }
-// SAFETY: primitive number.
+// SAFETY: one byte, every bit pattern is a value.
 unsafe impl Pod for u8 {
     fn add(a: Self, b: Self) -> Self {
         a.wrapping_add(b)
@@ -221,11 +225,16 @@ unsafe impl Pod for u8 {
 }
 
 pub(crate) fn pod_bytes<T: Pod>(data: &[T]) -> &[u8] {
-    // SAFETY: `T: Pod` has no padding; length and lifetime are those of `data`.
+    // SAFETY: `T: Pod` has no padding, so all `size_of_val(data)` bytes behind the
+    // pointer are initialized; `u8` has alignment 1; the borrow of `data` keeps the
+    // memory alive and unmutated for the returned lifetime.
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast(), std::mem::size_of_val(data)) }
 }
 
 pub(crate) fn pod_bytes_mut<T: Pod>(data: &mut [T]) -> &mut [u8] {
-    // SAFETY: as above, and every bit pattern written through the bytes is a valid `T`.
+    // SAFETY: the bytes are initialized and aligned as in `pod_bytes`; the exclusive
+    // borrow of `data` is moved into the result, so nothing else aliases it; and since
+    // every bit pattern is a valid `T`, whatever is written through the bytes leaves
+    // valid `T`s behind.
     unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast(), std::mem::size_of_val(data)) }
 }

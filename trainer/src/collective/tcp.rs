@@ -555,26 +555,20 @@ impl TcpCollective {
     ) -> CollectiveResult {
         let (w, r) = (self.world, self.rank);
         let largest = offsets.windows(2).map(|p| p[1] - p[0]).max().unwrap_or(0);
-        let mut scratch: Vec<T> = Vec::with_capacity(largest);
+        // Zeroed once per call (a calloc for large sizes), then reused by every
+        // step: the bytes a receive writes into are always initialized.
+        let mut scratch: Vec<T> = vec![T::default(); largest];
         for s in 0..w - 1 {
             let send_seg = (r + 2 * w - 1 - s) % w;
             let recv_seg = (r + 2 * w - 2 - s) % w;
             let recv_len = offsets[recv_seg + 1] - offsets[recv_seg];
-            // SAFETY: T is Pod (every bit pattern valid); recv fills every element
-            // before it is read.
-            unsafe { scratch.set_len(recv_len) };
+            let received = &mut scratch[..recv_len];
             {
                 let send = pod_bytes(&data[offsets[send_seg]..offsets[send_seg + 1]]);
-                self.exchange(
-                    links,
-                    op,
-                    Tag::ReduceScatter,
-                    send,
-                    pod_bytes_mut(&mut scratch),
-                )?;
+                self.exchange(links, op, Tag::ReduceScatter, send, pod_bytes_mut(received))?;
             }
             let target = &mut data[offsets[recv_seg]..offsets[recv_seg + 1]];
-            for (t, x) in target.iter_mut().zip(&scratch) {
+            for (t, x) in target.iter_mut().zip(received.iter()) {
                 *t = T::add(*t, *x);
             }
         }
