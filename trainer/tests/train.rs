@@ -167,26 +167,92 @@ fn world_sizes_one_to_four_end_with_bitwise_identical_weights() {
     for dir in &dirs[1..] {
         assert_identical(dirs[0].path(), dir.path());
     }
-    // The same verdict from the `ckpt` command line, when it has been built.
-    let ckpt_bin = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/ckpt");
-    if ckpt_bin.exists() {
-        let out = Command::new(&ckpt_bin)
-            .args(["diff", &url(dirs[0].path()), &url(dirs[3].path())])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "ckpt diff: {text}");
-        assert!(text.contains("identical"), "{text}");
-    }
+    // The same verdict from the `ckpt` command line.
+    let out = Command::new(ckpt_cli())
+        .args(["diff", &url(dirs[0].path()), &url(dirs[3].path())])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ckpt diff: {text}");
+    assert!(text.contains("identical"), "{text}");
 }
 
 #[test]
 fn the_fast_mode_also_trains_but_sums_gradients_in_f32() {
     let (a, b) = (tempdir(), tempdir());
-    let one = train(1, a.path(), 20, &["--deterministic=false"]);
-    let three = train(3, b.path(), 20, &["--deterministic=false"]);
+    let fast = ["--deterministic=false", "--log-every", "1"];
+    let one = train(1, a.path(), 20, &fast);
+    let three = train(3, b.path(), 20, &fast);
     assert!(one.contains("fast mode") && three.contains("fast mode"));
     assert_eq!(latest_step(b.path()), Some(20));
+    for (world, output) in [(1, &one), (3, &three)] {
+        let losses = printed_losses(output);
+        let steps: Vec<u64> = losses.iter().map(|&(step, _)| step).collect();
+        assert_eq!(
+            steps,
+            (1..=20).collect::<Vec<_>>(),
+            "world {world}:\n{output}"
+        );
+        let (first, last) = (losses[0].1, losses[19].1);
+        assert!(
+            last < first / 2.0,
+            "world {world}: the loss went from {first} to {last} in 20 steps:\n{output}"
+        );
+    }
+}
+
+/// The `(step, loss)` pairs rank 0 printed (`[rank 0] step N loss X`).
+fn printed_losses(output: &str) -> Vec<(u64, f64)> {
+    output
+        .lines()
+        .filter_map(|line| line.strip_prefix("[rank 0] step "))
+        .filter_map(|rest| {
+            let (step, loss) = rest.split_once(" loss ")?;
+            Some((step.parse().ok()?, loss.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The `ckpt` command line of this workspace, built now if needed. The trainer links
+/// the library without its command-line feature, so building the trainer's tests
+/// does not build the binary; building it here (a no-op when fresh) also makes sure
+/// it is not a stale copy. Panics, and so fails the test, when it cannot be built.
+fn ckpt_cli() -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
+    // The profile this test was built with, from `<target>/<profile dir>/deps/<exe>`.
+    let exe = std::env::current_exe().unwrap();
+    let profile = match exe
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::file_name)
+        .and_then(|name| name.to_str())
+    {
+        Some("debug") | None => "dev".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let output = Command::new(&cargo)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--quiet", "-p", "ckpt", "--bin", "ckpt"])
+        .args(["--profile", &profile, "--message-format=json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cargo:?} to build the ckpt binary: {e}"));
+    assert!(
+        output.status.success(),
+        "building the ckpt binary failed ({})",
+        output.status
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let executable = stdout
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["reason"] == "compiler-artifact")
+        .filter(|message| message["target"]["name"] == "ckpt")
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from));
+    let executable = executable
+        .unwrap_or_else(|| panic!("cargo built no ckpt executable; its messages:\n{stdout}"));
+    assert!(executable.is_file(), "{} is missing", executable.display());
+    executable
 }
 
 fn kill_at_20_then_resume(before: usize, after: usize) {
