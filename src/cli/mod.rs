@@ -33,6 +33,50 @@ pub(crate) const EXIT_CORRUPT: u8 = 4;
 /// Exit code: the store or the disk failed.
 pub(crate) const EXIT_STORAGE: u8 = 5;
 
+/// Makes a command whose output pipe closes (`ckpt ls URL --json | head -1`) stop at
+/// once and without a word, ended by SIGPIPE as Unix tools are (a shell shows status
+/// 141), whichever command and whichever print meets the closed pipe.
+///
+/// Rust runs programs with SIGPIPE ignored, so a write to a closed pipe fails with
+/// EPIPE and `println!` panics on it. The signal stays ignored while the command
+/// runs, on purpose: store connections write to sockets (with `writev`, which cannot
+/// ask for MSG_NOSIGNAL), and a connection the server closed must be an error the
+/// store retries, not the end of the process. So the failed print is recognized
+/// where it panics, and only then does the process take the signal.
+pub(crate) fn end_quietly_when_output_closes() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if is_closed_output(info.payload()) {
+            die_of_sigpipe();
+        }
+        previous(info);
+    }));
+}
+
+/// True for the panic of a print to stdout or stderr that met a closed pipe.
+fn is_closed_output(payload: &(dyn std::any::Any + Send)) -> bool {
+    let message = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or_default();
+    let print = message.starts_with("failed printing to stdout")
+        || message.starts_with("failed printing to stderr");
+    print && message.ends_with(&format!("(os error {})", libc::EPIPE))
+}
+
+fn die_of_sigpipe() -> ! {
+    // SAFETY: `signal` with SIG_DFL and `raise` take no pointers and are
+    // async-signal-safe; restoring the default action and raising the signal in
+    // this thread ends the process here, as a write to the closed pipe would have
+    // with the default action.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::raise(libc::SIGPIPE);
+    }
+    std::process::exit(128 + libc::SIGPIPE)
+}
+
 /// Options every command that opens a store takes.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct StoreArgs {
@@ -955,6 +999,20 @@ async fn gc_cmd(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_print_to_a_closed_pipe_ends_quietly() {
+        let closed = format!(
+            "failed printing to stdout: Broken pipe (os error {})",
+            libc::EPIPE
+        );
+        assert!(is_closed_output(&closed));
+        assert!(is_closed_output(&closed.replace("stdout", "stderr")));
+        let full = String::from("failed printing to stdout: No space left on device (os error 28)");
+        assert!(!is_closed_output(&full));
+        assert!(!is_closed_output(&"index out of bounds"));
+        assert!(!is_closed_output(&42u32));
+    }
 
     #[test]
     fn sizes_and_durations_parse() {
