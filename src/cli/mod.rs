@@ -725,11 +725,12 @@ async fn verify_cmd(
     };
     let mut reports = Vec::new();
     for step in steps {
-        let total = ckpt::read_manifest(&store, step)
-            .await
-            .map(|m| m.ranks.iter().map(|r| r.raw_bytes).sum::<u64>());
-        let bar = progress(total.unwrap_or(0), &format!("verify step {step}"));
-        let report = verify::verify(&store, step, &options, &|n| bar.inc(n)).await?;
+        let bar = progress(0, &format!("verify step {step}"));
+        let report = verify::verify(&store, step, &options, &|event| match event {
+            verify::VerifyProgress::Total(total) => bar.set_length(total),
+            verify::VerifyProgress::Verified(n) => bar.inc(n),
+        })
+        .await?;
         bar.finish_and_clear();
         if !json {
             if report.ok {

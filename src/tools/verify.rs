@@ -8,7 +8,7 @@
 //! when one is concerned, and the byte offset. Memory is bounded by the budget:
 //! files are streamed in batches of blocks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Mutex;
 
@@ -19,7 +19,8 @@ use serde::Serialize;
 use crate::blocks::{self, BlockMap};
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, Layout, MAX_HEADER_BYTES, Manifest, RankPart, parse_safetensors_header, step_dir,
+    Chunk, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart, parse_safetensors_header,
+    step_dir,
 };
 use crate::load::CheckpointReader;
 use crate::region::Region;
@@ -44,6 +45,18 @@ impl Default for VerifyOptions {
         }
     }
 }
+
+/// What [`verify`] reports as it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyProgress {
+    /// Raw bytes the data files to be read hold, by the manifest (once, first).
+    Total(u64),
+    /// Raw bytes just verified.
+    Verified(u64),
+}
+
+/// Missing rank parts named one by one in their fault; the rest are counted.
+const MISSING_RANKS_NAMED: usize = 5;
 
 /// One thing wrong with a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -108,19 +121,24 @@ fn fault(
     }
 }
 
-/// Stored bytes the checkpoint's data files hold, for sizing progress bars.
+/// Stored bytes the checkpoint's data files hold by its manifest, for sizing progress
+/// bars (saturating: the figures are the manifest's, not yet compared with anything).
 pub fn stored_bytes(manifest: &Manifest) -> u64 {
-    manifest.ranks.iter().map(|r| r.stored_bytes).sum()
+    manifest
+        .ranks
+        .iter()
+        .fold(0, |sum, r| sum.saturating_add(r.stored_bytes))
 }
 
-/// Verifies checkpoint `step`. `progress` is called with raw bytes verified as they
-/// are. Errors are for what prevents verifying at all (no such step, store down);
-/// everything wrong with the checkpoint itself is a [`Fault`] in the report.
+/// Verifies checkpoint `step`. `progress` hears the raw bytes to read, then the raw
+/// bytes verified as they are. Errors are for what prevents verifying at all (no
+/// such step, store down); everything wrong with the checkpoint itself is a
+/// [`Fault`] in the report.
 pub async fn verify(
     store: &Store,
     step: u64,
     options: &VerifyOptions,
-    progress: &(dyn Fn(u64) + Sync),
+    progress: &(dyn Fn(VerifyProgress) + Sync),
 ) -> Result<VerifyReport> {
     let mut report = VerifyReport {
         step,
@@ -160,12 +178,43 @@ pub async fn verify(
         }
     }
 
+    // One listing says which parts exist, so a part absent from it costs no request
+    // of its own and all of them make one fault: a manifest that lists a million
+    // ranks of which four were saved is one listing and one line, not a million.
+    let listed: HashSet<String> = store
+        .list(&step_dir(step))
+        .await?
+        .into_iter()
+        .map(|object| object.key)
+        .collect();
+    let (present, missing): (Vec<&RankEntry>, Vec<&RankEntry>) = manifest
+        .ranks
+        .iter()
+        .partition(|entry| listed.contains(&format!("{}/{}", step_dir(step), entry.part)));
+    drop(listed);
+    if !missing.is_empty() {
+        report.faults.push(missing_parts(
+            &manifest_object,
+            &missing,
+            manifest.world_size,
+        ));
+    }
+    progress(VerifyProgress::Total(
+        present
+            .iter()
+            .fold(0u64, |sum, entry| sum.saturating_add(entry.raw_bytes)),
+    ));
+    let present: Vec<u32> = present.iter().map(|entry| entry.rank).collect();
+    drop(missing);
+
     let reader = CheckpointReader::from_manifest(store, manifest.clone());
     let per_file_budget =
         (options.memory_budget / options.concurrency.max(1) as u64).max(manifest.block_size);
     let faults = Mutex::new(Vec::new());
     let counters = Mutex::new((0usize, 0u64, 0u64));
-    futures::stream::iter(0..manifest.world_size)
+    let verified = |n: u64| progress(VerifyProgress::Verified(n));
+    let verified: &(dyn Fn(u64) + Sync) = &verified;
+    futures::stream::iter(present)
         .map(|rank| {
             let reader = &reader;
             let expected = expected.get(&rank).map(Vec::as_slice).unwrap_or(&[]);
@@ -173,7 +222,7 @@ pub async fn verify(
             let counters = &counters;
             async move {
                 let found =
-                    verify_rank(store, reader, rank, expected, per_file_budget, progress).await;
+                    verify_rank(store, reader, rank, expected, per_file_budget, verified).await;
                 match found {
                     Ok((mut file_faults, blocks, bytes)) => {
                         let mut c = counters.lock().unwrap_or_else(|p| p.into_inner());
@@ -207,6 +256,34 @@ pub async fn verify(
         .sort_by(|a, b| (&a.object, a.offset).cmp(&(&b.object, b.offset)));
     report.ok = report.faults.is_empty();
     Ok(report)
+}
+
+/// One fault for every rank part the manifest lists and the store lacks: how many,
+/// and the first few ranks.
+fn missing_parts(manifest_object: &str, missing: &[&RankEntry], world: u32) -> Fault {
+    let named: Vec<String> = missing
+        .iter()
+        .take(MISSING_RANKS_NAMED)
+        .map(|entry| entry.rank.to_string())
+        .collect();
+    let more = missing.len() - named.len();
+    let mut ranks = format!(
+        "{} {}",
+        if missing.len() == 1 { "rank" } else { "ranks" },
+        named.join(", ")
+    );
+    if more > 0 {
+        ranks.push_str(&format!(" and {more} more"));
+    }
+    fault(
+        manifest_object,
+        None,
+        None,
+        format!(
+            "{} of {world} rank parts are missing from a committed checkpoint: {ranks}",
+            missing.len()
+        ),
+    )
 }
 
 /// Exact tiling: boxes inside the shape (checked at parse), volumes summing to the
