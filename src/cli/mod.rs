@@ -878,7 +878,10 @@ async fn reshard_cmd(
         ..Default::default()
     };
     let bar = progress(reader.manifest().tensor_bytes(), "reshard");
-    let report = reshard::reshard(&reader, &dst_store, &target, &options, &|n| bar.inc(n)).await?;
+    let report = reshard::reshard(&src_store, &reader, &dst_store, &target, &options, &|n| {
+        bar.inc(n)
+    })
+    .await?;
     bar.finish_and_clear();
     if json {
         print_json(&report);
@@ -907,7 +910,7 @@ async fn export_cmd(
     let store = args.open(src)?;
     let reader = open_reader(&store, step).await?;
     let bar = progress(reader.manifest().tensor_bytes(), "export");
-    let report = export::export(&reader, out, options, &|n| bar.inc(n)).await?;
+    let report = export::export(&store, &reader, out, options, &|n| bar.inc(n)).await?;
     bar.finish_and_clear();
     if json {
         print_json(&report);

@@ -12,6 +12,43 @@ pub mod inspect;
 pub mod reshard;
 pub mod verify;
 
+use std::collections::BTreeSet;
+
+use ckpt_storage::Store;
+use futures::{StreamExt, TryStreamExt};
+
+use crate::error::Result;
+use crate::format::{TensorEntry, step_dir};
+use crate::load::CheckpointReader;
+
+/// Checks the safetensors header of every data file that holds a chunk of `tensors`
+/// (see [`verify::check_data_header`]), before a tool reads their data to write
+/// something out. `store` is the store `reader` reads.
+pub(crate) async fn check_data_headers<'a>(
+    store: &Store,
+    reader: &CheckpointReader,
+    tensors: impl IntoIterator<Item = &'a TensorEntry>,
+) -> Result<()> {
+    let manifest = reader.manifest();
+    let ranks: BTreeSet<u32> = tensors
+        .into_iter()
+        .flat_map(|t| manifest.layouts[t.layout as usize].boxes(&t.shape))
+        .map(|(rank, _)| rank)
+        .collect();
+    futures::stream::iter(ranks)
+        .map(|rank| async move {
+            let part = reader.part(rank).await?;
+            let object = format!("{}/{}", step_dir(reader.step()), part.file.name);
+            verify::check_data_header(store, &object, &part).await
+        })
+        .buffer_unordered(HEADER_CHECKS_AT_ONCE)
+        .try_collect()
+        .await
+}
+
+/// Data file headers [`check_data_headers`] reads at once.
+const HEADER_CHECKS_AT_ONCE: usize = 8;
+
 /// Matches `name` against a shell-style glob (`*` any run, `?` one character).
 pub fn glob_match(pattern: &str, name: &str) -> bool {
     let p: Vec<char> = pattern.chars().collect();

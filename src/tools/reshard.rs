@@ -175,9 +175,12 @@ pub struct ReshardReport {
     pub bytes_read: u64,
 }
 
-/// Rewrites the checkpoint `source` reads into `dst` for `target`, committing it
-/// there. Refuses to overwrite a committed checkpoint of the same step in `dst`.
+/// Rewrites the checkpoint `source` reads (from `src`) into `dst` for `target`,
+/// committing it there. Refuses to overwrite a committed checkpoint of the same step
+/// in `dst`, and checks every source data file (its header included) before writing
+/// anything, so nothing is committed from a checkpoint `verify` rejects.
 pub async fn reshard(
+    src: &Store,
     source: &CheckpointReader,
     dst: &Store,
     target: &Target,
@@ -194,6 +197,7 @@ pub async fn reshard(
         )));
     }
     let plan = target.plan(manifest)?;
+    super::check_data_headers(src, source, &manifest.tensors).await?;
     let global = source.global_state().await?;
     let rank_states = source.rank_states().await?;
     let mut global_out = global.clone();

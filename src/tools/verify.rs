@@ -19,8 +19,8 @@ use serde::Serialize;
 use crate::blocks::{self, BlockMap};
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart, parse_safetensors_header,
-    step_dir,
+    Chunk, FormatError, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart,
+    parse_safetensors_header, step_dir,
 };
 use crate::load::CheckpointReader;
 use crate::region::Region;
@@ -485,15 +485,9 @@ async fn verify_blocks(
                     progress(data.len() as u64);
                     if let Some(prefix) = header.as_mut() {
                         prefix.extend_from_slice(&data);
-                        if let Some(len) = prefix.get(..8) {
-                            let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
-                            let whole = n > MAX_HEADER_BYTES
-                                || n.saturating_add(8) > part.file.raw_bytes
-                                || prefix.len() as u64 >= n + 8;
-                            if whole {
-                                faults.extend(check_header(object, part, prefix));
-                                header = None;
-                            }
+                        if header_bytes_wanted(prefix, part.file.raw_bytes).is_none() {
+                            faults.extend(check_header(object, part, prefix));
+                            header = None;
                         }
                     }
                 }
@@ -511,6 +505,78 @@ async fn verify_blocks(
         faults.extend(check_header(object, part, &prefix));
     }
     Ok((faults, checked, verified))
+}
+
+/// Bytes from the file's start that judging its safetensors header needs, or `None`
+/// once `prefix` holds them all (or enough to know the header cannot be sound: a
+/// length beyond the limit or beyond the file).
+fn header_bytes_wanted(prefix: &[u8], raw_bytes: u64) -> Option<u64> {
+    let Some(len) = prefix.get(..8) else {
+        return Some(8);
+    };
+    let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+    let judged =
+        n > MAX_HEADER_BYTES || n.saturating_add(8) > raw_bytes || prefix.len() as u64 >= n + 8;
+    (!judged).then(|| n + 8)
+}
+
+/// Reads the safetensors header of the data file `object` of `part`, through its
+/// checksummed blocks, and checks it as [`verify`] does: it must parse and describe
+/// exactly the part's chunks. The first fault is the error, naming the object and
+/// the byte offset.
+///
+/// For the tools that read data by the part's byte ranges: the loader needs nothing
+/// from the header (the part, vouched for by the manifest, says where each chunk
+/// lies, and the block checksums vouch for the bytes), but what `export` and
+/// `reshard` write out must not come from a file that `verify` rejects. Reads at
+/// most the header's blocks; a header longer than the format's limit is refused
+/// from its first 8 bytes.
+pub(crate) async fn check_data_header(store: &Store, object: &str, part: &RankPart) -> Result<()> {
+    let map = BlockMap::new(part);
+    let mut prefix = Vec::new();
+    let mut next = 0;
+    while next < map.blocks() {
+        let Some(wanted) = header_bytes_wanted(&prefix, part.file.raw_bytes) else {
+            break;
+        };
+        let batch = next..wanted
+            .div_ceil(part.block_size)
+            .clamp(next + 1, map.blocks());
+        let stored = blocks::fetch(store, object, &map, &batch).await?;
+        let crcs = &part.file.block_crc32[batch.start as usize..batch.end as usize];
+        let mut failure = None;
+        blocks::check(
+            object,
+            &map,
+            &batch,
+            crcs,
+            &stored,
+            |_, block| match block {
+                Ok(data) => {
+                    prefix.extend_from_slice(&data);
+                    true
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
+            },
+        );
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        next = batch.end;
+    }
+    match check_header(object, part, &prefix).into_iter().next() {
+        None => Ok(()),
+        Some(f) => {
+            let message = match f.tensors.first() {
+                Some(tensor) => format!("tensor {tensor:?}: {}", f.message),
+                None => f.message,
+            };
+            Err(FormatError::new(&f.object, f.offset, message).into())
+        }
+    }
 }
 
 /// The safetensors header must parse and describe exactly the part's chunks.
