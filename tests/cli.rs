@@ -1074,10 +1074,13 @@ async fn zero_element_and_scalar_tensors_round_trip_through_import_reshard_and_e
     assert_eq!(json(&out)["tensors"], 5);
     let view = json(&ckpt(&["inspect", &imported, "--tensors", "--json"]));
     assert_eq!(view["tensor_count"], 5, "{view}");
+    let out = ckpt(&["verify", &imported]);
+    assert_eq!(code(&out), 0, "{}", stdout(&out));
     let resharded = format!("file://{}", dir.path().join("resharded").display());
     let out = ckpt(&["reshard", &imported, &resharded, "--world-size", "2"]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
-    assert_eq!(code(&ckpt(&["verify", &resharded])), 0);
+    let out = ckpt(&["verify", &resharded]);
+    assert_eq!(code(&out), 0, "{}", stdout(&out));
 
     for (root, file) in [(&imported, "a.safetensors"), (&resharded, "b.safetensors")] {
         let exported = dir.path().join(file);
