@@ -128,6 +128,7 @@ struct BenchArgs {
 }
 
 fn main() -> ExitCode {
+    cli::end_quietly_when_output_closes();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

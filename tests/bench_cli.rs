@@ -90,6 +90,7 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
 
 #[test]
 fn metadata_only_bench_skips_the_data_runs() {
+    let started = std::time::Instant::now();
     let report = bench_json(&[
         "--metadata-only",
         "--meta-tensors",
@@ -97,8 +98,26 @@ fn metadata_only_bench_skips_the_data_runs() {
         "--meta-ranks",
         "16",
     ]);
-    assert_eq!(report["metadata"]["chunks"].as_u64(), Some(320));
-    assert!(report["metadata"]["plan_ms"].as_f64().unwrap() >= 0.0);
+    let wall_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let metadata = &report["metadata"];
+    assert_eq!(metadata["chunks"].as_u64(), Some(320));
+    // Planning was timed, within the run that timed it.
+    for key in ["open_ms", "plan_ms", "reshard_plan_ms"] {
+        let ms = metadata[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key}: {report}"));
+        assert!(
+            ms > 0.0 && ms < wall_ms,
+            "{key} = {ms} in a {wall_ms} ms run"
+        );
+    }
+    // A plan reads the manifest and at least one part.
+    let least =
+        metadata["manifest_bytes"].as_u64().unwrap() + metadata["part_bytes"].as_u64().unwrap();
+    assert!(
+        metadata["plan_bytes_read"].as_u64().unwrap() >= least,
+        "{metadata}"
+    );
     assert!(report["zstd"].as_array().unwrap().is_empty());
 }
 

@@ -750,3 +750,352 @@ fn every_command_has_help_with_an_example() {
         );
     }
 }
+
+/// Runs `ckpt args`, reads one line of its output, then closes the pipe while the
+/// command still has much more to write (more than a pipe holds, so it is blocked
+/// writing when the pipe closes). Returns its status, that line and its stderr.
+fn ckpt_with_stdout_closed_early(args: &[&str]) -> (std::process::ExitStatus, String, String) {
+    use std::io::{BufRead, Read};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the ckpt binary");
+    let mut first = String::new();
+    {
+        let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        out.read_line(&mut first).expect("first line");
+    }
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("stderr");
+    (child.wait().expect("wait"), first, err)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_output_pipe_stops_a_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let (store, dir) = local_store("pipe");
+    // Enough tensors that the listings run to megabytes: far more than a pipe holds.
+    let tensors: Vec<Tensor> = (0..5000)
+        .map(|i| Tensor::new(&format!("block.{i:05}.scale"), &[2], i))
+        .collect();
+    save_world(&store, 1, 1, &tensors, |_| {}).await;
+    let url = format!("file://{}", dir.path().display());
+    for args in [
+        vec!["inspect", &url, "--tensors", "--json"],
+        vec!["inspect", &url, "--tensors"],
+    ] {
+        let (status, first, err) = ckpt_with_stdout_closed_early(&args);
+        assert!(!first.is_empty(), "{args:?} printed nothing: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(err, "", "{args:?} stops without a word");
+        // As Unix tools do: ended by SIGPIPE (a shell shows status 141).
+        assert_eq!(status.signal(), Some(13), "{args:?}: {status:?}");
+    }
+    // With the reader kept open the same command runs to its end.
+    let out = ckpt(&["inspect", &url, "--tensors", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["tensors"].as_array().unwrap().len(), 5000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_counts_missing_rank_parts_in_one_fault() {
+    use ckpt::format::{Layout, Manifest, rank_file_name, rank_part_name};
+    const WORLD: u32 = 1 << 20;
+    let (store, dir) = local_store("wide");
+    save_world(&store, 1, 4, &model(1, ROWS), |_| {}).await;
+    // A self-consistent manifest that lists the most ranks the format allows, of
+    // which only the 4 saved ones have parts.
+    let key = "step-00000001/manifest.json";
+    let mut manifest = Manifest::parse(&store.get(key).await.unwrap(), key).unwrap();
+    let template = manifest.ranks[3].clone();
+    manifest.ranks.extend((4..WORLD).map(|rank| {
+        let mut entry = template.clone();
+        entry.rank = rank;
+        entry.part = rank_part_name(rank);
+        entry.file = rank_file_name(rank, false);
+        entry
+    }));
+    manifest.world_size = WORLD;
+    for layout in &mut manifest.layouts {
+        if let Layout::Dim0(bounds) = layout {
+            let rows = *bounds.last().unwrap();
+            bounds.resize(WORLD as usize + 1, rows);
+        }
+    }
+    store.put(key, manifest.to_bytes()).await.unwrap();
+    drop(manifest);
+    let url = format!("file://{}", dir.path().display());
+
+    let out = ckpt(&["verify", &url]);
+    assert_eq!(code(&out), 1, "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.lines().count() <= 4,
+        "one fault, not one per rank: {} lines, starting {:?}",
+        text.lines().count(),
+        text.lines().take(4).collect::<Vec<_>>()
+    );
+    let missing = WORLD - 4;
+    assert!(
+        text.contains(&format!("{missing} of {WORLD} rank parts are missing")),
+        "{text}"
+    );
+    assert!(text.contains("ranks 4, 5, 6, 7, 8"), "{text}");
+
+    let out = ckpt(&["verify", &url, "--json"]);
+    assert_eq!(code(&out), 1);
+    let faults = json(&out)["checkpoints"][0]["faults"].clone();
+    assert_eq!(faults.as_array().unwrap().len(), 1, "{faults}");
+    assert_eq!(faults[0]["object"], key);
+}
+
+/// Replaces the safetensors header of rank `rank`'s data file of `step` with
+/// `header` (length prefix and JSON, as a hostile writer would), keeps the data, and
+/// recomputes every checksum that vouches for the file (block CRCs, part, manifest),
+/// so that only the header is wrong.
+async fn replace_data_header(store: &Store, step: u64, rank: usize, header: Vec<u8>) {
+    use ckpt::format::{Manifest, RankPart};
+    let manifest_key = format!("step-{step:08}/manifest.json");
+    let mut manifest =
+        Manifest::parse(&store.get(&manifest_key).await.unwrap(), &manifest_key).unwrap();
+    let entry = &mut manifest.ranks[rank];
+    let part_key = format!("step-{step:08}/{}", entry.part);
+    let mut part = RankPart::parse(&store.get(&part_key).await.unwrap(), &part_key).unwrap();
+    assert_eq!(part.codec, ckpt::Codec::None, "the test rewrites raw files");
+    let data_key = format!("step-{step:08}/{}", part.file.name);
+    let old = store.get(&data_key).await.unwrap();
+    let old_start = 8 + u64::from_le_bytes(old[..8].try_into().unwrap());
+    let new_start = header.len() as u64;
+    let mut data = header;
+    data.extend_from_slice(&old[old_start as usize..]);
+    for chunk in &mut part.chunks {
+        chunk.bytes = chunk.bytes.map(|b| b - old_start + new_start);
+    }
+    part.file.raw_bytes = data.len() as u64;
+    part.file.stored_bytes = data.len() as u64;
+    part.file.block_crc32 = data
+        .chunks(part.block_size as usize)
+        .map(crc32fast::hash)
+        .collect();
+    let part_bytes = part.to_bytes();
+    entry.part_bytes = part_bytes.len() as u64;
+    entry.part_crc32 = crc32fast::hash(&part_bytes);
+    entry.raw_bytes = data.len() as u64;
+    entry.stored_bytes = data.len() as u64;
+    store.put(&data_key, data).await.unwrap();
+    store.put(&part_key, part_bytes).await.unwrap();
+    store.put(&manifest_key, manifest.to_bytes()).await.unwrap();
+}
+
+/// Every file under `dir`, recursively.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flat_map(|e| {
+            let path = e.unwrap().path();
+            if path.is_dir() {
+                files_under(&path)
+            } else {
+                vec![path]
+            }
+        })
+        .collect()
+}
+
+/// The command failed as corrupt (exit 4) with one sentence naming `object`, a byte
+/// offset in it, and `words`.
+fn assert_corrupt_at(out: &Output, object: &str, words: &str, context: &str) {
+    let err = stderr(out);
+    assert_eq!(code(out), 4, "{context}: {err}");
+    assert!(
+        err.starts_with(&format!("error: corrupt checkpoint: {object} at byte ")),
+        "{context}: {err}"
+    );
+    assert!(err.contains(words), "{context}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{context}: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_and_reshard_refuse_a_data_file_whose_header_is_broken() {
+    // Each hostile header, made from the original one (length prefix and JSON).
+    type Breaker = fn(&[u8]) -> Vec<u8>;
+    let cases: [(&str, Breaker, &str); 3] = [
+        (
+            "a header length of 2^64-1",
+            |old| [&u64::MAX.to_le_bytes()[..], &old[8..]].concat(),
+            "header length",
+        ),
+        (
+            "a dtype changed",
+            |old| {
+                let text = String::from_utf8(old[8..].to_vec()).unwrap();
+                assert!(text.contains("\"F32\""), "{text}");
+                let json = text.replacen("\"F32\"", "\"I32\"", 1);
+                [&old[..8], json.as_bytes()].concat()
+            },
+            "disagrees with the part",
+        ),
+        (
+            "100k nested brackets",
+            |_| {
+                let json = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+                [&(json.len() as u64).to_le_bytes()[..], json.as_bytes()].concat()
+            },
+            "invalid header JSON",
+        ),
+    ];
+    for (what, breaker, words) in cases {
+        let (store, dir) = local_store("header");
+        save_world(&store, 1, 2, &model(1, ROWS), |_| {}).await;
+        let old = std::fs::read(data_file(dir.path(), 1, 1)).unwrap();
+        let old_len = u64::from_le_bytes(old[..8].try_into().unwrap()) as usize;
+        replace_data_header(&store, 1, 1, breaker(&old[..8 + old_len])).await;
+        let url = format!("file://{}", dir.path().display());
+        let object = "step-00000001/rank-00001.safetensors";
+
+        // verify rejects it: the reference the other commands must match.
+        let out = ckpt(&["verify", &url]);
+        assert_eq!(code(&out), 1, "{what}: {}", stdout(&out));
+        assert!(stdout(&out).contains(object), "{what}: {}", stdout(&out));
+
+        let exported = dir.path().join("out").join("model.safetensors");
+        std::fs::create_dir_all(exported.parent().unwrap()).unwrap();
+        let out = ckpt(&["export", &url, exported.to_str().unwrap()]);
+        assert_corrupt_at(&out, object, words, &format!("{what}: export"));
+        assert_eq!(
+            files_under(exported.parent().unwrap()),
+            Vec::<PathBuf>::new(),
+            "{what}: export leaves nothing behind"
+        );
+
+        let resharded = dir.path().join("resharded");
+        let out = ckpt(&[
+            "reshard",
+            &url,
+            &format!("file://{}", resharded.display()),
+            "--world-size",
+            "3",
+        ]);
+        assert_corrupt_at(&out, object, words, &format!("{what}: reshard"));
+        assert_eq!(
+            files_under(&resharded),
+            Vec::<PathBuf>::new(),
+            "{what}: reshard writes nothing"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_sizes_that_disagree_with_the_parts_are_reported() {
+    let (store, dir) = local_store("sizes");
+    save_world(&store, 1, 2, &model(1, ROWS), |_| {}).await;
+    let key = "step-00000001/manifest.json";
+    let mut manifest = ckpt::format::Manifest::parse(&store.get(key).await.unwrap(), key).unwrap();
+    for entry in &mut manifest.ranks {
+        entry.raw_bytes = 1 << 63;
+        entry.stored_bytes = 1 << 63;
+    }
+    store.put(key, manifest.to_bytes()).await.unwrap();
+    let url = format!("file://{}", dir.path().display());
+
+    // Without reading the parts, inspect shows the manifest's own figures.
+    let out = ckpt(&["inspect", &url, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    // verify compares them with the parts and reports each rank.
+    let out = ckpt(&["verify", &url, "--json"]);
+    assert_eq!(code(&out), 1, "{}{}", stdout(&out), stderr(&out));
+    let faults = json(&out)["checkpoints"][0]["faults"].to_string();
+    assert!(faults.contains("rank-00000"), "{faults}");
+    assert!(faults.contains("rank-00001"), "{faults}");
+    // Commands that read the parts refuse the checkpoint as corrupt.
+    let out = ckpt(&["inspect", &url, "--ranks"]);
+    assert_eq!(code(&out), 4, "inspect --ranks: {}", stdout(&out));
+    let exported = dir.path().join("model.safetensors");
+    let out = ckpt(&["export", &url, exported.to_str().unwrap()]);
+    assert_eq!(code(&out), 4, "export: {}", stderr(&out));
+    assert!(!exported.exists());
+    let resharded = dir.path().join("resharded");
+    let out = ckpt(&[
+        "reshard",
+        &url,
+        &format!("file://{}", resharded.display()),
+        "--world-size",
+        "3",
+    ]);
+    assert_eq!(code(&out), 4, "reshard: {}", stderr(&out));
+    assert_eq!(files_under(&resharded), Vec::<PathBuf>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_element_and_scalar_tensors_round_trip_through_import_reshard_and_export() {
+    use safetensors::tensor::TensorView;
+    use safetensors::{Dtype, SafeTensors};
+    let dir = tempfile::tempdir().unwrap();
+    let weight = floats(12, 7);
+    let bias = floats(3, 8);
+    let scalar = [2.5f32];
+    let tensors: Vec<(&str, Vec<usize>, &[f32])> = vec![
+        ("empty_rows", vec![0, 5], &[]),
+        ("empty_cols", vec![5, 0], &[]),
+        ("scalar", vec![], &scalar),
+        ("w", vec![4, 3], &weight),
+        ("b", vec![3], &bias),
+    ];
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            let view = TensorView::new(Dtype::F32, shape.clone(), ckpt::as_bytes(data)).unwrap();
+            (name.to_string(), view)
+        })
+        .collect();
+    let input = dir.path().join("input.safetensors");
+    std::fs::write(&input, safetensors::serialize(views, None).unwrap()).unwrap();
+
+    let imported = format!("file://{}", dir.path().join("imported").display());
+    let out = ckpt(&[
+        "import",
+        input.to_str().unwrap(),
+        &imported,
+        "--world-size",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["tensors"], 5);
+    let view = json(&ckpt(&["inspect", &imported, "--tensors", "--json"]));
+    assert_eq!(view["tensor_count"], 5, "{view}");
+    let out = ckpt(&["verify", &imported]);
+    assert_eq!(code(&out), 0, "{}", stdout(&out));
+    let resharded = format!("file://{}", dir.path().join("resharded").display());
+    let out = ckpt(&["reshard", &imported, &resharded, "--world-size", "2"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let out = ckpt(&["verify", &resharded]);
+    assert_eq!(code(&out), 0, "{}", stdout(&out));
+
+    for (root, file) in [(&imported, "a.safetensors"), (&resharded, "b.safetensors")] {
+        let exported = dir.path().join(file);
+        let out = ckpt(&["export", root, exported.to_str().unwrap()]);
+        assert_eq!(code(&out), 0, "{root}: {}", stderr(&out));
+        let bytes = std::fs::read(&exported).unwrap();
+        let read = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(read.len(), tensors.len(), "{root}: {:?}", read.names());
+        for (name, shape, data) in &tensors {
+            let view = read
+                .tensor(name)
+                .unwrap_or_else(|e| panic!("{root}: {name}: {e}"));
+            assert_eq!(view.dtype(), Dtype::F32, "{root}: {name}");
+            assert_eq!(view.shape(), shape.as_slice(), "{root}: {name}");
+            assert_eq!(view.data(), ckpt::as_bytes(data), "{root}: {name}");
+        }
+    }
+}

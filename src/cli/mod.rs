@@ -33,6 +33,50 @@ pub(crate) const EXIT_CORRUPT: u8 = 4;
 /// Exit code: the store or the disk failed.
 pub(crate) const EXIT_STORAGE: u8 = 5;
 
+/// Makes a command whose output pipe closes (`ckpt ls URL --json | head -1`) stop at
+/// once and without a word, ended by SIGPIPE as Unix tools are (a shell shows status
+/// 141), whichever command and whichever print meets the closed pipe.
+///
+/// Rust runs programs with SIGPIPE ignored, so a write to a closed pipe fails with
+/// EPIPE and `println!` panics on it. The signal stays ignored while the command
+/// runs, on purpose: store connections write to sockets (with `writev`, which cannot
+/// ask for MSG_NOSIGNAL), and a connection the server closed must be an error the
+/// store retries, not the end of the process. So the failed print is recognized
+/// where it panics, and only then does the process take the signal.
+pub(crate) fn end_quietly_when_output_closes() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if is_closed_output(info.payload()) {
+            die_of_sigpipe();
+        }
+        previous(info);
+    }));
+}
+
+/// True for the panic of a print to stdout or stderr that met a closed pipe.
+fn is_closed_output(payload: &(dyn std::any::Any + Send)) -> bool {
+    let message = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or_default();
+    let print = message.starts_with("failed printing to stdout")
+        || message.starts_with("failed printing to stderr");
+    print && message.ends_with(&format!("(os error {})", libc::EPIPE))
+}
+
+fn die_of_sigpipe() -> ! {
+    // SAFETY: `signal` with SIG_DFL and `raise` take no pointers and are
+    // async-signal-safe; restoring the default action and raising the signal in
+    // this thread ends the process here, as a write to the closed pipe would have
+    // with the default action.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::raise(libc::SIGPIPE);
+    }
+    std::process::exit(128 + libc::SIGPIPE)
+}
+
 /// Options every command that opens a store takes.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct StoreArgs {
@@ -681,11 +725,12 @@ async fn verify_cmd(
     };
     let mut reports = Vec::new();
     for step in steps {
-        let total = ckpt::read_manifest(&store, step)
-            .await
-            .map(|m| m.ranks.iter().map(|r| r.raw_bytes).sum::<u64>());
-        let bar = progress(total.unwrap_or(0), &format!("verify step {step}"));
-        let report = verify::verify(&store, step, &options, &|n| bar.inc(n)).await?;
+        let bar = progress(0, &format!("verify step {step}"));
+        let report = verify::verify(&store, step, &options, &|event| match event {
+            verify::VerifyProgress::Total(total) => bar.set_length(total),
+            verify::VerifyProgress::Verified(n) => bar.inc(n),
+        })
+        .await?;
         bar.finish_and_clear();
         if !json {
             if report.ok {
@@ -833,7 +878,10 @@ async fn reshard_cmd(
         ..Default::default()
     };
     let bar = progress(reader.manifest().tensor_bytes(), "reshard");
-    let report = reshard::reshard(&reader, &dst_store, &target, &options, &|n| bar.inc(n)).await?;
+    let report = reshard::reshard(&src_store, &reader, &dst_store, &target, &options, &|n| {
+        bar.inc(n)
+    })
+    .await?;
     bar.finish_and_clear();
     if json {
         print_json(&report);
@@ -862,7 +910,7 @@ async fn export_cmd(
     let store = args.open(src)?;
     let reader = open_reader(&store, step).await?;
     let bar = progress(reader.manifest().tensor_bytes(), "export");
-    let report = export::export(&reader, out, options, &|n| bar.inc(n)).await?;
+    let report = export::export(&store, &reader, out, options, &|n| bar.inc(n)).await?;
     bar.finish_and_clear();
     if json {
         print_json(&report);
@@ -955,6 +1003,20 @@ async fn gc_cmd(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_print_to_a_closed_pipe_ends_quietly() {
+        let closed = format!(
+            "failed printing to stdout: Broken pipe (os error {})",
+            libc::EPIPE
+        );
+        assert!(is_closed_output(&closed));
+        assert!(is_closed_output(&closed.replace("stdout", "stderr")));
+        let full = String::from("failed printing to stdout: No space left on device (os error 28)");
+        assert!(!is_closed_output(&full));
+        assert!(!is_closed_output(&"index out of bounds"));
+        assert!(!is_closed_output(&42u32));
+    }
 
     #[test]
     fn sizes_and_durations_parse() {

@@ -5,6 +5,11 @@
 //! (resharding on the fly), first bitwise, then, where bytes differ, numerically.
 //! This is the oracle of the recovery tests: a resumed run is right when its
 //! checkpoint is bitwise identical to the failure-free run's.
+//!
+//! Unlike `export` and `reshard`, diff does not read the data files' safetensors
+//! headers: it writes nothing out, and the values it compares come by the parts'
+//! byte ranges (which the manifest vouches for) through checksummed blocks, so a
+//! broken header cannot change them; `verify` is the command that judges headers.
 
 use std::collections::BTreeMap;
 

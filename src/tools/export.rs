@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
+use ckpt_storage::Store;
 use serde::Serialize;
 
 use super::convert::{convert_floats, is_float};
@@ -53,8 +54,11 @@ pub struct ExportReport {
     pub bytes: u64,
 }
 
-/// Exports the checkpoint `reader` opened into the safetensors file `out`.
+/// Exports the checkpoint `reader` opened on `source` into the safetensors file
+/// `out`. Every data file read is checked first (its header included), so nothing is
+/// written from a checkpoint `verify` rejects.
 pub async fn export(
+    source: &Store,
     reader: &CheckpointReader,
     out: &Path,
     options: &ExportOptions,
@@ -81,6 +85,7 @@ pub async fn export(
             manifest.tensors.len()
         )));
     }
+    super::check_data_headers(source, reader, selected.iter().copied()).await?;
     let out_dtype = |dtype: DType| match options.dtype {
         Some(to) if is_float(dtype) => to,
         _ => dtype,

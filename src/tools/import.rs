@@ -12,7 +12,7 @@ use ckpt_storage::Store;
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
-use super::{slab_rows, slabs};
+use super::{dim0_boxes, slab_rows, slabs};
 use crate::error::{Error, Result};
 use crate::format::{Codec, MAX_HEADER_BYTES, parse_safetensors_header};
 use crate::region::{Region, for_each_run};
@@ -100,21 +100,7 @@ pub async fn import(
     }
     let mut plan: Vec<Vec<(PlannedBox, u64)>> = vec![Vec::new(); world as usize];
     for entry in &header.entries {
-        let whole = Region::full(&entry.shape);
-        let boxes: Vec<(u32, Region)> = if entry.shape.is_empty() {
-            vec![(0, whole.clone())]
-        } else {
-            (0..world)
-                .map(|r| {
-                    (
-                        r,
-                        Region::dim0_shard(&entry.shape, r as usize, world as usize),
-                    )
-                })
-                .filter(|(_, region)| !region.is_empty())
-                .collect()
-        };
-        for (rank, region) in boxes {
+        for (rank, region) in dim0_boxes(&entry.shape, world) {
             plan[rank as usize].push((
                 PlannedBox {
                     name: entry.name.clone(),

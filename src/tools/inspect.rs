@@ -304,7 +304,7 @@ pub async fn inspect(
         compression: codec_name(&manifest.codec),
         tensor_count: manifest.tensors.len(),
         tensor_bytes: manifest.tensor_bytes(),
-        stored_bytes: manifest.ranks.iter().map(|r| r.stored_bytes).sum(),
+        stored_bytes: super::verify::stored_bytes(manifest),
         layouts,
         global_state,
         metadata: manifest.metadata.clone(),

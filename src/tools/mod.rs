@@ -12,6 +12,44 @@ pub mod inspect;
 pub mod reshard;
 pub mod verify;
 
+use std::collections::BTreeSet;
+
+use ckpt_storage::Store;
+use futures::{StreamExt, TryStreamExt};
+
+use crate::error::Result;
+use crate::format::{TensorEntry, step_dir};
+use crate::load::CheckpointReader;
+use crate::region::Region;
+
+/// Checks the safetensors header of every data file that holds a chunk of `tensors`
+/// (see [`verify::check_data_header`]), before a tool reads their data to write
+/// something out. `store` is the store `reader` reads.
+pub(crate) async fn check_data_headers<'a>(
+    store: &Store,
+    reader: &CheckpointReader,
+    tensors: impl IntoIterator<Item = &'a TensorEntry>,
+) -> Result<()> {
+    let manifest = reader.manifest();
+    let ranks: BTreeSet<u32> = tensors
+        .into_iter()
+        .flat_map(|t| manifest.layouts[t.layout as usize].boxes(&t.shape))
+        .map(|(rank, _)| rank)
+        .collect();
+    futures::stream::iter(ranks)
+        .map(|rank| async move {
+            let part = reader.part(rank).await?;
+            let object = format!("{}/{}", step_dir(reader.step()), part.file.name);
+            verify::check_data_header(store, &object, &part).await
+        })
+        .buffer_unordered(HEADER_CHECKS_AT_ONCE)
+        .try_collect()
+        .await
+}
+
+/// Data file headers [`check_data_headers`] reads at once.
+const HEADER_CHECKS_AT_ONCE: usize = 8;
+
 /// Matches `name` against a shell-style glob (`*` any run, `?` one character).
 pub fn glob_match(pattern: &str, name: &str) -> bool {
     let p: Vec<char> = pattern.chars().collect();
@@ -38,9 +76,27 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     p[pi..].iter().all(|&c| c == '*')
 }
 
+/// The boxes of an even dim-0 split of a tensor of `shape` over `world` ranks, with
+/// their ranks; ranks without rows get none. A scalar, and a tensor with no element
+/// (a dimension of 0), is one box held by rank 0: every tensor must have a chunk
+/// somewhere, since a commit learns the checkpoint's tensors from the chunks.
+pub(crate) fn dim0_boxes(shape: &[u64], world: u32) -> Vec<(u32, Region)> {
+    let whole = Region::full(shape);
+    if shape.is_empty() || whole.is_empty() {
+        return vec![(0, whole)];
+    }
+    (0..world)
+        .map(|rank| {
+            let region = Region::dim0_shard(shape, rank as usize, world as usize);
+            (rank, region)
+        })
+        .filter(|(_, region)| !region.is_empty())
+        .collect()
+}
+
 /// Rows of a box read per slab so that one slab stays within `budget` bytes (at
 /// least one row).
-pub(crate) fn slab_rows(region: &crate::Region, elem: usize, budget: u64) -> u64 {
+pub(crate) fn slab_rows(region: &Region, elem: usize, budget: u64) -> u64 {
     let row_bytes: u64 = region.lengths.iter().skip(1).product::<u64>() * elem as u64;
     (budget / row_bytes.max(1)).max(1)
 }

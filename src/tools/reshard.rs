@@ -17,7 +17,7 @@ use ckpt_storage::Store;
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
-use super::{slab_rows, slabs};
+use super::{dim0_boxes, slab_rows, slabs};
 use crate::error::{Error, Result};
 use crate::format::{Codec, LayoutBox, Manifest, StateValue};
 use crate::load::{CheckpointReader, LoadRequest};
@@ -110,19 +110,18 @@ impl Target {
                 Target::Layout(layout) if layout.default == "replicate" => {
                     vec![(0, Region::full(&tensor.shape))]
                 }
-                // A scalar cannot be split: rank 0 holds it.
-                _ if tensor.shape.is_empty() => vec![(0, Region::full(&tensor.shape))],
-                _ => (0..world)
-                    .map(|r| {
-                        (
-                            r,
-                            Region::dim0_shard(&tensor.shape, r as usize, world as usize),
-                        )
-                    })
-                    .collect(),
+                _ => dim0_boxes(&tensor.shape, world),
+            };
+            // A tensor with no element keeps one (empty) box, whatever the layout
+            // file says of it: without a chunk the commit would drop it.
+            let no_element = Region::full(&tensor.shape).is_empty();
+            let boxes = if no_element {
+                dim0_boxes(&tensor.shape, world)
+            } else {
+                boxes
             };
             for (rank, region) in boxes {
-                if region.is_empty() && !tensor.shape.is_empty() {
+                if region.is_empty() && !no_element {
                     continue;
                 }
                 per_rank[rank as usize].push(PlannedBox {
@@ -175,9 +174,12 @@ pub struct ReshardReport {
     pub bytes_read: u64,
 }
 
-/// Rewrites the checkpoint `source` reads into `dst` for `target`, committing it
-/// there. Refuses to overwrite a committed checkpoint of the same step in `dst`.
+/// Rewrites the checkpoint `source` reads (from `src`) into `dst` for `target`,
+/// committing it there. Refuses to overwrite a committed checkpoint of the same step
+/// in `dst`, and checks every source data file (its header included) before writing
+/// anything, so nothing is committed from a checkpoint `verify` rejects.
 pub async fn reshard(
+    src: &Store,
     source: &CheckpointReader,
     dst: &Store,
     target: &Target,
@@ -194,6 +196,7 @@ pub async fn reshard(
         )));
     }
     let plan = target.plan(manifest)?;
+    super::check_data_headers(src, source, &manifest.tensors).await?;
     let global = source.global_state().await?;
     let rank_states = source.rank_states().await?;
     let mut global_out = global.clone();

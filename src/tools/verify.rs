@@ -8,7 +8,7 @@
 //! when one is concerned, and the byte offset. Memory is bounded by the budget:
 //! files are streamed in batches of blocks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Mutex;
 
@@ -19,7 +19,8 @@ use serde::Serialize;
 use crate::blocks::{self, BlockMap};
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, Layout, MAX_HEADER_BYTES, Manifest, RankPart, parse_safetensors_header, step_dir,
+    Chunk, FormatError, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart,
+    parse_safetensors_header, step_dir,
 };
 use crate::load::CheckpointReader;
 use crate::region::Region;
@@ -44,6 +45,18 @@ impl Default for VerifyOptions {
         }
     }
 }
+
+/// What [`verify`] reports as it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyProgress {
+    /// Raw bytes the data files to be read hold, by the manifest (once, first).
+    Total(u64),
+    /// Raw bytes just verified.
+    Verified(u64),
+}
+
+/// Missing rank parts named one by one in their fault; the rest are counted.
+const MISSING_RANKS_NAMED: usize = 5;
 
 /// One thing wrong with a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -108,19 +121,24 @@ fn fault(
     }
 }
 
-/// Stored bytes the checkpoint's data files hold, for sizing progress bars.
+/// Stored bytes the checkpoint's data files hold by its manifest, for sizing progress
+/// bars (saturating: the figures are the manifest's, not yet compared with anything).
 pub fn stored_bytes(manifest: &Manifest) -> u64 {
-    manifest.ranks.iter().map(|r| r.stored_bytes).sum()
+    manifest
+        .ranks
+        .iter()
+        .fold(0, |sum, r| sum.saturating_add(r.stored_bytes))
 }
 
-/// Verifies checkpoint `step`. `progress` is called with raw bytes verified as they
-/// are. Errors are for what prevents verifying at all (no such step, store down);
-/// everything wrong with the checkpoint itself is a [`Fault`] in the report.
+/// Verifies checkpoint `step`. `progress` hears the raw bytes to read, then the raw
+/// bytes verified as they are. Errors are for what prevents verifying at all (no
+/// such step, store down); everything wrong with the checkpoint itself is a
+/// [`Fault`] in the report.
 pub async fn verify(
     store: &Store,
     step: u64,
     options: &VerifyOptions,
-    progress: &(dyn Fn(u64) + Sync),
+    progress: &(dyn Fn(VerifyProgress) + Sync),
 ) -> Result<VerifyReport> {
     let mut report = VerifyReport {
         step,
@@ -160,12 +178,43 @@ pub async fn verify(
         }
     }
 
+    // One listing says which parts exist, so a part absent from it costs no request
+    // of its own and all of them make one fault: a manifest that lists a million
+    // ranks of which four were saved is one listing and one line, not a million.
+    let listed: HashSet<String> = store
+        .list(&step_dir(step))
+        .await?
+        .into_iter()
+        .map(|object| object.key)
+        .collect();
+    let (present, missing): (Vec<&RankEntry>, Vec<&RankEntry>) = manifest
+        .ranks
+        .iter()
+        .partition(|entry| listed.contains(&format!("{}/{}", step_dir(step), entry.part)));
+    drop(listed);
+    if !missing.is_empty() {
+        report.faults.push(missing_parts(
+            &manifest_object,
+            &missing,
+            manifest.world_size,
+        ));
+    }
+    progress(VerifyProgress::Total(
+        present
+            .iter()
+            .fold(0u64, |sum, entry| sum.saturating_add(entry.raw_bytes)),
+    ));
+    let present: Vec<u32> = present.iter().map(|entry| entry.rank).collect();
+    drop(missing);
+
     let reader = CheckpointReader::from_manifest(store, manifest.clone());
     let per_file_budget =
         (options.memory_budget / options.concurrency.max(1) as u64).max(manifest.block_size);
     let faults = Mutex::new(Vec::new());
     let counters = Mutex::new((0usize, 0u64, 0u64));
-    futures::stream::iter(0..manifest.world_size)
+    let verified = |n: u64| progress(VerifyProgress::Verified(n));
+    let verified: &(dyn Fn(u64) + Sync) = &verified;
+    futures::stream::iter(present)
         .map(|rank| {
             let reader = &reader;
             let expected = expected.get(&rank).map(Vec::as_slice).unwrap_or(&[]);
@@ -173,7 +222,7 @@ pub async fn verify(
             let counters = &counters;
             async move {
                 let found =
-                    verify_rank(store, reader, rank, expected, per_file_budget, progress).await;
+                    verify_rank(store, reader, rank, expected, per_file_budget, verified).await;
                 match found {
                     Ok((mut file_faults, blocks, bytes)) => {
                         let mut c = counters.lock().unwrap_or_else(|p| p.into_inner());
@@ -207,6 +256,34 @@ pub async fn verify(
         .sort_by(|a, b| (&a.object, a.offset).cmp(&(&b.object, b.offset)));
     report.ok = report.faults.is_empty();
     Ok(report)
+}
+
+/// One fault for every rank part the manifest lists and the store lacks: how many,
+/// and the first few ranks.
+fn missing_parts(manifest_object: &str, missing: &[&RankEntry], world: u32) -> Fault {
+    let named: Vec<String> = missing
+        .iter()
+        .take(MISSING_RANKS_NAMED)
+        .map(|entry| entry.rank.to_string())
+        .collect();
+    let more = missing.len() - named.len();
+    let mut ranks = format!(
+        "{} {}",
+        if missing.len() == 1 { "rank" } else { "ranks" },
+        named.join(", ")
+    );
+    if more > 0 {
+        ranks.push_str(&format!(" and {more} more"));
+    }
+    fault(
+        manifest_object,
+        None,
+        None,
+        format!(
+            "{} of {world} rank parts are missing from a committed checkpoint: {ranks}",
+            missing.len()
+        ),
+    )
 }
 
 /// Exact tiling: boxes inside the shape (checked at parse), volumes summing to the
@@ -297,10 +374,19 @@ async fn verify_rank(
     }
     if part.chunks.len() > expected.len() {
         let known: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| *n).collect();
+        // A tensor with no element has no box in its layout, yet one part holds
+        // its (empty) chunk, so that the commit knew of it.
+        let empty_of_manifest = |c: &Chunk| {
+            c.region().is_empty()
+                && reader
+                    .manifest()
+                    .tensor(&c.tensor)
+                    .is_some_and(|t| t.shape == c.shape && t.dtype == c.dtype)
+        };
         for chunk in part
             .chunks
             .iter()
-            .filter(|c| !known.contains(c.tensor.as_str()))
+            .filter(|c| !known.contains(c.tensor.as_str()) && !empty_of_manifest(c))
         {
             faults.push(fault(
                 &part_object,
@@ -408,15 +494,9 @@ async fn verify_blocks(
                     progress(data.len() as u64);
                     if let Some(prefix) = header.as_mut() {
                         prefix.extend_from_slice(&data);
-                        if let Some(len) = prefix.get(..8) {
-                            let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
-                            let whole = n > MAX_HEADER_BYTES
-                                || n.saturating_add(8) > part.file.raw_bytes
-                                || prefix.len() as u64 >= n + 8;
-                            if whole {
-                                faults.extend(check_header(object, part, prefix));
-                                header = None;
-                            }
+                        if header_bytes_wanted(prefix, part.file.raw_bytes).is_none() {
+                            faults.extend(check_header(object, part, prefix));
+                            header = None;
                         }
                     }
                 }
@@ -434,6 +514,78 @@ async fn verify_blocks(
         faults.extend(check_header(object, part, &prefix));
     }
     Ok((faults, checked, verified))
+}
+
+/// Bytes from the file's start that judging its safetensors header needs, or `None`
+/// once `prefix` holds them all (or enough to know the header cannot be sound: a
+/// length beyond the limit or beyond the file).
+fn header_bytes_wanted(prefix: &[u8], raw_bytes: u64) -> Option<u64> {
+    let Some(len) = prefix.get(..8) else {
+        return Some(8);
+    };
+    let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+    let judged =
+        n > MAX_HEADER_BYTES || n.saturating_add(8) > raw_bytes || prefix.len() as u64 >= n + 8;
+    (!judged).then(|| n + 8)
+}
+
+/// Reads the safetensors header of the data file `object` of `part`, through its
+/// checksummed blocks, and checks it as [`verify`] does: it must parse and describe
+/// exactly the part's chunks. The first fault is the error, naming the object and
+/// the byte offset.
+///
+/// For the tools that read data by the part's byte ranges: the loader needs nothing
+/// from the header (the part, vouched for by the manifest, says where each chunk
+/// lies, and the block checksums vouch for the bytes), but what `export` and
+/// `reshard` write out must not come from a file that `verify` rejects. Reads at
+/// most the header's blocks; a header longer than the format's limit is refused
+/// from its first 8 bytes.
+pub(crate) async fn check_data_header(store: &Store, object: &str, part: &RankPart) -> Result<()> {
+    let map = BlockMap::new(part);
+    let mut prefix = Vec::new();
+    let mut next = 0;
+    while next < map.blocks() {
+        let Some(wanted) = header_bytes_wanted(&prefix, part.file.raw_bytes) else {
+            break;
+        };
+        let batch = next..wanted
+            .div_ceil(part.block_size)
+            .clamp(next + 1, map.blocks());
+        let stored = blocks::fetch(store, object, &map, &batch).await?;
+        let crcs = &part.file.block_crc32[batch.start as usize..batch.end as usize];
+        let mut failure = None;
+        blocks::check(
+            object,
+            &map,
+            &batch,
+            crcs,
+            &stored,
+            |_, block| match block {
+                Ok(data) => {
+                    prefix.extend_from_slice(&data);
+                    true
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
+            },
+        );
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        next = batch.end;
+    }
+    match check_header(object, part, &prefix).into_iter().next() {
+        None => Ok(()),
+        Some(f) => {
+            let message = match f.tensors.first() {
+                Some(tensor) => format!("tensor {tensor:?}: {}", f.message),
+                None => f.message,
+            };
+            Err(FormatError::new(&f.object, f.offset, message).into())
+        }
+    }
 }
 
 /// The safetensors header must parse and describe exactly the part's chunks.
