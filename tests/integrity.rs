@@ -685,3 +685,62 @@ async fn documents_vouching_for_a_huge_tensor_cannot_make_a_load_allocate_it() {
     assert!(message.contains("rank-00000.safetensors"), "{message}");
     assert!(message.contains("its part records"), "{message}");
 }
+
+/// The 2-D sharding the format is meant for: a 64x64 tensor as a 32x32 grid of 2x2
+/// boxes over 1,024 ranks, each box on its own rank.
+fn grid_manifest(good: &Manifest) -> Manifest {
+    use ckpt::format::{LayoutBox, TensorEntry};
+    let mut m = good.clone();
+    m.world_size = 1024;
+    m.ranks = (0..1024)
+        .map(|rank| {
+            let mut entry = good.ranks[0].clone();
+            entry.rank = rank;
+            entry.part = rank_part_name(rank);
+            entry.file = rank_file_name(rank, false);
+            entry
+        })
+        .collect();
+    m.global_state_rank = None;
+    m.tensors = vec![TensorEntry {
+        name: "w".into(),
+        dtype: DType::F32,
+        shape: vec![64, 64],
+        layout: 0,
+    }];
+    let boxes = (0..1024u32)
+        .map(|rank| LayoutBox {
+            rank,
+            offsets: vec![u64::from(rank / 32) * 2, u64::from(rank % 32) * 2],
+            lengths: vec![2, 2],
+        })
+        .collect();
+    m.layouts = vec![Layout::Boxes(boxes)];
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_balanced_by_a_hole_is_refused_at_1024_ranks() {
+    let (store, _dir) = local_store("grid-overlap");
+    two_commits(&store, Codec::None).await;
+    let good = ckpt::read_manifest(&store, 2).await.unwrap();
+    let grid = grid_manifest(&good);
+    grid.validate("grid")
+        .expect("the exact 32x32 grid is a valid layout");
+
+    // Rank 5*32+7 holds rows 10..12, columns 14..16; shifted one column right it
+    // overlaps rank 5*32+8's columns 16..18 by one column and leaves column 14 to
+    // nobody, so the volumes still add up.
+    let mut shifted = grid.clone();
+    let Layout::Boxes(boxes) = &mut shifted.layouts[0] else {
+        unreachable!("the grid is a box layout")
+    };
+    boxes[5 * 32 + 7].offsets[1] += 1;
+    let e = refuse(&store, &shifted).await;
+    let message = e.to_string();
+    assert!(message.contains("\"w\""), "{message}");
+    assert!(message.contains("[10..12, 15..17]"), "{message}");
+    assert!(message.contains("[10..12, 16..18]"), "{message}");
+    assert!(message.contains("overlap"), "{message}");
+    assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 1);
+}

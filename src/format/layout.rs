@@ -1,11 +1,11 @@
 //! Layouts: which rank holds which box of a tensor, and the check that a layout's
-//! boxes tile the tensor exactly once. Kept apart because the tiling check is the
-//! one piece of validation whose cost grows with the world size.
+//! boxes tile the tensor exactly once (the corner sum that proves it for any
+//! number of boxes lives in [`super::tiling`]).
 
 use serde::{Deserialize, Serialize};
 
-use super::limits::OVERLAP_CHECK_LIMIT;
 use super::manifest::TensorEntry;
+use super::tiling::{TilingFault, check_tiling};
 use super::{FResult, FormatError};
 use crate::region::Region;
 
@@ -143,26 +143,23 @@ pub(crate) fn check_layout(
                     .and_then(|v| covered.checked_add(v))
                     .ok_or_else(|| err("box volumes overflow".into()))?;
             }
-            // Equal volumes and no overlap mean an exact tiling. The pairwise check
-            // is quadratic, so it runs for layouts of up to OVERLAP_CHECK_LIMIT boxes;
-            // larger ones rely on the volume check and on the loader's coverage check.
-            if boxes.len() <= OVERLAP_CHECK_LIMIT {
-                let regions: Vec<Region> = boxes
-                    .iter()
-                    .map(|b| Region::new(b.offsets.clone(), b.lengths.clone()))
-                    .collect();
-                for (i, a) in regions.iter().enumerate() {
-                    for b in &regions[i + 1..] {
-                        if let Some(common) = a.intersect(b) {
-                            return Err(err(format!("boxes {a} and {b} overlap in {common}")));
-                        }
-                    }
+            // Equal volumes and no overlap mean an exact tiling; the corner sum
+            // proves it for any number of boxes, and names an overlap first.
+            match (check_tiling(boxes, &tensor.shape), covered == volume) {
+                (Ok(()), true) => {}
+                (Err(fault @ (TilingFault::Overlap(_) | TilingFault::TooComplex { .. })), _) => {
+                    return Err(err(fault.to_string()));
                 }
-            }
-            if covered != volume {
-                return Err(err(format!(
-                    "boxes cover {covered} elements of {volume}: chunks must tile the tensor exactly once"
-                )));
+                (_, false) => {
+                    return Err(err(format!(
+                        "boxes cover {covered} elements of {volume}: chunks must tile the tensor exactly once"
+                    )));
+                }
+                (Err(fault), true) => {
+                    return Err(err(format!(
+                        "{fault}, although the boxes' volumes add up to the tensor's: boxes overlap"
+                    )));
+                }
             }
         }
     }

@@ -19,8 +19,6 @@ pub const MAX_WORLD_SIZE: u32 = 1 << 20;
 pub const MIN_BLOCK_SIZE: u64 = 4 << 10;
 /// Largest block size.
 pub const MAX_BLOCK_SIZE: u64 = 256 << 20;
-/// Layouts with at most this many boxes are checked pairwise for overlaps.
-pub const OVERLAP_CHECK_LIMIT: usize = 512;
 /// Largest tensor, in bytes (2^60).
 pub const MAX_TENSOR_BYTES: u64 = 1 << 60;
 

@@ -21,13 +21,14 @@ pub mod manifest;
 pub mod names;
 pub mod part;
 pub mod safetensors;
+mod tiling;
 
 pub use envelope::{seal, unseal};
 pub(crate) use layout::check_layout;
 pub use layout::{Layout, LayoutBox};
 pub use limits::{
     MAX_BLOCK_SIZE, MAX_DIMS, MAX_HEADER_BYTES, MAX_MANIFEST_BYTES, MAX_PART_BYTES,
-    MAX_TENSOR_BYTES, MAX_WORLD_SIZE, MIN_BLOCK_SIZE, OVERLAP_CHECK_LIMIT,
+    MAX_TENSOR_BYTES, MAX_WORLD_SIZE, MIN_BLOCK_SIZE,
 };
 pub use manifest::{Codec, Manifest, RankEntry, TensorEntry};
 pub use names::{
