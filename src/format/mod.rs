@@ -9,11 +9,13 @@
 //! [`names`] for object names, [`envelope`] for the checksummed JSON wrapper,
 //! [`limits`] for the caps and the checks every object shares, [`manifest`] for the
 //! commit object, [`layout`] for which rank holds which box, [`part`] for a rank's
-//! part, and [`safetensors`] for the header of the data files. Everything is
+//! part, [`agreement`] for what the manifest and a part must both say, and
+//! [`safetensors`] for the header of the data files. Everything is
 //! re-exported here, so callers name `crate::format::X` whatever file `X` lives in.
 
 use std::fmt;
 
+pub mod agreement;
 pub mod envelope;
 pub mod layout;
 pub mod limits;
@@ -23,6 +25,7 @@ pub mod part;
 pub mod safetensors;
 mod tiling;
 
+pub use agreement::Assignments;
 pub use envelope::{seal, unseal};
 pub(crate) use layout::check_layout;
 pub use layout::{Layout, LayoutBox};
