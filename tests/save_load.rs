@@ -570,6 +570,28 @@ async fn a_failed_commit_is_reported_not_waited_out() {
     assert!(ckpt::latest(&store).await.unwrap().is_none());
 }
 
+/// Saves step `step` on every rank of `world` (`configure` adjusts each rank's
+/// config, `state_of` builds each rank's state) and waits until it is committed.
+async fn save_and_commit<'a>(
+    store: &Store,
+    step: u64,
+    world: usize,
+    configure: impl Fn(&mut CheckpointConfig),
+    state_of: impl Fn(usize) -> State<'a>,
+) {
+    let mut handles = Vec::new();
+    for rank in 0..world {
+        let mut config = CheckpointConfig::new(rank, world);
+        configure(&mut config);
+        let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
+        let outcome = checkpointer.save(step, &state_of(rank)).await.unwrap();
+        handles.push(outcome.handle().unwrap());
+    }
+    for handle in &handles {
+        handle.committed().await.unwrap();
+    }
+}
+
 /// Tensors with no elements (`[0, 5]`, `[5, 0]`, `[0]`) and a 0-d scalar, saved as
 /// dim-0 shards by 2 ranks with and without compression, load whole and as dim-0
 /// shards of 1, 2 and 3 ranks.
@@ -599,11 +621,8 @@ async fn zero_element_and_scalar_tensors_round_trip_onto_any_world() {
         },
     ] {
         let (store, _dir) = local_store("zero-element");
-        let mut handles = Vec::new();
-        for rank in 0..2 {
-            let mut config = CheckpointConfig::new(rank, 2);
-            config.codec = codec;
-            let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
+        let configure = |c: &mut CheckpointConfig| c.codec = codec;
+        save_and_commit(&store, 1, 2, configure, |rank| {
             let mut state = State::new();
             for (name, shape) in &shapes {
                 let region = Region::dim0_shard(shape, rank, 2);
@@ -620,18 +639,9 @@ async fn zero_element_and_scalar_tensors_round_trip_onto_any_world() {
                     .add_dim0_shard(*name, DType::F32, shape, rank, 2, as_bytes(shard))
                     .unwrap();
             }
-            handles.push(
-                checkpointer
-                    .save(1, &state)
-                    .await
-                    .unwrap()
-                    .handle()
-                    .unwrap(),
-            );
-        }
-        for handle in &handles {
-            handle.committed().await.unwrap();
-        }
+            state
+        })
+        .await;
 
         let reader = CheckpointReader::open(&store, Some(1)).await.unwrap();
         let listed: Vec<(&str, &[u64])> = reader
@@ -686,36 +696,24 @@ async fn zero_element_and_scalar_replicas_round_trip() {
         ("empty_rows", vec![0, 5]),
         ("scalar", vec![]),
     ];
-    let mut handles = Vec::new();
-    for rank in 0..2 {
-        let checkpointer =
-            Checkpointer::new(store.clone(), CheckpointConfig::new(rank, 2)).unwrap();
-        let mut state = State::new();
-        for (name, shape) in &shapes {
-            let data: &[f32] = if shape.is_empty() { &scalar } else { &[] };
+    save_and_commit(
+        &store,
+        3,
+        2,
+        |_| {},
+        |rank| {
+            let mut state = State::new();
+            for (name, shape) in &shapes {
+                let data: &[f32] = if shape.is_empty() { &scalar } else { &[] };
+                let full = Region::full(shape);
+                state
+                    .add_replica(*name, DType::F32, shape, full, as_bytes(data), rank == 1)
+                    .unwrap();
+            }
             state
-                .add_replica(
-                    *name,
-                    DType::F32,
-                    shape,
-                    Region::full(shape),
-                    as_bytes(data),
-                    rank == 1,
-                )
-                .unwrap();
-        }
-        handles.push(
-            checkpointer
-                .save(3, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
-    }
-    for handle in &handles {
-        handle.committed().await.unwrap();
-    }
+        },
+    )
+    .await;
     let reader = CheckpointReader::open(&store, Some(3)).await.unwrap();
     assert_eq!(reader.manifest().tensors.len(), 4);
     let loaded = reader
