@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 use ckpt_storage::{ErrorKind, Store};
@@ -19,7 +19,9 @@ use tracing::warn;
 use crate::blocks::BlockMap;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::format::{Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue, step_dir};
+use crate::format::{
+    Assignments, Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue, step_dir,
+};
 use crate::region::{Region, for_each_run};
 
 /// One tensor box a rank wants.
@@ -192,6 +194,8 @@ pub struct CheckpointReader {
     store: Store,
     manifest: Arc<Manifest>,
     parts: tokio::sync::Mutex<HashMap<u32, Arc<RankPart>>>,
+    /// What the manifest gives each rank, indexed on the first part fetched.
+    assignments: OnceLock<Assignments>,
     /// Data files whose stored size was checked against their part (once per reader:
     /// tools load a checkpoint in many slabs).
     sized: Mutex<std::collections::HashSet<String>>,
@@ -227,6 +231,7 @@ impl CheckpointReader {
             store: store.clone(),
             manifest: Arc::new(manifest),
             parts: tokio::sync::Mutex::new(HashMap::new()),
+            assignments: OnceLock::new(),
             sized: Mutex::new(Default::default()),
             config: ReadConfig::default(),
         }
@@ -248,7 +253,11 @@ impl CheckpointReader {
         self.manifest.step
     }
 
-    /// The part of `rank`, fetched once and verified against the manifest's checksum.
+    /// The part of `rank`, fetched once, verified against the manifest's size and
+    /// checksum, and checked to describe what the manifest says about the rank
+    /// (step, file, sizes, every chunk's dtype, shape and box) before any of it is
+    /// used. Its size is compared before it is read, and no more than that size is
+    /// read, so a part swollen to gigabytes costs one metadata request.
     pub async fn part(&self, rank: u32) -> Result<Arc<RankPart>> {
         if let Some(part) = self.parts.lock().await.get(&rank) {
             return Ok(part.clone());
@@ -260,30 +269,31 @@ impl CheckpointReader {
             ))
         })?;
         let key = format!("{}/{}", step_dir(self.manifest.step), entry.part);
-        let bytes = match self.store.get(&key).await {
-            Ok(bytes) => bytes,
-            Err(e) if e.is_not_found() => {
-                return Err(FormatError::new(
+        let missing = |e: ckpt_storage::Error| {
+            if e.is_not_found() {
+                Error::from(FormatError::new(
                     &key,
                     None,
                     "rank part is missing from a committed checkpoint",
-                )
-                .into());
+                ))
+            } else {
+                Error::from(e)
             }
-            Err(e) => return Err(e.into()),
         };
-        if bytes.len() as u64 > MAX_PART_BYTES || bytes.len() as u64 != entry.part_bytes {
+        let size = self.store.head(&key).await.map_err(missing)?.size;
+        if size > MAX_PART_BYTES || size != entry.part_bytes {
             return Err(FormatError::new(
                 &key,
-                None,
-                format!(
-                    "{} bytes, the manifest says {}",
-                    bytes.len(),
-                    entry.part_bytes
-                ),
+                Some(size.min(entry.part_bytes)),
+                format!("{size} bytes, the manifest says {}", entry.part_bytes),
             )
             .into());
         }
+        let bytes = self
+            .store
+            .get_range(&key, 0..entry.part_bytes)
+            .await
+            .map_err(missing)?;
         let crc = crc32fast::hash(&bytes);
         if crc != entry.part_crc32 {
             return Err(FormatError::new(
@@ -297,11 +307,9 @@ impl CheckpointReader {
             .into());
         }
         let part = RankPart::parse(&bytes, &key)?;
-        if part.rank != rank || part.step != self.manifest.step || part.file.name != entry.file {
-            return Err(
-                FormatError::new(&key, None, "part does not match its manifest entry").into(),
-            );
-        }
+        self.assignments
+            .get_or_init(|| Assignments::new(&self.manifest))
+            .check_part(&self.manifest, rank, &part, &key)?;
         let part = Arc::new(part);
         self.parts.lock().await.insert(rank, part.clone());
         Ok(part)

@@ -685,3 +685,197 @@ async fn documents_vouching_for_a_huge_tensor_cannot_make_a_load_allocate_it() {
     assert!(message.contains("rank-00000.safetensors"), "{message}");
     assert!(message.contains("its part records"), "{message}");
 }
+
+/// The 2-D sharding the format is meant for: a 64x64 tensor as a 32x32 grid of 2x2
+/// boxes over 1,024 ranks, each box on its own rank.
+fn grid_manifest(good: &Manifest) -> Manifest {
+    use ckpt::format::{LayoutBox, TensorEntry};
+    let mut m = good.clone();
+    m.world_size = 1024;
+    m.ranks = (0..1024)
+        .map(|rank| {
+            let mut entry = good.ranks[0].clone();
+            entry.rank = rank;
+            entry.part = rank_part_name(rank);
+            entry.file = rank_file_name(rank, false);
+            entry
+        })
+        .collect();
+    m.global_state_rank = None;
+    m.tensors = vec![TensorEntry {
+        name: "w".into(),
+        dtype: DType::F32,
+        shape: vec![64, 64],
+        layout: 0,
+    }];
+    let boxes = (0..1024u32)
+        .map(|rank| LayoutBox {
+            rank,
+            offsets: vec![u64::from(rank / 32) * 2, u64::from(rank % 32) * 2],
+            lengths: vec![2, 2],
+        })
+        .collect();
+    m.layouts = vec![Layout::Boxes(boxes)];
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_balanced_by_a_hole_is_refused_at_1024_ranks() {
+    let (store, _dir) = local_store("grid-overlap");
+    two_commits(&store, Codec::None).await;
+    let good = ckpt::read_manifest(&store, 2).await.unwrap();
+    let grid = grid_manifest(&good);
+    grid.validate("grid")
+        .expect("the exact 32x32 grid is a valid layout");
+
+    // Rank 5*32+7 holds rows 10..12, columns 14..16; shifted one column right it
+    // overlaps rank 5*32+8's columns 16..18 by one column and leaves column 14 to
+    // nobody, so the volumes still add up.
+    let mut shifted = grid.clone();
+    let Layout::Boxes(boxes) = &mut shifted.layouts[0] else {
+        unreachable!("the grid is a box layout")
+    };
+    boxes[5 * 32 + 7].offsets[1] += 1;
+    let e = refuse(&store, &shifted).await;
+    let message = e.to_string();
+    assert!(message.contains("\"w\""), "{message}");
+    assert!(message.contains("[10..12, 15..17]"), "{message}");
+    assert!(message.contains("[10..12, 16..18]"), "{message}");
+    assert!(message.contains("overlap"), "{message}");
+    assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 1);
+}
+
+/// Rewrites step 2's manifest through `mutate`, sealed again so its CRC passes,
+/// and returns the error a load of `wanted` (tensor names) gives; the error must
+/// name a rank part of step 2.
+async fn load_against_hostile_manifest(
+    store: &Store,
+    wanted: &[&str],
+    mutate: impl FnOnce(&mut Manifest),
+) -> FormatError {
+    let mut manifest = ckpt::read_manifest(store, 2).await.unwrap();
+    mutate(&mut manifest);
+    store
+        .put(&format!("{}/{MANIFEST}", step_dir(2)), manifest.to_bytes())
+        .await
+        .unwrap();
+    let reader = CheckpointReader::open(store, Some(2))
+        .await
+        .expect("the manifest alone is self-consistent");
+    let mut request = LoadRequest::new();
+    for name in wanted {
+        let tensor = reader.manifest().tensor(name).unwrap();
+        request = request.tensor(*name, Region::full(&tensor.shape));
+    }
+    let e = reader
+        .load(&request)
+        .await
+        .expect_err("manifest and parts disagree");
+    let f = format_error(&e).clone();
+    assert!(
+        f.object.starts_with(&format!("{}/rank-", step_dir(2))) && f.object.ends_with(".json"),
+        "{e}"
+    );
+    f
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_dtype_that_disagrees_with_the_parts_is_refused_without_a_panic() {
+    let (store, _dir) = local_store("dtype-disagrees");
+    let (one, _) = two_commits(&store, Codec::None).await;
+    // The manifest sizes buffers at 2 bytes an element, the parts copy 4.
+    let f = load_against_hostile_manifest(&store, &["layers.0.bias"], |m| {
+        let i = m
+            .tensors
+            .iter()
+            .position(|t| t.name == "layers.0.bias")
+            .unwrap();
+        m.tensors[i].dtype = DType::F16;
+    })
+    .await;
+    assert!(f.message.contains("layers.0.bias"), "{f}");
+    assert!(
+        f.message.contains("F32") && f.message.contains("F16"),
+        "{f}"
+    );
+    let (reader, loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(reader.step(), 1);
+    assert_same(&loaded.tensors, &one);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_boxes_that_disagree_with_the_parts_are_refused() {
+    let (store, _dir) = local_store("boxes-disagree");
+    two_commits(&store, Codec::None).await;
+    // "embed" moves one row from rank 0 to rank 1 in the manifest only; the load
+    // asks for another tensor, so only the parts' agreement can catch it.
+    let f = load_against_hostile_manifest(&store, &["layers.0.weight"], |m| {
+        let embed = m.tensor("embed").unwrap().clone();
+        let Layout::Dim0(bounds) = m.layouts[embed.layout as usize].clone() else {
+            panic!("the model saves dim-0 layouts")
+        };
+        let mut moved = bounds.clone();
+        moved[1] -= 1;
+        m.layouts.push(Layout::Dim0(moved));
+        let layout = (m.layouts.len() - 1) as u32;
+        let i = m.tensors.iter().position(|t| t.name == "embed").unwrap();
+        m.tensors[i].layout = layout;
+    })
+    .await;
+    assert!(f.message.contains("embed"), "{f}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_raw_and_stored_sizes_must_match_the_parts() {
+    let (store, _dir) = local_store("sizes-disagree");
+    two_commits(&store, Codec::None).await;
+    let f = load_against_hostile_manifest(&store, &["layers.0.weight"], |m| {
+        m.ranks[0].raw_bytes = 1 << 63;
+        m.ranks[0].stored_bytes = 1 << 63;
+    })
+    .await;
+    assert!(f.message.contains(&(1u64 << 63).to_string()), "{f}");
+    let f = load_against_hostile_manifest(&store, &["layers.0.weight"], |m| {
+        m.block_size *= 2;
+    })
+    .await;
+    assert!(f.message.contains("block_size"), "{f}");
+}
+
+/// Bytes this process has read through system calls, all threads together.
+fn bytes_read_by_this_process() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").expect("/proc/self/io (Linux)");
+    io.lines()
+        .find_map(|line| line.strip_prefix("rchar: "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("rchar in /proc/self/io")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rank_part_swollen_to_2_gib_is_refused_before_it_is_read() {
+    let (store, dir) = local_store("swollen-part");
+    two_commits(&store, Codec::None).await;
+    let path = file_of(dir.path(), 2, &rank_part_name(0));
+    let swollen: u64 = 2 << 30;
+    // Sparse: costs no disk, but reading it whole would read 2 GiB of zeros.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(swollen)
+        .unwrap();
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    let before = bytes_read_by_this_process();
+    let e = reader.part(0).await.unwrap_err();
+    let read = bytes_read_by_this_process() - before;
+    let f = format_error(&e);
+    assert_eq!(f.object, format!("{}/{}", step_dir(2), rank_part_name(0)));
+    assert!(
+        f.message
+            .starts_with(&format!("{swollen} bytes, the manifest says")),
+        "{e}"
+    );
+    // Other tests of this binary run at the same time and read small checkpoints:
+    // far below the 2 GiB that reading the part whole costs.
+    assert!(read < 256 << 20, "{read} bytes read to refuse the part");
+}

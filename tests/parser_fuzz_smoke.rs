@@ -1,13 +1,17 @@
 //! The fuzz targets' properties on the stable toolchain: the parsers of untrusted
 //! bytes (`Manifest::parse`, `RankPart::parse`, `parse_safetensors_header`,
-//! `decompress_block`) never panic on random bytes or on mutations of valid objects
-//! taken from a real save, and every refusal names the object (and, where it gives
-//! one, an offset inside the input).
+//! `decompress_block`) and the check that a part agrees with its manifest never
+//! panic on random bytes or on mutations of valid objects taken from a real save,
+//! and every refusal names the object (and, where it gives one, an offset inside
+//! the input). Box layouts of random boxes are accepted exactly when the boxes
+//! tile the tensor.
 
 use std::sync::OnceLock;
 
 use ckpt::codec::decompress_block;
-use ckpt::format::{RankPart, parse_safetensors_header, seal};
+use ckpt::format::{
+    Assignments, Layout, LayoutBox, RankPart, TensorEntry, parse_safetensors_header, seal,
+};
 use ckpt::storage::Store;
 use ckpt::{CheckpointConfig, Checkpointer, Codec, DType, Manifest, Region, State, as_bytes};
 use proptest::prelude::*;
@@ -142,10 +146,21 @@ fn check_manifest(bytes: &[u8]) {
 }
 
 fn check_part(bytes: &[u8]) {
-    if let Err(e) = RankPart::parse(bytes, PART) {
-        assert_eq!(e.object, PART, "{e}");
-        assert!(e.to_string().starts_with(PART), "{e}");
-        assert!(e.offset.is_none_or(|o| o <= bytes.len() as u64), "{e}");
+    match RankPart::parse(bytes, PART) {
+        Err(e) => {
+            assert_eq!(e.object, PART, "{e}");
+            assert!(e.to_string().starts_with(PART), "{e}");
+            assert!(e.offset.is_none_or(|o| o <= bytes.len() as u64), "{e}");
+        }
+        // A well-formed part is then held against the manifest it claims to
+        // belong to, as the loader does before sizing any buffer.
+        Ok(part) => {
+            let manifest = Manifest::parse(&fixtures().manifest, MANIFEST).unwrap();
+            let agreement = Assignments::new(&manifest).check_part(&manifest, 1, &part, PART);
+            if let Err(e) = agreement {
+                assert_eq!(e.object, PART, "{e}");
+            }
+        }
     }
 }
 
@@ -373,5 +388,111 @@ proptest! {
         check_header(&with_header_json(&mutate(&f.header[8..], &mutations)), f.file_size + extra);
         check_frame(&mutate(&f.frame, &mutations), f.frame_raw_len, f.frame_codec);
         check_frame(&mutate(&f.frame, &mutations), extra as usize, f.frame_codec);
+    }
+}
+
+// ------------------------------------------------------------------ layouts
+
+/// The quadratic definition of a valid box layout for a tensor of `shape` in a
+/// world of `world` ranks: every box well formed and inside, volumes adding up,
+/// no two non-empty boxes meeting.
+fn tiles_pairwise(boxes: &[LayoutBox], shape: &[u64], world: u32) -> bool {
+    let regions: Option<Vec<Region>> = boxes
+        .iter()
+        .map(|b| {
+            let region = Region {
+                offsets: b.offsets.clone(),
+                lengths: b.lengths.clone(),
+            };
+            (b.rank < world && b.offsets.len() == b.lengths.len() && region.within(shape))
+                .then_some(region)
+        })
+        .collect();
+    let Some(regions) = regions else {
+        return false;
+    };
+    let covered: u64 = regions.iter().map(|r| r.volume().unwrap()).sum();
+    covered == shape.iter().product::<u64>()
+        && regions
+            .iter()
+            .enumerate()
+            .all(|(i, a)| regions[i + 1..].iter().all(|b| a.intersect(b).is_none()))
+}
+
+/// A product grid over `shape` (cuts per dimension from `cuts`), then `moves`
+/// applied: (box, dimension, step) shifts of box offsets, possibly outside.
+fn grid_layout(shape: &[u64], cuts: &[u64], moves: &[(usize, usize, i8)]) -> Vec<LayoutBox> {
+    let mut bounds: Vec<Vec<u64>> = Vec::new();
+    for (k, &extent) in shape.iter().enumerate() {
+        let mut b: Vec<u64> = vec![0, extent];
+        if let Some(&cut) = cuts.get(k)
+            && extent > 1
+        {
+            b.insert(1, 1 + cut % (extent - 1));
+        }
+        bounds.push(b);
+    }
+    let mut boxes = vec![LayoutBox {
+        rank: 0,
+        offsets: vec![],
+        lengths: vec![],
+    }];
+    for b in &bounds {
+        boxes = boxes
+            .into_iter()
+            .flat_map(|prefix| {
+                b.windows(2).map(move |w| {
+                    let mut next = prefix.clone();
+                    next.offsets.push(w[0]);
+                    next.lengths.push(w[1] - w[0]);
+                    next
+                })
+            })
+            .collect();
+    }
+    for (i, b) in boxes.iter_mut().enumerate() {
+        b.rank = i as u32 % 3;
+    }
+    for &(which, k, step) in moves {
+        let n = boxes.len();
+        let b = &mut boxes[which % n];
+        if let Some(offset) = b.offsets.get_mut(k % shape.len().max(1)) {
+            *offset = offset.saturating_add_signed(i64::from(step));
+        }
+    }
+    boxes
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn box_layouts_are_accepted_exactly_when_they_tile(
+        shape in prop::collection::vec(0u64..5, 0..4),
+        cuts in prop::collection::vec(0u64..8, 0..4),
+        moves in prop::collection::vec((0usize..16, 0usize..4, -2i8..=2), 0..3),
+        stray in prop::option::of((0u32..4, prop::collection::vec(0u64..6, 0..4), prop::collection::vec(0u64..6, 0..4))),
+    ) {
+        let mut manifest = Manifest::parse(&fixtures().manifest, MANIFEST).unwrap();
+        let mut boxes = grid_layout(&shape, &cuts, &moves);
+        if let Some((rank, offsets, lengths)) = stray {
+            boxes.push(LayoutBox { rank, offsets, lengths });
+        }
+        manifest.tensors = vec![TensorEntry {
+            name: "t".into(),
+            dtype: DType::F32,
+            shape: shape.clone(),
+            layout: 0,
+        }];
+        manifest.layouts = vec![Layout::Boxes(boxes.clone())];
+        let verdict = manifest.validate(MANIFEST);
+        if let Err(e) = &verdict {
+            prop_assert_eq!(&e.object, MANIFEST);
+        }
+        prop_assert_eq!(
+            verdict.is_ok(),
+            tiles_pairwise(&boxes, &shape, manifest.world_size),
+            "{:?} over {:?}: {:?}", boxes, shape, verdict
+        );
     }
 }

@@ -569,3 +569,167 @@ async fn a_failed_commit_is_reported_not_waited_out() {
     }
     assert!(ckpt::latest(&store).await.unwrap().is_none());
 }
+
+/// Saves step `step` on every rank of `world` (`configure` adjusts each rank's
+/// config, `state_of` builds each rank's state) and waits until it is committed.
+async fn save_and_commit<'a>(
+    store: &Store,
+    step: u64,
+    world: usize,
+    configure: impl Fn(&mut CheckpointConfig),
+    state_of: impl Fn(usize) -> State<'a>,
+) {
+    let mut handles = Vec::new();
+    for rank in 0..world {
+        let mut config = CheckpointConfig::new(rank, world);
+        configure(&mut config);
+        let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
+        let outcome = checkpointer.save(step, &state_of(rank)).await.unwrap();
+        handles.push(outcome.handle().unwrap());
+    }
+    for handle in &handles {
+        handle.committed().await.unwrap();
+    }
+}
+
+/// Tensors with no elements (`[0, 5]`, `[5, 0]`, `[0]`) and a 0-d scalar, saved as
+/// dim-0 shards by 2 ranks with and without compression, load whole and as dim-0
+/// shards of 1, 2 and 3 ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_element_and_scalar_tensors_round_trip_onto_any_world() {
+    let scalar = [2.5f32];
+    let rows: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    let shapes: [(&str, Vec<u64>); 5] = [
+        ("empty", vec![0]),
+        ("empty_cols", vec![5, 0]),
+        ("empty_rows", vec![0, 5]),
+        ("scalar", vec![]),
+        ("w", vec![4, 3]),
+    ];
+    let data_of = |name: &str| -> &[f32] {
+        match name {
+            "scalar" => &scalar,
+            "w" => &rows,
+            _ => &[],
+        }
+    };
+    for codec in [
+        Codec::None,
+        Codec::Zstd {
+            level: 1,
+            shuffle: 4,
+        },
+    ] {
+        let (store, _dir) = local_store("zero-element");
+        let configure = |c: &mut CheckpointConfig| c.codec = codec;
+        save_and_commit(&store, 1, 2, configure, |rank| {
+            let mut state = State::new();
+            for (name, shape) in &shapes {
+                let region = Region::dim0_shard(shape, rank, 2);
+                let data = data_of(name);
+                let start = region.offsets.first().copied().unwrap_or(0) as usize
+                    * shape.iter().skip(1).product::<u64>() as usize;
+                let len = region.volume().unwrap() as usize;
+                let shard = if data.is_empty() {
+                    data
+                } else {
+                    &data[start..start + len]
+                };
+                state
+                    .add_dim0_shard(*name, DType::F32, shape, rank, 2, as_bytes(shard))
+                    .unwrap();
+            }
+            state
+        })
+        .await;
+
+        let reader = CheckpointReader::open(&store, Some(1)).await.unwrap();
+        let listed: Vec<(&str, &[u64])> = reader
+            .manifest()
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .collect();
+        let expected: Vec<(&str, &[u64])> =
+            shapes.iter().map(|(n, s)| (*n, s.as_slice())).collect();
+        assert_eq!(
+            listed, expected,
+            "{codec:?}: every tensor is in the manifest"
+        );
+        for world in 1..=3 {
+            for rank in 0..world {
+                let request = LoadRequest::dim0_shards(reader.manifest(), rank, world);
+                let loaded = reader.load(&request).await.unwrap();
+                for tensor in &loaded.tensors {
+                    let shape = &tensor.shape;
+                    let region = Region::dim0_shard(shape, rank, world);
+                    assert_eq!(tensor.region, region, "{}", tensor.name);
+                    let data = data_of(&tensor.name);
+                    let want: &[f32] = if region.is_empty() {
+                        &[]
+                    } else {
+                        let row = shape.iter().skip(1).product::<u64>() as usize;
+                        let start = region.offsets.first().copied().unwrap_or(0) as usize * row;
+                        &data[start..start + region.volume().unwrap() as usize]
+                    };
+                    assert_eq!(
+                        to_f32(&tensor.data),
+                        want,
+                        "{codec:?} {} on rank {rank} of {world}",
+                        tensor.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The same tensors saved whole by one rank (box layouts rather than dim-0) load
+/// whole and in parts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_element_and_scalar_replicas_round_trip() {
+    let (store, _dir) = local_store("zero-element-replica");
+    let scalar = [7.0f32];
+    let shapes: [(&str, Vec<u64>); 4] = [
+        ("empty", vec![0]),
+        ("empty_cols", vec![5, 0]),
+        ("empty_rows", vec![0, 5]),
+        ("scalar", vec![]),
+    ];
+    save_and_commit(
+        &store,
+        3,
+        2,
+        |_| {},
+        |rank| {
+            let mut state = State::new();
+            for (name, shape) in &shapes {
+                let data: &[f32] = if shape.is_empty() { &scalar } else { &[] };
+                let full = Region::full(shape);
+                state
+                    .add_replica(*name, DType::F32, shape, full, as_bytes(data), rank == 1)
+                    .unwrap();
+            }
+            state
+        },
+    )
+    .await;
+    let reader = CheckpointReader::open(&store, Some(3)).await.unwrap();
+    assert_eq!(reader.manifest().tensors.len(), 4);
+    let loaded = reader
+        .load(&LoadRequest::everything(reader.manifest()))
+        .await
+        .unwrap();
+    for tensor in &loaded.tensors {
+        let want: &[f32] = if tensor.shape.is_empty() {
+            &scalar
+        } else {
+            &[]
+        };
+        assert_eq!(to_f32(&tensor.data), want, "{}", tensor.name);
+    }
+    // A part of an empty tensor is empty too.
+    let request = LoadRequest::new().tensor("empty_cols", Region::new(vec![1, 0], vec![3, 0]));
+    let loaded = reader.load(&request).await.unwrap();
+    assert!(loaded.tensors[0].data.is_empty());
+}

@@ -1,0 +1,236 @@
+//! A rank's part of the manifest, `rank-RRRRR.json`: its data file, the boxes in it,
+//! and its non-tensor state, with the structural checks run on every part read.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use super::envelope::{parse_json, seal, unseal};
+use super::limits::{MAX_PART_BYTES, check_common, check_shape, tensor_bytes};
+use super::manifest::Codec;
+use super::names::check_object_name;
+use super::{FResult, FormatError};
+use crate::dtype::DType;
+use crate::region::Region;
+
+/// A non-tensor value: JSON, or opaque bytes (stored base64).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StateValue {
+    /// A JSON value (data-loader position, scheduler state, user metadata).
+    Json(serde_json::Value),
+    /// Opaque bytes (RNG state), base64 in the manifest.
+    Base64(String),
+}
+
+impl StateValue {
+    /// Wraps bytes.
+    pub fn bytes(data: &[u8]) -> Self {
+        use base64::Engine;
+        StateValue::Base64(base64::engine::general_purpose::STANDARD.encode(data))
+    }
+
+    /// The value as bytes: decoded base64, or the JSON text.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, String> {
+        use base64::Engine;
+        match self {
+            StateValue::Json(value) => serde_json::to_vec(value).map_err(|e| e.to_string()),
+            StateValue::Base64(text) => base64::engine::general_purpose::STANDARD
+                .decode(text)
+                .map_err(|e| format!("invalid base64: {e}")),
+        }
+    }
+
+    /// The JSON value, when this is JSON.
+    pub fn as_json(&self) -> Option<&serde_json::Value> {
+        match self {
+            StateValue::Json(value) => Some(value),
+            StateValue::Base64(_) => None,
+        }
+    }
+}
+
+/// A rank's data file as described by its part.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// File name inside the step directory.
+    pub name: String,
+    /// Size of the plain safetensors file.
+    pub raw_bytes: u64,
+    /// Size as stored (equals `raw_bytes` when uncompressed).
+    pub stored_bytes: u64,
+    /// CRC32 of every block of raw bytes, in order; the last block may be short.
+    pub block_crc32: Vec<u32>,
+    /// Compressed size of every frame (one per block); empty when uncompressed.
+    #[serde(default)]
+    pub frame_bytes: Vec<u64>,
+}
+
+/// One box stored in a rank's file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Chunk {
+    /// Global tensor name.
+    pub tensor: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Box offsets.
+    pub offsets: Vec<u64>,
+    /// Box lengths.
+    pub lengths: Vec<u64>,
+    /// Raw byte range `[begin, end)` of the box's data (row-major) in the file.
+    pub bytes: [u64; 2],
+}
+
+impl Chunk {
+    /// The chunk's box.
+    pub fn region(&self) -> Region {
+        Region::new(self.offsets.clone(), self.lengths.clone())
+    }
+}
+
+/// A rank's part of the manifest, `step-NNNNNNNN/rank-RRRRR.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankPart {
+    /// Always [`FORMAT_VERSION`].
+    pub format_version: u32,
+    /// Training step.
+    pub step: u64,
+    /// This rank.
+    pub rank: u32,
+    /// Ranks that saved.
+    pub world_size: u32,
+    /// Generation of the world that saved.
+    pub generation: u64,
+    /// Block size of checksums and frames.
+    pub block_size: u64,
+    /// Encoding of the data file.
+    pub codec: Codec,
+    /// The data file.
+    pub file: FileEntry,
+    /// Boxes in the file.
+    pub chunks: Vec<Chunk>,
+    /// Global non-tensor state (present in one rank's part).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_state: Option<BTreeMap<String, StateValue>>,
+    /// This rank's own non-tensor state.
+    #[serde(default)]
+    pub rank_state: BTreeMap<String, StateValue>,
+    /// User metadata (from the rank that carries the global state).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, serde_json::Value>,
+}
+
+impl RankPart {
+    /// Parses and validates a sealed rank part.
+    pub fn parse(bytes: &[u8], object: &str) -> FResult<RankPart> {
+        let (body, offset) = unseal(bytes, object, MAX_PART_BYTES)?;
+        let part: RankPart = parse_json(body, offset, object)?;
+        part.validate(object)?;
+        Ok(part)
+    }
+
+    /// Serializes and seals.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        seal(&serde_json::to_vec(self).expect("rank part serializes"))
+    }
+
+    /// Number of blocks in the file.
+    pub fn block_count(&self) -> u64 {
+        self.file.raw_bytes.div_ceil(self.block_size)
+    }
+
+    /// Structural checks: sizes, names, checksum table, chunk byte ranges.
+    pub fn validate(&self, object: &str) -> FResult<()> {
+        check_common(
+            object,
+            self.format_version,
+            self.world_size,
+            self.block_size,
+        )?;
+        let err = |message: String| FormatError::new(object, None, message);
+        if self.rank >= self.world_size {
+            return Err(err(format!(
+                "rank {} of world_size {}",
+                self.rank, self.world_size
+            )));
+        }
+        check_object_name(&self.file.name, object, "file")?;
+        let blocks = self.block_count();
+        if self.file.block_crc32.len() as u64 != blocks {
+            return Err(err(format!(
+                "file {} has {} block checksums for {} raw bytes in blocks of {} (expected {blocks})",
+                self.file.name,
+                self.file.block_crc32.len(),
+                self.file.raw_bytes,
+                self.block_size
+            )));
+        }
+        match self.codec {
+            Codec::None => {
+                if self.file.stored_bytes != self.file.raw_bytes
+                    || !self.file.frame_bytes.is_empty()
+                {
+                    return Err(err(format!(
+                        "uncompressed file {} stores {} bytes of {} raw, with {} frames",
+                        self.file.name,
+                        self.file.stored_bytes,
+                        self.file.raw_bytes,
+                        self.file.frame_bytes.len()
+                    )));
+                }
+            }
+            Codec::Zstd { .. } => {
+                if self.file.frame_bytes.len() as u64 != blocks {
+                    return Err(err(format!(
+                        "compressed file {} has {} frames for {blocks} blocks",
+                        self.file.name,
+                        self.file.frame_bytes.len()
+                    )));
+                }
+                let total = self
+                    .file
+                    .frame_bytes
+                    .iter()
+                    .try_fold(0u64, |acc, &f| acc.checked_add(f))
+                    .ok_or_else(|| err("frame sizes overflow".into()))?;
+                if total != self.file.stored_bytes {
+                    return Err(err(format!(
+                        "frames add up to {total} bytes, file {} stores {}",
+                        self.file.name, self.file.stored_bytes
+                    )));
+                }
+            }
+        }
+        let mut seen: HashMap<&str, ()> = HashMap::with_capacity(self.chunks.len());
+        for chunk in &self.chunks {
+            if seen.insert(chunk.tensor.as_str(), ()).is_some() {
+                return Err(err(format!(
+                    "tensor {:?} has two chunks in one rank",
+                    chunk.tensor
+                )));
+            }
+            check_shape(&chunk.shape, chunk.dtype, object, &chunk.tensor)?;
+            let region = Region {
+                offsets: chunk.offsets.clone(),
+                lengths: chunk.lengths.clone(),
+            };
+            if chunk.offsets.len() != chunk.lengths.len() || !region.within(&chunk.shape) {
+                return Err(err(format!(
+                    "chunk of {:?} with box offsets {:?} lengths {:?} lies outside shape {:?}",
+                    chunk.tensor, chunk.offsets, chunk.lengths, chunk.shape
+                )));
+            }
+            let [begin, end] = chunk.bytes;
+            let expected = tensor_bytes(chunk.dtype, &chunk.lengths).unwrap_or(u64::MAX);
+            if end < begin || end - begin != expected || end > self.file.raw_bytes {
+                return Err(err(format!(
+                    "chunk of {:?} claims bytes {begin}..{end}; a {} box of {:?} needs {expected} bytes inside a {}-byte file",
+                    chunk.tensor, chunk.dtype, chunk.lengths, self.file.raw_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+}
