@@ -1,6 +1,6 @@
 //! Layouts: which rank holds which box of a tensor, and the check that a layout's
 //! boxes tile the tensor exactly once (the corner sum that proves it for any
-//! number of boxes lives in [`super::tiling`]).
+//! number of boxes lives in the private `tiling` module).
 
 use serde::{Deserialize, Serialize};
 

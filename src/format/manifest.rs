@@ -68,7 +68,7 @@ pub struct RankEntry {
 /// The root manifest, `step-NNNNNNNN/manifest.json`: its presence is the commit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
-    /// Always [`FORMAT_VERSION`].
+    /// Always [`FORMAT_VERSION`](super::FORMAT_VERSION).
     pub format_version: u32,
     /// Training step.
     pub step: u64,

@@ -93,7 +93,7 @@ impl Chunk {
 /// A rank's part of the manifest, `step-NNNNNNNN/rank-RRRRR.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankPart {
-    /// Always [`FORMAT_VERSION`].
+    /// Always [`FORMAT_VERSION`](super::FORMAT_VERSION).
     pub format_version: u32,
     /// Training step.
     pub step: u64,
