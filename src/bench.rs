@@ -1111,10 +1111,17 @@ fn evict_step(url: &str, step: u64, warm: bool) {
     let Some(root) = url.strip_prefix("file://") else {
         return;
     };
-    let dir = Path::new(root).join(step_dir(step));
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            evict(&entry.path());
+    // Format v2 keeps a save's files in an attempt directory inside the step's.
+    let mut dirs = vec![Path::new(root).join(step_dir(step))];
+    while let Some(dir) = dirs.pop() {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for entry in entries.flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    dirs.push(entry.path());
+                } else {
+                    evict(&entry.path());
+                }
+            }
         }
     }
 }
@@ -1206,7 +1213,8 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
     );
     let store = Store::from_url(&name)?;
     let step = 1u64;
-    let dir = step_dir(step);
+    let attempt = crate::attempt::Attempt::new(step, 0, "bench")?;
+    let dir = attempt.dir();
     // Each tensor 4096 x 1024 fp32 (16 MiB) when the world allows, else a row per rank.
     let rows = (world as u64).max(4096);
     let cols = 1024u64;
@@ -1235,6 +1243,7 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
         let part = RankPart {
             format_version: FORMAT_VERSION,
             step,
+            attempt: Some(attempt.name()),
             rank: rank as u32,
             world_size: world as u32,
             generation: 0,
@@ -1259,7 +1268,7 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
     }
     progress("metadata scale: building the manifest");
     let started = Instant::now();
-    let manifest = crate::commit::build_manifest(step, world as u32, &parts)?;
+    let manifest = crate::commit::build_manifest(&attempt, world as u32, &parts)?;
     manifest.validate(&format!("{dir}/{MANIFEST}"))?;
     let manifest_bytes = manifest.to_bytes();
     let build_ms = ms(started.elapsed());
@@ -1270,6 +1279,11 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
             .put(&format!("{dir}/{}", rank_part_name(part.rank)), bytes)
             .await?;
     }
+    crate::commits::append(
+        &store,
+        &crate::commits::CommitRecord::new(&attempt, world as u32),
+    )
+    .await?;
     store
         .put(&format!("{dir}/{MANIFEST}"), manifest_bytes)
         .await?;

@@ -1,80 +1,111 @@
-//! Finding checkpoints under a root: listing, the newest commit, retention.
+//! Finding checkpoints under a root: the newest commit, a step's commit, the survey
+//! that `ckpt ls` and retention read.
 //!
-//! The truth is the listing: a step directory with a valid `manifest.json` is a
-//! committed checkpoint, anything else is garbage or a save in progress. The `latest`
-//! object is only a hint for humans and other tools.
+//! Commit order, not step order, says which checkpoint is newest (see
+//! [`crate::commits`]). Version-1 checkpoints (`step-N/manifest.json`, no log) stay
+//! readable: they come first in commit order, by step, before every logged commit.
+//!
+//! Finding the newest commit reads the tail of the commit log (two requests) and the
+//! newest manifest; only when every logged commit fails to open does it fall back to
+//! listing the root. The survey ([`list_checkpoints`]) lists everything, for tools.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
 
-use ckpt_storage::Store;
+use ckpt_storage::{ObjectInfo, Store};
 use tracing::warn;
 
+use crate::attempt::Attempt;
+use crate::commit::{MAX_TOMBSTONE_BYTES, Outcome, parse_tombstone};
+use crate::commits::{LoggedCommit, parse_record_key};
 use crate::error::{Error, Result};
 use crate::format::{MANIFEST, Manifest, parse_rank_part_name, parse_step_dir, step_dir};
 
-/// One step directory under the root.
+/// One committed checkpoint, as the commit order knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CheckpointInfo {
+pub struct Commit {
+    /// Position in the commit log; `None` for a version-1 checkpoint.
+    pub seq: Option<u64>,
     /// The step.
     pub step: u64,
-    /// True when `manifest.json` is present (whether it is valid is for
-    /// [`read_manifest`] to say).
-    pub committed: bool,
-    /// Ranks whose manifest part is present.
-    pub ranks_present: Vec<u32>,
-    /// Objects in the directory.
-    pub objects: usize,
-    /// Bytes of all objects in the directory.
-    pub bytes: u64,
-    /// Newest modification time of its objects.
-    pub modified: Option<SystemTime>,
+    /// The directory holding its objects (`step-N/gG-RUN`, or `step-N` for v1).
+    pub dir: String,
+    /// When it was committed (the log record's time), when known.
+    pub time: Option<SystemTime>,
 }
 
-/// Every step directory under the root, oldest first.
-pub async fn list_checkpoints(store: &Store) -> Result<Vec<CheckpointInfo>> {
-    let objects = store.list("").await?;
-    let mut steps: BTreeMap<u64, CheckpointInfo> = BTreeMap::new();
-    for object in objects {
-        let mut segments = object.key.splitn(2, '/');
-        let (Some(dir), Some(name)) = (segments.next(), segments.next()) else {
-            continue;
-        };
-        let Some(step) = parse_step_dir(dir) else {
-            continue;
-        };
-        let info = steps.entry(step).or_insert_with(|| CheckpointInfo {
-            step,
-            committed: false,
-            ranks_present: Vec::new(),
-            objects: 0,
-            bytes: 0,
-            modified: None,
-        });
-        info.objects += 1;
-        info.bytes += object.size;
-        info.modified = info.modified.max(Some(object.last_modified));
-        if name == MANIFEST {
-            info.committed = true;
-        } else if let Some(rank) = parse_rank_part_name(name) {
-            info.ranks_present.push(rank);
+impl Commit {
+    fn logged(entry: &LoggedCommit) -> Self {
+        Self {
+            seq: Some(entry.seq),
+            step: entry.record.step,
+            dir: entry.record.attempt().dir(),
+            time: Some(entry.written),
         }
     }
-    let mut out: Vec<CheckpointInfo> = steps.into_values().collect();
-    for info in &mut out {
-        info.ranks_present.sort_unstable();
+
+    fn v1(step: u64, time: Option<SystemTime>) -> Self {
+        Self {
+            seq: None,
+            step,
+            dir: step_dir(step),
+            time,
+        }
     }
+
+    /// The key of its manifest.
+    pub fn manifest_key(&self) -> String {
+        format!("{}/{MANIFEST}", self.dir)
+    }
+}
+
+/// Removes repeated records of one attempt (a racing committer may append twice);
+/// the first one is its place in the commit order.
+fn dedup(entries: Vec<LoggedCommit>) -> Vec<Commit> {
+    let mut seen = HashSet::new();
+    entries
+        .iter()
+        .filter(|e| seen.insert((e.record.step, e.record.attempt.clone())))
+        .map(Commit::logged)
+        .collect()
+}
+
+/// Version-1 commits (a `manifest.json` directly in a step directory), by step.
+async fn v1_commits(store: &Store) -> Result<Vec<Commit>> {
+    let listing = store.list_dir("").await?;
+    let mut out = Vec::new();
+    for prefix in listing.prefixes {
+        let Some(step) = parse_step_dir(prefix.trim_end_matches('/')) else {
+            continue;
+        };
+        match store.head(&format!("{}/{MANIFEST}", step_dir(step))).await {
+            Ok(info) => out.push(Commit::v1(step, Some(info.last_modified))),
+            Err(e) if e.is_not_found() => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    out.sort_by_key(|c| c.step);
     Ok(out)
 }
 
-/// Reads and validates the manifest of `step`.
-pub async fn read_manifest(store: &Store, step: u64) -> Result<Manifest> {
-    let key = format!("{}/{MANIFEST}", step_dir(step));
+/// Every commit under the root, oldest first in commit order (version-1 checkpoints
+/// first, then the commit log). Commits whose manifest is missing or corrupt are
+/// included: [`read_commit`] says which open.
+pub async fn commits(store: &Store) -> Result<Vec<Commit>> {
+    let mut all = v1_commits(store).await?;
+    all.extend(dedup(crate::commits::read_all(store).await?));
+    Ok(all)
+}
+
+/// Reads and validates the manifest of `commit`.
+pub async fn read_commit(store: &Store, commit: &Commit) -> Result<Manifest> {
+    let key = commit.manifest_key();
     let info = match store.head(&key).await {
         Ok(info) => info,
         Err(e) if e.is_not_found() => {
             return Err(Error::NotFound(format!(
-                "no committed checkpoint at step {step} in {} ({key} is missing)",
+                "checkpoint of step {} in {} has no manifest ({key} is missing)",
+                commit.step,
                 store.url()
             )));
         }
@@ -93,14 +124,27 @@ pub async fn read_manifest(store: &Store, step: u64) -> Result<Manifest> {
         .into());
     }
     let bytes = store.get(&key).await?;
+    if commit.seq.is_some()
+        && let Some(outcome) = parse_tombstone(&bytes, &key)?
+    {
+        return Err(Error::NotFound(format!(
+            "the save of step {} in {} did not commit: {}",
+            commit.step,
+            commit.dir,
+            outcome_text(&outcome)
+        )));
+    }
     let manifest = Manifest::parse(&bytes, &key)?;
-    if manifest.step != step {
+    if manifest.step != commit.step || manifest.dir() != commit.dir {
         return Err(crate::format::FormatError::new(
             &key,
             None,
             format!(
-                "manifest says step {}, its directory says {step}",
-                manifest.step
+                "manifest says step {} in {}, it was found as step {} in {}",
+                manifest.step,
+                manifest.dir(),
+                commit.step,
+                commit.dir
             ),
         )
         .into());
@@ -108,62 +152,282 @@ pub async fn read_manifest(store: &Store, step: u64) -> Result<Manifest> {
     Ok(manifest)
 }
 
-/// Committed steps, newest first (manifests not yet validated).
+fn outcome_text(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Committed { .. } => "committed".to_string(),
+        Outcome::Failed { reason } => format!("failed: {reason}"),
+        Outcome::Superseded { generation } => {
+            format!("superseded: generation {generation} committed first")
+        }
+    }
+}
+
+/// Reads and validates the manifest of the newest commit of `step` (in commit
+/// order: a step saved again by a later run is that run's checkpoint).
+pub async fn read_manifest(store: &Store, step: u64) -> Result<Manifest> {
+    let logged = crate::commits::read_all(store).await?;
+    if let Some(commit) = dedup(logged).into_iter().rev().find(|c| c.step == step) {
+        return read_commit(store, &commit).await;
+    }
+    read_commit(store, &Commit::v1(step, None))
+        .await
+        .map_err(|e| match e {
+            Error::NotFound(_) => Error::NotFound(format!(
+                "no committed checkpoint at step {step} in {}",
+                store.url()
+            )),
+            e => e,
+        })
+}
+
+/// Committed steps, newest commit first (a step committed twice appears once, at its
+/// newest commit).
 pub async fn committed_steps(store: &Store) -> Result<Vec<u64>> {
-    let mut steps: Vec<u64> = list_checkpoints(store)
+    let mut seen = HashSet::new();
+    Ok(commits(store)
         .await?
         .into_iter()
-        .filter(|c| c.committed)
+        .rev()
+        .filter(|c| seen.insert(c.step))
         .map(|c| c.step)
-        .collect();
-    steps.reverse();
-    Ok(steps)
+        .collect())
+}
+
+/// Commits newest first, for choosing where to resume: the tail of the log first
+/// (cheap), the whole history only when asked for more.
+pub async fn newest_commits(store: &Store) -> Result<Vec<Commit>> {
+    let mut all = commits(store).await?;
+    all.reverse();
+    Ok(all)
 }
 
 /// The newest committed checkpoint whose manifest is valid. A corrupt newer one is
 /// reported (tracing warning) and skipped. `None` when there is none.
+///
+/// Costs the log's tail and one manifest when the newest commit is sound.
 pub async fn latest(store: &Store) -> Result<Option<Manifest>> {
-    for step in committed_steps(store).await? {
-        match read_manifest(store, step).await {
-            Ok(manifest) => return Ok(Some(manifest)),
-            Err(e) if e.is_corruption() => {
-                warn!(step, error = %e, "skipping corrupt checkpoint");
-            }
-            Err(e) => return Err(e),
+    let tail = dedup(crate::commits::read_tail(store).await?);
+    let mut tried = HashSet::new();
+    for commit in tail.iter().rev() {
+        tried.insert(commit.dir.clone());
+        if let Some(manifest) = open_or_skip(store, commit).await? {
+            return Ok(Some(manifest));
+        }
+    }
+    // Every commit of the tail failed to open: walk the whole history.
+    for commit in newest_commits(store).await? {
+        if tried.contains(&commit.dir) {
+            continue;
+        }
+        if let Some(manifest) = open_or_skip(store, &commit).await? {
+            return Ok(Some(manifest));
         }
     }
     Ok(None)
 }
 
-/// Keeps the `keep` newest committed checkpoints: deletes older committed ones, and
-/// partial ones older than the newest commit (they can never commit: every rank has
-/// moved on). Partial checkpoints newer than the newest commit may still be in
-/// progress and are kept. Returns the steps deleted.
-pub async fn apply_retention(store: &Store, keep: usize) -> Result<Vec<u64>> {
-    let keep = keep.max(1);
-    let all = list_checkpoints(store).await?;
-    let committed: Vec<u64> = all.iter().filter(|c| c.committed).map(|c| c.step).collect();
-    let Some(&newest) = committed.last() else {
-        return Ok(Vec::new());
-    };
-    let oldest_kept = committed[committed.len().saturating_sub(keep)];
-    let doomed: Vec<u64> = all
-        .iter()
-        .filter(|c| {
-            if c.committed {
-                c.step < oldest_kept
-            } else {
-                c.step < newest
-            }
-        })
-        .map(|c| c.step)
-        .collect();
-    for &step in &doomed {
-        // The manifest goes first: a half-deleted checkpoint is then merely partial.
-        store
-            .delete(&format!("{}/{MANIFEST}", step_dir(step)))
-            .await?;
-        store.delete_prefix(&step_dir(step)).await?;
+async fn open_or_skip(store: &Store, commit: &Commit) -> Result<Option<Manifest>> {
+    match read_commit(store, commit).await {
+        Ok(manifest) => Ok(Some(manifest)),
+        Err(e) if e.is_corruption() => {
+            warn!(step = commit.step, dir = %commit.dir, error = %e, "skipping corrupt checkpoint");
+            Ok(None)
+        }
+        Err(e @ Error::NotFound(_)) => {
+            warn!(step = commit.step, dir = %commit.dir, error = %e, "skipping a commit without a manifest");
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
-    Ok(doomed)
+}
+
+/// What a directory under the root holds, as far as a listing can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Committed, and the newest commit of its timeline.
+    Committed,
+    /// Committed, but a later commit went back to its step or before (a run resumed
+    /// from an older checkpoint): no longer on the timeline that resumes. It stays
+    /// readable by step until retention removes it in commit order.
+    Abandoned,
+    /// Its save recorded that it can never commit (a tombstone: failed or fenced).
+    Failed,
+    /// Objects without a commit: a save in progress or one that died.
+    Partial,
+}
+
+impl Status {
+    /// Lowercase word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Committed => "committed",
+            Status::Abandoned => "abandoned",
+            Status::Failed => "failed",
+            Status::Partial => "partial",
+        }
+    }
+}
+
+/// One checkpoint directory under the root: a save attempt (v2) or a step
+/// directory (v1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    /// The step.
+    pub step: u64,
+    /// Its directory.
+    pub dir: String,
+    /// Position in the commit log, for logged commits.
+    pub seq: Option<u64>,
+    /// Generation of the world that saved it (v2).
+    pub generation: Option<u64>,
+    /// True when committed (a manifest, and for v2 a log record naming it).
+    pub committed: bool,
+    /// What it is.
+    pub status: Status,
+    /// When committed and abandoned: the step the later commit went back to.
+    pub abandoned_for: Option<u64>,
+    /// Why it failed (tombstones).
+    pub failure: Option<String>,
+    /// Ranks whose manifest part is present.
+    pub ranks_present: Vec<u32>,
+    /// Objects in the directory (staging leftovers of crashed writes included).
+    pub objects: usize,
+    /// Bytes of those objects.
+    pub bytes: u64,
+    /// Newest modification time of its objects.
+    pub modified: Option<SystemTime>,
+    /// When it was committed.
+    pub committed_at: Option<SystemTime>,
+    /// Keys of its objects (for deletion).
+    pub(crate) keys: Vec<String>,
+    /// Keys of staging leftovers of crashed local writes (invisible to listings).
+    pub(crate) leftovers: Vec<String>,
+}
+
+/// Every checkpoint directory under the root: commits in commit order first, then
+/// failed and partial saves by step. Lists the whole root: for tools and retention,
+/// not for the hot path.
+pub async fn list_checkpoints(store: &Store) -> Result<Vec<CheckpointInfo>> {
+    let objects = store.list("").await?;
+    let leftovers = store.staging_leftovers("").await?;
+    let mut dirs: BTreeMap<String, CheckpointInfo> = BTreeMap::new();
+    let mut slots: Vec<(String, ObjectInfo)> = Vec::new();
+    let add = |object: &ObjectInfo, leftover: bool, dirs: &mut BTreeMap<String, CheckpointInfo>| {
+        let mut segments = object.key.splitn(3, '/');
+        let (Some(top), Some(second)) = (segments.next(), segments.next()) else {
+            return None;
+        };
+        let step = parse_step_dir(top)?;
+        let third = segments.next();
+        let (dir, name, generation) = match third {
+            Some(name) => {
+                let attempt = Attempt::parse(step, second)?;
+                (attempt.dir(), name, Some(attempt.generation))
+            }
+            None => (top.to_string(), second, None),
+        };
+        let info = dirs.entry(dir.clone()).or_insert_with(|| CheckpointInfo {
+            step,
+            dir: dir.clone(),
+            seq: None,
+            generation,
+            committed: false,
+            status: Status::Partial,
+            abandoned_for: None,
+            failure: None,
+            ranks_present: Vec::new(),
+            objects: 0,
+            bytes: 0,
+            modified: None,
+            committed_at: None,
+            keys: Vec::new(),
+            leftovers: Vec::new(),
+        });
+        info.objects += 1;
+        info.bytes += object.size;
+        info.modified = info.modified.max(Some(object.last_modified));
+        if leftover {
+            info.leftovers.push(object.key.clone());
+            return None;
+        }
+        info.keys.push(object.key.clone());
+        if name == MANIFEST {
+            return Some(dir);
+        }
+        if let Some(rank) = parse_rank_part_name(name) {
+            info.ranks_present.push(rank);
+        }
+        None
+    };
+    for object in &objects {
+        if parse_record_key(&object.key).is_some() {
+            continue;
+        }
+        if let Some(dir) = add(object, false, &mut dirs) {
+            slots.push((dir, object.clone()));
+        }
+    }
+    for object in &leftovers {
+        add(object, true, &mut dirs);
+    }
+    let logged = dedup(crate::commits::read_all(store).await?);
+    let logged: HashMap<String, Commit> = logged.into_iter().map(|c| (c.dir.clone(), c)).collect();
+
+    for (dir, slot) in slots {
+        let info = dirs.get_mut(&dir).expect("slot's directory");
+        if info.generation.is_none() {
+            // Version 1: the manifest is the commit.
+            info.committed = true;
+            info.committed_at = Some(slot.last_modified);
+            continue;
+        }
+        let key = format!("{dir}/{MANIFEST}");
+        let tombstone = if slot.size <= MAX_TOMBSTONE_BYTES {
+            match store.get(&key).await {
+                Ok(bytes) => parse_tombstone(&bytes, &key).unwrap_or(None),
+                Err(e) if e.is_not_found() => continue,
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            None
+        };
+        match (tombstone, logged.get(&dir)) {
+            (Some(outcome), _) => {
+                info.status = Status::Failed;
+                info.failure = Some(outcome_text(&outcome));
+            }
+            (None, Some(commit)) => {
+                info.committed = true;
+                info.seq = commit.seq;
+                info.committed_at = commit.time;
+            }
+            (None, None) => {}
+        }
+    }
+    let mut all: Vec<CheckpointInfo> = dirs.into_values().collect();
+    for info in &mut all {
+        info.ranks_present.sort_unstable();
+        if info.committed {
+            info.status = Status::Committed;
+        }
+    }
+    // Commit order: v1 by step, then the log; the rest by step.
+    all.sort_by_key(|c| match (c.committed, c.seq) {
+        (true, None) => (0, c.step, 0, String::new()),
+        (true, Some(seq)) => (1, seq, 0, String::new()),
+        (false, _) => (2, c.step, 0, c.dir.clone()),
+    });
+    // A commit is abandoned when a later commit is at its step or before.
+    let mut lowest_later: Option<u64> = None;
+    for info in all.iter_mut().rev().filter(|c| c.committed) {
+        if let Some(later) = lowest_later
+            && later <= info.step
+        {
+            info.status = Status::Abandoned;
+            info.abandoned_for = Some(later);
+        }
+        lowest_later = Some(lowest_later.map_or(info.step, |l| l.min(info.step)));
+    }
+    Ok(all)
 }

@@ -1,65 +1,193 @@
-//! The commit: turning every rank's part into one `manifest.json`.
+//! The commit of one save attempt (format v2), and how every rank learns its outcome.
 //!
-//! A rank that has written its part lists the step directory; when every rank's part
-//! is there it reads them all, checks that they agree (step, world, dtypes, shapes,
-//! chunks tiling each tensor exactly once), builds the root manifest and writes it
-//! create-if-absent. Several ranks may race to do this; one wins, the others see
-//! `AlreadyExists`, and all of them succeed. The manifest is deterministic in the
-//! parts, so whichever wins, readers see the same checkpoint.
+//! An attempt's directory (see [`crate::attempt`]) fills with every rank's data file
+//! and part. Its **slot**, `manifest.json` in that directory, is written exactly once,
+//! create-if-absent, and decides the attempt's outcome for everybody:
+//!
+//! - a manifest: committed. Before writing it, the committer appended the attempt to
+//!   the commit log ([`crate::commits`]), which orders it among all commits and fences
+//!   it: an attempt whose generation is older than the log's newest is refused;
+//! - a tombstone (`{"failed": …}`): the attempt failed (its parts disagree, a data
+//!   file is missing) or was superseded by a newer generation. The reason is there
+//!   for every rank to read, not only for the rank that tried.
+//!
+//! Only the parts of this attempt are read: parts of other attempts of the same step
+//! (another world, an earlier run) live in other directories and cannot interfere.
+//! Several committers may race; the log append is idempotent per attempt and the slot
+//! is create-if-absent, so they agree on one outcome.
 
 use std::collections::{BTreeMap, HashMap};
 
-use ckpt_storage::Store;
+use ckpt_storage::{ObjectInfo, Store};
 use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
+use crate::attempt::Attempt;
+use crate::commits::{Appended, CommitRecord};
 use crate::error::{Error, Result};
 use crate::format::{
-    FORMAT_VERSION, LATEST, Layout, LayoutBox, MANIFEST, Manifest, RankEntry, RankPart,
-    TensorEntry, parse_rank_part_name, rank_part_name, step_dir,
+    FORMAT_VERSION, FormatError, LATEST, Layout, LayoutBox, MANIFEST, Manifest, RankEntry,
+    RankPart, TensorEntry, parse_rank_part_name, rank_part_name, seal, unseal,
 };
 use crate::region::Region;
 
-/// What a commit attempt found.
+/// Tombstones are small; a slot larger than this is a manifest.
+pub(crate) const MAX_TOMBSTONE_BYTES: u64 = 4096;
+
+/// How an attempt ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum CommitOutcome {
-    /// This call wrote `manifest.json`.
-    Committed,
-    /// Another rank had written it.
-    AlreadyCommitted,
-    /// Some ranks' parts are not there yet.
-    Incomplete {
-        /// How many parts are present.
-        present: usize,
+pub enum Outcome {
+    /// Its manifest is written; `seq` is its position in the commit log when known
+    /// to the caller (the rank that committed it).
+    Committed {
+        /// Position in the commit log.
+        seq: Option<u64>,
+    },
+    /// It can never commit; the reason is recorded in its slot.
+    Failed {
+        /// Why.
+        reason: String,
+    },
+    /// A newer generation committed first: this attempt is fenced off.
+    Superseded {
+        /// The newer generation.
+        generation: u64,
     },
 }
 
-/// Commits step `step` if all `world` parts are present.
-pub(crate) async fn try_commit(store: &Store, step: u64, world: u32) -> Result<CommitOutcome> {
-    let dir = step_dir(step);
-    let listing = store.list_dir(&dir).await?;
+/// The body of a tombstone.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Tombstone {
+    failed: TombstoneBody,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TombstoneBody {
+    reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    superseded_by_generation: Option<u64>,
+}
+
+/// The slot of `attempt`: `DIR/manifest.json`.
+pub(crate) fn slot_key(attempt: &Attempt) -> String {
+    format!("{}/{MANIFEST}", attempt.dir())
+}
+
+/// What one listing of an attempt's directory shows.
+#[derive(Debug, Clone)]
+pub(crate) struct Presence {
+    /// Ranks (below the world size) whose part is there.
+    pub parts: usize,
+    /// The slot, when written.
+    pub slot: Option<ObjectInfo>,
+}
+
+/// Lists the attempt's directory: how many parts are there, and whether the slot is.
+pub(crate) async fn presence(store: &Store, attempt: &Attempt, world: u32) -> Result<Presence> {
+    let listing = store.list_dir(&attempt.dir()).await?;
     let mut present = vec![false; world as usize];
-    let mut manifest_present = false;
-    for object in &listing.objects {
+    let mut slot = None;
+    for object in listing.objects {
         let name = object.key.rsplit('/').next().unwrap_or("");
         if name == MANIFEST {
-            manifest_present = true;
+            slot = Some(object);
         } else if let Some(rank) = parse_rank_part_name(name)
-            && let Some(slot) = present.get_mut(rank as usize)
+            && let Some(p) = present.get_mut(rank as usize)
         {
-            *slot = true;
+            *p = true;
         }
     }
-    if manifest_present {
-        return Ok(CommitOutcome::AlreadyCommitted);
-    }
-    let count = present.iter().filter(|&&p| p).count();
-    if count < world as usize {
-        debug!(step, present = count, world, "not all parts present yet");
-        return Ok(CommitOutcome::Incomplete { present: count });
-    }
+    Ok(Presence {
+        parts: present.iter().filter(|&&p| p).count(),
+        slot,
+    })
+}
 
-    let parts: Vec<(Vec<u8>, RankPart)> = futures::stream::iter(0..world)
+/// Reads the outcome recorded in the slot; `None` while it is not written.
+pub(crate) async fn read_outcome(store: &Store, attempt: &Attempt) -> Result<Option<Outcome>> {
+    let key = slot_key(attempt);
+    let info = match store.head(&key).await {
+        Ok(info) => info,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    outcome_of_slot(store, &key, &info).await.map(Some)
+}
+
+async fn outcome_of_slot(store: &Store, key: &str, info: &ObjectInfo) -> Result<Outcome> {
+    if info.size > MAX_TOMBSTONE_BYTES {
+        return Ok(Outcome::Committed { seq: None });
+    }
+    let bytes = store.get(key).await?;
+    Ok(match parse_tombstone(&bytes, key)? {
+        Some(outcome) => outcome,
+        None => Outcome::Committed { seq: None },
+    })
+}
+
+/// The tombstone's outcome, or `None` when `bytes` is not a tombstone (a manifest).
+pub(crate) fn parse_tombstone(bytes: &[u8], object: &str) -> Result<Option<Outcome>> {
+    let (body, offset) = unseal(bytes, object, crate::format::MAX_MANIFEST_BYTES)?;
+    if !body.starts_with(b"{\"failed\"") {
+        return Ok(None);
+    }
+    let tombstone: Tombstone = serde_json::from_slice(body).map_err(|e| {
+        FormatError::new(
+            object,
+            Some(offset as u64),
+            format!("invalid tombstone: {e}"),
+        )
+    })?;
+    Ok(Some(match tombstone.failed.superseded_by_generation {
+        Some(generation) => Outcome::Superseded { generation },
+        None => Outcome::Failed {
+            reason: tombstone.failed.reason,
+        },
+    }))
+}
+
+/// Records that `attempt` can never commit. Another committer may have decided the
+/// slot first: the outcome returned is the one that stands.
+pub(crate) async fn bury(store: &Store, attempt: &Attempt, outcome: &Outcome) -> Result<Outcome> {
+    let body = match outcome {
+        Outcome::Committed { .. } => unreachable!("a commit is not buried"),
+        Outcome::Failed { reason } => TombstoneBody {
+            reason: truncate(reason, 1024),
+            superseded_by_generation: None,
+        },
+        Outcome::Superseded { generation } => TombstoneBody {
+            reason: format!("generation {generation} committed first"),
+            superseded_by_generation: Some(*generation),
+        },
+    };
+    let bytes = seal(&serde_json::to_vec(&Tombstone { failed: body }).expect("serializes"));
+    match store.put_if_absent(&slot_key(attempt), bytes).await {
+        Ok(()) => Ok(outcome.clone()),
+        Err(e) if e.is_already_exists() => Ok(read_outcome(store, attempt)
+            .await?
+            .unwrap_or_else(|| outcome.clone())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn truncate(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
+/// Commits `attempt` of a world of `world` ranks, whose parts must all be present.
+///
+/// Reads every part, checks that they agree, checks that every data file is there
+/// whole, appends the attempt to the commit log (refused when a newer generation has
+/// committed) and writes the manifest into the slot. A disagreement is recorded as a
+/// tombstone; a storage error is returned (nothing recorded: another committer, or a
+/// retry, may still succeed).
+pub(crate) async fn commit(store: &Store, attempt: &Attempt, world: u32) -> Result<Outcome> {
+    let dir = attempt.dir();
+    let parts: Result<Vec<(Vec<u8>, RankPart)>> = futures::stream::iter(0..world)
         .map(|rank| {
             let key = format!("{dir}/{}", rank_part_name(rank));
             async move {
@@ -70,51 +198,81 @@ pub(crate) async fn try_commit(store: &Store, step: u64, world: u32) -> Result<C
         })
         .buffered(32)
         .try_collect()
-        .await?;
-    let manifest = build_manifest(step, world, &parts)?;
-    manifest.validate(&format!("{dir}/{MANIFEST}"))?;
-    // Every data file must be there, whole, before the commit vouches for it (a
-    // rank's part is written after its file, but files can vanish: retention
-    // racing a slow save, an operator's cleanup).
+        .await;
+    let manifest = match parts.and_then(|parts| build_manifest(attempt, world, &parts)) {
+        Ok(manifest) => manifest,
+        Err(e @ (Error::Corrupt(_) | Error::Mismatch(_) | Error::Invalid(_))) => {
+            return bury(
+                store,
+                attempt,
+                &Outcome::Failed {
+                    reason: e.to_string(),
+                },
+            )
+            .await;
+        }
+        Err(e) => return Err(e),
+    };
+    // Every data file must be there, whole, before the commit vouches for it.
     let files: Vec<(String, u64)> = manifest
         .ranks
         .iter()
         .map(|entry| (format!("{dir}/{}", entry.file), entry.stored_bytes))
         .collect();
-    futures::stream::iter(files)
+    let missing: Vec<String> = futures::stream::iter(files)
         .map(|(key, expected)| async move {
-            let info = store.head(&key).await.map_err(|e| {
-                if e.is_not_found() {
-                    Error::Failed(format!("cannot commit step {step}: {key} is missing"))
-                } else {
-                    Error::from(e)
-                }
-            })?;
-            if info.size != expected {
-                return Err(Error::Failed(format!(
-                    "cannot commit step {step}: {key} has {} bytes, its part records {expected}",
+            match store.head(&key).await {
+                Ok(info) if info.size == expected => Ok(None),
+                Ok(info) => Ok(Some(format!(
+                    "{key} has {} bytes, its part records {expected}",
                     info.size
-                )));
+                ))),
+                Err(e) if e.is_not_found() => Ok(Some(format!("{key} is missing"))),
+                Err(e) => Err(Error::from(e)),
             }
-            Ok(())
         })
         .buffer_unordered(32)
-        .try_collect::<Vec<()>>()
+        .try_filter_map(|m| async move { Ok(m) })
+        .try_collect()
         .await?;
+    if let Some(first) = missing.first() {
+        let reason = format!(
+            "cannot commit step {}: {first}{}",
+            attempt.step,
+            match missing.len() {
+                1 => String::new(),
+                n => format!(" (and {} more data files)", n - 1),
+            }
+        );
+        return bury(store, attempt, &Outcome::Failed { reason }).await;
+    }
     crate::failpoint::hit("before-commit");
-    match store
-        .put_if_absent(&format!("{dir}/{MANIFEST}"), manifest.to_bytes())
-        .await
-    {
+    let seq = match crate::commits::append(store, &CommitRecord::new(attempt, world)).await? {
+        Appended::At(seq) => seq,
+        Appended::Fenced { generation, .. } => {
+            return bury(store, attempt, &Outcome::Superseded { generation }).await;
+        }
+    };
+    let key = slot_key(attempt);
+    match store.put_if_absent(&key, manifest.to_bytes()).await {
         Ok(()) => {}
-        Err(e) if e.is_already_exists() => return Ok(CommitOutcome::AlreadyCommitted),
+        Err(e) if e.is_already_exists() => {
+            return Ok(read_outcome(store, attempt)
+                .await?
+                .map(|o| match o {
+                    Outcome::Committed { .. } => Outcome::Committed { seq: Some(seq) },
+                    other => other,
+                })
+                .unwrap_or(Outcome::Committed { seq: Some(seq) }));
+        }
         Err(e) => return Err(e.into()),
     }
-    // The hint is best effort: readers trust the listing, not this.
-    if let Err(e) = store.put(LATEST, step.to_string()).await {
-        warn!(step, error = %e, "could not update the latest hint");
+    debug!(step = attempt.step, seq, "committed");
+    // The hint is for humans and old tools; readers use the commit log.
+    if let Err(e) = store.put(LATEST, attempt.step.to_string()).await {
+        warn!(step = attempt.step, error = %e, "could not update the latest hint");
     }
-    Ok(CommitOutcome::Committed)
+    Ok(Outcome::Committed { seq: Some(seq) })
 }
 
 /// A tensor's dtype, shape and (rank, box) chunks, gathered from the parts.
@@ -122,15 +280,17 @@ type Gathered<'a> = (crate::DType, &'a [u64], Vec<(u32, Region)>);
 
 /// Builds the root manifest from every rank's part (sorted by rank).
 pub(crate) fn build_manifest(
-    step: u64,
+    attempt: &Attempt,
     world: u32,
     parts: &[(Vec<u8>, RankPart)],
 ) -> Result<Manifest> {
+    let step = attempt.step;
     let first = &parts
         .first()
         .ok_or_else(|| Error::invalid("a checkpoint needs at least one rank"))?
         .1;
-    let dir = step_dir(step);
+    let dir = attempt.dir();
+    let name = attempt.name();
     let mut tensors: BTreeMap<&str, Gathered<'_>> = BTreeMap::new();
     let mut ranks = Vec::with_capacity(parts.len());
     for (bytes, part) in parts {
@@ -150,6 +310,13 @@ pub(crate) fn build_manifest(
                 "step/world/rank",
                 format!("{}/{}/{}", part.step, part.world_size, part.rank),
                 format!("{step}/{world}/{}", ranks.len()),
+            ));
+        }
+        if part.attempt.as_deref() != Some(name.as_str()) || part.generation != attempt.generation {
+            return Err(disagree(
+                "attempt/generation",
+                format!("{:?}/{}", part.attempt, part.generation),
+                format!("{name:?}/{}", attempt.generation),
             ));
         }
         if part.block_size != first.block_size || part.codec != first.codec {
@@ -204,8 +371,9 @@ pub(crate) fn build_manifest(
     Ok(Manifest {
         format_version: FORMAT_VERSION,
         step,
+        attempt: Some(name),
         world_size: world,
-        generation: first.generation,
+        generation: attempt.generation,
         created_unix_ms: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64),

@@ -28,6 +28,11 @@ pub enum Error {
     /// A background save failed; the message says where.
     #[error("{0}")]
     Failed(String),
+    /// This save was fenced off: a newer generation committed first, or its
+    /// attempt's names were already taken (a run id reused). Nothing it wrote is
+    /// referenced by any commit; retrying the same attempt cannot succeed.
+    #[error("{0}")]
+    Fenced(String),
 }
 
 impl Error {
@@ -39,6 +44,35 @@ impl Error {
     /// unavailable or the request being wrong): an older checkpoint may still load.
     pub fn is_corruption(&self) -> bool {
         matches!(self, Error::Corrupt(_))
+    }
+
+    /// True when the save was fenced off (see [`Error::Fenced`]).
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, Error::Fenced(_))
+    }
+
+    /// True when retrying may help (the store was unavailable or slow).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Storage(e) => e.is_retryable(),
+            Error::Timeout(_) => true,
+            _ => false,
+        }
+    }
+
+    /// A copy with the same variant and message, for reporting one failure to several
+    /// waiters (a storage error's underlying source is kept as text).
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::Storage(e) => Error::Storage(ckpt_storage::Error::new(e.kind(), e.to_string())),
+            Error::Corrupt(e) => Error::Corrupt(e.clone()),
+            Error::NotFound(m) => Error::NotFound(m.clone()),
+            Error::Mismatch(m) => Error::Mismatch(m.clone()),
+            Error::Invalid(m) => Error::Invalid(m.clone()),
+            Error::Timeout(m) => Error::Timeout(m.clone()),
+            Error::Failed(m) => Error::Failed(m.clone()),
+            Error::Fenced(m) => Error::Fenced(m.clone()),
+        }
     }
 }
 

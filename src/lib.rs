@@ -43,12 +43,14 @@
 
 pub use ckpt_storage as storage;
 
+pub mod attempt;
 #[cfg(feature = "cli")]
 pub mod bench;
 mod blocks;
 pub mod catalog;
 pub mod codec;
-mod commit;
+pub mod commit;
+pub mod commits;
 mod direct;
 pub mod dtype;
 mod error;
@@ -57,13 +59,16 @@ pub mod format;
 pub mod load;
 pub mod probe;
 pub mod region;
+pub mod retention;
 pub mod save;
 mod staging;
 pub mod state;
 pub mod tools;
 pub mod writer;
 
-pub use catalog::{CheckpointInfo, latest, list_checkpoints, read_manifest};
+pub use attempt::Attempt;
+pub use catalog::{CheckpointInfo, Commit, latest, list_checkpoints, read_manifest};
+pub use commit::Outcome;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use format::{Codec, Manifest, StateValue};

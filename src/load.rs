@@ -20,7 +20,7 @@ use crate::blocks::BlockMap;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::{
-    Assignments, Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue, step_dir,
+    Assignments, Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue,
 };
 use crate::region::{Region, for_each_run};
 
@@ -268,7 +268,7 @@ impl CheckpointReader {
                 self.manifest.step, self.manifest.world_size
             ))
         })?;
-        let key = format!("{}/{}", step_dir(self.manifest.step), entry.part);
+        let key = format!("{}/{}", self.manifest.dir(), entry.part);
         let missing = |e: ckpt_storage::Error| {
             if e.is_not_found() {
                 Error::from(FormatError::new(
@@ -396,7 +396,7 @@ impl CheckpointReader {
             }
             if covered != want.region.volume().unwrap_or(0) {
                 return Err(FormatError::new(
-                    &format!("{}/manifest.json", step_dir(step)),
+                    &format!("{}/manifest.json", self.manifest.dir()),
                     None,
                     format!(
                         "chunks of {:?} cover {covered} of the {} elements of box {}",
@@ -419,7 +419,7 @@ impl CheckpointReader {
 
         let mut files = Vec::with_capacity(parts.len());
         for (part, (rank, rank_pieces)) in parts.iter().zip(pieces) {
-            let object = format!("{}/{}", step_dir(step), part.file.name);
+            let object = format!("{}/{}", self.manifest.dir(), part.file.name);
             let index: HashMap<&str, usize> = part
                 .chunks
                 .iter()
@@ -435,7 +435,7 @@ impl CheckpointReader {
                     .filter(|c| c.region() == chunk_region)
                     .ok_or_else(|| {
                         FormatError::new(
-                            &format!("{}/{}", step_dir(step), crate::format::rank_part_name(rank)),
+                            &format!("{}/{}", self.manifest.dir(), crate::format::rank_part_name(rank)),
                             None,
                             format!("has no chunk {chunk_region} of {:?} that the manifest places there", want.name),
                         )

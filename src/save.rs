@@ -3,10 +3,17 @@
 //! [`Checkpointer::save`] is the only part the training loop waits for: it copies
 //! the rank's boxes into a staging buffer laid out as the final safetensors file
 //! (header first, then each box), and hands the buffer to a background task. The task
-//! computes block checksums, optionally compresses, uploads the data file, writes the
-//! rank's manifest part, and then tries to commit: the rank that finds every part
-//! present writes `manifest.json` create-if-absent. Any rank can commit, so a lost
-//! rank 0 does not block it.
+//! computes block checksums, optionally compresses, uploads the data file and writes
+//! the rank's manifest part, all inside the save attempt's own directory (format v2,
+//! see [`crate::attempt`]).
+//!
+//! The commit is live: a few ranks (rank 0, the last rank and the middle one) are
+//! *committers*. Each watches the attempt's directory until every part is there; the
+//! first commits at once, the others after a takeover delay if the slot is still
+//! empty, so the death of any one rank after its part is durable does not stop the
+//! commit. Every other rank learns the outcome by reading the attempt's slot
+//! (committed, failed and why, or superseded), with a backoff whose requests do not
+//! grow with the world size.
 //!
 //! Memory is bounded by the staging pool: at most `max_in_flight` buffers, each the
 //! size of the rank's file, reused from save to save (capacity is kept, so after the
@@ -21,12 +28,13 @@ use ckpt_storage::Store;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tracing::{Instrument, debug, info_span, warn};
 
+use crate::attempt::{Attempt, data_file_name};
 use crate::codec::{block_crcs, compress_block};
-use crate::commit::{CommitOutcome, try_commit};
+use crate::commit::Outcome;
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
-    rank_file_name, rank_part_name, step_dir,
+    Chunk, Codec, FORMAT_VERSION, FileEntry, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
+    rank_part_name,
 };
 use crate::staging::StagingBuffer;
 use crate::writer::{PlannedBox, rank_file_header};
@@ -50,8 +58,17 @@ pub struct CheckpointConfig {
     pub rank: usize,
     /// Ranks that save each checkpoint; the commit waits for all of them.
     pub world_size: usize,
-    /// Generation of the elastic world (recorded in the manifest).
+    /// Generation of the elastic world. Part of every object name of a save
+    /// (fencing): once a generation has committed, saves of older generations are
+    /// refused. A run that resumes should use a generation above the checkpoint it
+    /// resumed from.
     pub generation: u64,
+    /// Run id shared by every rank of this world and different for every run and
+    /// restart (e.g. a launcher's random job id). Part of every object name of a save.
+    /// Default: the `CKPT_RUN_ID` environment variable; otherwise a random id when the
+    /// world has one rank, and `0` when it has more (two runs with the same id and
+    /// generation cannot both save a step: the second gets [`Error::Fenced`]).
+    pub run_id: String,
     /// Raw bytes per checksum block and compression frame. Default 256 KiB: reads
     /// at most one partial block at each end of a range.
     pub block_size: u64,
@@ -64,8 +81,16 @@ pub struct CheckpointConfig {
     /// Keep this many newest committed checkpoints (older ones and stale partial
     /// ones are deleted by the committing rank). Default `None`: keep all.
     pub keep_last: Option<usize>,
-    /// How long [`SaveHandle::committed`] waits for the other ranks. Default 10 min.
+    /// How long [`SaveHandle::committed`] waits for the other ranks' parts. Default
+    /// 10 min. Once every part is durable the outcome arrives within about
+    /// `commit_takeover` × 2, whatever this is.
     pub commit_timeout: Duration,
+    /// How long a backup committer waits, after seeing every part, for the committer
+    /// before it commits itself. Default 2 s.
+    pub commit_takeover: Duration,
+    /// With `keep_last`: how long a superseded checkpoint stays readable (readers
+    /// that opened it have this long to finish). Default 5 min.
+    pub retention_grace: Duration,
     /// Local disk, uncompressed: write data files with `O_DIRECT` straight from the
     /// page-aligned staging buffer (file systems that refuse it get buffered writes).
     /// Default true; false writes through the page cache like other objects.
@@ -85,8 +110,30 @@ impl CheckpointConfig {
             when_busy: WhenBusy::Wait,
             keep_last: None,
             commit_timeout: Duration::from_secs(600),
+            commit_takeover: Duration::from_secs(2),
+            retention_grace: crate::retention::DEFAULT_GRACE,
             direct_io: true,
+            run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| {
+                if world_size == 1 {
+                    crate::attempt::random_run_id()
+                } else {
+                    "0".to_string()
+                }
+            }),
         }
+    }
+
+    /// The ranks that commit: rank 0, then the last rank, then the middle one (spread
+    /// out, so that losing one node rarely loses them all).
+    pub fn committers(&self) -> Vec<usize> {
+        let world = self.world_size;
+        let mut out: Vec<usize> = Vec::with_capacity(3);
+        for rank in [0, world.saturating_sub(1), world / 2] {
+            if rank < world && !out.contains(&rank) {
+                out.push(rank);
+            }
+        }
+        out
     }
 
     /// Checks the settings; the error names the field and its value.
@@ -103,6 +150,7 @@ impl CheckpointConfig {
                 self.block_size
             )));
         }
+        crate::attempt::check_run_id(&self.run_id)?;
         if self.max_in_flight == 0 {
             return Err(Error::invalid("max_in_flight must be at least 1, got 0"));
         }
@@ -149,7 +197,16 @@ enum Status {
     Writing,
     Durable,
     Committed,
-    Failed(Arc<str>),
+    Failed(Arc<Error>),
+}
+
+/// How this rank takes part in the commit.
+#[derive(Debug, Clone, Copy)]
+enum Role {
+    /// Commits (index 0) or takes over after `index` × the takeover delay.
+    Committer { index: u32 },
+    /// Learns the outcome from the slot.
+    Waiter,
 }
 
 /// Follows one rank's save in the background.
@@ -163,9 +220,11 @@ enum Status {
 /// garbage-collected.
 #[derive(Debug)]
 pub struct SaveHandle {
-    step: u64,
+    attempt: Attempt,
     store: Store,
     status: watch::Receiver<Status>,
+    role: Role,
+    world_size: usize,
     commit_timeout: Duration,
     stall: Duration,
 }
@@ -173,7 +232,12 @@ pub struct SaveHandle {
 impl SaveHandle {
     /// The step being saved.
     pub fn step(&self) -> u64 {
-        self.step
+        self.attempt.step
+    }
+
+    /// The save attempt: its directory holds every object this save writes.
+    pub fn attempt(&self) -> &Attempt {
+        &self.attempt
     }
 
     /// How long `save` blocked the caller (staging copy included).
@@ -183,75 +247,120 @@ impl SaveHandle {
 
     /// Waits until this rank's part is durable: its data file and manifest part are
     /// written (fsynced on local disk).
+    ///
+    /// Errors are typed: [`Error::is_transient`] (the store failed), [`Error::Fenced`]
+    /// (the attempt's names were taken), and the others.
     pub async fn durable(&self) -> Result<()> {
         let mut status = self.status.clone();
         loop {
             match &*status.borrow_and_update() {
                 Status::Durable | Status::Committed => return Ok(()),
-                Status::Failed(message) => return Err(Error::Failed(message.to_string())),
+                Status::Failed(e) => return Err(e.duplicate()),
                 Status::Writing => {}
             }
             if status.changed().await.is_err() {
                 return Err(Error::Failed(format!(
                     "save of step {} ended without reporting (the runtime shut down?)",
-                    self.step
+                    self.attempt.step
                 )));
             }
         }
     }
 
-    /// Waits until the whole checkpoint is committed (every rank's part written and
-    /// `manifest.json` present), up to `commit_timeout`.
+    /// Waits until the whole checkpoint is committed, and returns how it ended.
     ///
-    /// Returns only once this rank's background work for the save (its own commit
-    /// attempt, and retention when it committed) has ended too, so a process may
-    /// exit right after.
+    /// Once every rank's part is durable, the outcome arrives within a bounded time
+    /// even when the committing rank dies (another committer takes over). Errors:
+    /// [`Error::Fenced`] when a newer generation committed first, [`Error::Corrupt`]
+    /// or [`Error::Failed`] when the parts could not be committed (the reason that the
+    /// committer recorded), [`Error::Timeout`] when some rank's part did not arrive
+    /// within `commit_timeout`, storage errors as they are.
+    ///
+    /// On a committer, returns only once its background work for the save (the
+    /// commit, and retention when it committed) has ended too, so a process may exit
+    /// right after.
     pub async fn committed(&self) -> Result<()> {
-        self.wait_committed().await?;
-        // The sender goes away when the background task ends.
-        let mut status = self.status.clone();
-        while status.changed().await.is_ok() {
-            if let Status::Failed(message) = &*status.borrow_and_update() {
-                return Err(Error::Failed(message.to_string()));
+        self.durable().await?;
+        match self.role {
+            Role::Committer { .. } => {
+                let mut status = self.status.clone();
+                loop {
+                    match &*status.borrow_and_update() {
+                        Status::Failed(e) => return Err(e.duplicate()),
+                        Status::Committed => {}
+                        Status::Writing | Status::Durable => {}
+                    }
+                    // The sender goes away when the background task ends.
+                    if status.changed().await.is_err() {
+                        return match &*status.borrow() {
+                            Status::Committed => Ok(()),
+                            Status::Failed(e) => Err(e.duplicate()),
+                            _ => Err(Error::Failed(format!(
+                                "save of step {} ended without an outcome",
+                                self.attempt.step
+                            ))),
+                        };
+                    }
+                }
             }
+            Role::Waiter => self.wait_for_slot().await,
         }
-        Ok(())
     }
 
-    async fn wait_committed(&self) -> Result<()> {
-        self.durable().await?;
-        if matches!(&*self.status.borrow(), Status::Committed) {
-            return Ok(());
-        }
-        let key = format!("{}/{MANIFEST}", step_dir(self.step));
+    /// Polls the attempt's slot with a backoff: a few requests per rank for a commit
+    /// that takes seconds, and at most one request per `max_delay` after that, where
+    /// `max_delay` grows with the world size so that the whole world stays within
+    /// about 500 requests per second.
+    async fn wait_for_slot(&self) -> Result<()> {
         let deadline = Instant::now() + self.commit_timeout;
-        let mut delay = Duration::from_millis(5);
+        let max_delay = Duration::from_millis((2 * self.world_size as u64).clamp(250, 4000));
+        let mut delay = Duration::from_millis(20);
         let mut status = self.status.clone();
         loop {
-            match &*status.borrow_and_update() {
-                Status::Committed => return Ok(()),
-                Status::Failed(message) => return Err(Error::Failed(message.to_string())),
-                Status::Writing | Status::Durable => {}
+            if let Status::Failed(e) = &*status.borrow_and_update() {
+                return Err(e.duplicate());
             }
-            match self.store.head(&key).await {
-                Ok(_) => return Ok(()),
-                Err(e) if e.is_not_found() => {}
-                Err(e) => return Err(e.into()),
+            if let Some(outcome) = crate::commit::read_outcome(&self.store, &self.attempt).await? {
+                return outcome_result(&self.attempt, outcome);
             }
             if Instant::now() >= deadline {
                 return Err(Error::Timeout(format!(
                     "step {} was not committed within {:?}: some rank has not finished its part",
-                    self.step, self.commit_timeout
+                    self.attempt.step, self.commit_timeout
                 )));
             }
-            // Another rank commits (seen by polling), or this rank's own commit
-            // attempt ends (seen at once).
+            let pause = jitter(delay).min(deadline.saturating_duration_since(Instant::now()));
             tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
+                _ = tokio::time::sleep(pause) => {}
                 _ = status.changed() => {}
             }
-            delay = (delay * 2).min(Duration::from_millis(100));
+            delay = (delay * 2).min(max_delay);
         }
+    }
+}
+
+/// `delay` scaled by a factor in 0.75..1.25, so that ranks that started together do
+/// not poll together.
+fn jitter(delay: Duration) -> Duration {
+    let r = crate::attempt::nonce();
+    let x = u64::from_str_radix(&r[..4], 16).unwrap_or(0) as f64 / 65535.0;
+    delay.mul_f64(0.75 + 0.5 * x)
+}
+
+/// An outcome as the result `committed()` reports.
+fn outcome_result(attempt: &Attempt, outcome: Outcome) -> Result<()> {
+    match outcome {
+        Outcome::Committed { .. } => Ok(()),
+        Outcome::Failed { reason } => Err(Error::Failed(format!(
+            "step {} ({}) did not commit: {reason}",
+            attempt.step,
+            attempt.dir()
+        ))),
+        Outcome::Superseded { generation } => Err(Error::Fenced(format!(
+            "step {} ({}) was fenced off: generation {generation} committed first",
+            attempt.step,
+            attempt.dir()
+        ))),
     }
 }
 
@@ -277,7 +386,8 @@ impl AsRef<[u8]> for Staged {
 struct Job {
     store: Store,
     config: Arc<CheckpointConfig>,
-    step: u64,
+    attempt: Attempt,
+    role: Role,
     buffer: Arc<StagingBuffer>,
     chunks: Vec<Chunk>,
     global: Option<BTreeMap<String, crate::format::StateValue>>,
@@ -342,11 +452,24 @@ impl Checkpointer {
         );
 
         let rank = self.config.rank as u32;
+        let attempt = Attempt::new(step, self.config.generation, self.config.run_id.clone())?;
+        let role = match self
+            .config
+            .committers()
+            .iter()
+            .position(|&r| r == self.config.rank)
+        {
+            Some(index) => Role::Committer {
+                index: index as u32,
+            },
+            None => Role::Waiter,
+        };
         let (tx, rx) = watch::channel(Status::Writing);
         let job = Job {
             store: self.store.clone(),
             config: self.config.clone(),
-            step,
+            attempt: attempt.clone(),
+            role,
             buffer: Arc::new(buffer),
             chunks,
             // Global state is identical on every rank: rank 0's copy is stored.
@@ -360,9 +483,11 @@ impl Checkpointer {
         let span = info_span!("ckpt_save", step, rank);
         tokio::spawn(run_job(job, pool, permit, tx).instrument(span));
         Ok(SaveOutcome::Started(SaveHandle {
-            step,
+            attempt,
             store: self.store.clone(),
             status: rx,
+            role,
+            world_size: self.config.world_size,
             commit_timeout: self.config.commit_timeout,
             stall,
         }))
@@ -422,27 +547,109 @@ async fn run_job(
     permit: OwnedSemaphorePermit,
     status: watch::Sender<Status>,
 ) {
-    let step = job.step;
-    let result = write_rank(&job, &status).await;
-    let Job { buffer, .. } = job;
+    let step = job.attempt.step;
+    let written = write_rank(&job).await;
+    let Job {
+        buffer,
+        store,
+        config,
+        attempt,
+        role,
+        ..
+    } = job;
     // Give the buffer back before the slot, so the next save finds it.
     if let Ok(buffer) = Arc::try_unwrap(buffer) {
         pool.lock().unwrap_or_else(|p| p.into_inner()).push(buffer);
     }
     drop(permit);
-    if let Err(e) = result {
-        warn!(step, error = %e, "checkpoint save failed");
-        let _ = status.send(Status::Failed(e.to_string().into()));
+    let result = match (written, role) {
+        (Ok(()), Role::Committer { index }) => {
+            let _ = status.send(Status::Durable);
+            crate::failpoint::hit("after-rank-part");
+            commit_as(&store, &config, &attempt, index).await
+        }
+        (Ok(()), Role::Waiter) => {
+            let _ = status.send(Status::Durable);
+            crate::failpoint::hit("after-rank-part");
+            return;
+        }
+        (Err(e), _) => Err(e),
+    };
+    match result {
+        Ok(()) => {
+            let _ = status.send(Status::Committed);
+        }
+        Err(e) => {
+            warn!(step, error = %e, "checkpoint save failed");
+            let _ = status.send(Status::Failed(Arc::new(e)));
+        }
     }
 }
 
-async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
+/// The committer's part, after its own part is durable: watch the attempt's
+/// directory until every part is there, then commit (the first committer at once,
+/// backups after `index` × the takeover delay unless the slot is filled meanwhile).
+/// Applies retention when this call committed.
+async fn commit_as(
+    store: &Store,
+    config: &CheckpointConfig,
+    attempt: &Attempt,
+    index: u32,
+) -> Result<()> {
+    let world = config.world_size as u32;
+    let deadline = Instant::now() + config.commit_timeout;
+    let mut delay = Duration::from_millis(10);
+    let mut complete_since: Option<Instant> = None;
+    let takeover = config.commit_takeover * index;
+    loop {
+        let presence = crate::commit::presence(store, attempt, world).await?;
+        if presence.slot.is_some()
+            && let Some(outcome) = crate::commit::read_outcome(store, attempt).await?
+        {
+            return outcome_result(attempt, outcome);
+        }
+        if presence.parts == world as usize {
+            let since = *complete_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= takeover {
+                let outcome = crate::commit::commit(store, attempt, world).await?;
+                if let Outcome::Committed { seq: Some(_) } = outcome {
+                    crate::failpoint::hit("after-commit");
+                    if let Some(keep) = config.keep_last {
+                        let policy = crate::retention::Policy {
+                            keep,
+                            grace: config.retention_grace,
+                        };
+                        if let Err(e) = crate::retention::after_commit(store, policy).await {
+                            warn!(error = %e, "retention failed; old checkpoints stay");
+                        }
+                    }
+                }
+                return outcome_result(attempt, outcome);
+            }
+            delay = delay.min(
+                takeover
+                    .saturating_sub(since.elapsed())
+                    .max(Duration::from_millis(10)),
+            );
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout(format!(
+                "step {} was not committed within {:?}: {} of {world} rank parts are present",
+                attempt.step, config.commit_timeout, presence.parts
+            )));
+        }
+        tokio::time::sleep(jitter(delay)).await;
+        delay = (delay * 2).min(Duration::from_secs(1));
+    }
+}
+
+async fn write_rank(job: &Job) -> Result<()> {
     let config = &job.config;
     let rank = config.rank as u32;
-    let dir = step_dir(job.step);
+    let dir = job.attempt.dir();
     let block = config.block_size as usize;
     let compressed = matches!(config.codec, Codec::Zstd { .. });
-    let file_name = rank_file_name(rank, compressed);
+    let file_name = data_file_name(rank, compressed, &crate::attempt::nonce());
     let file_key = format!("{dir}/{file_name}");
     crate::failpoint::hit("before-data-upload");
 
@@ -475,7 +682,8 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
 
     let part = RankPart {
         format_version: FORMAT_VERSION,
-        step: job.step,
+        step: job.attempt.step,
+        attempt: Some(job.attempt.name()),
         rank,
         world_size: config.world_size as u32,
         generation: config.generation,
@@ -500,30 +708,34 @@ async fn write_rank(job: &Job, status: &watch::Sender<Status>) -> Result<()> {
             BTreeMap::new()
         },
     };
-    job.store
-        .put(&format!("{dir}/{}", rank_part_name(rank)), part.to_bytes())
-        .await?;
-    let _ = status.send(Status::Durable);
-    crate::failpoint::hit("after-rank-part");
+    put_part(
+        &job.store,
+        &format!("{dir}/{}", rank_part_name(rank)),
+        part.to_bytes(),
+    )
+    .await
+}
 
-    match try_commit(&job.store, job.step, config.world_size as u32).await? {
-        CommitOutcome::Committed => {
-            crate::failpoint::hit("after-commit");
-            // Retention before reporting, so that `committed()` on the committing rank
-            // also means old checkpoints are gone.
-            if let Some(keep) = config.keep_last
-                && let Err(e) = crate::catalog::apply_retention(&job.store, keep).await
-            {
-                warn!(error = %e, "retention failed; old checkpoints stay");
+/// Writes a rank's part create-if-absent: a part is never replaced. Finding the same
+/// bytes there is success (a retried write whose first try landed); finding other
+/// bytes means the attempt's name was used by another save (a reused run id).
+pub(crate) async fn put_part(store: &Store, key: &str, bytes: Vec<u8>) -> Result<()> {
+    let bytes = Bytes::from(bytes);
+    match store.put_if_absent(key, bytes.clone()).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.is_already_exists() => {
+            if store.get(key).await? == bytes {
+                Ok(())
+            } else {
+                Err(Error::Fenced(format!(
+                    "{} already holds another save's part: this attempt's name is taken \
+                     (give every run its own run id, or a new generation)",
+                    store.url().trim_end_matches('/').to_string() + "/" + key
+                )))
             }
-            let _ = status.send(Status::Committed);
         }
-        CommitOutcome::AlreadyCommitted => {
-            let _ = status.send(Status::Committed);
-        }
-        CommitOutcome::Incomplete { .. } => {}
+        Err(e) => Err(e.into()),
     }
-    Ok(())
 }
 
 /// Writes the staging buffer as the rank's plain data file: on local disk with
@@ -567,15 +779,21 @@ async fn encode(
     codec: Codec,
 ) -> Result<(Vec<u32>, Option<Vec<Bytes>>)> {
     let blocks = buffer.len().div_ceil(block).max(1);
-    let workers = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .min(blocks);
+    let workers = encode_threads().min(blocks);
     let per = blocks.div_ceil(workers);
     let mut tasks = Vec::with_capacity(workers);
     for w in 0..workers {
         let buffer = buffer.clone();
+        // One permit per thread, process-wide: concurrent saves share the budget.
+        let permit = ENCODE_PERMITS
+            .get_or_init(|| Arc::new(Semaphore::new(encode_threads())))
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Error::Failed("encode permits closed".into()))?;
         tasks.push(spawn_background(
             move || -> std::io::Result<(Vec<u32>, Vec<Bytes>)> {
+                let _permit = permit;
                 let start = (w * per * block).min(buffer.len());
                 let end = ((w + 1) * per * block).min(buffer.len());
                 let slice = &buffer[start..end];
@@ -606,6 +824,24 @@ async fn encode(
     }
     Ok((crcs, matches!(codec, Codec::Zstd { .. }).then_some(frames)))
 }
+
+/// Encode threads a process may run at once, over all its saves: the cores divided
+/// among the ranks of the node (`LOCAL_WORLD_SIZE`, as launchers set it), at most 8.
+/// Eight ranks on a 96-core node then run 8 threads each, not 96.
+fn encode_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let local_ranks = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(1);
+        (cores / local_ranks).clamp(1, 8)
+    })
+}
+
+static ENCODE_PERMITS: std::sync::OnceLock<Arc<Semaphore>> = std::sync::OnceLock::new();
 
 /// Niceness of the background encode threads (0 is normal, 19 the lowest).
 const BACKGROUND_NICE: i32 = 10;

@@ -13,13 +13,14 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use ckpt_storage::{Store, Upload};
 
+use crate::attempt::{Attempt, data_file_name};
 use crate::codec::compress_block;
-use crate::commit::{CommitOutcome, try_commit};
+use crate::commit::Outcome;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, RankPart, StateValue, build_safetensors_header,
-    rank_file_name, rank_part_name, step_dir,
+    rank_part_name,
 };
 use crate::region::Region;
 
@@ -75,6 +76,7 @@ pub fn rank_file_header(step: u64, rank: u32, world: u32, boxes: &[PlannedBox]) 
 /// Memory: one block (plus the store's multipart buffers), whatever the file size.
 pub struct RankFileWriter {
     store: Store,
+    attempt: Attempt,
     step: u64,
     rank: u32,
     world: u32,
@@ -103,10 +105,11 @@ impl std::fmt::Debug for RankFileWriter {
 }
 
 impl RankFileWriter {
-    /// Starts rank `rank`'s file of step `step` holding `boxes` (in this order).
+    /// Starts rank `rank`'s file of save attempt `attempt` holding `boxes` (in this
+    /// order).
     pub async fn begin(
         store: &Store,
-        step: u64,
+        attempt: &Attempt,
         rank: u32,
         world: u32,
         block_size: u64,
@@ -118,6 +121,7 @@ impl RankFileWriter {
                 "rank {rank} is not in world_size {world}"
             )));
         }
+        let step = attempt.step;
         let header = rank_file_header(step, rank, world, boxes);
         let mut offset = header.len() as u64;
         let mut chunks = Vec::with_capacity(boxes.len());
@@ -140,10 +144,11 @@ impl RankFileWriter {
             offset += bytes;
         }
         let compressed = matches!(codec, Codec::Zstd { .. });
-        let file_name = rank_file_name(rank, compressed);
-        let upload = store.upload(&format!("{}/{file_name}", step_dir(step)))?;
+        let file_name = data_file_name(rank, compressed, &crate::attempt::nonce());
+        let upload = store.upload(&format!("{}/{file_name}", attempt.dir()))?;
         let mut writer = Self {
             store: store.clone(),
+            attempt: attempt.clone(),
             step,
             rank,
             world,
@@ -244,9 +249,10 @@ impl RankFileWriter {
         let part = RankPart {
             format_version: FORMAT_VERSION,
             step: self.step,
+            attempt: Some(self.attempt.name()),
             rank: self.rank,
             world_size: self.world,
-            generation: 0,
+            generation: self.attempt.generation,
             block_size: self.block_size,
             codec: self.codec,
             file: FileEntry {
@@ -261,21 +267,44 @@ impl RankFileWriter {
             rank_state,
             metadata,
         };
-        self.store
-            .put(
-                &format!("{}/{}", step_dir(self.step), rank_part_name(self.rank)),
-                part.to_bytes(),
-            )
-            .await?;
-        Ok(())
+        crate::save::put_part(
+            &self.store,
+            &format!("{}/{}", self.attempt.dir(), rank_part_name(self.rank)),
+            part.to_bytes(),
+        )
+        .await
     }
 }
 
-/// Commits step `step` of a world of `world` ranks if every part is present.
-/// Returns true when the checkpoint is committed (by this call or earlier).
-pub async fn commit(store: &Store, step: u64, world: u32) -> Result<bool> {
-    Ok(matches!(
-        try_commit(store, step, world).await?,
-        CommitOutcome::Committed | CommitOutcome::AlreadyCommitted
-    ))
+/// A save attempt for an offline tool writing step `step` into `store`: a fresh run
+/// id, and the generation of the newest commit there (so that the tool is not fenced
+/// off by the run that wrote the root, and does not fence it off either).
+pub async fn tool_attempt(store: &Store, step: u64) -> Result<Attempt> {
+    let generation = crate::commits::newest(store)
+        .await?
+        .map_or(0, |c| c.record.generation);
+    Attempt::new(step, generation, crate::attempt::random_run_id())
+}
+
+/// Commits save attempt `attempt` of a world of `world` ranks, whose parts must all
+/// be written. Returns true when it is committed (by this call or earlier); a
+/// failed or fenced commit is an error that says why.
+pub async fn commit(store: &Store, attempt: &Attempt, world: u32) -> Result<bool> {
+    let presence = crate::commit::presence(store, attempt, world).await?;
+    let outcome = match crate::commit::read_outcome(store, attempt).await? {
+        Some(outcome) => outcome,
+        None if presence.parts < world as usize => return Ok(false),
+        None => crate::commit::commit(store, attempt, world).await?,
+    };
+    match outcome {
+        Outcome::Committed { .. } => Ok(true),
+        Outcome::Failed { reason } => Err(Error::Failed(format!(
+            "step {} did not commit: {reason}",
+            attempt.step
+        ))),
+        Outcome::Superseded { generation } => Err(Error::Fenced(format!(
+            "step {} was fenced off: generation {generation} committed first",
+            attempt.step
+        ))),
+    }
 }

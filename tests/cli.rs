@@ -61,7 +61,13 @@ async fn local_root() -> (Store, tempfile::TempDir, String) {
 }
 
 fn data_file(dir: &Path, step: u64, rank: u32) -> PathBuf {
-    dir.join(format!("step-{step:08}/rank-{rank:05}.safetensors"))
+    dir.join(step_dir(step))
+        .join(rank_file_name_in(dir, step, rank))
+}
+
+/// The key of a data file, as error messages name it.
+fn data_key(dir: &Path, step: u64, rank: u32) -> String {
+    format!("{}/{}", step_dir(step), rank_file_name_in(dir, step, rank))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,7 +108,7 @@ async fn inspect_describes_tensors_ranks_and_filters() {
     let view = json(&out);
     assert_eq!(view["step"], 2);
     assert_eq!(view["world_size"], 4);
-    assert_eq!(view["format_version"], 1);
+    assert_eq!(view["format_version"], 2);
     assert_eq!(view["tensors"].as_array().unwrap().len(), 3);
     let weight = view["tensors"]
         .as_array()
@@ -152,6 +158,7 @@ async fn verify_passes_then_names_file_tensor_and_offset_of_a_bit_flip() {
     assert!(stdout(&out).contains("step 2: ok"), "{}", stdout(&out));
 
     let path = data_file(dir.path(), 2, 2);
+    let flipped = data_key(dir.path(), 2, 2);
     let mut bytes = std::fs::read(&path).unwrap();
     let offset = bytes.len() - 100;
     bytes[offset] ^= 0x10;
@@ -160,10 +167,7 @@ async fn verify_passes_then_names_file_tensor_and_offset_of_a_bit_flip() {
     let out = ckpt(&["verify", &url]);
     assert_eq!(code(&out), 1, "{}", stdout(&out));
     let text = stdout(&out);
-    assert!(
-        text.contains("step-00000002/rank-00002.safetensors at byte"),
-        "{text}"
-    );
+    assert!(text.contains(&format!("{flipped} at byte")), "{text}");
     assert!(text.contains("CRC32"), "{text}");
 
     let out = ckpt(&["verify", &url, "--json"]);
@@ -171,7 +175,7 @@ async fn verify_passes_then_names_file_tensor_and_offset_of_a_bit_flip() {
     let report = json(&out);
     assert_eq!(report["ok"], false);
     let fault = &report["checkpoints"][0]["faults"][0];
-    assert_eq!(fault["object"], "step-00000002/rank-00002.safetensors");
+    assert_eq!(fault["object"], flipped.as_str());
     assert!(fault["offset"].as_u64().unwrap() <= offset as u64);
     let named = fault["tensors"].to_string();
     assert!(
@@ -185,6 +189,7 @@ async fn verify_passes_then_names_file_tensor_and_offset_of_a_bit_flip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_reports_truncated_missing_and_escaping_files() {
     let (store, dir, url) = local_root().await;
+    let (truncated_key, missing_key) = (data_key(dir.path(), 2, 1), data_key(dir.path(), 2, 3));
     let truncated = data_file(dir.path(), 2, 1);
     let bytes = std::fs::read(&truncated).unwrap();
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
@@ -193,13 +198,13 @@ async fn verify_reports_truncated_missing_and_escaping_files() {
     assert_eq!(code(&out), 1);
     let faults = json(&out)["checkpoints"][0]["faults"].clone();
     let text = faults.to_string();
-    assert!(text.contains("rank-00001.safetensors"), "{text}");
+    assert!(text.contains(&truncated_key), "{text}");
     assert!(text.contains("bytes stored, the part records"), "{text}");
-    assert!(text.contains("rank-00003.safetensors"), "{text}");
+    assert!(text.contains(&missing_key), "{text}");
     assert!(text.contains("missing"), "{text}");
 
     // A manifest naming a file outside the checkpoint, with a valid checksum.
-    let key = "step-00000001/manifest.json";
+    let key = &format!("{}/manifest.json", step_dir(1));
     let mut manifest = ckpt::format::Manifest::parse(&store.get(key).await.unwrap(), key).unwrap();
     manifest.ranks[0].file = "../step-00000002/rank-00000.safetensors".to_string();
     store.put(key, manifest.to_bytes()).await.unwrap();
@@ -214,7 +219,7 @@ async fn verify_reports_truncated_missing_and_escaping_files() {
     let out = ckpt(&["inspect", &url, "--step", "1"]);
     assert_eq!(code(&out), 4, "{}", stderr(&out));
     assert!(
-        stderr(&out).starts_with("error: corrupt checkpoint: step-00000001/manifest.json"),
+        stderr(&out).starts_with(&format!("error: corrupt checkpoint: {key}")),
         "{}",
         stderr(&out)
     );
@@ -813,7 +818,7 @@ async fn verify_counts_missing_rank_parts_in_one_fault() {
     save_world(&store, 1, 4, &model(1, ROWS), |_| {}).await;
     // A self-consistent manifest that lists the most ranks the format allows, of
     // which only the 4 saved ones have parts.
-    let key = "step-00000001/manifest.json";
+    let key = &format!("{}/manifest.json", step_dir(1));
     let mut manifest = Manifest::parse(&store.get(key).await.unwrap(), key).unwrap();
     let template = manifest.ranks[3].clone();
     manifest.ranks.extend((4..WORLD).map(|rank| {
@@ -867,7 +872,7 @@ async fn verify_counts_missing_rank_parts_in_one_fault() {
         })
         .collect();
     assert_eq!(missing_faults.len(), 1, "{faults}");
-    assert_eq!(missing_faults[0]["object"], key);
+    assert_eq!(missing_faults[0]["object"], key.as_str());
     assert!(faults.as_array().unwrap().len() <= 5, "{faults}");
 }
 
@@ -877,14 +882,14 @@ async fn verify_counts_missing_rank_parts_in_one_fault() {
 /// so that only the header is wrong.
 async fn replace_data_header(store: &Store, step: u64, rank: usize, header: Vec<u8>) {
     use ckpt::format::{Manifest, RankPart};
-    let manifest_key = format!("step-{step:08}/manifest.json");
+    let manifest_key = format!("{}/manifest.json", step_dir(step));
     let mut manifest =
         Manifest::parse(&store.get(&manifest_key).await.unwrap(), &manifest_key).unwrap();
     let entry = &mut manifest.ranks[rank];
-    let part_key = format!("step-{step:08}/{}", entry.part);
+    let part_key = format!("{}/{}", step_dir(step), entry.part);
     let mut part = RankPart::parse(&store.get(&part_key).await.unwrap(), &part_key).unwrap();
     assert_eq!(part.codec, ckpt::Codec::None, "the test rewrites raw files");
-    let data_key = format!("step-{step:08}/{}", part.file.name);
+    let data_key = format!("{}/{}", step_dir(step), part.file.name);
     let old = store.get(&data_key).await.unwrap();
     let old_start = 8 + u64::from_le_bytes(old[..8].try_into().unwrap());
     let new_start = header.len() as u64;
@@ -975,7 +980,7 @@ async fn export_and_reshard_refuse_a_data_file_whose_header_is_broken() {
         let old_len = u64::from_le_bytes(old[..8].try_into().unwrap()) as usize;
         replace_data_header(&store, 1, 1, breaker(&old[..8 + old_len])).await;
         let url = format!("file://{}", dir.path().display());
-        let object = "step-00000001/rank-00001.safetensors";
+        let object = &data_key(dir.path(), 1, 1);
 
         // verify rejects it: the reference the other commands must match.
         let out = ckpt(&["verify", &url]);
@@ -1013,7 +1018,7 @@ async fn export_and_reshard_refuse_a_data_file_whose_header_is_broken() {
 async fn manifest_sizes_that_disagree_with_the_parts_are_reported() {
     let (store, dir) = local_store("sizes");
     save_world(&store, 1, 2, &model(1, ROWS), |_| {}).await;
-    let key = "step-00000001/manifest.json";
+    let key = &format!("{}/manifest.json", step_dir(1));
     let mut manifest = ckpt::format::Manifest::parse(&store.get(key).await.unwrap(), key).unwrap();
     for entry in &mut manifest.ranks {
         entry.raw_bytes = 1 << 63;

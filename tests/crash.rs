@@ -22,7 +22,6 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use ckpt::format::{rank_file_name, step_dir};
 use ckpt::storage::Store;
 use ckpt::{CheckpointConfig, CheckpointReader, Checkpointer, LoadRequest, load_latest};
 use common::{Tensor, assert_loads, assert_same, dim0_state, eventually, model, open_local};
@@ -181,15 +180,19 @@ async fn crash_scenario(test: &str, failpoint: &str, expect: Expect) {
     assert_eq!(two.committed, expect.committed, "step 2 committed: {two:?}");
     let parts: Vec<u32> = if expect.part { vec![0, 1] } else { vec![0] };
     assert_eq!(two.ranks_present, parts, "parts of step 2 after the kill");
-    let data_file = format!("{}/{}", step_dir(2), rank_file_name(1, false));
-    let visible = match store.head(&data_file).await {
-        Ok(_) => true,
-        Err(e) if e.is_not_found() => false,
-        Err(e) => panic!("head {data_file}: {e}"),
-    };
+    // Rank 1's data file, in the attempt's directory (its name carries a nonce).
+    let attempt = ckpt::Attempt::new(2, 0, "0").unwrap();
+    let visible = store
+        .list(&attempt.dir())
+        .await
+        .expect("list the attempt")
+        .iter()
+        .any(|o| o.key.contains("/rank-00001-") && o.key.ends_with(".safetensors"));
     assert_eq!(
-        visible, expect.data_file,
-        "{data_file} visible after a kill at {failpoint}"
+        visible,
+        expect.data_file,
+        "rank 1's data file in {} visible after a kill at {failpoint}",
+        attempt.dir()
     );
     if !expect.committed {
         let e = CheckpointReader::open(&store, Some(2)).await.unwrap_err();
@@ -199,7 +202,13 @@ async fn crash_scenario(test: &str, failpoint: &str, expect: Expect) {
 
     // A later save commits, and retention collects what the killed save left.
     let step3 = model(3, rows);
-    common::save_world(&store, 3, 2, &step3, |c| c.keep_last = Some(2)).await;
+    common::save_world(&store, 3, 2, &step3, |c| {
+        c.keep_last = Some(2);
+        // What the killed save left is older than the newest commit: no reader can
+        // want it, so no grace period is needed to show that retention collects it.
+        c.retention_grace = Duration::ZERO;
+    })
+    .await;
     let wanted: Vec<(u64, bool)> = if expect.committed {
         vec![(2, true), (3, true)]
     } else {
@@ -380,4 +389,94 @@ async fn one_rank_per_process_commits_a_checkpoint_the_parent_loads() {
             ))
             .collect::<Vec<_>>()
     );
+}
+
+/// Liveness: the rank that would commit (rank 0) dies right after its part is
+/// durable. Another committer takes over: every surviving rank's `committed()`
+/// returns Ok, long before `commit_timeout`, and the checkpoint loads whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_commit_happens_when_the_committing_rank_dies_after_its_part() {
+    const TEST: &str = "the_commit_happens_when_the_committing_rank_dies_after_its_part";
+    const WORLD_SIZE: usize = 3;
+    const STEP: u64 = 4;
+    const ROWS_HERE: u64 = 48;
+    if std::env::var_os(CHILD).is_some() {
+        let dir = std::env::var(DIR).unwrap();
+        let rank: usize = std::env::var(RANK).unwrap().parse().unwrap();
+        let store = open_local(std::path::Path::new(&dir));
+        let mut config = CheckpointConfig::new(rank, WORLD_SIZE);
+        config.run_id = "liveness".into();
+        // Far beyond the test's own limit: only a takeover can end the wait in time.
+        config.commit_timeout = Duration::from_secs(3600);
+        let checkpointer = Checkpointer::new(store, config).unwrap();
+        let tensors = model(STEP, ROWS_HERE);
+        let state = dim0_state(&tensors, STEP, rank, WORLD_SIZE);
+        let handle = checkpointer.save(STEP, &state).await.unwrap().handle();
+        let result = handle.expect("started").committed().await;
+        eprintln!("{FINISHED}: {result:?}");
+        result.expect("commit");
+        return;
+    }
+    let (store, dir) = common::local_store("liveness");
+    assert_eq!(
+        CheckpointConfig::new(0, WORLD_SIZE).committers()[0],
+        0,
+        "rank 0 is the first committer"
+    );
+    // Rank 0 parks right after its part is durable, before any commit attempt.
+    let mut rank0 = Command::new(std::env::current_exe().unwrap())
+        .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .env("CKPT_FAILPOINT", "after-rank-part")
+        .env(DIR, dir.path())
+        .env(RANK, "0")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rank 0");
+    let stderr = BufReader::new(rank0.stderr.take().unwrap());
+    for line in stderr.lines() {
+        if line
+            .expect("rank 0 stderr")
+            .contains("ckpt failpoint reached: after-rank-part")
+        {
+            break;
+        }
+    }
+    rank0.kill().expect("kill rank 0");
+    assert_eq!(rank0.wait().unwrap().signal(), Some(9));
+    let started = std::time::Instant::now();
+    let survivors: Vec<_> = (1..WORLD_SIZE)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .env_remove("CKPT_FAILPOINT")
+                .env(DIR, dir.path())
+                .env(RANK, rank.to_string())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn rank process")
+        })
+        .collect();
+    for (i, child) in survivors.into_iter().enumerate() {
+        let output = child.wait_with_output().expect("wait for rank process");
+        assert!(
+            output.status.success(),
+            "rank {} failed ({}): {}",
+            i + 1,
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    // Bounded by the takeover delay, not by the hour-long commit timeout.
+    assert!(
+        started.elapsed() < Duration::from_secs(120),
+        "the survivors learned the outcome after {:?}",
+        started.elapsed()
+    );
+    let reader = CheckpointReader::open(&store, None).await.expect("open");
+    assert_eq!(reader.step(), STEP);
+    assert_loads(&reader, &model(STEP, ROWS_HERE)).await;
 }

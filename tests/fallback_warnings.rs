@@ -6,9 +6,9 @@ mod common;
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ckpt::format::{MANIFEST, rank_file_name, step_dir};
+use ckpt::format::MANIFEST;
 use ckpt::{LoadRequest, load_latest};
-use common::{local_store, model, save_world};
+use common::{local_store, model, rank_file_name_in, save_world, step_dir};
 
 #[derive(Clone, Default)]
 struct Log(Arc<Mutex<Vec<u8>>>);
@@ -49,7 +49,8 @@ async fn falling_back_warns_naming_the_step_and_the_damage() {
     let manifest = dir.path().join(step_dir(3)).join(MANIFEST);
     let text = std::fs::read(&manifest).unwrap();
     std::fs::write(&manifest, &text[..text.len() - 3]).unwrap();
-    let data = dir.path().join(step_dir(2)).join(rank_file_name(1, false));
+    let data_name = rank_file_name_in(dir.path(), 2, 1);
+    let data = dir.path().join(step_dir(2)).join(&data_name);
     let mut bytes = std::fs::read(&data).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x08;
@@ -74,7 +75,7 @@ async fn falling_back_warns_naming_the_step_and_the_damage() {
     assert!(
         lines.iter().any(|l| l.contains("falling back")
             && l.contains("step=2")
-            && l.contains(&format!("{}/{}", step_dir(2), rank_file_name(1, false)))),
+            && l.contains(&format!("{}/{data_name}", step_dir(2)))),
         "{text}"
     );
     assert!(

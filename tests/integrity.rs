@@ -8,11 +8,11 @@ use std::path::Path;
 
 use ckpt::format::{
     Chunk, Codec, FileEntry, FormatError, Layout, MANIFEST, Manifest, RankPart,
-    parse_safetensors_header, rank_file_name, rank_part_name, seal, step_dir,
+    parse_safetensors_header, rank_part_name, seal,
 };
 use ckpt::storage::Store;
 use ckpt::{CheckpointReader, DType, Error, LoadRequest, Region, load_latest};
-use common::{Tensor, assert_same, local_store, model, save_world};
+use common::{Tensor, assert_same, local_store, model, rank_file_name_in, save_world, step_dir};
 
 const BLOCK: u64 = 4096;
 
@@ -53,7 +53,7 @@ fn format_error(e: &Error) -> &FormatError {
 async fn flipped_bit_in_a_data_file_names_file_and_offset_and_load_latest_falls_back() {
     let (store, dir) = local_store("bitflip");
     let (one, two) = two_commits(&store, Codec::None).await;
-    let name = rank_file_name(1, false);
+    let name = rank_file_name_in(dir.path(), 2, 1);
     let path = file_of(dir.path(), 2, &name);
     let size = std::fs::metadata(&path).unwrap().len();
     let at = size / 2 + 123;
@@ -125,7 +125,7 @@ async fn flipped_bit_in_a_compressed_frame_names_the_frame_offset() {
 async fn truncated_data_file_fails_naming_it_and_load_latest_falls_back() {
     let (store, dir) = local_store("truncated-data");
     let (one, _) = two_commits(&store, Codec::None).await;
-    let name = rank_file_name(0, false);
+    let name = rank_file_name_in(dir.path(), 2, 0);
     let path = file_of(dir.path(), 2, &name);
     let size = std::fs::metadata(&path).unwrap().len();
     let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
@@ -150,9 +150,9 @@ async fn truncated_data_file_fails_naming_it_and_load_latest_falls_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_data_file_in_a_committed_checkpoint_is_corruption() {
-    let (store, _dir) = local_store("missing-data");
+    let (store, dir) = local_store("missing-data");
     let (one, _) = two_commits(&store, Codec::None).await;
-    let key = format!("{}/{}", step_dir(2), rank_file_name(1, false));
+    let key = format!("{}/{}", step_dir(2), rank_file_name_in(dir.path(), 2, 1));
     store.delete(&key).await.unwrap();
     let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
     let e = reader
@@ -456,13 +456,14 @@ fn sample_part() -> RankPart {
     RankPart {
         format_version: 1,
         step: 2,
+        attempt: None,
         rank: 0,
         world_size: 1,
         generation: 0,
         block_size: BLOCK,
         codec: Codec::None,
         file: FileEntry {
-            name: rank_file_name(0, false),
+            name: ckpt::format::rank_file_name(0, false),
             raw_bytes: 2 * BLOCK,
             stored_bytes: 2 * BLOCK,
             block_crc32: vec![1, 2],
@@ -637,7 +638,7 @@ fn safetensors_headers_with_absurd_lengths_are_refused_without_allocating() {
 /// to allocate 1 TiB (which aborts the process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn documents_vouching_for_a_huge_tensor_cannot_make_a_load_allocate_it() {
-    use ckpt::format::{Chunk, Layout, MANIFEST, RankPart, TensorEntry, rank_part_name, step_dir};
+    use ckpt::format::{Chunk, Layout, MANIFEST, RankPart, TensorEntry, rank_part_name};
     let (store, _dir) = local_store("huge-claim");
     save_world(&store, 1, 1, &model(1, 8), |c| c.block_size = 256 << 20).await;
     let mut manifest = ckpt::read_manifest(&store, 1).await.unwrap();
@@ -697,7 +698,7 @@ fn grid_manifest(good: &Manifest) -> Manifest {
             let mut entry = good.ranks[0].clone();
             entry.rank = rank;
             entry.part = rank_part_name(rank);
-            entry.file = rank_file_name(rank, false);
+            entry.file = ckpt::format::rank_file_name(rank, false);
             entry
         })
         .collect();

@@ -16,9 +16,12 @@ use ckpt::storage::Store;
 use ckpt::{CheckpointConfig, Checkpointer, Codec, DType, Manifest, Region, State, as_bytes};
 use proptest::prelude::*;
 
-const MANIFEST: &str = "step-00000007/manifest.json";
-const PART: &str = "step-00000007/rank-00001.json";
-const DATA: &str = "step-00000007/rank-00001.safetensors";
+/// The save attempt's directory (generation 0, run id "0").
+const DIR: &str = "step-00000007/g00000000-0";
+const MANIFEST: &str = "step-00000007/g00000000-0/manifest.json";
+const PART: &str = "step-00000007/g00000000-0/rank-00001.json";
+/// Data file names carry a nonce; this is the name used in error messages.
+const DATA: &str = "step-00000007/g00000000-0/rank-00001.safetensors";
 
 /// Valid objects of a real two-rank save.
 struct Fixtures {
@@ -44,6 +47,7 @@ async fn save_two_ranks(url: &str, codec: Codec) -> Store {
         let mut config = CheckpointConfig::new(rank, 2);
         config.block_size = 4096;
         config.codec = codec;
+        config.run_id = "0".into();
         let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
         let rows = Region::dim0_shard(&[64, 33], rank, 2);
         let begin = (rows.offsets[0] * 33) as usize;
@@ -106,7 +110,12 @@ fn fixtures() -> &'static Fixtures {
             let store = save_two_ranks("memory://parser-fuzz-smoke-plain", Codec::None).await;
             let manifest = store.get(MANIFEST).await.unwrap().to_vec();
             let part = store.get(PART).await.unwrap().to_vec();
-            let file = store.get(DATA).await.unwrap().to_vec();
+            let data_name = RankPart::parse(&part, PART).unwrap().file.name;
+            let file = store
+                .get(&format!("{DIR}/{data_name}"))
+                .await
+                .unwrap()
+                .to_vec();
             let header_len = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
             let header = file[..8 + header_len].to_vec();
 
@@ -117,7 +126,7 @@ fn fixtures() -> &'static Fixtures {
             let store = save_two_ranks("memory://parser-fuzz-smoke-zstd", frame_codec).await;
             let zpart = RankPart::parse(&store.get(PART).await.unwrap(), PART).unwrap();
             let zfile = store
-                .get(&format!("step-00000007/{}", zpart.file.name))
+                .get(&format!("{DIR}/{}", zpart.file.name))
                 .await
                 .unwrap();
             let frame = zfile[..zpart.file.frame_bytes[0] as usize].to_vec();

@@ -4,7 +4,7 @@ mod common;
 
 use ckpt::format::Codec;
 use ckpt::writer::{PlannedBox, RankFileWriter, commit};
-use ckpt::{CheckpointReader, DType, LoadRequest, Region, as_bytes};
+use ckpt::{Attempt, CheckpointReader, DType, LoadRequest, Region, as_bytes};
 use common::*;
 
 fn boxes(rank: u32, world: u32) -> Vec<PlannedBox> {
@@ -16,11 +16,16 @@ fn boxes(rank: u32, world: u32) -> Vec<PlannedBox> {
     }]
 }
 
+fn attempt(step: u64) -> Attempt {
+    Attempt::new(step, 0, "writer-test").unwrap()
+}
+
 async fn write_rank(store: &ckpt::storage::Store, rank: u32, data: &[f32]) {
     let planned = boxes(rank, 2);
-    let mut writer = RankFileWriter::begin(store, 7, rank, 2, 4096, Codec::None, &planned)
-        .await
-        .unwrap();
+    let mut writer =
+        RankFileWriter::begin(store, &attempt(7), rank, 2, 4096, Codec::None, &planned)
+            .await
+            .unwrap();
     let region = &planned[0].region;
     let start = (region.offsets[0] * 3) as usize;
     let len = (region.lengths[0] * 3) as usize;
@@ -39,9 +44,12 @@ async fn streamed_rank_files_commit_and_load() {
     let (store, _dir) = local_store("writer");
     let data: Vec<f32> = (0..30).map(|i| i as f32).collect();
     write_rank(&store, 0, &data).await;
-    assert!(!commit(&store, 7, 2).await.unwrap(), "rank 1 is missing");
+    assert!(
+        !commit(&store, &attempt(7), 2).await.unwrap(),
+        "rank 1 is missing"
+    );
     write_rank(&store, 1, &data).await;
-    assert!(commit(&store, 7, 2).await.unwrap());
+    assert!(commit(&store, &attempt(7), 2).await.unwrap());
     let reader = CheckpointReader::open(&store, Some(7)).await.unwrap();
     let loaded = reader
         .load(&LoadRequest::new().tensor("w", Region::full(&[10, 3])))
@@ -56,12 +64,20 @@ async fn a_commit_refuses_when_a_data_file_vanished() {
     let data: Vec<f32> = (0..30).map(|i| i as f32).collect();
     write_rank(&store, 0, &data).await;
     write_rank(&store, 1, &data).await;
-    store
-        .delete("step-00000007/rank-00000.safetensors")
+    let data_file = store
+        .list(&attempt(7).dir())
         .await
-        .unwrap();
-    let err = commit(&store, 7, 2).await.unwrap_err().to_string();
-    assert!(err.contains("rank-00000.safetensors is missing"), "{err}");
+        .unwrap()
+        .into_iter()
+        .find(|o| o.key.contains("rank-00000-") && o.key.ends_with(".safetensors"))
+        .expect("rank 0's data file")
+        .key;
+    store.delete(&data_file).await.unwrap();
+    let err = commit(&store, &attempt(7), 2)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("{data_file} is missing")), "{err}");
     assert!(
         ckpt::latest(&store).await.unwrap().is_none(),
         "nothing committed"
@@ -72,7 +88,7 @@ async fn a_commit_refuses_when_a_data_file_vanished() {
 async fn a_writer_refuses_too_many_or_too_few_bytes() {
     let (store, _dir) = local_store("writer-sizes");
     let planned = boxes(0, 2);
-    let mut writer = RankFileWriter::begin(&store, 1, 0, 2, 4096, Codec::None, &planned)
+    let mut writer = RankFileWriter::begin(&store, &attempt(1), 0, 2, 4096, Codec::None, &planned)
         .await
         .unwrap();
     let too_many = vec![0u8; 1000];

@@ -386,7 +386,7 @@ pub(crate) fn exit_code(error: &Error) -> u8 {
         Error::Corrupt(_) => EXIT_CORRUPT,
         Error::NotFound(_) => EXIT_NOT_FOUND,
         Error::Mismatch(_) | Error::Invalid(_) => EXIT_USAGE,
-        Error::Timeout(_) | Error::Failed(_) => EXIT_STORAGE,
+        Error::Timeout(_) | Error::Failed(_) | Error::Fenced(_) => EXIT_STORAGE,
     }
 }
 
@@ -971,7 +971,13 @@ async fn gc_cmd(
     if !dry_run {
         gc::apply(&store, &plan, &|r| {
             if !json {
-                println!("removed step {} ({})", r.step, bytes(r.bytes));
+                println!(
+                    "removed step {} {} ({}): {}",
+                    r.step,
+                    r.dir,
+                    bytes(r.bytes),
+                    r.reason
+                );
             }
         })
         .await?;
@@ -982,8 +988,9 @@ async fn gc_cmd(
         if dry_run {
             for r in &plan.remove {
                 println!(
-                    "would remove step {} ({}): {}",
+                    "would remove step {} {} ({}): {}",
                     r.step,
+                    r.dir,
                     bytes(r.bytes),
                     r.reason
                 );

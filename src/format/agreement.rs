@@ -96,6 +96,13 @@ impl Assignments {
         if part.step != manifest.step {
             return Err(differ("step", &part.step, &manifest.step));
         }
+        if part.attempt != manifest.attempt || part.generation != manifest.generation {
+            return Err(differ(
+                "attempt/generation",
+                &(&part.attempt, part.generation),
+                &(&manifest.attempt, manifest.generation),
+            ));
+        }
         if part.rank != rank {
             return Err(differ("rank", &part.rank, &rank));
         }

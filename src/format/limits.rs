@@ -2,7 +2,7 @@
 //! the rank parts share (version, world size, block size, tensor shapes). Kept in
 //! one place so a limit is changed once and holds for every object.
 
-use super::{FORMAT_VERSION, FResult, FormatError};
+use super::{FORMAT_VERSION, FResult, FormatError, OLDEST_READABLE_VERSION};
 use crate::dtype::DType;
 
 /// Largest `manifest.json` accepted.
@@ -50,13 +50,57 @@ pub(crate) fn check_shape(shape: &[u64], dtype: DType, object: &str, tensor: &st
     Ok(())
 }
 
-pub(crate) fn check_common(object: &str, version: u32, world: u32, block: u64) -> FResult<()> {
-    if version != FORMAT_VERSION {
+pub(crate) fn check_common(
+    object: &str,
+    version: u32,
+    attempt: Option<&str>,
+    world: u32,
+    block: u64,
+) -> FResult<()> {
+    if !(OLDEST_READABLE_VERSION..=FORMAT_VERSION).contains(&version) {
         return Err(FormatError::new(
             object,
             None,
-            format!("unsupported format_version {version} (this build reads {FORMAT_VERSION})"),
+            format!(
+                "unsupported format_version {version} (this build reads {OLDEST_READABLE_VERSION} to {FORMAT_VERSION})"
+            ),
         ));
+    }
+    // Version 2 names the save attempt (its directory); version 1 has none.
+    match (version, attempt) {
+        (1, None) => {}
+        (1, Some(_)) => {
+            return Err(FormatError::new(
+                object,
+                None,
+                "format_version 1 has no attempt",
+            ));
+        }
+        (_, None) => {
+            return Err(FormatError::new(
+                object,
+                None,
+                format!("format_version {version} needs an attempt"),
+            ));
+        }
+        (_, Some(name)) => {
+            super::check_object_name(name, object, "attempt")?;
+            let valid = name
+                .strip_prefix('g')
+                .and_then(|rest| rest.split_once('-'))
+                .is_some_and(|(g, run)| {
+                    g.len() >= 8
+                        && g.bytes().all(|b| b.is_ascii_digit())
+                        && crate::attempt::check_run_id(run).is_ok()
+                });
+            if !valid {
+                return Err(FormatError::new(
+                    object,
+                    None,
+                    format!("attempt {name:?} is not gGGGGGGGG-RUN"),
+                ));
+            }
+        }
     }
     if world == 0 || world > MAX_WORLD_SIZE {
         return Err(FormatError::new(

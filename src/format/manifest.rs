@@ -68,10 +68,15 @@ pub struct RankEntry {
 /// The root manifest, `step-NNNNNNNN/manifest.json`: its presence is the commit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
-    /// Always [`FORMAT_VERSION`](super::FORMAT_VERSION).
+    /// [`FORMAT_VERSION`](super::FORMAT_VERSION) when written by this build; 1 for
+    /// older checkpoints.
     pub format_version: u32,
     /// Training step.
     pub step: u64,
+    /// The save attempt's directory name inside the step directory (version 2;
+    /// `None` in version 1, whose objects lie directly in the step directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<String>,
     /// Ranks that saved.
     pub world_size: u32,
     /// Generation of the elastic world that saved.
@@ -96,6 +101,15 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// The directory holding the checkpoint's objects, relative to the root:
+    /// `step-N/ATTEMPT` (version 2) or `step-N` (version 1).
+    pub fn dir(&self) -> String {
+        match &self.attempt {
+            Some(attempt) => format!("{}/{attempt}", super::step_dir(self.step)),
+            None => super::step_dir(self.step),
+        }
+    }
+
     /// Parses and validates a sealed manifest.
     pub fn parse(bytes: &[u8], object: &str) -> FResult<Manifest> {
         let (body, offset) = unseal(bytes, object, MAX_MANIFEST_BYTES)?;
@@ -115,6 +129,7 @@ impl Manifest {
         check_common(
             object,
             self.format_version,
+            self.attempt.as_deref(),
             self.world_size,
             self.block_size,
         )?;

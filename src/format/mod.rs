@@ -44,7 +44,9 @@ pub use safetensors::{
 };
 
 /// The format version this code writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest version this build still reads.
+pub const OLDEST_READABLE_VERSION: u32 = 1;
 
 /// A malformed, hostile or inconsistent checkpoint object.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -93,10 +93,15 @@ impl Chunk {
 /// A rank's part of the manifest, `step-NNNNNNNN/rank-RRRRR.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankPart {
-    /// Always [`FORMAT_VERSION`](super::FORMAT_VERSION).
+    /// [`FORMAT_VERSION`](super::FORMAT_VERSION) when written by this build; 1 for
+    /// older checkpoints.
     pub format_version: u32,
     /// Training step.
     pub step: u64,
+    /// The save attempt's directory name inside the step directory (version 2;
+    /// `None` in version 1, whose objects lie directly in the step directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<String>,
     /// This rank.
     pub rank: u32,
     /// Ranks that saved.
@@ -146,6 +151,7 @@ impl RankPart {
         check_common(
             object,
             self.format_version,
+            self.attempt.as_deref(),
             self.world_size,
             self.block_size,
         )?;

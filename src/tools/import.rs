@@ -16,7 +16,7 @@ use super::{dim0_boxes, slab_rows, slabs};
 use crate::error::{Error, Result};
 use crate::format::{Codec, MAX_HEADER_BYTES, parse_safetensors_header};
 use crate::region::{Region, for_each_run};
-use crate::writer::{PlannedBox, RankFileWriter, commit};
+use crate::writer::{PlannedBox, RankFileWriter, commit, tool_attempt};
 
 /// Settings of an import.
 #[derive(Debug, Clone)]
@@ -115,12 +115,13 @@ pub async fn import(
     let budget = options.memory_budget.max(1);
     let file = &file;
     let object = &object;
+    let attempt = &tool_attempt(dst, options.step).await?;
     let bytes: Vec<u64> = futures::stream::iter(plan.into_iter().enumerate())
         .map(|(rank, boxes)| async move {
             let planned: Vec<PlannedBox> = boxes.iter().map(|(b, _)| b.clone()).collect();
             let mut writer = RankFileWriter::begin(
                 dst,
-                options.step,
+                attempt,
                 rank as u32,
                 world,
                 options.block_size,
@@ -164,7 +165,7 @@ pub async fn import(
         .buffer_unordered(2)
         .try_collect()
         .await?;
-    if !commit(dst, options.step, world).await? {
+    if !commit(dst, attempt, world).await? {
         return Err(Error::Failed(format!(
             "import into {} could not commit",
             dst.url()

@@ -6,9 +6,9 @@ use std::time::SystemTime;
 use ckpt_storage::Store;
 use serde::Serialize;
 
-use crate::catalog::{list_checkpoints, read_manifest};
+use crate::catalog::{Commit, list_checkpoints, read_commit};
 use crate::error::{Error, Result};
-use crate::format::{Codec, Layout, Manifest, RankPart, rank_part_name, step_dir};
+use crate::format::{Codec, Layout, Manifest, RankPart, rank_part_name};
 use crate::load::CheckpointReader;
 
 /// One step directory as `ckpt ls` shows it.
@@ -16,8 +16,15 @@ use crate::load::CheckpointReader;
 pub struct ListedCheckpoint {
     /// The step.
     pub step: u64,
-    /// `committed`, `partial` (no manifest) or `corrupt` (a manifest that fails its
-    /// checks).
+    /// Its directory under the root.
+    pub dir: String,
+    /// Its position in the commit order (logged commits).
+    pub seq: Option<u64>,
+    /// Generation of the world that saved it (format v2).
+    pub generation: Option<u64>,
+    /// `committed`, `abandoned` (committed, but a later run went back to an older
+    /// step), `failed` (its save recorded why it cannot commit), `partial` (no
+    /// manifest) or `corrupt` (a manifest that fails its checks).
     pub status: &'static str,
     /// True for the checkpoint a resume would load.
     pub latest: bool,
@@ -49,7 +56,8 @@ pub fn codec_name(codec: &Codec) -> String {
     }
 }
 
-/// Every checkpoint under the root, oldest first.
+/// Every checkpoint under the root: commits in commit order (oldest first), then
+/// failed and partial saves.
 pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
     let now = SystemTime::now();
     let mut out = Vec::new();
@@ -60,7 +68,10 @@ pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
             .map(|d| d.as_secs_f64());
         let mut listed = ListedCheckpoint {
             step: info.step,
-            status: "partial",
+            dir: info.dir.clone(),
+            seq: info.seq,
+            generation: info.generation,
+            status: info.status.as_str(),
             latest: false,
             world_size: None,
             missing_ranks: Vec::new(),
@@ -72,13 +83,24 @@ pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
             problem: None,
         };
         if info.committed {
-            match read_manifest(store, info.step).await {
+            let commit = Commit {
+                seq: info.seq,
+                step: info.step,
+                dir: info.dir.clone(),
+                time: info.committed_at,
+            };
+            match read_commit(store, &commit).await {
                 Ok(manifest) => {
-                    listed.status = "committed";
                     listed.world_size = Some(manifest.world_size);
                     listed.tensors = Some(manifest.tensors.len());
                     listed.tensor_bytes = Some(manifest.tensor_bytes());
                     listed.compression = Some(codec_name(&manifest.codec));
+                    if let Some(back_to) = info.abandoned_for {
+                        listed.problem = Some(format!(
+                            "abandoned: a later run went back and committed step {back_to} after it; \
+                             still readable by step, removed by retention in commit order"
+                        ));
+                    }
                 }
                 Err(Error::Corrupt(e)) => {
                     listed.status = "corrupt";
@@ -86,11 +108,13 @@ pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
                 }
                 Err(e) => return Err(e),
             }
+        } else if let Some(failure) = &info.failure {
+            listed.problem = Some(failure.clone());
         } else {
             // The world size is in any part that made it.
             let world = match info.ranks_present.first() {
                 Some(&rank) => {
-                    let key = format!("{}/{}", step_dir(info.step), rank_part_name(rank));
+                    let key = format!("{}/{}", info.dir, rank_part_name(rank));
                     match store.get(&key).await {
                         Ok(bytes) => RankPart::parse(&bytes, &key).ok().map(|p| p.world_size),
                         Err(_) => None,
@@ -114,7 +138,11 @@ pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
         }
         out.push(listed);
     }
-    if let Some(latest) = out.iter_mut().rev().find(|c| c.status == "committed") {
+    if let Some(latest) = out
+        .iter_mut()
+        .rev()
+        .find(|c| matches!(c.status, "committed" | "abandoned"))
+    {
         latest.latest = true;
     }
     Ok(out)

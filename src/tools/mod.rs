@@ -18,7 +18,7 @@ use ckpt_storage::Store;
 use futures::{StreamExt, TryStreamExt};
 
 use crate::error::Result;
-use crate::format::{TensorEntry, step_dir};
+use crate::format::TensorEntry;
 use crate::load::CheckpointReader;
 use crate::region::Region;
 
@@ -39,7 +39,7 @@ pub(crate) async fn check_data_headers<'a>(
     futures::stream::iter(ranks)
         .map(|rank| async move {
             let part = reader.part(rank).await?;
-            let object = format!("{}/{}", step_dir(reader.step()), part.file.name);
+            let object = format!("{}/{}", reader.manifest().dir(), part.file.name);
             verify::check_data_header(store, &object, &part).await
         })
         .buffer_unordered(HEADER_CHECKS_AT_ONCE)

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::format::{Codec, LayoutBox, Manifest, StateValue};
 use crate::load::{CheckpointReader, LoadRequest};
 use crate::region::Region;
-use crate::writer::{PlannedBox, RankFileWriter, commit};
+use crate::writer::{PlannedBox, RankFileWriter, commit, tool_attempt};
 
 /// A layout file (`ckpt reshard --layout FILE`): per tensor, the box each rank holds.
 ///
@@ -217,6 +217,7 @@ pub async fn reshard(
     let budget = (options.memory_budget / options.rank_concurrency.max(1) as u64).max(1);
     let has_global = !global_out.is_empty() || !manifest.metadata.is_empty();
 
+    let attempt = &tool_attempt(dst, step).await?;
     let results: Vec<(u64, u64)> = futures::stream::iter(plan.into_iter().enumerate())
         .map(|(rank, boxes)| {
             let global_out = &global_out;
@@ -225,7 +226,7 @@ pub async fn reshard(
                 let rank = rank as u32;
                 let mut writer = RankFileWriter::begin(
                     dst,
-                    step,
+                    attempt,
                     rank,
                     world,
                     manifest.block_size,
@@ -267,7 +268,7 @@ pub async fn reshard(
         .buffer_unordered(options.rank_concurrency.max(1))
         .try_collect()
         .await?;
-    if !commit(dst, step, world).await? {
+    if !commit(dst, attempt, world).await? {
         return Err(Error::Failed(format!(
             "every rank of step {step} was written to {} but the commit found parts missing",
             dst.url()

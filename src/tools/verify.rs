@@ -20,7 +20,7 @@ use crate::blocks::{self, BlockMap};
 use crate::error::{Error, Result};
 use crate::format::{
     Chunk, FormatError, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart,
-    parse_safetensors_header, step_dir,
+    parse_safetensors_header,
 };
 use crate::load::CheckpointReader;
 use crate::region::Region;
@@ -161,7 +161,7 @@ pub async fn verify(
         Err(e) => return Err(e),
     };
     report.stored_bytes = stored_bytes(&manifest);
-    let manifest_object = format!("{}/manifest.json", step_dir(step));
+    let manifest_object = format!("{}/manifest.json", manifest.dir());
     report
         .faults
         .extend(check_tiling(&manifest, &manifest_object));
@@ -181,8 +181,9 @@ pub async fn verify(
     // One listing says which parts exist, so a part absent from it costs no request
     // of its own and all of them make one fault: a manifest that lists a million
     // ranks of which four were saved is one listing and one line, not a million.
+    let dir = manifest.dir();
     let listed: HashSet<String> = store
-        .list(&step_dir(step))
+        .list(&dir)
         .await?
         .into_iter()
         .map(|object| object.key)
@@ -190,7 +191,7 @@ pub async fn verify(
     let (present, missing): (Vec<&RankEntry>, Vec<&RankEntry>) = manifest
         .ranks
         .iter()
-        .partition(|entry| listed.contains(&format!("{}/{}", step_dir(step), entry.part)));
+        .partition(|entry| listed.contains(&format!("{dir}/{}", entry.part)));
     drop(listed);
     if !missing.is_empty() {
         report.faults.push(missing_parts(
@@ -337,7 +338,6 @@ async fn verify_rank(
     budget: u64,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(Vec<Fault>, u64, u64)> {
-    let step = reader.step();
     let part = match reader.part(rank).await {
         Ok(part) => part,
         Err(Error::Corrupt(e)) => {
@@ -345,8 +345,9 @@ async fn verify_rank(
         }
         Err(e) => return Err(e),
     };
-    let part_object = format!("{}/{}", step_dir(step), crate::format::rank_part_name(rank));
-    let object = format!("{}/{}", step_dir(step), part.file.name);
+    let dir = reader.manifest().dir();
+    let part_object = format!("{}/{}", dir, crate::format::rank_part_name(rank));
+    let object = format!("{}/{}", dir, part.file.name);
     let mut faults = Vec::new();
 
     // The part holds exactly the boxes the manifest places on this rank.

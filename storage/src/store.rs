@@ -247,6 +247,25 @@ impl Store {
         Ok(objects)
     }
 
+    /// Objects under `prefix` whose keys sort strictly after `after` (a full key),
+    /// sorted by key. On S3 and GCS the store skips the earlier keys itself, so
+    /// reading the tail of a long, ordered series of keys (a log) costs one request,
+    /// not a listing of the whole series.
+    pub async fn list_after(&self, prefix: &str, after: &str) -> Result<Vec<ObjectInfo>> {
+        let path = self.prefix_path("list", prefix)?;
+        let offset = self.path("list", after)?;
+        let mut objects: Vec<ObjectInfo> = self
+            .inner
+            .list_with_offset(path.as_ref(), &offset)
+            .map_ok(info)
+            .try_collect()
+            .await
+            .map_err(|e| self.error("list", prefix, e))?;
+        objects.retain(|o| o.key.as_str() > after);
+        objects.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(objects)
+    }
+
     /// One level of the tree under `prefix`: objects directly in it and the
     /// prefixes one level down (like `ls` of a directory).
     pub async fn list_dir(&self, prefix: &str) -> Result<Listing> {
@@ -309,6 +328,69 @@ impl Store {
             self.remove_local_leftovers(prefix).await?;
         }
         Ok(deleted)
+    }
+
+    /// Staging files that crashed local writes left under `prefix` (`KEY#…`: invisible
+    /// to [`Store::list`], but they take disk space). Empty on other backends, where an
+    /// unfinished upload never becomes an object. Keys are relative to the root, as
+    /// listings' are; [`Store::delete_leftover`] removes one.
+    pub async fn staging_leftovers(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let Some(root) = self.local_root() else {
+            return Ok(Vec::new());
+        };
+        let start = root.join(prefix.trim_matches('/'));
+        let found = tokio::task::spawn_blocking(move || {
+            let mut found = Vec::new();
+            let mut pending = vec![start];
+            while let Some(dir) = pending.pop() {
+                let Ok(entries) = std::fs::read_dir(&dir) else {
+                    continue;
+                };
+                for entry in entries.flatten() {
+                    let Ok(meta) = entry.metadata() else { continue };
+                    let path = entry.path();
+                    if meta.is_dir() {
+                        pending.push(path);
+                    } else if entry.file_name().to_string_lossy().contains('#')
+                        && let Ok(relative) = path.strip_prefix(&root)
+                    {
+                        found.push(ObjectInfo {
+                            key: relative.to_string_lossy().into_owned(),
+                            size: meta.len(),
+                            last_modified: meta
+                                .modified()
+                                .unwrap_or(std::time::SystemTime::UNIX_EPOCH),
+                            e_tag: None,
+                        });
+                    }
+                }
+            }
+            found
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Permanent, format!("leftover scan failed: {e}")))?;
+        Ok(found)
+    }
+
+    /// Removes one staging leftover found by [`Store::staging_leftovers`].
+    pub async fn delete_leftover(&self, key: &str) -> Result<()> {
+        let Some(root) = self.local_root() else {
+            return Ok(());
+        };
+        if !key.contains('#') || key.split('/').any(|s| s == ".." || s.is_empty()) {
+            return Err(Error::config(format!(
+                "{key:?} is not a staging leftover of {}",
+                self.url
+            )));
+        }
+        match tokio::fs::remove_file(root.join(key)).await {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::with_source(
+                ErrorKind::Permanent,
+                format!("delete {}/{key}: {e}", self.url),
+                e,
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// On local disk an upload cut short by a crash leaves its staging file

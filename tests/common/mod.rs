@@ -210,6 +210,7 @@ pub async fn save_world(
     let mut checkpointers = Vec::new();
     for rank in 0..world {
         let mut config = CheckpointConfig::new(rank, world);
+        config.run_id = TEST_RUN.to_string();
         configure(&mut config);
         checkpointers.push(Checkpointer::new(store.clone(), config).expect("checkpointer"));
     }
@@ -286,4 +287,26 @@ pub async fn steps(store: &Store) -> Vec<(u64, bool)> {
         .into_iter()
         .map(|c| (c.step, c.committed))
         .collect()
+}
+
+/// The run id of [`save_world`]'s saves (generation 0): their objects lie in
+/// [`step_dir`]`(step)`.
+pub const TEST_RUN: &str = "0";
+
+/// The directory of step `step` as [`save_world`] writes it (format v2: the save
+/// attempt's directory inside the step's).
+pub fn step_dir(step: u64) -> String {
+    ckpt::Attempt::new(step, 0, TEST_RUN).unwrap().dir()
+}
+
+/// The name of rank `rank`'s data file of step `step` under the local root `root`
+/// (format v2 data file names carry a per-save nonce, so it is looked up).
+pub fn rank_file_name_in(root: &std::path::Path, step: u64, rank: u32) -> String {
+    let prefix = format!("rank-{rank:05}-");
+    std::fs::read_dir(root.join(step_dir(step)))
+        .expect("the step's attempt directory")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with(&prefix) && n.contains(".safetensors") && !n.contains('#'))
+        .unwrap_or_else(|| panic!("no data file of rank {rank} in step {step}"))
 }

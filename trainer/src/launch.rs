@@ -100,6 +100,9 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
             .port(),
     };
     let exe = std::env::current_exe()?;
+    // One run id per launch, shared by its ranks: a relaunch that saves a step again
+    // writes a new save attempt instead of meeting the old one's objects.
+    let run_id = std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id());
     let mut children: Vec<Option<Child>> = Vec::with_capacity(config.nproc);
     let mut pumps = Vec::new();
     let mut pgid = 0;
@@ -113,6 +116,7 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
             .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
             .env("MASTER_ADDR", config.master_addr.to_string())
             .env("MASTER_PORT", port.to_string())
+            .env("CKPT_RUN_ID", &run_id)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

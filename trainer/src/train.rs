@@ -429,7 +429,10 @@ fn final_retention(
         return;
     }
     if let Some(store) = store
-        && let Err(e) = runtime.block_on(ckpt::catalog::apply_retention(store, config.keep.max(1)))
+        && let Err(e) = runtime.block_on(ckpt::retention::after_commit(
+            store,
+            ckpt::retention::Policy::keep(config.keep.max(1)),
+        ))
     {
         tracing::warn!(error = %e, "retention after the final commit failed; old checkpoints stay");
     }
