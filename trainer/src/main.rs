@@ -68,6 +68,9 @@ struct TrainArgs {
     /// Keep the K newest checkpoints.
     #[arg(long, default_value_t = 3)]
     keep: usize,
+    /// Seconds a superseded checkpoint stays for readers before retention removes it.
+    #[arg(long, default_value_t = 300)]
+    keep_grace_secs: u64,
     /// Print the loss every N steps (rank 0).
     #[arg(long, default_value_t = 10)]
     log_every: u64,
@@ -377,6 +380,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         deterministic: args.deterministic,
         ckpt_every: args.ckpt_every,
         keep: args.keep,
+        retention_grace: std::time::Duration::from_secs(args.keep_grace_secs),
         resume: args.resume,
         log_every: args.log_every,
         generation: 0,

@@ -52,6 +52,9 @@ pub struct TrainConfig {
     pub ckpt_every: u64,
     /// Keep this many newest checkpoints.
     pub keep: usize,
+    /// How long a superseded checkpoint stays for readers before retention removes
+    /// it.
+    pub retention_grace: Duration,
     /// Resume from the newest committed checkpoint, if there is one.
     pub resume: bool,
     /// Print the loss every this many steps (rank 0).
@@ -225,21 +228,28 @@ pub fn run_generation(
     }
     offsets.push(total);
 
+    let resumed = match (store, config.resume) {
+        (Some(store), true) => load(comm, runtime, store, config, &specs)?,
+        _ => None,
+    };
+    // A resumed run saves in a newer generation than the checkpoint it resumed from:
+    // a late writer of the timeline it left is then fenced off.
+    let generation = resumed
+        .as_ref()
+        .map_or(config.generation, |(_, g)| config.generation.max(g + 1));
+    let mut st = resumed
+        .map(|(shards, _)| shards)
+        .unwrap_or_else(|| init(config, &specs, rank, world));
     let checkpointer = match store {
         Some(store) => {
             let mut c = CheckpointConfig::new(rank, world);
             c.keep_last = Some(config.keep.max(1));
-            c.generation = config.generation;
+            c.retention_grace = config.retention_grace;
+            c.generation = generation;
             Some(Checkpointer::new(store.clone(), c)?)
         }
         None => None,
     };
-
-    let mut st = match (store, config.resume) {
-        (Some(store), true) => load(comm, runtime, store, config, &specs)?,
-        _ => None,
-    }
-    .unwrap_or_else(|| init(config, &specs, rank, world));
     if rank == 0 {
         say(format_args!(
             "start: preset {} ({} parameters), world {world}, step {} of {}, {} mode",
@@ -431,7 +441,10 @@ fn final_retention(
     if let Some(store) = store
         && let Err(e) = runtime.block_on(ckpt::retention::after_commit(
             store,
-            ckpt::retention::Policy::keep(config.keep.max(1)),
+            ckpt::retention::Policy {
+                keep: config.keep.max(1),
+                grace: config.retention_grace,
+            },
         ))
     {
         tracing::warn!(error = %e, "retention after the final commit failed; old checkpoints stay");
@@ -517,46 +530,102 @@ fn save(
         .ok_or_else(|| TrainError::Invalid("save skipped although the policy is to wait".into()))
 }
 
-/// Loads the newest committed checkpoint resharded onto this world, or `None` when
-/// the store holds none. Every rank checks that all loaded the same step.
+/// What a rank reports after trying to load the proposed checkpoint.
+const LOADED: i64 = 1;
+/// The checkpoint is damaged where this rank reads it (or has no manifest).
+const DAMAGED: i64 = 0;
+
+/// Loads the newest committed checkpoint that **every** rank can load, resharded onto
+/// this world, or `None` when the store holds none.
+///
+/// One decision for the whole world: rank 0 proposes the commits newest first (in
+/// commit order); every rank loads its boxes of the proposal; an all-reduce says
+/// whether all succeeded. A checkpoint damaged only where some ranks read it is
+/// skipped by all of them, so no rank resumes from a step the others refused.
+#[allow(clippy::type_complexity)]
 fn load(
     comm: &dyn Collective,
     runtime: &tokio::runtime::Handle,
     store: &Store,
     config: &TrainConfig,
     specs: &[TensorSpec],
-) -> Result<Option<Shards>, TrainError> {
+) -> Result<Option<(Shards, u64)>, TrainError> {
+    const NONE: u64 = u64::MAX;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let found = runtime.block_on(async {
-        if ckpt::latest(store).await?.is_none() {
-            return Ok::<_, ckpt::Error>(None);
-        }
-        let (reader, loaded) =
-            ckpt::load_latest(store, |m| LoadRequest::dim0_shards(m, rank, world)).await?;
-        let global = reader.global_state().await?;
-        Ok(Some((
-            reader.step(),
-            reader.manifest().world_size,
-            loaded,
-            global,
-        )))
-    })?;
-    // Agree on the step (u64::MAX: nothing found).
-    let mine = found.as_ref().map_or(u64::MAX, |f| f.0);
-    let mut steps = vec![0u8; 8 * world];
-    comm.all_gather(&mine.to_le_bytes(), &vec![8; world], &mut steps)?;
-    let steps: Vec<u64> = steps
-        .chunks_exact(8)
-        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .collect();
-    if steps.iter().any(|s| *s != mine) {
-        return Err(TrainError::Invalid(format!(
-            "ranks found different newest checkpoints: {steps:?} (u64::MAX = none)"
-        )));
-    }
-    let Some((step, saved_world, loaded, global)) = found else {
-        return Ok(None);
+    let candidates = if rank == 0 {
+        runtime.block_on(ckpt::catalog::newest_commits(store))?
+    } else {
+        Vec::new()
     };
+    let mut known: Vec<ckpt::Commit> = Vec::new();
+    let mut next = 0usize;
+    let (found, generation) = loop {
+        let proposal = candidates.get(next);
+        let seq = comm.broadcast_u64(0, proposal.map_or(NONE, |c| c.seq.unwrap_or(NONE - 1)))?;
+        let step = comm.broadcast_u64(0, proposal.map_or(NONE, |c| c.step))?;
+        if seq == NONE {
+            return Ok(None);
+        }
+        let matches = |c: &ckpt::Commit| match c.seq {
+            Some(s) => s == seq,
+            None => seq == NONE - 1 && c.step == step,
+        };
+        let commit = match proposal {
+            Some(c) => Some(c.clone()),
+            None => {
+                if !known.iter().any(matches) {
+                    known = runtime.block_on(ckpt::catalog::commits(store))?;
+                }
+                known.iter().find(|c| matches(c)).cloned()
+            }
+        };
+        let attempt = match commit {
+            Some(commit) => runtime.block_on(async {
+                let manifest = ckpt::catalog::read_commit(store, &commit).await?;
+                let generation = manifest.generation;
+                let reader = ckpt::CheckpointReader::from_manifest(store, manifest);
+                let loaded = reader
+                    .load(&LoadRequest::dim0_shards(reader.manifest(), rank, world))
+                    .await?;
+                let global = reader.global_state().await?;
+                Ok::<_, ckpt::Error>((
+                    (reader.step(), reader.manifest().world_size, loaded, global),
+                    generation,
+                ))
+            }),
+            None => Err(ckpt::Error::NotFound(format!(
+                "rank {rank} cannot find commit {seq} (step {step}) that rank 0 proposed"
+            ))),
+        };
+        let (vote, fatal) = match &attempt {
+            Ok(_) => (LOADED, None),
+            Err(e) if e.is_corruption() || matches!(e, ckpt::Error::NotFound(_)) => {
+                tracing::warn!(step, rank, error = %e, "checkpoint does not load here; the world falls back");
+                (DAMAGED, None)
+            }
+            // Anything else (the store is down) ends the resume for every rank.
+            Err(e) => (-(world as i64) - 1, Some(e.to_string())),
+        };
+        let mut votes = [vote];
+        comm.all_reduce_i64(&mut votes)?;
+        if votes[0] < 0 {
+            return Err(TrainError::Invalid(fatal.unwrap_or_else(|| {
+                format!("another rank could not read checkpoint step {step}; resume abandoned")
+            })));
+        }
+        if votes[0] == world as i64 {
+            let (found, generation) = attempt.expect("this rank loaded");
+            break (found, generation);
+        }
+        if rank == 0 {
+            say(format_args!(
+                "checkpoint step {step} does not load on {} of {world} ranks; falling back to the commit before it",
+                world as i64 - votes[0]
+            ));
+        }
+        next += 1;
+    };
+    let (step, saved_world, loaded, global) = found;
     let expect = trainer_state(config);
     let saved = global.get("trainer").and_then(|v| v.as_json()).cloned();
     for key in ["preset", "seed", "global_batch", "chunks"] {
@@ -626,5 +695,5 @@ fn load(
             store.url()
         ));
     }
-    Ok(Some(shards))
+    Ok(Some((shards, generation)))
 }

@@ -425,3 +425,44 @@ fn sigterm_makes_a_final_save_and_exits_with_a_distinct_code() {
     train(1, reference.path(), target, &[]);
     assert_identical(reference.path(), run.path());
 }
+
+/// The resume decision is one decision for the whole world. A byte flipped in the
+/// middle of rank 0's data file of step 40 is read by some ranks of a 3-rank world and
+/// not by others: before, ranks chose 30 and 40 on their own and the job could never
+/// resume ("ranks found different newest checkpoints: [30, 30, 40]"). Now every rank
+/// falls back to step 30 together, trains on, and ends bitwise equal to a run that
+/// never failed.
+#[test]
+fn a_checkpoint_damaged_where_only_some_ranks_read_makes_the_whole_world_fall_back() {
+    let (reference, run) = (tempdir(), tempdir());
+    train(1, reference.path(), 60, &[]);
+    train(2, run.path(), 40, &[]);
+
+    // Rank 0's data file of step 40, wherever its save attempt put it.
+    let step40 = run.path().join("step-00000040");
+    let attempt = std::fs::read_dir(&step40)
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_type().unwrap().is_dir())
+        .expect("step 40's attempt directory")
+        .path();
+    let data = std::fs::read_dir(&attempt)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name.starts_with("rank-00000-") && name.ends_with(".safetensors")
+        })
+        .expect("rank 0's data file");
+    let mut bytes = std::fs::read(&data).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&data, bytes).unwrap();
+
+    let output = train(3, run.path(), 60, &["--keep", "1", "--resume"]);
+    assert_eq!(resumed_from(&output), 30, "{output}");
+    assert!(output.contains("falling back"), "{output}");
+    assert_eq!(latest_step(run.path()), Some(60));
+    assert_identical(reference.path(), run.path());
+}
