@@ -360,8 +360,11 @@ pub async fn list_checkpoints(store: &Store) -> Result<Vec<CheckpointInfo>> {
         }
         None
     };
+    let local = store.local_root().is_some();
     for object in &objects {
-        if parse_record_key(&object.key).is_some() {
+        // Local staging files (`KEY#…`) that a listing shows are counted once, as
+        // leftovers, below.
+        if parse_record_key(&object.key).is_some() || (local && object.key.contains('#')) {
             continue;
         }
         if let Some(dir) = add(object, false, &mut dirs) {

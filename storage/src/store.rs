@@ -330,9 +330,9 @@ impl Store {
         Ok(deleted)
     }
 
-    /// Staging files that crashed local writes left under `prefix` (`KEY#…`: invisible
-    /// to [`Store::list`], but they take disk space). Empty on other backends, where an
-    /// unfinished upload never becomes an object. Keys are relative to the root, as
+    /// Staging files that crashed local writes left under `prefix` (`KEY#…`; listings
+    /// hide some of them, and none is an object anyone wrote on purpose). Empty on other
+    /// backends, where an unfinished upload never becomes an object. Keys are relative to the root, as
     /// listings' are; [`Store::delete_leftover`] removes one.
     pub async fn staging_leftovers(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
         let Some(root) = self.local_root() else {

@@ -213,6 +213,30 @@ async fn listing_with_many_keys_and_a_delimiter(f: &Fixture) {
     assert_eq!(root.prefixes, vec!["run".to_string(), "runner".to_string()]);
 }
 
+/// `list_after` returns the keys after a given key, in order, across pages (the
+/// commit log reads its tail this way).
+async fn listing_after_a_key(f: &Fixture) {
+    let keys: Vec<String> = (0..150).map(|i| format!("log/{i:04}.json")).collect();
+    futures::future::join_all(keys.iter().map(|k| f.seed(k, b"r"))).await;
+    f.seed("log/HEAD", b"149").await;
+    f.seed("logger/x", b"x").await; // shares "log" as a string prefix only
+    let after: Vec<String> = f
+        .store
+        .list_after("log", "log/0041.json")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect();
+    let mut expected: Vec<String> = keys[42..].to_vec();
+    expected.push("log/HEAD".to_string());
+    assert_eq!(after, expected);
+    // An offset that is not a key, and one past the end.
+    let after = f.store.list_after("log", "log/0148").await.unwrap();
+    assert_eq!(after.len(), 3, "{after:?}");
+    assert!(f.store.list_after("log", "log/z").await.unwrap().is_empty());
+}
+
 async fn delete_and_delete_by_prefix(f: &Fixture) {
     for i in 0..20 {
         f.seed(&format!("old/step-{i}/data"), b"d").await;
@@ -357,6 +381,7 @@ macro_rules! full_suite {
                 ranged_reads_at_every_edge,
                 missing_objects_are_not_found,
                 listing_with_many_keys_and_a_delimiter,
+                listing_after_a_key,
                 delete_and_delete_by_prefix,
                 multipart_upload_with_three_parts,
                 small_upload_is_one_put,
@@ -382,6 +407,7 @@ suite!(
         ranged_reads_at_every_edge,
         missing_objects_are_not_found,
         listing_with_many_keys_and_a_delimiter,
+        listing_after_a_key,
         delete_and_delete_by_prefix,
     ]
 );
