@@ -199,7 +199,14 @@ pub(crate) async fn commit(store: &Store, attempt: &Attempt, world: u32) -> Resu
         .buffered(32)
         .try_collect()
         .await;
-    let manifest = match parts.and_then(|parts| build_manifest(attempt, world, &parts)) {
+    let slot = slot_key(attempt);
+    let manifest = match parts.and_then(|parts| {
+        let manifest = build_manifest(attempt, world, &parts)?;
+        // The boxes must tile every tensor exactly: an overlap or a hole is refused
+        // here, once, for every rank to read.
+        manifest.validate(&slot)?;
+        Ok(manifest)
+    }) {
         Ok(manifest) => manifest,
         Err(e @ (Error::Corrupt(_) | Error::Mismatch(_) | Error::Invalid(_))) => {
             return bury(

@@ -683,7 +683,7 @@ async fn documents_vouching_for_a_huge_tensor_cannot_make_a_load_allocate_it() {
         .unwrap_err();
     let message = err.to_string();
     assert!(err.is_corruption(), "{message}");
-    assert!(message.contains("rank-00000.safetensors"), "{message}");
+    assert!(message.contains("/rank-00000-"), "{message}");
     assert!(message.contains("its part records"), "{message}");
 }
 

@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use ckpt::format::{Codec, Layout, rank_file_name, step_dir};
+use ckpt::format::{Codec, Layout};
 use ckpt::storage::Store;
 use ckpt::{
     CheckpointConfig, CheckpointReader, Checkpointer, DType, Error, LoadRequest, Region, State,
@@ -16,6 +16,7 @@ use common::{
     Tensor, assert_loads, columns_of, dim0_state, eventually, local_store, model, rows_of,
     save_world, steps, to_f32,
 };
+use common::{rank_file_name_in, step_dir};
 
 /// Loads `rank`'s even dim-0 shards of `world` and checks them against `expected`.
 async fn assert_dim0_shards(reader: &CheckpointReader, expected: &[Tensor], world: usize) {
@@ -120,7 +121,7 @@ async fn replicated_tensor_is_written_once_and_loads_on_every_rank() {
         let path = dir
             .path()
             .join(step_dir(1))
-            .join(rank_file_name(rank, false));
+            .join(rank_file_name_in(dir.path(), 1, rank));
         let bytes = std::fs::read(path).unwrap();
         let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         file.names().into_iter().map(str::to_string).collect()
@@ -370,7 +371,7 @@ async fn every_plain_rank_file_is_a_safetensors_file_of_global_names() {
         let path = dir
             .path()
             .join(step_dir(2))
-            .join(rank_file_name(rank as u32, false));
+            .join(rank_file_name_in(dir.path(), 2, rank as u32));
         assert_safetensors_of_rank(&std::fs::read(path).unwrap(), &tensors, rank, 3);
     }
 }
@@ -418,7 +419,12 @@ async fn zstd_rank_files_decompress_as_one_stream_into_safetensors_files() {
     assert_eq!(reader.manifest().codec, codec);
     for rank in 0..2 {
         let part = reader.part(rank).await.unwrap();
-        assert_eq!(part.file.name, rank_file_name(rank, true));
+        assert!(
+            part.file.name.starts_with(&format!("rank-{rank:05}-"))
+                && part.file.name.ends_with(".safetensors.zst"),
+            "{}",
+            part.file.name
+        );
         assert!(part.file.frame_bytes.len() > 1, "several frames");
         let path = dir.path().join(step_dir(6)).join(&part.file.name);
         let plain = zstd_decompress(&path);
@@ -474,20 +480,41 @@ async fn keep_last_keeps_the_newest_commits_and_collects_older_partials() {
     partial(&store, 4, &tensors).await;
     // A save still in progress, newer than any commit: retention must keep it.
     partial(&store, 9, &tensors).await;
+    // Commits in commit order first, then saves that never committed.
     assert_eq!(
         steps(&store).await,
-        vec![(1, true), (2, false), (3, true), (4, false), (9, false)]
+        vec![(1, true), (3, true), (2, false), (4, false), (9, false)]
     );
 
     let last = model(5, 8);
-    save_world(&store, 5, 2, &last, |c| c.keep_last = Some(2)).await;
-    let wanted = vec![(3, true), (5, true), (9, false)];
-    eventually(
-        Duration::from_secs(30),
-        "retention keeps steps 3, 5 and the newer partial 9",
-        || async { steps(&store).await == wanted },
-    )
+    save_world(&store, 5, 2, &last, |c| {
+        c.keep_last = Some(2);
+        // Saves that died before the newest commit are collected at once.
+        c.retention_grace = Duration::ZERO;
+    })
     .await;
+    // A save still in progress, written after the newest commit: retention (commit
+    // order and time, not step numbers) keeps it, even with no grace period.
+    partial(&store, 8, &tensors).await;
+    ckpt::retention::after_commit(
+        &store,
+        ckpt::retention::Policy {
+            keep: 2,
+            grace: Duration::ZERO,
+        },
+    )
+    .await
+    .unwrap();
+    let after = steps(&store).await;
+    assert_eq!(&after[..2], &[(3, true), (5, true)], "{after:?}");
+    assert!(
+        after.contains(&(8, false)),
+        "a save newer than the newest commit stays: {after:?}"
+    );
+    assert!(
+        !after.iter().any(|s| matches!(s.0, 1 | 2 | 4 | 9)),
+        "{after:?}"
+    );
     let reader = CheckpointReader::open(&store, None).await.unwrap();
     assert_eq!(reader.step(), 5);
     assert_loads(&reader, &last).await;
