@@ -193,8 +193,54 @@ pub async fn committed_steps(store: &Store) -> Result<Vec<u64>> {
         .collect())
 }
 
-/// Commits newest first, for choosing where to resume: the tail of the log first
-/// (cheap), the whole history only when asked for more.
+/// Commits newest first, fetched as they are needed: the tail of the commit log
+/// first (two requests), the rest of the history (the whole log and version-1 step
+/// directories) only when the caller walks past the tail. For choosing where to
+/// resume, where the newest commit is nearly always the answer.
+#[derive(Debug)]
+pub struct NewestFirst {
+    store: Store,
+    pending: Vec<Commit>,
+    seen: HashSet<String>,
+    history_read: bool,
+}
+
+impl NewestFirst {
+    /// Starts at the newest commit of `store`.
+    pub async fn new(store: &Store) -> Result<Self> {
+        let mut pending = dedup(crate::commits::read_tail(store).await?);
+        let history_read = pending.is_empty();
+        if history_read {
+            pending = commits(store).await?;
+        }
+        Ok(Self {
+            store: store.clone(),
+            pending,
+            seen: HashSet::new(),
+            history_read,
+        })
+    }
+
+    /// The next older commit, or `None` after the oldest.
+    pub async fn next(&mut self) -> Result<Option<Commit>> {
+        loop {
+            if let Some(commit) = self.pending.pop() {
+                if self.seen.insert(commit.dir.clone()) {
+                    return Ok(Some(commit));
+                }
+                continue;
+            }
+            if self.history_read {
+                return Ok(None);
+            }
+            self.history_read = true;
+            self.pending = commits(&self.store).await?;
+        }
+    }
+}
+
+/// Every commit, newest first (the whole history; see [`NewestFirst`] to walk it
+/// lazily).
 pub async fn newest_commits(store: &Store) -> Result<Vec<Commit>> {
     let mut all = commits(store).await?;
     all.reverse();
@@ -206,19 +252,8 @@ pub async fn newest_commits(store: &Store) -> Result<Vec<Commit>> {
 ///
 /// Costs the log's tail and one manifest when the newest commit is sound.
 pub async fn latest(store: &Store) -> Result<Option<Manifest>> {
-    let tail = dedup(crate::commits::read_tail(store).await?);
-    let mut tried = HashSet::new();
-    for commit in tail.iter().rev() {
-        tried.insert(commit.dir.clone());
-        if let Some(manifest) = open_or_skip(store, commit).await? {
-            return Ok(Some(manifest));
-        }
-    }
-    // Every commit of the tail failed to open: walk the whole history.
-    for commit in newest_commits(store).await? {
-        if tried.contains(&commit.dir) {
-            continue;
-        }
+    let mut walk = NewestFirst::new(store).await?;
+    while let Some(commit) = walk.next().await? {
         if let Some(manifest) = open_or_skip(store, &commit).await? {
             return Ok(Some(manifest));
         }

@@ -552,15 +552,19 @@ fn load(
 ) -> Result<Option<(Shards, u64)>, TrainError> {
     const NONE: u64 = u64::MAX;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let candidates = if rank == 0 {
-        runtime.block_on(ckpt::catalog::newest_commits(store))?
+    // Rank 0 walks the commits newest first, reading older history only if needed.
+    let mut walk = if rank == 0 {
+        Some(runtime.block_on(ckpt::catalog::NewestFirst::new(store))?)
     } else {
-        Vec::new()
+        None
     };
     let mut known: Vec<ckpt::Commit> = Vec::new();
-    let mut next = 0usize;
     let (found, generation) = loop {
-        let proposal = candidates.get(next);
+        let proposal = match walk.as_mut() {
+            Some(walk) => runtime.block_on(walk.next())?,
+            None => None,
+        };
+        let proposal = proposal.as_ref();
         let seq = comm.broadcast_u64(0, proposal.map_or(NONE, |c| c.seq.unwrap_or(NONE - 1)))?;
         let step = comm.broadcast_u64(0, proposal.map_or(NONE, |c| c.step))?;
         if seq == NONE {
@@ -623,7 +627,6 @@ fn load(
                 world as i64 - votes[0]
             ));
         }
-        next += 1;
     };
     let (step, saved_world, loaded, global) = found;
     let expect = trainer_state(config);
