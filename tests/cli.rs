@@ -1123,3 +1123,47 @@ async fn zero_element_and_scalar_tensors_round_trip_through_import_reshard_and_e
         }
     }
 }
+
+/// A run that resumed from step 10 and committed step 15 leaves the older timeline's
+/// step 20 committed but abandoned: `ls` says so, in commit order, and marks step 15
+/// (the newest commit) as the latest, although 20 is the larger step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ls_shows_commits_in_commit_order_and_marks_abandoned_ones() {
+    let (store, dir) = local_store("abandoned");
+    for step in [10, 20] {
+        save_world(&store, step, 2, &model(step, ROWS), |_| {}).await;
+    }
+    save_world(&store, 15, 2, &model(15, ROWS), |c| {
+        c.run_id = "resumed".into();
+        c.generation = 1;
+    })
+    .await;
+    let url = format!("file://{}", dir.path().display());
+    let out = ckpt(&["ls", &url, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let listed = json(&out)["checkpoints"].clone();
+    let rows: Vec<(u64, String, bool)> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["step"].as_u64().unwrap(),
+                c["status"].as_str().unwrap().to_string(),
+                c["latest"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            (10, "committed".to_string(), false),
+            (20, "abandoned".to_string(), false),
+            (15, "committed".to_string(), true),
+        ]
+    );
+    let text = stdout(&ckpt(&["ls", &url]));
+    assert!(text.contains("abandoned: a later run went back"), "{text}");
+    // A resume takes step 15.
+    assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 15);
+}
