@@ -3,10 +3,19 @@
 //! Every rank describes what it holds as boxes of global tensors (plus non-tensor
 //! state) in a [`State`], and hands it to its [`Checkpointer`]: `save` blocks only for
 //! one copy into a reusable staging buffer, and a background task checksums, uploads
-//! and commits. The rank that finds every rank's part present writes the manifest
-//! create-if-absent; a checkpoint without a manifest does not exist for readers. Any
-//! rank of any later world size then loads exactly the boxes it wants with a
-//! [`CheckpointReader`], verified block by block.
+//! and commits. Every save attempt (one world's save of one step) writes into a
+//! directory of its own, named by the step, the world's generation and its run id,
+//! and never writes a name twice ([`attempt`]). Once every rank's part is there, one
+//! of a few committer ranks (others take over if it dies) appends the attempt to the
+//! commit log, which orders all commits and fences off older generations
+//! ([`commits`]), and writes the manifest into the attempt's slot; a failure is
+//! written there as a tombstone, so every rank learns the outcome ([`commit`]). The
+//! newest checkpoint is the last commit in log order, not the highest step
+//! ([`catalog`]); retention follows the same order and leaves superseded checkpoints
+//! readable for a grace period ([`retention`]). Version-1 checkpoints stay readable.
+//! Any rank of any later world size then loads exactly the boxes it wants with a
+//! [`CheckpointReader`], verified block by block. The format and its guarantees:
+//! `docs/FORMAT.md`.
 //!
 //! ```
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
