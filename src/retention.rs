@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::format::MANIFEST;
 
 /// Default grace period: how long a superseded checkpoint stays readable.
-pub const DEFAULT_GRACE: Duration = Duration::from_secs(300);
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(600);
 
 /// What to keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

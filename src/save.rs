@@ -89,7 +89,7 @@ pub struct CheckpointConfig {
     /// before it commits itself. Default 2 s.
     pub commit_takeover: Duration,
     /// With `keep_last`: how long a superseded checkpoint stays readable (readers
-    /// that opened it have this long to finish). Default 5 min.
+    /// that opened it have this long to finish). Default 10 min, as `ckpt gc --grace`.
     pub retention_grace: Duration,
     /// Local disk, uncompressed: write data files with `O_DIRECT` straight from the
     /// page-aligned staging buffer (file systems that refuse it get buffered writes).
@@ -214,10 +214,10 @@ enum Role {
 /// # Cancel safety
 ///
 /// Dropping the handle does not cancel the save: the background task finishes the
-/// upload and the commit attempt. A crash of the process at any point leaves the
-/// previous committed checkpoint intact; the new step directory then lacks
-/// `manifest.json` (or some rank files) and does not exist for readers until it is
-/// garbage-collected.
+/// upload and, on a committer, the commit. A crash of the process at any point leaves
+/// the previous committed checkpoint intact; the attempt's directory then lacks its
+/// manifest (or some rank files) and does not exist for readers until retention
+/// collects it, unless another committer completes the commit.
 #[derive(Debug)]
 pub struct SaveHandle {
     attempt: Attempt,

@@ -594,7 +594,11 @@ async fn inspect_cmd(
         print_json(&view);
         return Ok(EXIT_OK);
     }
-    println!("checkpoint   {}/step-{:08}", store.url(), view.step);
+    println!(
+        "checkpoint   {}/{}",
+        store.url().trim_end_matches('/'),
+        view.dir
+    );
     println!("step         {}", view.step);
     println!("world size   {}", view.world_size);
     println!("generation   {}", view.generation);

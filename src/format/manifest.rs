@@ -65,7 +65,8 @@ pub struct RankEntry {
     pub raw_bytes: u64,
 }
 
-/// The root manifest, `step-NNNNNNNN/manifest.json`: its presence is the commit.
+/// The manifest of one save attempt, `step-NNNNNNNN/gGGGGGGGG-RUN/manifest.json`
+/// (`step-NNNNNNNN/manifest.json` in version 1): with its commit record, the commit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     /// [`FORMAT_VERSION`](super::FORMAT_VERSION) when written by this build; 1 for

@@ -1,5 +1,5 @@
-//! On-storage format, version 1: object names, the manifest, the rank parts, and the
-//! safetensors header of rank data files. Normative description: `docs/FORMAT.md`.
+//! On-storage format (version 2; version 1 is still read): object names, the manifest,
+//! the rank parts, and the safetensors header of rank data files. Normative description: `docs/FORMAT.md`.
 //!
 //! Everything here parses untrusted bytes: sizes are capped before allocating,
 //! arithmetic is checked, names are confined to the checkpoint directory, and every

@@ -90,7 +90,7 @@ impl Chunk {
     }
 }
 
-/// A rank's part of the manifest, `step-NNNNNNNN/rank-RRRRR.json`.
+/// A rank's part of the manifest, `rank-RRRRR.json` in the save attempt's directory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankPart {
     /// [`FORMAT_VERSION`](super::FORMAT_VERSION) when written by this build; 1 for

@@ -223,6 +223,8 @@ pub struct RankView {
 pub struct Inspection {
     /// Step.
     pub step: u64,
+    /// The directory of its objects under the root.
+    pub dir: String,
     /// Ranks that saved.
     pub world_size: u32,
     /// Elastic generation.
@@ -324,6 +326,7 @@ pub async fn inspect(
     let global_state = reader.global_state().await?.keys().cloned().collect();
     Ok(Inspection {
         step: manifest.step,
+        dir: manifest.dir(),
         world_size: manifest.world_size,
         generation: manifest.generation,
         format_version: manifest.format_version,

@@ -69,7 +69,7 @@ struct TrainArgs {
     #[arg(long, default_value_t = 3)]
     keep: usize,
     /// Seconds a superseded checkpoint stays for readers before retention removes it.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 600)]
     keep_grace_secs: u64,
     /// Print the loss every N steps (rank 0).
     #[arg(long, default_value_t = 10)]
