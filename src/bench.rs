@@ -79,6 +79,8 @@ pub struct BenchConfig {
     pub meta_ranks: usize,
     /// Run only the metadata-scale part.
     pub metadata_only: bool,
+    /// Simulated ranks of the commit-scale part (0 skips it).
+    pub commit_ranks: usize,
     /// Consecutive saves whose RSS is recorded; 0 skips it.
     pub rss_saves: usize,
     /// Bytes of rank 0's data compressed block by block in the codec comparison.
@@ -103,6 +105,7 @@ impl Default for BenchConfig {
             meta_tensors: 1000,
             meta_ranks: 1024,
             metadata_only: false,
+            commit_ranks: 0,
             rss_saves: 0,
             codec_sample_bytes: 64 << 20,
         }
@@ -311,6 +314,8 @@ pub struct BenchReport {
     pub codec_samples: Vec<CodecSample>,
     /// The metadata-scale part.
     pub metadata: Option<MetadataReport>,
+    /// The commit-scale part.
+    pub commit_scale: Option<CommitScaleReport>,
     /// RSS over consecutive saves.
     pub rss: Option<RssReport>,
     /// The targets.
@@ -335,6 +340,10 @@ pub fn run(
             config.meta_tensors, config.meta_ranks
         ));
         report.metadata = Some(rt.block_on(metadata_scale(config, progress))?);
+    }
+    if config.commit_ranks > 0 {
+        progress(&format!("commit scale: {} ranks", config.commit_ranks));
+        report.commit_scale = Some(rt.block_on(commit_scale(store, config.commit_ranks))?);
     }
     if config.metadata_only {
         report.targets = targets(&report);
@@ -539,6 +548,7 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         zstd: Vec::new(),
         codec_samples: Vec::new(),
         metadata: None,
+        commit_scale: None,
         rss: None,
         targets: Vec::new(),
         samples: BTreeMap::new(),
@@ -1471,6 +1481,19 @@ pub fn render(r: &BenchReport) -> String {
             );
         }
     }
+    if let Some(c) = &r.commit_scale {
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "commit scale: {} ranks committed in {:.0} ms; requests per rank: mean {:.2}, waiting rank max {}, committer max {}, total {}",
+            c.ranks,
+            c.commit_ms,
+            c.requests_per_rank,
+            c.waiter_requests_max,
+            c.committer_requests_max,
+            c.requests_total
+        );
+    }
     if let Some(m) = &r.metadata {
         let _ = writeln!(s);
         let _ = writeln!(
@@ -1508,4 +1531,95 @@ pub fn render(r: &BenchReport) -> String {
         );
     }
     s
+}
+
+// ---------------------------------------------------------------------------
+// Commit scale
+
+/// Requests and time of one commit by many simulated ranks.
+#[derive(Debug, Clone, Serialize)]
+pub struct CommitScaleReport {
+    /// Simulated ranks (one `Checkpointer` each, in this process).
+    pub ranks: usize,
+    /// From the first `save` to the last rank's `committed()`.
+    pub commit_ms: f64,
+    /// Requests of every rank, summed.
+    pub requests_total: u64,
+    /// Mean requests per rank (data file, part, commit, learning the outcome).
+    pub requests_per_rank: f64,
+    /// Most requests by a rank that only waits for the outcome.
+    pub waiter_requests_max: u64,
+    /// Most requests by a committer (listing the attempt, reading every part,
+    /// checking every data file, the log and the manifest).
+    pub committer_requests_max: u64,
+}
+
+/// `ranks` ranks, each with its own request counter on a shared connection pool,
+/// save one small dim-0 shard of step 1 under a fresh prefix of `store` and wait for
+/// the commit. Counts every request each rank's store handle sends.
+async fn commit_scale(store: &Store, ranks: usize) -> Result<CommitScaleReport> {
+    let run = crate::attempt::random_run_id();
+    // The generation of the root's newest commit: not fenced, and fencing nobody.
+    let generation = crate::commits::newest(store)
+        .await?
+        .map_or(0, |c| c.record.generation);
+    let (rows, cols) = (ranks as u64 * 4, 16u64);
+    let data: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+    let mut checkpointers = Vec::with_capacity(ranks);
+    let mut stores = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let own = store.with_own_counter();
+        let mut config = CheckpointConfig::new(rank, ranks);
+        config.run_id = run.clone();
+        config.block_size = 4096;
+        config.generation = generation;
+        stores.push(own.clone());
+        checkpointers.push(Checkpointer::new(own, config)?);
+    }
+    let started = Instant::now();
+    let mut handles = Vec::with_capacity(ranks);
+    for (rank, checkpointer) in checkpointers.iter().enumerate() {
+        let region = Region::dim0_shard(&[rows, cols], rank, ranks);
+        let begin = (region.offsets[0] * cols) as usize;
+        let end = begin + (region.lengths[0] * cols) as usize;
+        let mut state = State::new();
+        state.add(
+            "w",
+            DType::F32,
+            &[rows, cols],
+            region,
+            as_bytes(&data[begin..end]),
+        )?;
+        let outcome = checkpointer.save(1, &state).await?;
+        handles.push(
+            outcome
+                .handle()
+                .ok_or_else(|| Error::Failed("save skipped".into()))?,
+        );
+    }
+    let results = futures::future::join_all(handles.iter().map(|h| h.committed())).await;
+    let commit_ms = ms(started.elapsed());
+    for result in results {
+        result?;
+    }
+    let committers = checkpointers[0].config().committers();
+    let counts: Vec<u64> = stores.iter().map(Store::requests).collect();
+    let total: u64 = counts.iter().sum();
+    let max_of = |committer: bool| {
+        counts
+            .iter()
+            .enumerate()
+            .filter(|(rank, _)| committers.contains(rank) == committer)
+            .map(|(_, &n)| n)
+            .max()
+            .unwrap_or(0)
+    };
+    Ok(CommitScaleReport {
+        ranks,
+        commit_ms,
+        requests_total: total,
+        requests_per_rank: total as f64 / ranks as f64,
+        waiter_requests_max: max_of(false),
+        committer_requests_max: max_of(true),
+    })
 }

@@ -119,6 +119,11 @@ struct BenchArgs {
     /// Run only the metadata-scale part.
     #[arg(long)]
     metadata_only: bool,
+    /// Simulate this many ranks committing one small checkpoint on the URL, counting
+    /// requests per rank and the time to commit (0 skips it; runs after the metadata
+    /// part, also with --metadata-only).
+    #[arg(long, default_value_t = 0)]
+    commit_ranks: usize,
     /// Record host RSS over this many consecutive saves (0 skips it).
     #[arg(long, default_value_t = 0)]
     rss_saves: usize,
@@ -178,6 +183,7 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
         meta_tensors: args.meta_tensors,
         meta_ranks: args.meta_ranks,
         metadata_only: args.metadata_only,
+        commit_ranks: args.commit_ranks,
         rss_saves: args.rss_saves,
         codec_sample_bytes: args.codec_sample_mib << 20,
     };

@@ -309,17 +309,16 @@ impl SaveHandle {
 
     /// Polls the attempt's slot with a backoff: a few requests per rank for a commit
     /// that takes seconds, and at most one request per `max_delay` after that, where
-    /// `max_delay` grows with the world size so that the whole world stays within
-    /// about 500 requests per second.
+    /// `max_delay` grows with the world size (8 ms per rank, 0.25 to 10 s) so that the
+    /// whole world's polling stays near 125 requests per second however large it is:
+    /// waiting ranks must not slow down the committers they wait for.
     async fn wait_for_slot(&self) -> Result<()> {
         let deadline = Instant::now() + self.commit_timeout;
-        let max_delay = Duration::from_millis((2 * self.world_size as u64).clamp(250, 4000));
-        let mut delay = Duration::from_millis(20);
-        let mut status = self.status.clone();
+        let world = self.world_size as u64;
+        let max_delay = Duration::from_millis((8 * world).clamp(250, 10_000));
+        // The first poll waits longer in a larger world: every rank arrives at once.
+        let mut delay = Duration::from_millis((world / 4).clamp(20, 1000));
         loop {
-            if let Status::Failed(e) = &*status.borrow_and_update() {
-                return Err(e.duplicate());
-            }
             if let Some(outcome) = crate::commit::read_outcome(&self.store, &self.attempt).await? {
                 return outcome_result(&self.attempt, outcome);
             }
@@ -329,11 +328,10 @@ impl SaveHandle {
                     self.attempt.step, self.commit_timeout
                 )));
             }
+            // This rank's own part is durable and its background task is over (a
+            // waiting rank does not commit): nothing but the store can report now.
             let pause = jitter(delay).min(deadline.saturating_duration_since(Instant::now()));
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = status.changed() => {}
-            }
+            tokio::time::sleep(pause).await;
             delay = (delay * 2).min(max_delay);
         }
     }

@@ -13,8 +13,8 @@ use ckpt::{
     StateValue, as_bytes,
 };
 use common::{
-    Tensor, assert_loads, columns_of, dim0_state, eventually, local_store, model, rows_of,
-    save_world, steps, to_f32,
+    Tensor, assert_loads, columns_of, dim0_state, local_store, model, rows_of, save_world, steps,
+    to_f32,
 };
 use common::{rank_file_name_in, step_dir};
 

@@ -2,6 +2,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use bytes::Bytes;
@@ -51,6 +52,8 @@ pub struct Store {
     backend: Backend,
     url: Arc<str>,
     config: Arc<StoreConfig>,
+    /// Operations issued through this handle and its clones (see [`Store::requests`]).
+    requests: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Store {
@@ -81,7 +84,29 @@ impl Store {
             backend: opened.backend,
             url: opened.url.into(),
             config: Arc::new(config),
+            requests: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Operations this handle (and its clones) sent to the store: one per request for
+    /// every call, a ranged read counting once per coalesced range, and a streaming
+    /// upload once per part plus its completion. Retries inside the client are not
+    /// counted. For measuring how many requests a protocol costs.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// A clone that shares connections but counts its requests on its own (to count
+    /// one simulated rank's requests among many).
+    pub fn with_own_counter(&self) -> Store {
+        Store {
+            requests: Arc::new(AtomicU64::new(0)),
+            ..self.clone()
+        }
+    }
+
+    fn count(&self, n: u64) {
+        self.requests.fetch_add(n, Ordering::Relaxed);
     }
 
     /// The canonical URL of the store's root.
@@ -119,6 +144,7 @@ impl Store {
     /// disk the file and its directory are fsynced before this returns (unless
     /// `fsync` is off).
     pub async fn put(&self, key: &str, data: impl Into<Bytes>) -> Result<()> {
+        self.count(1);
         let path = self.path("put", key)?;
         self.inner
             .put(&path, PutPayload::from_bytes(data.into()))
@@ -135,6 +161,7 @@ impl Store {
     /// `ifGenerationMatch=0`, Azure `If-None-Match: *`, local disk a hard link of a
     /// fully written temporary file, memory a lock.
     pub async fn put_if_absent(&self, key: &str, data: impl Into<Bytes>) -> Result<()> {
+        self.count(1);
         let path = self.path("create", key)?;
         let options = PutOptions::from(PutMode::Create);
         self.inner
@@ -158,11 +185,13 @@ impl Store {
             path,
             pending: Vec::new(),
             writer: None,
+            written: 0,
         })
     }
 
     /// Reads the whole object at `key`.
     pub async fn get(&self, key: &str) -> Result<Bytes> {
+        self.count(1);
         let path = self.path("get", key)?;
         let result = self
             .inner
@@ -223,6 +252,7 @@ impl Store {
 
     /// Size and version of the object at `key`.
     pub async fn head(&self, key: &str) -> Result<ObjectInfo> {
+        self.count(1);
         let path = self.path("head", key)?;
         let meta = self
             .inner
@@ -235,6 +265,7 @@ impl Store {
     /// Every object whose key lies under `prefix` (a directory-like prefix: `a/b`
     /// lists `a/b/...`, not `a/bc`; `""` lists everything), sorted by key.
     pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.count(1);
         let path = self.prefix_path("list", prefix)?;
         let mut objects: Vec<ObjectInfo> = self
             .inner
@@ -252,6 +283,7 @@ impl Store {
     /// reading the tail of a long, ordered series of keys (a log) costs one request,
     /// not a listing of the whole series.
     pub async fn list_after(&self, prefix: &str, after: &str) -> Result<Vec<ObjectInfo>> {
+        self.count(1);
         let path = self.prefix_path("list", prefix)?;
         let offset = self.path("list", after)?;
         let mut objects: Vec<ObjectInfo> = self
@@ -269,6 +301,7 @@ impl Store {
     /// One level of the tree under `prefix`: objects directly in it and the
     /// prefixes one level down (like `ls` of a directory).
     pub async fn list_dir(&self, prefix: &str) -> Result<Listing> {
+        self.count(1);
         let path = self.prefix_path("list", prefix)?;
         let result = self
             .inner
@@ -289,6 +322,7 @@ impl Store {
     /// Deletes the object at `key`. Deleting a missing object succeeds, on every
     /// backend, so that cleanup can be retried.
     pub async fn delete(&self, key: &str) -> Result<()> {
+        self.count(1);
         let path = self.path("delete", key)?;
         match self.inner.delete(&path).await {
             Ok(()) => Ok(()),
@@ -434,6 +468,7 @@ impl Store {
         if range.is_empty() {
             return Ok(Bytes::new());
         }
+        self.count(1);
         let options = GetOptions {
             range: Some(GetRange::Bounded(range.clone())),
             ..GetOptions::default()
@@ -647,6 +682,8 @@ pub struct Upload {
     /// upload.
     pending: Vec<Bytes>,
     writer: Option<WriteMultipart>,
+    /// Bytes written so far (to count the requests of the upload).
+    written: u64,
 }
 
 impl std::fmt::Debug for Upload {
@@ -664,6 +701,7 @@ impl Upload {
     pub async fn write(&mut self, data: impl Into<Bytes>) -> Result<()> {
         let data = data.into();
         let config = &self.store.config;
+        self.written += data.len() as u64;
         if self.writer.is_none() {
             self.pending.push(data);
             let held: usize = self.pending.iter().map(Bytes::len).sum();
@@ -696,13 +734,22 @@ impl Upload {
 
     /// Completes the upload: the object becomes visible at once, whole.
     pub async fn finish(mut self) -> Result<()> {
+        let parts = self
+            .written
+            .div_ceil(self.store.config.part_size as u64)
+            .max(1);
         match self.writer.take() {
-            Some(writer) => writer
-                .finish()
-                .await
-                .map(|_| ())
-                .map_err(|e| self.store.error("upload", &self.key, e)),
+            // Start, every part, completion.
+            Some(writer) => {
+                self.store.count(parts + 2);
+                writer
+                    .finish()
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| self.store.error("upload", &self.key, e))
+            }
             None => {
+                self.store.count(1);
                 let parts = std::mem::take(&mut self.pending);
                 let payload: PutPayload = parts.into_iter().collect();
                 self.store
