@@ -239,14 +239,6 @@ impl NewestFirst {
     }
 }
 
-/// Every commit, newest first (the whole history; see [`NewestFirst`] to walk it
-/// lazily).
-pub async fn newest_commits(store: &Store) -> Result<Vec<Commit>> {
-    let mut all = commits(store).await?;
-    all.reverse();
-    Ok(all)
-}
-
 /// The newest committed checkpoint whose manifest is valid. A corrupt newer one is
 /// reported (tracing warning) and skipped. `None` when there is none.
 ///

@@ -318,6 +318,35 @@ crash_test!(
     }
 );
 
+/// Runs this test binary on `test` once per rank in `ranks`, as child processes saving
+/// under `dir` with no failpoint, and asserts that every one succeeds.
+fn run_ranks(test: &str, dir: &std::path::Path, ranks: std::ops::Range<usize>) {
+    let children: Vec<_> = ranks
+        .map(|rank| {
+            let child = Command::new(std::env::current_exe().unwrap())
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .env_remove("CKPT_FAILPOINT")
+                .env(DIR, dir)
+                .env(RANK, rank.to_string())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn rank process");
+            (rank, child)
+        })
+        .collect();
+    for (rank, child) in children {
+        let output = child.wait_with_output().expect("wait for rank process");
+        assert!(
+            output.status.success(),
+            "rank {rank} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
 /// One rank per process: three processes each save one rank of the same step to a
 /// `file://` store; the last part written commits; the parent loads it resharded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,29 +368,7 @@ async fn one_rank_per_process_commits_a_checkpoint_the_parent_loads() {
         return;
     }
     let (store, dir) = common::local_store("per-process");
-    let children: Vec<_> = (0..WORLD_SIZE)
-        .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env_remove("CKPT_FAILPOINT")
-                .env(DIR, dir.path())
-                .env(RANK, rank.to_string())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn rank process")
-        })
-        .collect();
-    for (rank, child) in children.into_iter().enumerate() {
-        let output = child.wait_with_output().expect("wait for rank process");
-        assert!(
-            output.status.success(),
-            "rank {rank} failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
+    run_ranks(TEST, dir.path(), 0..WORLD_SIZE);
     let reader = CheckpointReader::open(&store, None).await.expect("open");
     assert_eq!(reader.step(), STEP);
     assert_eq!(reader.manifest().world_size, WORLD_SIZE as u32);
@@ -446,30 +453,7 @@ async fn the_commit_happens_when_the_committing_rank_dies_after_its_part() {
     rank0.kill().expect("kill rank 0");
     assert_eq!(rank0.wait().unwrap().signal(), Some(9));
     let started = std::time::Instant::now();
-    let survivors: Vec<_> = (1..WORLD_SIZE)
-        .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env_remove("CKPT_FAILPOINT")
-                .env(DIR, dir.path())
-                .env(RANK, rank.to_string())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn rank process")
-        })
-        .collect();
-    for (i, child) in survivors.into_iter().enumerate() {
-        let output = child.wait_with_output().expect("wait for rank process");
-        assert!(
-            output.status.success(),
-            "rank {} failed ({}): {}",
-            i + 1,
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
+    run_ranks(TEST, dir.path(), 1..WORLD_SIZE);
     // Bounded by the takeover delay, not by the hour-long commit timeout.
     assert!(
         started.elapsed() < Duration::from_secs(120),
