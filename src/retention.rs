@@ -16,6 +16,9 @@
 //!   the newest commit may still be in progress and stays.
 //! - Staging leftovers of crashed local writes inside a kept directory go after
 //!   `grace`.
+//! - A log record that names no committed directory (its removal was cut short
+//!   after the directory went, or its commit never wrote the manifest) goes once it
+//!   is `grace` old, except the newest record, which the fence reads.
 //!
 //! Removal deletes the manifest first, then the other objects, then the log record:
 //! a removal cut short leaves an uncommitted directory, never a commit with holes.
@@ -122,6 +125,8 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
         }
     }
     let mut plan = decide(&survey, &valid, policy, SystemTime::now());
+    plan.remove
+        .extend(dangling_records(store, &survey, policy, SystemTime::now()).await?);
     // Staging leftovers and stray objects inside kept version-1 commits.
     let now = SystemTime::now();
     for info in survey
@@ -149,6 +154,46 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
         }
     }
     Ok(plan)
+}
+
+/// Log records that name no committed directory of the survey, once `grace` old; the
+/// newest record always stays (the fence reads the log's tail).
+async fn dangling_records(
+    store: &Store,
+    survey: &[CheckpointInfo],
+    policy: Policy,
+    now: SystemTime,
+) -> Result<Vec<Removal>> {
+    let records = crate::commits::read_all(store).await?;
+    let newest = records.iter().map(|r| r.seq).max();
+    let committed: HashSet<(&str, Option<u64>)> = survey
+        .iter()
+        .filter(|c| c.committed)
+        .map(|c| (c.dir.as_str(), c.seq))
+        .collect();
+    Ok(records
+        .iter()
+        .filter(|r| Some(r.seq) != newest)
+        .filter(|r| {
+            let dir = r.record.attempt().dir();
+            !committed.contains(&(dir.as_str(), Some(r.seq)))
+        })
+        .filter(|r| age_at_least(now, Some(r.written), policy.grace))
+        .map(|r| Removal {
+            step: r.record.step,
+            dir: r.record.attempt().dir(),
+            committed: false,
+            bytes: 0,
+            reason: format!(
+                "log record {} names no committed checkpoint (a removal cut short, or a commit that never wrote its manifest)",
+                r.seq
+            ),
+            only: vec![record_key(r.seq)],
+            keys: Vec::new(),
+            leftovers: Vec::new(),
+            seq: Some(r.seq),
+        })
+        .collect())
 }
 
 /// The rule itself, on a survey in commit order; `valid` holds the directories of
