@@ -16,14 +16,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use ckpt::storage::Store;
 use ckpt::{CheckpointConfig, CheckpointReader, Checkpointer, LoadRequest, load_latest};
+use common::child::ChildTest;
 use common::{Tensor, assert_loads, assert_same, dim0_state, eventually, model, open_local};
 
 const CHILD: &str = "CKPT_CRASH_CHILD";
@@ -84,41 +83,26 @@ async fn child() -> ! {
 /// Starts this test binary on `test` as a child saving `rank` of step 2, waits for
 /// it to announce `failpoint`, and kills it with SIGKILL.
 fn run_child_until(test: &str, dir: &std::path::Path, rank: usize, rows: u64, failpoint: &str) {
-    let mut child = Command::new(std::env::current_exe().expect("current exe"))
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .env("CKPT_FAILPOINT", failpoint)
-        .env(DIR, dir)
-        .env(RANK, rank.to_string())
-        .env(WORLD, "2")
-        .env(ROWS, rows.to_string())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn child");
-    let stderr = child.stderr.take().expect("child stderr");
-    let (tx, rx) = mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let env = [
+        (CHILD, "1".to_string()),
+        (DIR, dir.display().to_string()),
+        (RANK, rank.to_string()),
+        (WORLD, "2".to_string()),
+        (ROWS, rows.to_string()),
+    ];
+    let mut child = ChildTest::spawn(test, &env, Some(failpoint));
     let marker = format!("ckpt failpoint reached: {failpoint}");
-    let mut seen = Vec::new();
     let mut limit = CHILD_LIMIT;
     let outcome = loop {
-        match rx.recv_timeout(limit) {
+        match child.next_line(limit) {
             Ok(line) if line.contains(&marker) => break Ok(()),
             // `committed()` can see the manifest before the committing task reaches
             // `after-commit`: the failpoint line may still follow, but not much later.
             Ok(line) if line.contains(FINISHED) => {
-                seen.push(line);
+                child.seen.push(line);
                 limit = FINISHED_GRACE;
             }
-            Ok(line) => seen.push(line),
+            Ok(line) => child.seen.push(line),
             Err(mpsc::RecvTimeoutError::Timeout) if limit == FINISHED_GRACE => {
                 break Err("the save finished without reaching the failpoint");
             }
@@ -126,10 +110,8 @@ fn run_child_until(test: &str, dir: &std::path::Path, rank: usize, rows: u64, fa
             Err(mpsc::RecvTimeoutError::Disconnected) => break Err("the child exited"),
         }
     };
-    child.kill().expect("kill child");
-    let status = child.wait().expect("wait for child");
-    drop(rx);
-    let _ = reader.join();
+    let seen = std::mem::take(&mut child.seen);
+    let status = child.kill();
     if let Err(why) = outcome {
         panic!(
             "child (rank {rank}) never reached failpoint {failpoint}: {why}; status {status}; stderr:\n{}",
@@ -323,26 +305,24 @@ crash_test!(
 fn run_ranks(test: &str, dir: &std::path::Path, ranks: std::ops::Range<usize>) {
     let children: Vec<_> = ranks
         .map(|rank| {
-            let child = Command::new(std::env::current_exe().unwrap())
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env_remove("CKPT_FAILPOINT")
-                .env(DIR, dir)
-                .env(RANK, rank.to_string())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn rank process");
-            (rank, child)
+            let env = [
+                (CHILD, "1".to_string()),
+                (DIR, dir.display().to_string()),
+                (RANK, rank.to_string()),
+            ];
+            (rank, ChildTest::spawn(test, &env, None))
         })
         .collect();
-    for (rank, child) in children {
-        let output = child.wait_with_output().expect("wait for rank process");
+    for (rank, mut child) in children {
+        let mut stderr = Vec::new();
+        while let Ok(line) = child.next_line(CHILD_LIMIT) {
+            stderr.push(line);
+        }
+        let status = child.wait();
         assert!(
-            output.status.success(),
-            "rank {rank} failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
+            status.success(),
+            "rank {rank} failed ({status}): {}",
+            stderr.join("\n")
         );
     }
 }
@@ -431,27 +411,17 @@ async fn the_commit_happens_when_the_committing_rank_dies_after_its_part() {
         "rank 0 is the first committer"
     );
     // Rank 0 parks right after its part is durable, before any commit attempt.
-    let mut rank0 = Command::new(std::env::current_exe().unwrap())
-        .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .env("CKPT_FAILPOINT", "after-rank-part")
-        .env(DIR, dir.path())
-        .env(RANK, "0")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn rank 0");
-    let stderr = BufReader::new(rank0.stderr.take().unwrap());
-    for line in stderr.lines() {
-        if line
-            .expect("rank 0 stderr")
-            .contains("ckpt failpoint reached: after-rank-part")
-        {
-            break;
-        }
-    }
-    rank0.kill().expect("kill rank 0");
-    assert_eq!(rank0.wait().unwrap().signal(), Some(9));
+    let env = [
+        (CHILD, "1".to_string()),
+        (DIR, dir.path().display().to_string()),
+        (RANK, "0".to_string()),
+    ];
+    let mut rank0 = ChildTest::spawn(TEST, &env, Some("after-rank-part"));
+    let parked = rank0.line_matching(CHILD_LIMIT, |line| {
+        line.contains("ckpt failpoint reached: after-rank-part")
+    });
+    assert!(parked.is_some(), "rank 0 never parked: {:?}", rank0.seen);
+    assert_eq!(rank0.kill().signal(), Some(9));
     let started = std::time::Instant::now();
     run_ranks(TEST, dir.path(), 1..WORLD_SIZE);
     // Bounded by the takeover delay, not by the hour-long commit timeout.

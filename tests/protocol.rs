@@ -11,16 +11,14 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
 
 use ckpt::catalog::Status;
 use ckpt::retention::Policy;
 use ckpt::storage::Store;
 use ckpt::{Attempt, CheckpointConfig, CheckpointReader, Checkpointer, Error, SaveHandle};
+use common::child::ChildTest;
 use common::{Tensor, assert_loads, dim0_state, model, s3_config, test_config};
 
 const CHILD: &str = "CKPT_PROTO_CHILD";
@@ -143,52 +141,28 @@ async fn child() {
 /// With a failpoint: waits until the child parks there and kills it (SIGKILL).
 /// Without: waits until it finishes and returns its verdict line.
 fn run_child(test: &str, url: &str, save: &Save, rank: usize, failpoint: Option<&str>) -> String {
-    let mut command = Command::new(std::env::current_exe().expect("current exe"));
-    command
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .env(URL, url)
-        .env(RANK, rank.to_string())
-        .env(WORLD, save.world.to_string())
-        .env(STEP, save.step.to_string())
-        .env(GENERATION, save.generation.to_string())
-        .env(RUN, save.run)
-        .env(SEED, save.seed.to_string())
-        .env_remove("CKPT_FAILPOINT")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    if let Some(failpoint) = failpoint {
-        command.env("CKPT_FAILPOINT", failpoint);
-    }
-    let mut child = command.spawn().expect("spawn child");
-    let stderr = child.stderr.take().expect("child stderr");
-    let (tx, rx) = mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let env = [
+        (CHILD, "1".to_string()),
+        (URL, url.to_string()),
+        (RANK, rank.to_string()),
+        (WORLD, save.world.to_string()),
+        (STEP, save.step.to_string()),
+        (GENERATION, save.generation.to_string()),
+        (RUN, save.run.to_string()),
+        (SEED, save.seed.to_string()),
+    ];
+    let mut child = ChildTest::spawn(test, &env, failpoint);
     let marker = failpoint.map(|f| format!("ckpt failpoint reached: {f}"));
-    let mut seen = Vec::new();
-    let found = loop {
-        match rx.recv_timeout(CHILD_LIMIT) {
-            Ok(line) if marker.as_ref().is_some_and(|m| line.contains(m.as_str())) => {
-                break Some(line);
-            }
-            Ok(line) if marker.is_none() && line.contains(FINISHED) => break Some(line),
-            Ok(line) => seen.push(line),
-            Err(_) => break None,
-        }
+    let found = child.line_matching(CHILD_LIMIT, |line| match &marker {
+        Some(m) => line.contains(m.as_str()),
+        None => line.contains(FINISHED),
+    });
+    let seen = std::mem::take(&mut child.seen);
+    let status = if failpoint.is_some() {
+        child.kill()
+    } else {
+        child.wait()
     };
-    if failpoint.is_some() {
-        let _ = child.kill();
-    }
-    let status = child.wait().expect("wait for child");
-    drop(rx);
-    let _ = reader.join();
     let Some(line) = found else {
         panic!(
             "child (rank {rank} of {save:?}) neither reached {failpoint:?} nor finished; \

@@ -7,6 +7,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod child;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
