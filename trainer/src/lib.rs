@@ -21,6 +21,7 @@
 //! semantics of the saved state, the modes and what each costs.
 
 pub mod bench;
+pub mod elastic;
 pub mod collective;
 pub mod fixed;
 pub mod launch;
