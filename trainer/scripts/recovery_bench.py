@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Recovery figures of docs/BENCHMARKS.md ("Elastic recovery").
+
+For each fault (SIGKILL, SIGSTOP) and repetition: start an elastic 4-rank job of
+`ckpt-train` (preset small by default), wait until it has committed a checkpoint and
+trained a few more steps, hit rank 2, and read the recovery line that rank 0 of the new
+generation prints (`recovery: generation G world W (...): noticed at T ms, aborted +A ms,
+rendezvous R ms, ring B ms, load L ms, first step F ms; back to training X ms after the
+failure was noticed`). Detection is the time from the fault to `noticed`.
+
+In the same run, the baseline every current tool uses: kill every rank and start the
+job again on 3 ranks from the newest checkpoint (what torchrun does on a failure), timed
+from the fault to the first completed step of the restarted job.
+
+    cargo build --release -p ckpt-trainer
+    python3 trainer/scripts/recovery_bench.py [--reps 5] [--preset small] [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import queue
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.join(ROOT, "target", "release", "ckpt-train")
+RECOVERY = re.compile(
+    r"recovery: generation (\d+) world (\d+) \((.*)\): noticed at (\d+) ms, aborted \+(\d+) ms, "
+    r"rendezvous (\d+) ms, ring (\d+) ms, load (\d+) ms, first step (\d+) ms; "
+    r"back to training (\d+) ms"
+)
+
+
+class Job:
+    """A launcher whose output lines arrive on a queue with their arrival time."""
+
+    def __init__(self, args):
+        self.proc = subprocess.Popen(
+            [BIN, "launch"] + args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines = queue.Queue()
+        self.seen = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put((time.time(), line.rstrip("\n")))
+        self.lines.put((time.time(), None))
+
+    def expect(self, pattern, timeout=300):
+        deadline = time.time() + timeout
+        while True:
+            try:
+                at, line = self.lines.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                raise SystemExit(f"timed out waiting for {pattern!r}:\n" + "\n".join(self.seen[-40:]))
+            if line is None:
+                raise SystemExit(f"job ended before {pattern!r}:\n" + "\n".join(self.seen[-40:]))
+            self.seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return at, m, line
+
+    def pid(self, label):
+        for line in reversed(self.seen):
+            m = re.match(rf"launch: rank {label} pid (\d+)", line)
+            if m:
+                return int(m.group(1))
+        raise SystemExit(f"no pid for rank {label}")
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for line in reversed(self.seen):
+            m = re.match(r"launch: .*process group (\d+)", line)
+            if m:
+                try:
+                    os.killpg(int(m.group(1)), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.proc.wait()
+
+
+def train_args(ckpt, preset, steps, resume=False):
+    args = ["--preset", preset, "--steps", str(steps), "--ckpt", f"file://{ckpt}",
+            "--ckpt-every", "10", "--log-every", "1", "--keep", "2"]
+    if resume:
+        args.append("--resume")
+    return args
+
+
+def elastic_once(fault, scratch, preset, steps):
+    shutil.rmtree(scratch, ignore_errors=True)
+    job = Job(["--nproc", "4", "--min-ranks", "3", "--"] + train_args(scratch, preset, steps))
+    try:
+        job.expect(r"\] step 13 loss")
+        pid = job.pid(2)
+        t_fault = time.time()
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        _, m, _ = job.expect(r"recovery: generation")
+        m = RECOVERY.search(m.string)
+        noticed = int(m.group(4)) / 1e3
+        return {
+            "detect_ms": (noticed - t_fault) * 1e3,
+            "abort_ms": float(m.group(5)),
+            "rendezvous_ms": float(m.group(6)),
+            "ring_ms": float(m.group(7)),
+            "load_ms": float(m.group(8)),
+            "first_step_ms": float(m.group(9)),
+            "fault_to_training_ms": (noticed - t_fault) * 1e3 + float(m.group(10)),
+        }
+    finally:
+        if fault == "stop":
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except (ProcessLookupError, UnboundLocalError):
+                pass
+        job.kill()
+
+
+def restart_once(scratch, preset, steps):
+    """The torchrun way: on a failure, stop every rank and start the job again."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    job = Job(["--nproc", "4", "--"] + train_args(scratch, preset, steps))
+    job.expect(r"\] step 13 loss")
+    t_fault = time.time()
+    job.kill()
+    again = Job(["--nproc", "3", "--"] + train_args(scratch, preset, steps, resume=True))
+    try:
+        _, m, _ = again.expect(r"resumed from step (\d+)")
+        resumed = int(m.group(1))
+        at, _, _ = again.expect(rf"\] step {resumed + 1} loss")
+        return {"fault_to_training_ms": (at - t_fault) * 1e3}
+    finally:
+        again.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--scratch", default="/tmp/ckpt-recovery-bench")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if not os.path.exists(BIN):
+        sys.exit(f"{BIN} missing: cargo build --release -p ckpt-trainer")
+    runs = {"kill": [], "stop": [], "restart": []}
+    for rep in range(a.reps):
+        for fault in ("kill", "stop"):
+            r = elastic_once(fault, a.scratch, a.preset, a.steps)
+            runs[fault].append(r)
+            print(f"rep {rep + 1} {fault}: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
+        r = restart_once(a.scratch, a.preset, a.steps)
+        runs["restart"].append(r)
+        print(f"rep {rep + 1} full restart: {r['fault_to_training_ms']:.0f} ms", file=sys.stderr)
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        for name, rs in runs.items()
+    }
+    for fault in ("kill", "stop"):
+        med[fault]["speedup_vs_restart"] = (
+            med["restart"]["fault_to_training_ms"] / med[fault]["fault_to_training_ms"]
+        )
+    print(json.dumps({"median": med, "runs": runs}, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"median": med, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
