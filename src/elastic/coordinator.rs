@@ -36,6 +36,8 @@ const MAX_KEYS: usize = 4096;
 const MAX_ID: usize = 256;
 /// Time a new connection has to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on one write to a member.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the timeouts are checked.
 const TICK: Duration = Duration::from_millis(10);
 /// Events kept for [`CoordinatorHandle::events`].
@@ -235,7 +237,7 @@ impl CoordinatorHandle {
         {
             let core = self.shared.lock();
             for conn in core.conns.values() {
-                let _ = conn.socket.shutdown(Shutdown::Both);
+                conn.close();
             }
         }
         self.shared.ticker.notify_all();
@@ -259,6 +261,12 @@ impl CoordinatorHandle {
     /// The newest generation number known.
     pub fn generation(&self) -> u64 {
         self.shared.lock().newest
+    }
+
+    /// Members waiting for a generation (new members while one runs, members
+    /// beyond `max_ranks`, survivors between generations).
+    pub fn waiting(&self) -> usize {
+        self.shared.lock().waiting()
     }
 
     /// Every event so far (the newest 4096), oldest first.
@@ -371,6 +379,8 @@ fn tick_loop(shared: &Shared) {
 }
 
 fn write_lines(mut socket: TcpStream, outbox: Receiver<Arc<str>>) {
+    // A member that stops reading fills its socket buffer, then this times out.
+    let _ = socket.set_write_timeout(Some(WRITE_TIMEOUT));
     for line in outbox {
         if socket.write_all(line.as_bytes()).is_err() {
             break;
@@ -401,7 +411,7 @@ fn serve_connection(shared: &Shared, stream: TcpStream, peer: SocketAddr) {
         return;
     };
     let (outbox, lines) = sync_channel(OUTBOX);
-    let id = shared.with_core(|core| core.register(for_core, outbox, peer));
+    let id = shared.with_core(|core| core.register(Some(for_core), outbox, peer));
     let Some(id) = id else {
         warn!(%peer, "too many connections; refused");
         refuse(stream, "too many connections");
@@ -473,7 +483,8 @@ enum Outcome {
 
 struct Conn {
     outbox: SyncSender<Arc<str>>,
-    socket: TcpStream,
+    /// `None` only in unit tests of [`Core`].
+    socket: Option<TcpStream>,
     peer: SocketAddr,
     member: Option<Member>,
     last_seen: Instant,
@@ -489,6 +500,12 @@ struct Conn {
 }
 
 impl Conn {
+    fn close(&self) {
+        if let Some(socket) = &self.socket {
+            let _ = socket.shutdown(Shutdown::Both);
+        }
+    }
+
     fn id(&self) -> &str {
         self.member.as_ref().map_or("?", |m| m.id.as_str())
     }
@@ -567,7 +584,7 @@ impl Core {
 
     fn register(
         &mut self,
-        socket: TcpStream,
+        socket: Option<TcpStream>,
         outbox: SyncSender<Arc<str>>,
         peer: SocketAddr,
     ) -> Option<ConnId> {
@@ -617,7 +634,7 @@ impl Core {
             Ok(()) | Err(TrySendError::Disconnected(_)) => {}
             Err(TrySendError::Full(_)) => {
                 warn!(member = conn.id(), peer = %conn.peer, "member does not read; disconnecting it");
-                let _ = conn.socket.shutdown(Shutdown::Both);
+                conn.close();
             }
         }
     }
@@ -1528,7 +1545,8 @@ impl Core {
         let Some(conn) = self.conns.remove(&c) else {
             return;
         };
-        let _ = conn.socket.shutdown(Shutdown::Both);
+        // Dropping the outbox lets the writer send what is queued (a final error),
+        // then close the socket.
         let Some(member) = conn.member else {
             return;
         };
