@@ -354,3 +354,219 @@ impl Drop for Agent {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::sync::Condvar;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A scripted control plane: directives and assignments pushed by the test.
+    #[derive(Default)]
+    struct Fake {
+        state: Mutex<FakeState>,
+        changed: Condvar,
+    }
+
+    #[derive(Default)]
+    struct FakeState {
+        directives: VecDeque<Directive>,
+        assignment: Option<Assignment>,
+        heartbeats: Vec<(u64, Progress)>,
+        watch_calls: usize,
+    }
+
+    impl Fake {
+        fn lock(&self) -> MutexGuard<'_, FakeState> {
+            self.state.lock().unwrap()
+        }
+
+        fn push(&self, directive: Directive) {
+            self.lock().directives.push_back(directive);
+            self.changed.notify_all();
+        }
+
+        fn assign(&self, generation: u64) {
+            self.lock().assignment = Some(Assignment {
+                generation,
+                rank: 0,
+                world_size: 1,
+                members: Vec::new(),
+                checkpoint_generation_floor: 0,
+                cause: "test".into(),
+            });
+            self.changed.notify_all();
+        }
+
+        /// Waits (bounded) until the agent thread has taken and applied every
+        /// directive: it watches again only after applying the last one.
+        fn drained(&self) {
+            let limit = Duration::from_secs(10);
+            let state = self.lock();
+            let (state, _) = self
+                .changed
+                .wait_timeout_while(state, limit, |s| !s.directives.is_empty())
+                .unwrap();
+            assert!(state.directives.is_empty(), "the agent did not watch");
+            let calls = state.watch_calls;
+            let (state, _) = self
+                .changed
+                .wait_timeout_while(state, limit, |s| s.watch_calls <= calls)
+                .unwrap();
+            assert!(state.watch_calls > calls, "the agent did not watch again");
+        }
+    }
+
+    impl ControlPlane for Fake {
+        fn rendezvous(&self, after: u64, _: &Cancel) -> Result<Assignment, ElasticError> {
+            let state = self.lock();
+            let (state, _) = self
+                .changed
+                .wait_timeout_while(state, Duration::from_secs(10), |s| {
+                    s.assignment.as_ref().is_none_or(|a| a.generation <= after)
+                })
+                .unwrap();
+            state
+                .assignment
+                .clone()
+                .ok_or_else(|| ElasticError::Timeout("no assignment".into()))
+        }
+
+        fn heartbeat(&self, generation: u64, progress: &Progress) -> Result<(), ElasticError> {
+            self.lock().heartbeats.push((generation, progress.clone()));
+            self.changed.notify_all();
+            Ok(())
+        }
+
+        fn watch(&self, _: u64, timeout: Duration) -> Result<Option<Directive>, ElasticError> {
+            let mut state = self.lock();
+            state.watch_calls += 1;
+            self.changed.notify_all();
+            let (mut state, _) = self
+                .changed
+                .wait_timeout_while(state, timeout, |s| s.directives.is_empty())
+                .unwrap();
+            let directive = state.directives.pop_front();
+            self.changed.notify_all();
+            Ok(directive)
+        }
+
+        fn report(&self, _: u64, _: &Report) -> Result<(), ElasticError> {
+            Ok(())
+        }
+
+        fn kv_set(&self, _: u64, _: &str, _: &str) -> Result<(), ElasticError> {
+            Ok(())
+        }
+
+        fn kv_get(&self, _: u64, _: &str, _: &Cancel, _: Duration) -> Result<String, ElasticError> {
+            Err(ElasticError::Timeout("fake".into()))
+        }
+    }
+
+    fn agent(fake: &Arc<Fake>) -> Agent {
+        let config = AgentConfig {
+            heartbeat_interval: Duration::from_millis(20),
+        };
+        Agent::new(fake.clone(), config)
+    }
+
+    fn restart(generation: u64) -> Directive {
+        Directive::Restart {
+            generation,
+            cause: "test".into(),
+        }
+    }
+
+    fn counter(agent: &Agent) -> Arc<AtomicUsize> {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        agent.set_abort_hook(Box::new(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }));
+        calls
+    }
+
+    #[test]
+    fn a_restart_that_overtakes_its_assignment_still_cancels_that_generation() {
+        let fake = Arc::new(Fake::default());
+        let agent = agent(&fake);
+        fake.push(restart(1));
+        fake.drained();
+        fake.assign(1);
+        agent.rendezvous().unwrap();
+        assert!(agent.cancel().is_cancelled());
+        assert_eq!(agent.directive(), Some(restart(1)));
+        // The hook set afterwards runs at once.
+        assert_eq!(counter(&agent).load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn the_abort_hook_runs_once_per_generation() {
+        let fake = Arc::new(Fake::default());
+        let agent = agent(&fake);
+        fake.assign(1);
+        agent.rendezvous().unwrap();
+        let calls = counter(&agent);
+        fake.push(restart(0));
+        fake.push(Directive::Regroup {
+            generation: 1,
+            cause: "grow".into(),
+        });
+        fake.drained();
+        assert!(agent.regroup_requested());
+        assert!(
+            !agent.cancel().is_cancelled(),
+            "old restarts and regroups do not abort"
+        );
+        fake.push(restart(1));
+        fake.push(Directive::Stale { current: 1 });
+        fake.drained();
+        assert!(agent.cancel().wait_timeout(Duration::from_secs(10)));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(agent.directive(), Some(Directive::Stale { current: 1 }));
+
+        fake.assign(2);
+        agent.rendezvous().unwrap();
+        assert!(!agent.cancel().is_cancelled());
+        assert!(!agent.regroup_requested());
+        assert_eq!(agent.directive(), None);
+        let calls = counter(&agent);
+        fake.push(Directive::Stale { current: 1 });
+        fake.drained();
+        assert!(
+            !agent.cancel().is_cancelled(),
+            "stale about an older generation"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn heartbeats_carry_the_generation_and_the_training_threads_marks() {
+        let fake = Arc::new(Fake::default());
+        let agent = agent(&fake);
+        fake.assign(3);
+        agent.rendezvous().unwrap();
+        agent.progress(17);
+        agent.collective_started();
+        agent.set_checkpoint_generation(5);
+        agent.set_checkpoint_generation(4);
+        let state = fake.lock();
+        let (state, _) = fake
+            .changed
+            .wait_timeout_while(state, Duration::from_secs(10), |s| {
+                !s.heartbeats
+                    .iter()
+                    .any(|(g, p)| *g == 3 && p.in_collective && p.step == 17)
+            })
+            .unwrap();
+        let (_, progress) = state
+            .heartbeats
+            .iter()
+            .rev()
+            .find(|(g, p)| *g == 3 && p.in_collective)
+            .expect("a heartbeat from inside the collective");
+        assert_eq!(progress.checkpoint_generation, 5);
+    }
+}
