@@ -4,7 +4,7 @@
 //! applies them to the shared state) and a writer thread (drains a bounded outbox,
 //! so that a member that stops reading can never block the coordinator: when its
 //! outbox is full it is disconnected). A ticker thread applies the timeouts. All
-//! decisions are made by [`Core`] under one mutex, from messages and the clock only,
+//! decisions are made by one `Core` under one mutex, from messages and the clock only,
 //! which keeps the rules in one place and testable without sockets.
 //!
 //! The coordinator keeps nothing that matters across its own restart: generation
@@ -32,6 +32,9 @@ const OUTBOX: usize = 256;
 const MAX_CONNECTIONS: usize = 1024;
 /// Keys per generation's key-value space.
 const MAX_KEYS: usize = 4096;
+/// Largest generation number accepted from a member: far beyond any real job, and
+/// small enough that counting up from it cannot overflow.
+const MAX_GENERATION: u64 = 1 << 53;
 /// Longest member id accepted.
 const MAX_ID: usize = 256;
 /// Time a new connection has to say hello.
@@ -666,6 +669,20 @@ impl Core {
         };
         conn.last_seen = now;
         let hello_done = conn.member.is_some();
+        let numbers = match &message {
+            ClientMessage::Hello { seen, claim, .. } => {
+                vec![*seen, claim.as_ref().map_or(0, |a| a.generation)]
+            }
+            ClientMessage::Rendezvous { after } => vec![*after],
+            ClientMessage::Heartbeat { generation, .. }
+            | ClientMessage::Report { generation, .. }
+            | ClientMessage::KvSet { generation, .. } => vec![*generation],
+        };
+        if let Some(bad) = numbers.into_iter().find(|&g| g > MAX_GENERATION) {
+            let text = format!("generation {bad} is out of range (at most {MAX_GENERATION})");
+            self.error(c, &text, false);
+            return Outcome::Continue;
+        }
         match message {
             ClientMessage::Hello {
                 version,
@@ -905,11 +922,7 @@ impl Core {
             }
             self.leave_running(&id, now);
         }
-        if after > self.newest && !matches!(self.phase, Phase::Settling { .. }) {
-            // A member from before a restart we did not see the hello of; numbers
-            // must stay above what it knew.
-            self.newest = after;
-        }
+        // Numbers stay above whatever the member knew (also from before a restart).
         self.newest = self.newest.max(after);
         let arrival = self.next_arrival;
         self.next_arrival += 1;
@@ -1758,6 +1771,10 @@ mod tests {
         h.send(a, heartbeat(4), 1300);
         h.send(a, heartbeat(4), 1400);
         assert!(h.received(a).is_empty());
+        h.send(a, heartbeat(u64::MAX), 1450);
+        assert!(
+            matches!(&h.received(a)[..], [ServerMessage::Error { message, .. }] if message.contains("out of range"))
+        );
         h.send(a, heartbeat(40), 1500);
         assert!(matches!(
             &h.received(a)[..],
