@@ -62,6 +62,7 @@ pub mod commit;
 pub mod commits;
 mod direct;
 pub mod dtype;
+pub mod elastic;
 mod error;
 mod failpoint;
 pub mod format;
