@@ -233,6 +233,8 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
         progress_timeout: Duration::from_secs_f64(args.progress_timeout_secs),
         join_timeout: Duration::from_secs_f64(args.join_timeout_secs),
         rendezvous_timeout: Duration::from_secs_f64(args.rendezvous_timeout_secs),
+        // A restarted coordinator waits as long as a member may stay silent.
+        settle: Duration::from_secs_f64(args.heartbeat_timeout_secs),
     };
     let coordinator = match ckpt::elastic::Coordinator::bind(args.listen, config) {
         Ok(coordinator) => coordinator,

@@ -67,6 +67,11 @@ pub struct CoordinatorConfig {
     pub join_timeout: Duration,
     /// Below `min_ranks` this long: Shutdown to all (120 s).
     pub rendezvous_timeout: Duration,
+    /// How long a freshly started coordinator waits for the members of a running
+    /// generation to reconnect and announce it before forming a new one (5 s, the
+    /// heartbeat timeout). A launcher that starts a new job with its own coordinator
+    /// sets zero: there is no running generation to adopt.
+    pub settle: Duration,
 }
 
 impl CoordinatorConfig {
@@ -81,6 +86,7 @@ impl CoordinatorConfig {
             progress_timeout: Duration::from_secs(30),
             join_timeout: Duration::from_secs(10),
             rendezvous_timeout: Duration::from_secs(120),
+            settle: Duration::from_secs(5),
         }
     }
 
@@ -519,6 +525,10 @@ struct Running {
     /// Member ids, index = rank.
     members: Vec<String>,
     regroup_sent: bool,
+    /// A member ended the generation at an agreed checkpoint boundary (a regroup,
+    /// a stop, a member leaving after its final save): those who come to the
+    /// rendezvous are not a failure, and the others are not aborted.
+    at_boundary: bool,
 }
 
 enum Phase {
@@ -565,7 +575,7 @@ struct Core {
 
 impl Core {
     fn new(config: CoordinatorConfig, now: Instant) -> Core {
-        let until = now + config.heartbeat_timeout;
+        let until = now + config.settle;
         Core {
             config,
             phase: Phase::Settling { until },
@@ -969,8 +979,8 @@ impl Core {
         let Phase::Running(running) = &self.phase else {
             return;
         };
-        if running.regroup_sent {
-            // Everybody was asked to come at their checkpoint boundary: no abort.
+        if running.regroup_sent || running.at_boundary {
+            // Everybody comes at their checkpoint boundary: no abort.
             let previous = running.generation;
             let expected = self.connected(&running.members);
             info!(
@@ -1049,10 +1059,32 @@ impl Core {
                         self.restart(cause, &[id], false, now);
                     }
                     Report::Leaving { reason } => {
+                        // Leaving is not a failure: the member leaves at a point the
+                        // whole world agreed on (its final save committed, or the job
+                        // finished), so the others are not aborted; they rendezvous
+                        // again by themselves and form the next generation without
+                        // it. (If they went on training instead, the member's exit
+                        // would fail their next collective, which they report.)
                         let cause = format!("member {id} (rank {rank}) left: {reason}");
-                        self.restart(cause, &[id], false, now);
+                        info!(generation, "{cause}");
+                        running.members.retain(|m| *m != id);
+                        running.at_boundary = true;
+                        if let Some(conn) = self.conns.get_mut(&c) {
+                            conn.generation = None;
+                        }
+                        self.cause = cause;
+                        if running.members.is_empty() {
+                            self.phase = Phase::Gathering { min_since: None };
+                        }
                     }
                     Report::Committed { step } => self.maybe_regroup(step),
+                    Report::Ended { step } => {
+                        info!(
+                            generation,
+                            step, "member {id} (rank {rank}) ended the generation at a checkpoint"
+                        );
+                        running.at_boundary = true;
+                    }
                 }
             }
             Phase::Rejoin {
@@ -1339,6 +1371,7 @@ impl Core {
             generation,
             members: ids,
             regroup_sent: false,
+            at_boundary: false,
         });
     }
 
@@ -1400,6 +1433,7 @@ impl Core {
             generation: newest_claim,
             members: ids,
             regroup_sent: false,
+            at_boundary: false,
         });
         for (c, generation) in older {
             if let Some(conn) = self.conns.get_mut(&c) {
@@ -1612,6 +1646,7 @@ mod tests {
         fn new(min: usize, max: usize) -> Harness {
             let mut config = CoordinatorConfig::new("job", min, max);
             config.heartbeat_timeout = Duration::from_secs(1);
+            config.settle = config.heartbeat_timeout;
             let t0 = Instant::now();
             Harness {
                 core: Core::new(config, t0),

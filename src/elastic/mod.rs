@@ -61,8 +61,9 @@
 //! - *Coordinator restart*: the coordinator keeps nothing that matters across a
 //!   restart. Each [`TcpControlPlane`] reconnects to the same address and re-announces
 //!   the generation it is running. When all members of a claimed generation come
-//!   back with the same view within a settle window (`heartbeat_timeout`: a member
-//!   that cannot come back by then would be declared lost anyway), the new coordinator
+//!   back with the same view within a settle window (`CoordinatorConfig::settle`, by
+//!   default the heartbeat timeout: a member that cannot come back by then would be
+//!   declared lost anyway), the new coordinator
 //!   adopts it and training never stops. Otherwise it restarts the claimants into a
 //!   generation numbered above every number any member announced. Until the settle
 //!   window ends (or a generation is adopted) no generation forms, so a fresh member
@@ -195,6 +196,14 @@ pub enum Report {
     /// waiting, the coordinator answers with Regroup.
     Committed {
         /// The committed step.
+        step: u64,
+    },
+    /// This member ended the generation at a checkpoint boundary that every member
+    /// agreed on (a stop or a regroup whose save committed at `step`) and is about to
+    /// rendezvous again: the generation is over without a failure, so the others
+    /// are not aborted; they come to the rendezvous by themselves.
+    Ended {
+        /// The step committed at the boundary.
         step: u64,
     },
     /// Leaving on purpose (preempted after its final save, finished): not a failure.

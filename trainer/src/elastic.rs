@@ -86,7 +86,10 @@ struct AgentSupervisor<'a> {
 impl Supervisor for AgentSupervisor<'_> {
     fn progress(&self, step: u64) {
         self.agent.progress(step);
-        let mut first = self.first_progress.lock().unwrap_or_else(|p| p.into_inner());
+        let mut first = self
+            .first_progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         match *first {
             None => *first = Some((step, Instant::now())),
             Some((start, _)) if step > start => {
@@ -235,6 +238,11 @@ pub fn run(
                 if let Some(exit) = left(agent) {
                     return exit;
                 }
+                let now = unix_ms();
+                previous = Some(Previous {
+                    noticed_ms: now,
+                    aborted_ms: now,
+                });
                 continue;
             }
         };
@@ -278,10 +286,10 @@ pub fn run(
             bootstrap: bootstrap_time,
             started,
         };
+        let done = AtomicBool::new(false);
         let outcome = std::thread::scope(|scope| {
             // Rank 0 prints the recovery line once the first step of this
             // generation completes (or the generation ends first).
-            let done = AtomicBool::new(false);
             if rank == 0 && watcher.previous.is_some() {
                 scope.spawn(|| watcher.report_when_stepped(&supervisor, &done));
             }
@@ -317,6 +325,10 @@ pub fn run(
                     step,
                     "generation ended at a committed checkpoint; regrouping"
                 );
+                // Not a failure: the others are not to be aborted on our account.
+                if let Err(e) = agent.report(Report::Ended { step }) {
+                    tracing::warn!(generation, error = %e, "could not report the end of the generation");
+                }
             }
             Err(e) => {
                 let aborted_ms = unix_ms();
@@ -328,6 +340,18 @@ pub fn run(
                 if let Some(exit) = left(agent) {
                     comm.abort();
                     return exit;
+                }
+                if stop.load(Ordering::SeqCst) {
+                    // A signal asked this rank to stop: it does not rejoin.
+                    comm.abort();
+                    let _ = agent.report(Report::Leaving {
+                        reason: format!(
+                            "stopped by a signal; the final save did not complete: {e}"
+                        ),
+                    });
+                    return Exit::Failed(format!(
+                        "stopped by a signal before the final save committed: {e}"
+                    ));
                 }
                 if seen_first {
                     match &e {

@@ -259,61 +259,67 @@ struct Slot {
     status: Option<ExitStatus>,
 }
 
-fn spawn_elastic(
-    exe: &std::path::Path,
-    config: &LaunchConfig,
-    elastic: &ElasticLaunch,
+/// Starts rank processes of one elastic node.
+struct Spawner<'a> {
+    exe: std::path::PathBuf,
+    config: &'a LaunchConfig,
+    elastic: &'a ElasticLaunch,
     rdzv: SocketAddr,
-    run_id: &str,
-    local: usize,
-    incarnation: usize,
-    pgid: &mut i32,
-    pumps: &mut Vec<std::thread::JoinHandle<()>>,
-) -> std::io::Result<Child> {
-    let label = elastic.node_id * config.nproc + local;
-    let mut command = Command::new(exe);
-    command
-        .args(&config.args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env("LOCAL_RANK", local.to_string())
-        .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
-        .env("CKPT_RDZV", rdzv.to_string())
-        .env("CKPT_JOB_ID", &elastic.job)
-        .env("CKPT_NODE_ID", elastic.node_id.to_string())
-        .env(
-            "CKPT_MEMBER_ID",
-            format!("n{}-l{local}-i{incarnation}", elastic.node_id),
-        )
-        .env("CKPT_RUN_ID", run_id)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(*pgid);
-    let mut child = command.spawn()?;
-    if *pgid == 0 {
-        *pgid = child.id() as i32;
-        say(format_args!(
-            "launch: node {} with {} ranks, coordinator {rdzv}, job {}, process group {pgid}",
-            elastic.node_id, config.nproc, elastic.job
+    run_id: String,
+    pgid: i32,
+    pumps: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Spawner<'_> {
+    /// Starts local rank `local` (its `incarnation`-th process) and prints its line.
+    fn spawn(&mut self, local: usize, incarnation: usize) -> std::io::Result<Child> {
+        let (config, elastic) = (self.config, self.elastic);
+        let label = elastic.node_id * config.nproc + local;
+        let mut command = Command::new(&self.exe);
+        command
+            .args(&config.args)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
+            .env("CKPT_RDZV", self.rdzv.to_string())
+            .env("CKPT_JOB_ID", &elastic.job)
+            .env("CKPT_NODE_ID", elastic.node_id.to_string())
+            .env(
+                "CKPT_MEMBER_ID",
+                format!("n{}-l{local}-i{incarnation}", elastic.node_id),
+            )
+            .env("CKPT_RUN_ID", &self.run_id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(self.pgid);
+        let mut child = command.spawn()?;
+        if self.pgid == 0 {
+            self.pgid = child.id() as i32;
+            say(format_args!(
+                "launch: node {} with {} ranks, coordinator {}, job {}, process group {}",
+                elastic.node_id, config.nproc, self.rdzv, elastic.job, self.pgid
+            ));
+        }
+        if incarnation == 0 {
+            say(format_args!("launch: rank {label} pid {}", child.id()));
+        } else {
+            say(format_args!(
+                "launch: rank {label} pid {} (restart {incarnation})",
+                child.id()
+            ));
+        }
+        let prefix = format!("[rank {label}] ");
+        self.pumps.push(stream(
+            child.stdout.take().expect("piped"),
+            prefix.clone(),
+            false,
         ));
+        self.pumps
+            .push(stream(child.stderr.take().expect("piped"), prefix, true));
+        Ok(child)
     }
-    if incarnation == 0 {
-        say(format_args!("launch: rank {label} pid {}", child.id()));
-    } else {
-        say(format_args!(
-            "launch: rank {label} pid {} (restart {incarnation})",
-            child.id()
-        ));
-    }
-    let prefix = format!("[rank {label}] ");
-    pumps.push(stream(
-        child.stdout.take().expect("piped"),
-        prefix.clone(),
-        false,
-    ));
-    pumps.push(stream(child.stderr.take().expect("piped"), prefix, true));
-    Ok(child)
 }
 
 fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
@@ -334,15 +340,18 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         (None, None) => unreachable!("hosted when no address is given"),
     };
     let _coordinator = hosted.map(Coordinator::spawn);
-    let exe = std::env::current_exe()?;
-    let run_id = std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id());
-    let mut pumps = Vec::new();
-    let mut pgid = 0;
+    let mut spawner = Spawner {
+        exe: std::env::current_exe()?,
+        config,
+        elastic,
+        rdzv,
+        run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id()),
+        pgid: 0,
+        pumps: Vec::new(),
+    };
     let mut slots = Vec::with_capacity(config.nproc);
     for local in 0..config.nproc {
-        let child = spawn_elastic(
-            &exe, config, elastic, rdzv, &run_id, local, 0, &mut pgid, &mut pumps,
-        )?;
+        let child = spawner.spawn(local, 0)?;
         slots.push(Slot {
             label: elastic.node_id * config.nproc + local,
             child: Some(child),
@@ -366,16 +375,16 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             }
         }
         let mut stop_all = false;
-        for local in 0..slots.len() {
-            let Some(child) = slots[local].child.as_mut() else {
+        for (local, slot) in slots.iter_mut().enumerate() {
+            let Some(child) = slot.child.as_mut() else {
                 continue;
             };
             let Some(status) = child.try_wait()? else {
                 continue;
             };
-            let label = slots[local].label;
-            slots[local].child = None;
-            slots[local].status = Some(status);
+            let label = slot.label;
+            slot.child = None;
+            slot.status = Some(status);
             let code = code_of(status);
             if code == 0 || (code == EXIT_STOPPED && forwarded > 0) {
                 continue;
@@ -387,21 +396,10 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             }
             if restarts < elastic.max_restarts {
                 restarts += 1;
-                let incarnation = slots[local].incarnation + 1;
-                let child = spawn_elastic(
-                    &exe,
-                    config,
-                    elastic,
-                    rdzv,
-                    &run_id,
-                    local,
-                    incarnation,
-                    &mut pgid,
-                    &mut pumps,
-                )?;
-                slots[local].child = Some(child);
-                slots[local].incarnation = incarnation;
-                slots[local].status = None;
+                let incarnation = slot.incarnation + 1;
+                slot.child = Some(spawner.spawn(local, incarnation)?);
+                slot.incarnation = incarnation;
+                slot.status = None;
             } else if !elastic.shrink {
                 stop_all = true;
             } else {
@@ -429,13 +427,10 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for pump in pumps {
+    for pump in spawner.pumps {
         let _ = pump.join();
     }
-    let codes: Vec<i32> = slots
-        .iter()
-        .filter_map(|s| s.status.map(code_of))
-        .collect();
+    let codes: Vec<i32> = slots.iter().filter_map(|s| s.status.map(code_of)).collect();
     Ok(if codes.contains(&0) && kill_at.is_none() {
         // Some rank trained to the end: the job finished, whatever it recovered from.
         0

@@ -21,8 +21,8 @@
 //! semantics of the saved state, the modes and what each costs.
 
 pub mod bench;
-pub mod elastic;
 pub mod collective;
+pub mod elastic;
 pub mod fixed;
 pub mod launch;
 pub mod model;

@@ -10,9 +10,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use ckpt::elastic::{Agent, AgentConfig, CoordinatorConfig, Member, TcpControlPlane, TcpSettings};
 use ckpt::storage::Store;
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
-use ckpt::elastic::{Agent, AgentConfig, CoordinatorConfig, Member, TcpControlPlane};
 use ckpt_trainer::elastic::{self as elastic_rank, Exit};
 use ckpt_trainer::launch::{self, EXIT_STOPPED, ElasticLaunch, LaunchConfig};
 use ckpt_trainer::model::Preset;
@@ -378,6 +378,11 @@ fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
         }
     };
     let mut coordinator = CoordinatorConfig::new(job.clone(), min_ranks, max_ranks);
+    if rdzv.is_none() || args.host_rdzv {
+        // A coordinator this launcher starts for its job has no running generation
+        // to wait for.
+        coordinator.settle = Duration::ZERO;
+    }
     coordinator.heartbeat_timeout =
         positive_secs(args.heartbeat_timeout_secs, "--heartbeat-timeout-secs")?;
     coordinator.progress_timeout =
@@ -449,6 +454,11 @@ fn run_probe(args: ProbeArgs) -> ExitCode {
         Ok(k) => k.map(|(rank, at)| (rank as usize, at)),
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    // The launcher sends SIGTERM to the survivors as soon as the killed rank is
+    // reaped; the probe must outlive it long enough to report how its collective
+    // failed, which is what it is for (the flag is never read: the launcher's
+    // SIGKILL after its grace period ends a probe that hangs).
+    signals::install();
     let comm = match connect(&world, args.timeout_secs) {
         Ok(c) => c,
         Err(e) => return fail(EXIT_FAILED, e),
@@ -486,7 +496,11 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(s) => s,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    let rdzv = match std::env::var("CKPT_RDZV").ok().map(|r| parse_rdzv(&r)).transpose() {
+    let rdzv = match std::env::var("CKPT_RDZV")
+        .ok()
+        .map(|r| parse_rdzv(&r))
+        .transpose()
+    {
         Ok(r) => r,
         Err(e) => return fail(EXIT_USAGE, format!("CKPT_RDZV: {e}")),
     };
@@ -524,7 +538,9 @@ fn run_train(args: TrainArgs) -> ExitCode {
     };
     let world = match (world, rdzv) {
         (Some(world), _) => world,
-        (None, Some(rdzv)) => return run_elastic_rank(rdzv, &runtime, store.as_ref(), &config, &args),
+        (None, Some(rdzv)) => {
+            return run_elastic_rank(rdzv, &runtime, store.as_ref(), &config, &args);
+        }
         (None, None) => unreachable!("either a fixed world or a coordinator"),
     };
     let comm = match connect(&world, args.timeout_secs) {
@@ -587,7 +603,12 @@ fn run_elastic_rank(
 ) -> ExitCode {
     let ip = match elastic_rank::local_ip_towards(rdzv) {
         Ok(ip) => ip,
-        Err(e) => return fail(EXIT_FAILED, format!("no route to the coordinator {rdzv}: {e}")),
+        Err(e) => {
+            return fail(
+                EXIT_FAILED,
+                format!("no route to the coordinator {rdzv}: {e}"),
+            );
+        }
     };
     let env = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
     let member = Member {
@@ -596,22 +617,38 @@ fn run_elastic_rank(
         host: ip.to_string(),
         node: env("CKPT_NODE_ID").unwrap_or_else(|| ip.to_string()),
     };
-    let plane = match TcpControlPlane::connect(rdzv, member.clone()) {
+    let plane = match TcpControlPlane::connect(rdzv, member.clone(), TcpSettings::default()) {
         Ok(p) => p,
-        Err(e) => return fail(EXIT_FAILED, format!("member {}: coordinator {rdzv}: {e}", member.id)),
+        Err(e) => {
+            return fail(
+                EXIT_FAILED,
+                format!("member {}: coordinator {rdzv}: {e}", member.id),
+            );
+        }
     };
     let agent = Agent::new(std::sync::Arc::new(plane), AgentConfig::default());
     let tcp = TcpConfig {
         timeout: Duration::from_secs_f64(args.timeout_secs),
         ..TcpConfig::default()
     };
-    match elastic_rank::run(&agent, runtime.handle(), store, config, &tcp, ip, &signals::STOP) {
+    match elastic_rank::run(
+        &agent,
+        runtime.handle(),
+        store,
+        config,
+        &tcp,
+        ip,
+        &signals::STOP,
+    ) {
         Exit::Finished { step, loss } => {
             println!("done: step {step}, loss {loss:.6} (member {})", member.id);
             ExitCode::SUCCESS
         }
         Exit::Stopped { step } => {
-            eprintln!("member {}: stopped at step {step} after a committed checkpoint", member.id);
+            eprintln!(
+                "member {}: stopped at step {step} after a committed checkpoint",
+                member.id
+            );
             ExitCode::from(EXIT_STOPPED as u8)
         }
         Exit::Left(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),

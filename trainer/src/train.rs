@@ -182,13 +182,17 @@ impl Checkpointing {
     pub fn settle(&mut self, runtime: &tokio::runtime::Handle, limit: Duration) -> Option<u64> {
         let handle = self.pending.take()?;
         let step = handle.step();
-        match runtime.block_on(tokio::time::timeout(limit, handle.durable())) {
+        // The timer must be created inside the runtime.
+        match runtime.block_on(async { tokio::time::timeout(limit, handle.durable()).await }) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 tracing::warn!(step, error = %e, "the save left by the previous generation failed on this rank")
             }
             Err(_) => {
-                tracing::warn!(step, "the save left by the previous generation is not durable yet; leaving it")
+                tracing::warn!(
+                    step,
+                    "the save left by the previous generation is not durable yet; leaving it"
+                )
             }
         }
         Some(step)
@@ -851,9 +855,12 @@ fn load(
     let mut known: Vec<ckpt::Commit> = Vec::new();
     let (found, generation) = loop {
         let proposal = match walk.as_mut() {
-            Some(walk) => {
-                unless_cancelled(runtime, supervisor, "finding the newest commit", walk.next())?
-            }
+            Some(walk) => unless_cancelled(
+                runtime,
+                supervisor,
+                "finding the newest commit",
+                walk.next(),
+            )?,
             None => None,
         };
         let proposal = proposal.as_ref();

@@ -241,7 +241,9 @@ impl TcpCollective {
         })()
         .map_err(|e| io_err(op, Some(0), e))?;
         let next_addr = parse_addr(&table, (rank + 1) % world)?;
-        Self::connect_ring(rank, world, 0, listener, next_addr, config, deadline, &never)
+        Self::connect_ring(
+            rank, world, 0, listener, next_addr, config, deadline, &never,
+        )
     }
 
     /// Rank 0's side of the bootstrap, on an already bound rendezvous listener (tests
@@ -400,8 +402,8 @@ impl TcpCollective {
         // Accept until the predecessor of this generation shows up; anything else (a
         // stale rank of an older generation, a port scanner) is dropped with a warning.
         let prev = loop {
-            let mut stream = accept_until(&listener, deadline, op, aborted)
-                .map_err(|e| match e {
+            let mut stream =
+                accept_until(&listener, deadline, op, aborted).map_err(|e| match e {
                     CollectiveError::Aborted { .. } => e,
                     e => io_err(op, Some(prev_rank), e),
                 })?;
