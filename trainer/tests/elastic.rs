@@ -459,6 +459,36 @@ fn a_restarted_standalone_coordinator_lets_training_go_on() {
     assert_identical(reference_dir.path(), dir.path());
 }
 
+/// Launcher flags of node `id` of a two-node job (`--rdzv`: join that coordinator;
+/// none: host it).
+fn node_args(id: usize, job: &str, rdzv: Option<&str>) -> Vec<String> {
+    let mut v: Vec<String> = ["--nproc", "2", "--nnodes", "1:2", "--min-ranks", "2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.extend([
+        "--node-id".into(),
+        id.to_string(),
+        "--job-id".into(),
+        job.into(),
+    ]);
+    if let Some(r) = rdzv {
+        v.extend(["--rdzv".to_string(), r.to_string()]);
+    }
+    v
+}
+
+/// The `tcp://` address of the coordinator a launcher hosts, from its first line.
+fn hosted_coordinator(launch: &mut Launch) -> String {
+    let header = launch.expect("the coordinator's address", |l| l.contains("coordinator "));
+    let addr = header
+        .split("coordinator ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap();
+    format!("tcp://{addr}")
+}
+
 #[test]
 fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
     let _serial = one_at_a_time();
@@ -467,37 +497,9 @@ fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
     let mut args = train_args(dir.path(), 200);
     args.extend(["--fault-step-pause-ms".into(), "40".into()]);
     let args = as_strs(&args);
-    let node = |id: &str, rdzv: Option<&str>| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "--nproc",
-            "2",
-            "--nnodes",
-            "1:2",
-            "--min-ranks",
-            "2",
-            "--node-id",
-            id,
-            "--job-id",
-            "two-nodes",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        if let Some(r) = rdzv {
-            v.extend(["--rdzv".to_string(), r.to_string()]);
-        }
-        v
-    };
-    let mut node0 = Launch::start(&as_strs(&node("0", None)), &args);
-    let header = node0.expect("the coordinator's address", |l| l.contains("coordinator "));
-    let addr = header
-        .split("coordinator ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .unwrap()
-        .to_string();
-    let rdzv = format!("tcp://{addr}");
-    let mut node1 = Launch::start(&as_strs(&node("1", Some(&rdzv))), &args);
+    let mut node0 = Launch::start(&as_strs(&node_args(0, "two-nodes", None)), &args);
+    let rdzv = hosted_coordinator(&mut node0);
+    let mut node1 = Launch::start(&as_strs(&node_args(1, "two-nodes", Some(&rdzv))), &args);
     node0.expect("a world of 4", |l| l.contains("world 4"));
     // Lose node 1 whole: its launcher and every rank it started.
     node1.expect("node 1's ranks", |l| l.contains("launch: rank 3 pid"));
@@ -510,7 +512,7 @@ fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
         l.contains("recovery: generation") && l.contains("world 2")
     });
     // Relaunch node 1: the world grows back at a checkpoint boundary.
-    let node1 = Launch::start(&as_strs(&node("1", Some(&rdzv))), &args);
+    let node1 = Launch::start(&as_strs(&node_args(1, "two-nodes", Some(&rdzv))), &args);
     node0.expect("the world grown back to 4", |l| {
         l.contains("generation") && l.contains("world 4") && l.contains("grow")
     });
@@ -529,44 +531,9 @@ fn sigterm_to_one_node_makes_a_final_save_and_the_other_node_goes_on() {
     let mut args = train_args(dir.path(), 80);
     args.extend(["--fault-step-pause-ms".into(), "40".into()]);
     let args = as_strs(&args);
-    let mut node0 = Launch::start(
-        &[
-            "--nproc",
-            "2",
-            "--nnodes",
-            "1:2",
-            "--min-ranks",
-            "2",
-            "--job-id",
-            "term",
-        ],
-        &args,
-    );
-    let header = node0.expect("the coordinator's address", |l| l.contains("coordinator "));
-    let addr = header
-        .split("coordinator ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .unwrap()
-        .to_string();
-    let rdzv = format!("tcp://{addr}");
-    let node1 = Launch::start(
-        &[
-            "--nproc",
-            "2",
-            "--nnodes",
-            "1:2",
-            "--min-ranks",
-            "2",
-            "--node-id",
-            "1",
-            "--job-id",
-            "term",
-            "--rdzv",
-            &rdzv,
-        ],
-        &args,
-    );
+    let mut node0 = Launch::start(&as_strs(&node_args(0, "term", None)), &args);
+    let rdzv = hosted_coordinator(&mut node0);
+    let node1 = Launch::start(&as_strs(&node_args(1, "term", Some(&rdzv))), &args);
     node0.expect("a world of 4", |l| l.contains("world 4"));
     node0.expect("step 20", |l| l.contains("] step 20 loss"));
     let committed_before = commits(dir.path()).len();
