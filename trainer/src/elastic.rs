@@ -4,7 +4,7 @@
 //! Each turn of the loop: rendezvous (the control plane fixes this rank, the world
 //! size and the generation), build a TCP ring for that world from the addresses the
 //! ranks publish in the generation's key-value space, run
-//! [`run_supervised`](crate::train::run_supervised) (which resumes from the newest
+//! [`run_supervised`](crate::train::run_supervised()) (which resumes from the newest
 //! committed checkpoint, resharded for the new world), and see how it ended:
 //!
 //! - finished, or stopped by a signal after its final save: leave and exit;

@@ -465,7 +465,18 @@ pub fn run_supervised(
     }
     offsets.push(total);
 
-    let resumed = match (store, config.resume) {
+    // Whether to resume is decided together: in an elastic world a member that
+    // just joined (a relaunched rank) has never trained while the survivors resume,
+    // and all of them must run the same collectives.
+    let resume = match store {
+        Some(_) => {
+            let mut wanted = [i64::from(config.resume)];
+            comm.all_reduce_i64(&mut wanted)?;
+            wanted[0] > 0
+        }
+        None => false,
+    };
+    let resumed = match (store, resume) {
         (Some(store), true) => load(comm, runtime, store, config, &specs, supervisor)?,
         _ => None,
     };

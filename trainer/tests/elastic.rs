@@ -553,3 +553,76 @@ fn sigterm_to_one_node_makes_a_final_save_and_the_other_node_goes_on() {
     assert!(output0.contains("world 2"), "{output0}");
     assert_identical(reference_dir.path(), dir.path());
 }
+
+#[test]
+fn a_training_loop_stuck_in_a_live_process_is_found_by_its_progress_and_dropped() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 30);
+    let mut args = train_args(dir.path(), 30);
+    // Rank 1's training thread parks at step 12; its process and agent stay alive
+    // and keep sending heartbeats, and the other ranks wait in a collective.
+    args.extend(["--fault-hold".into(), "12:1:before-save".into()]);
+    let mut launch = Launch::start(
+        &[
+            "--nproc",
+            "3",
+            "--min-ranks",
+            "2",
+            "--progress-timeout-secs",
+            "3",
+        ],
+        &as_strs(&args),
+    );
+    let held = launch.expect("where a rank holds", |l| l.contains("fault: rank 1 holds"));
+    let victim = label_of(&held);
+    let line = launch.expect("a recovery", |l| l.contains("recovery: generation"));
+    assert!(line.contains("world 2"), "{line}");
+    assert!(
+        line.contains("no progress") || line.contains("hung") || line.contains("idle"),
+        "the cause names the stuck loop: {line}"
+    );
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the others must finish:\n{output}");
+    assert!(
+        output.contains(&format!("[rank {victim}] error: member")),
+        "the stuck rank is dropped and leaves:\n{output}"
+    );
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+#[test]
+fn a_failed_rank_is_relaunched_and_the_world_grows_back_to_its_size() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 60);
+    let mut args = train_args(dir.path(), 60);
+    args.extend(["--fault-hold".into(), "12:1:before-save".into()]);
+    args.extend(["--fault-step-pause-ms".into(), "30".into()]);
+    let mut launch = Launch::start(
+        &["--nproc", "3", "--min-ranks", "2", "--max-restarts", "1"],
+        &as_strs(&args),
+    );
+    let held = launch.expect("where a rank holds", |l| l.contains("fault: rank 1 holds"));
+    let victim = label_of(&held);
+    signal(pid_of(&launch.seen, victim), libc::SIGKILL);
+    let restarted = launch.expect("the relaunch", |l| {
+        l.starts_with(&format!("launch: rank {victim} pid")) && l.contains("(restart 1)")
+    });
+    // The relaunched rank joins the world again: at once when it arrives while the
+    // survivors re-form, else at the next checkpoint (a regroup).
+    launch.expect("the world back at 3 ranks", |l| {
+        l.contains("] generation") && l.contains("world 3") && !l.contains("initial")
+    });
+    let (status, output) = launch.finish();
+    assert!(status.success(), "{output}");
+    let new_pid = restarted
+        .split(" pid ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    assert_ne!(new_pid, "", "{restarted}");
+    assert_identical(reference_dir.path(), dir.path());
+}
