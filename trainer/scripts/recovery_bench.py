@@ -14,6 +14,11 @@ from the fault to the first completed step of the restarted job.
 
     cargo build --release -p ckpt-trainer
     python3 trainer/scripts/recovery_bench.py [--reps 5] [--preset small] [--json out.json]
+    python3 trainer/scripts/recovery_bench.py --goodput [--minutes 10 --kill-every 120]
+
+Goodput: useful steps per second of an elastic job that loses one rank every two minutes
+(relaunched by the launcher, so the world grows back), relative to the same job without
+failures measured in the same session.
 """
 
 import argparse
@@ -112,15 +117,18 @@ def elastic_once(fault, scratch, preset, steps):
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         _, m, _ = job.expect(r"recovery: generation")
         m = RECOVERY.search(m.string)
-        noticed = int(m.group(4)) / 1e3
+        detect = int(m.group(4)) - t_fault * 1e3
+        abort, rendezvous, ring, load, first = (float(m.group(i)) for i in range(5, 10))
         return {
-            "detect_ms": (noticed - t_fault) * 1e3,
-            "abort_ms": float(m.group(5)),
-            "rendezvous_ms": float(m.group(6)),
-            "ring_ms": float(m.group(7)),
-            "load_ms": float(m.group(8)),
-            "first_step_ms": float(m.group(9)),
-            "fault_to_training_ms": (noticed - t_fault) * 1e3 + float(m.group(10)),
+            "detect_ms": detect,
+            "abort_ms": abort,
+            "rendezvous_ms": rendezvous,
+            "ring_ms": ring,
+            "load_ms": load,
+            "first_step_ms": first,
+            # Training again: the survivors start their first step at N-1.
+            "to_training_ms": detect + abort + rendezvous + ring + load,
+            "to_first_step_ms": detect + float(m.group(10)),
         }
     finally:
         if fault == "stop":
@@ -132,20 +140,94 @@ def elastic_once(fault, scratch, preset, steps):
 
 
 def restart_once(scratch, preset, steps):
-    """The torchrun way: on a failure, stop every rank and start the job again."""
+    """The torchrun way: the launcher sees the failure and stops every rank; the job
+    is started again on the surviving size and resumes from the newest checkpoint."""
     shutil.rmtree(scratch, ignore_errors=True)
-    job = Job(["--nproc", "4", "--"] + train_args(scratch, preset, steps))
+    job = Job(["--nproc", "4", "--grace-secs", "30", "--"] + train_args(scratch, preset, steps))
     job.expect(r"\] step 13 loss")
+    pid = job.pid(2)
     t_fault = time.time()
-    job.kill()
+    os.kill(pid, signal.SIGKILL)
+    job.proc.wait()
     again = Job(["--nproc", "3", "--"] + train_args(scratch, preset, steps, resume=True))
     try:
-        _, m, _ = again.expect(r"resumed from step (\d+)")
+        at_loaded, m, _ = again.expect(r"resumed from step (\d+)")
         resumed = int(m.group(1))
-        at, _, _ = again.expect(rf"\] step {resumed + 1} loss")
-        return {"fault_to_training_ms": (at - t_fault) * 1e3}
+        at_step, _, _ = again.expect(rf"\] step {resumed + 1} loss")
+        return {
+            "to_training_ms": (at_loaded - t_fault) * 1e3,
+            "to_first_step_ms": (at_step - t_fault) * 1e3,
+        }
     finally:
         again.kill()
+
+
+def last_step(job):
+    """The highest step any rank logged so far (reads what arrived)."""
+    step = getattr(job, "last_step", 0)
+    while True:
+        try:
+            _, line = job.lines.get_nowait()
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        job.seen.append(line)
+        m = re.search(r"\[rank \d+\] step (\d+) loss", line)
+        if m:
+            step = max(step, int(m.group(1)))
+    job.last_step = step
+    return step
+
+
+def goodput(scratch, preset, minutes, every, free_secs):
+    """Useful steps per second of an elastic 4-rank job that loses a rank every
+    `every` seconds (relaunched: --max-restarts), relative to a failure-free run of the
+    same job measured for `free_secs` in the same session."""
+    import random
+
+    rng = random.Random(1)
+    args = ["--preset", preset, "--steps", "100000000", "--log-every", "1", "--keep", "2",
+            "--ckpt-every", "10"]
+    shutil.rmtree(scratch, ignore_errors=True)
+    free = Job(["--nproc", "4", "--min-ranks", "2", "--"] + args + ["--ckpt", f"file://{scratch}"])
+    free.expect(r"\] step 1 loss")
+    t0 = time.time()
+    s0 = last_step(free)
+    time.sleep(free_secs)
+    rate_free = (last_step(free) - s0) / (time.time() - t0)
+    free.kill()
+    shutil.rmtree(scratch, ignore_errors=True)
+    job = Job(["--nproc", "4", "--min-ranks", "2", "--max-restarts", "100", "--"] + args
+              + ["--ckpt", f"file://{scratch}"])
+    job.expect(r"\] step 1 loss")
+    t0 = time.time()
+    s0 = last_step(job)
+    kills = 0
+    deadline = t0 + minutes * 60
+    next_kill = t0 + every
+    while time.time() < deadline:
+        time.sleep(max(0.0, min(next_kill, deadline) - time.time()))
+        last_step(job)
+        if time.time() >= next_kill and time.time() < deadline:
+            label = rng.randrange(4)
+            os.kill(job.pid(label), signal.SIGKILL)
+            kills += 1
+            print(f"goodput: killed rank {label} at {time.time() - t0:.0f} s", file=sys.stderr)
+            next_kill += every
+    steps = last_step(job) - s0
+    wall = time.time() - t0
+    job.kill()
+    recoveries = sum(1 for l in job.seen if "recovery: generation" in l)
+    return {
+        "minutes": minutes,
+        "kill_every_s": every,
+        "kills": kills,
+        "recoveries": recoveries,
+        "failure_free_steps_per_s": rate_free,
+        "steps_per_s": steps / wall,
+        "goodput": (steps / wall) / rate_free,
+    }
 
 
 def main():
@@ -155,9 +237,17 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--scratch", default="/tmp/ckpt-recovery-bench")
     ap.add_argument("--json")
+    ap.add_argument("--goodput", action="store_true",
+                    help="instead: goodput of a run with a kill every --kill-every seconds")
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--kill-every", type=float, default=120)
+    ap.add_argument("--free-secs", type=float, default=120)
     a = ap.parse_args()
     if not os.path.exists(BIN):
         sys.exit(f"{BIN} missing: cargo build --release -p ckpt-trainer")
+    if a.goodput:
+        print(json.dumps(goodput(a.scratch, a.preset, a.minutes, a.kill_every, a.free_secs), indent=1))
+        return
     runs = {"kill": [], "stop": [], "restart": []}
     for rep in range(a.reps):
         for fault in ("kill", "stop"):
@@ -166,15 +256,14 @@ def main():
             print(f"rep {rep + 1} {fault}: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
         r = restart_once(a.scratch, a.preset, a.steps)
         runs["restart"].append(r)
-        print(f"rep {rep + 1} full restart: {r['fault_to_training_ms']:.0f} ms", file=sys.stderr)
+        print(f"rep {rep + 1} full restart: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
     med = {
         name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         for name, rs in runs.items()
     }
     for fault in ("kill", "stop"):
-        med[fault]["speedup_vs_restart"] = (
-            med["restart"]["fault_to_training_ms"] / med[fault]["fault_to_training_ms"]
-        )
+        for key in ("to_training_ms", "to_first_step_ms"):
+            med[fault][f"restart_over_elastic_{key[:-3]}"] = med["restart"][key] / med[fault][key]
     print(json.dumps({"median": med, "runs": runs}, indent=1))
     if a.json:
         with open(a.json, "w") as f:
