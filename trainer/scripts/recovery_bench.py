@@ -139,16 +139,27 @@ def elastic_once(fault, scratch, preset, steps):
         job.kill()
 
 
-def restart_once(scratch, preset, steps):
+def restart_once(scratch, preset, steps, fault="kill"):
     """The torchrun way: the launcher sees the failure and stops every rank; the job
-    is started again on the surviving size and resumes from the newest checkpoint."""
+    is started again on the surviving size and resumes from the newest checkpoint.
+    A stopped (hung) rank is seen only when the survivors' collectives time out
+    (`--timeout-secs`, 60 s by default), as NCCL's watchdog does."""
     shutil.rmtree(scratch, ignore_errors=True)
     job = Job(["--nproc", "4", "--grace-secs", "30", "--"] + train_args(scratch, preset, steps))
     job.expect(r"\] step 13 loss")
     pid = job.pid(2)
     t_fault = time.time()
-    os.kill(pid, signal.SIGKILL)
-    job.proc.wait()
+    os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    try:
+        job.proc.wait(timeout=600)
+    finally:
+        if fault == "stop":
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.kill()
     again = Job(["--nproc", "3", "--"] + train_args(scratch, preset, steps, resume=True))
     try:
         at_loaded, m, _ = again.expect(r"resumed from step (\d+)")
@@ -242,9 +253,18 @@ def main():
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--kill-every", type=float, default=120)
     ap.add_argument("--free-secs", type=float, default=120)
+    ap.add_argument("--restart-stop", action="store_true",
+                    help="instead: the full-restart baseline for a stopped (hung) rank")
     a = ap.parse_args()
     if not os.path.exists(BIN):
         sys.exit(f"{BIN} missing: cargo build --release -p ckpt-trainer")
+    if a.restart_stop:
+        runs = [restart_once(a.scratch, a.preset, a.steps, fault="stop") for _ in range(a.reps)]
+        for r in runs:
+            print("full restart after a hang: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(json.dumps({"median": med, "runs": runs}, indent=1))
+        return
     if a.goodput:
         print(json.dumps(goodput(a.scratch, a.preset, a.minutes, a.kill_every, a.free_secs), indent=1))
         return

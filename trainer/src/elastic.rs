@@ -79,6 +79,8 @@ pub fn local_ip_towards(target: SocketAddr) -> std::io::Result<IpAddr> {
 struct AgentSupervisor<'a> {
     agent: &'a Agent,
     cancel: Cancel,
+    /// Nesting depth of waits on others (a load runs collectives).
+    waiting: std::sync::atomic::AtomicUsize,
     first_progress: Mutex<Option<(u64, Instant)>>,
     first_step: Mutex<Option<Instant>>,
 }
@@ -99,10 +101,12 @@ impl Supervisor for AgentSupervisor<'_> {
             Some(_) => {}
         }
     }
-    fn in_collective(&self, active: bool) {
+    fn waiting(&self, active: bool) {
         if active {
-            self.agent.collective_started();
-        } else {
+            if self.waiting.fetch_add(1, Ordering::SeqCst) == 0 {
+                self.agent.collective_started();
+            }
+        } else if self.waiting.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.agent.collective_done();
         }
     }
@@ -261,6 +265,7 @@ pub fn run(
         let supervisor = AgentSupervisor {
             agent,
             cancel: cancel.clone(),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
             first_progress: Mutex::new(None),
             first_step: Mutex::new(None),
         };
@@ -272,6 +277,7 @@ pub fn run(
         if !first {
             // A test's fault happens once, in the first generation.
             generation_config.hold = None;
+            generation_config.device_error = None;
         }
         generation_config.run_id = Some(run_id(&assignment.members[rank].job, generation));
         first = false;

@@ -29,6 +29,7 @@
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
@@ -41,6 +42,10 @@ use crate::signals;
 /// Exit code of a rank (and of the launcher) that stopped on SIGTERM/SIGINT after
 /// committing a final checkpoint: 75 (`EX_TEMPFAIL`, "try again later": resume).
 pub const EXIT_STOPPED: i32 = 75;
+
+/// The environment variable that tells rank 0 which inherited descriptor is the
+/// rendezvous listener the launcher bound for it.
+pub const RENDEZVOUS_FD: &str = "CKPT_RENDEZVOUS_FD";
 
 /// What to launch.
 #[derive(Debug, Clone)]
@@ -132,18 +137,39 @@ fn kill(child: &Child, sig: i32) {
     }
 }
 
+/// Clears close-on-exec on `fd`, so that the program exec'd next inherits it.
+fn inherit(fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl(2) on a descriptor number reads and writes only the kernel's
+    // descriptor flags; a closed descriptor makes it fail, which is checked.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Runs the ranks to completion; returns the launcher's exit code.
 pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
     if let Some(elastic) = &config.elastic {
         return launch_elastic(config, elastic);
     }
     signals::install();
-    let port = match config.master_port {
-        Some(port) => port,
-        None => TcpListener::bind((config.master_addr, 0))?
-            .local_addr()?
-            .port(),
-    };
+    // The launcher binds the rendezvous listener itself and hands it to rank 0 (an
+    // inherited descriptor): choosing a free port by binding and releasing it would
+    // let another process take the port in between.
+    let mut rendezvous = Some(TcpListener::bind((
+        config.master_addr,
+        config.master_port.unwrap_or(0),
+    ))?);
+    let port = rendezvous
+        .as_ref()
+        .map(TcpListener::local_addr)
+        .transpose()?
+        .map_or(0, |a| a.port());
     let exe = std::env::current_exe()?;
     // One run id per launch, shared by its ranks: a relaunch that saves a step again
     // writes a new save attempt instead of meeting the old one's objects.
@@ -166,8 +192,22 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(pgid);
+        if rank == 0
+            && let Some(listener) = &rendezvous
+        {
+            let fd = listener.as_raw_fd();
+            command.env(RENDEZVOUS_FD, fd.to_string());
+            // SAFETY: the closure runs in the child between fork and exec, where only
+            // async-signal-safe calls are allowed: `inherit` makes two fcntl(2) calls
+            // on a descriptor the parent owns and keeps open until the spawn returned.
+            unsafe {
+                command.pre_exec(move || inherit(fd));
+            }
+        }
         let mut child = command.spawn()?;
         if rank == 0 {
+            // Rank 0 has its copy; the launcher's would keep the port bound forever.
+            rendezvous = None;
             pgid = child.id() as i32;
             say(format_args!(
                 "launch: {} ranks, rendezvous {}:{port}, process group {pgid}",

@@ -86,6 +86,10 @@ struct TrainArgs {
     /// Test knob: sleep this many milliseconds after every step.
     #[arg(long, hide = true, default_value_t = 0)]
     fault_step_pause_ms: u64,
+    /// Fault injection for tests: STEP:RANK reports a device error on that rank at
+    /// that step (what a lost GPU does), which it cannot recover from.
+    #[arg(long, hide = true)]
+    fault_device_error: Option<String>,
 }
 
 /// Measure the TCP backend: all-reduce and all-gather bus bandwidth against one raw
@@ -219,13 +223,53 @@ fn world_from_env() -> Result<World, String> {
     })
 }
 
+/// Rank 0's rendezvous listener when the launcher bound it and passed it down.
+fn inherited_rendezvous(world: &World) -> Result<Option<std::net::TcpListener>, String> {
+    use std::os::fd::FromRawFd;
+    let Some(text) = std::env::var(launch::RENDEZVOUS_FD).ok() else {
+        return Ok(None);
+    };
+    if world.rank != 0 {
+        return Ok(None);
+    }
+    let fd: i32 = text
+        .parse()
+        .map_err(|e| format!("{}={text:?}: {e}", launch::RENDEZVOUS_FD))?;
+    // SAFETY: `struct stat` is plain old data: all zeroes is a valid value.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat(2) writes only into `stat`, a valid and writable `struct stat`;
+    // a descriptor that is not open makes it fail, which is checked.
+    let fstat = unsafe { libc::fstat(fd, &mut stat) };
+    if fd < 3 || fstat != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(format!(
+            "{}={fd} is not an inherited socket",
+            launch::RENDEZVOUS_FD
+        ));
+    }
+    // SAFETY: the launcher opened this listening socket for rank 0 and passed it down;
+    // nothing else in this process owns the descriptor: `connect`, the only reader
+    // of the variable, runs once per process.
+    let listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    if bound.port() != world.rendezvous.port() {
+        return Err(format!(
+            "the inherited rendezvous listener is bound to {bound}, MASTER_PORT says {}",
+            world.rendezvous.port()
+        ));
+    }
+    Ok(Some(listener))
+}
+
 fn connect(world: &World, timeout_secs: f64) -> Result<TcpCollective, String> {
     let config = TcpConfig {
         timeout: Duration::from_secs_f64(timeout_secs),
         ..TcpConfig::default()
     };
-    TcpCollective::bootstrap(world.rank, world.world, world.rendezvous, config)
-        .map_err(|e| format!("rank {}: {e}", world.rank))
+    match inherited_rendezvous(world).map_err(|e| format!("rank {}: {e}", world.rank))? {
+        Some(listener) => TcpCollective::bootstrap_root(listener, world.world, config),
+        None => TcpCollective::bootstrap(world.rank, world.world, world.rendezvous, config),
+    }
+    .map_err(|e| format!("rank {}: {e}", world.rank))
 }
 
 fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
@@ -492,6 +536,15 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(h) => h,
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    let device_error = match args
+        .fault_device_error
+        .as_deref()
+        .map(|f| parse_pair(f, "--fault-device-error"))
+        .transpose()
+    {
+        Ok(d) => d,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
     let store = match args.ckpt.as_deref().map(Store::from_url).transpose() {
         Ok(s) => s,
         Err(e) => return fail(EXIT_USAGE, e),
@@ -535,6 +588,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         run_id: None,
         hold,
         step_pause: Duration::from_millis(args.fault_step_pause_ms),
+        device_error,
     };
     let world = match (world, rdzv) {
         (Some(world), _) => world,

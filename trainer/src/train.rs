@@ -74,6 +74,9 @@ pub struct TrainConfig {
     /// Test knob: sleep this long after every step, so that a tiny model trains long
     /// enough for a test to act (relaunch a node) while it runs.
     pub step_pause: Duration,
+    /// Fault injection for tests: (step, rank) at which that rank reports a device
+    /// error, as a CUDA error would surface on a GPU.
+    pub device_error: Option<(u64, usize)>,
 }
 
 /// Where a rank holds (parks its training thread forever); see
@@ -127,9 +130,11 @@ fn hold_here(
 pub trait Supervisor: Sync {
     /// A step completed (or the load finished: `step` is where training stands).
     fn progress(&self, step: u64);
-    /// The training thread is entering (`true`) or leaving (`false`) a collective,
-    /// where it waits on its peers rather than on itself.
-    fn in_collective(&self, active: bool);
+    /// The training thread starts (`true`) or stops (`false`) waiting on others: a
+    /// collective (its peers), a load or a commit (the store, the committer). A
+    /// loop that makes no progress while waiting is not the one that is stuck. Calls
+    /// nest (a load runs collectives).
+    fn waiting(&self, active: bool);
     /// Members wait to join: the world should end this generation at its next
     /// checkpoint.
     fn regroup_requested(&self) -> bool;
@@ -151,7 +156,7 @@ pub struct Unsupervised;
 
 impl Supervisor for Unsupervised {
     fn progress(&self, _: u64) {}
-    fn in_collective(&self, _: bool) {}
+    fn waiting(&self, _: bool) {}
     fn regroup_requested(&self) -> bool {
         false
     }
@@ -207,9 +212,9 @@ struct Watched<'a> {
 
 impl Watched<'_> {
     fn run<T>(&self, f: impl FnOnce(&dyn Collective) -> T) -> T {
-        self.supervisor.in_collective(true);
+        self.supervisor.waiting(true);
         let out = f(self.comm);
-        self.supervisor.in_collective(false);
+        self.supervisor.waiting(false);
         out
     }
 }
@@ -270,12 +275,15 @@ fn or_cancelled<T>(
     what: &str,
     future: impl Future<Output = T>,
 ) -> Result<T, TrainError> {
-    runtime.block_on(async {
+    supervisor.waiting(true);
+    let out = runtime.block_on(async {
         tokio::select! {
             out = future => Ok(out),
             () = supervisor.cancelled() => Err(TrainError::Cancelled(what.to_string())),
         }
-    })
+    });
+    supervisor.waiting(false);
+    out
 }
 
 /// Runs `future` unless the supervisor cancels the generation first.
@@ -285,12 +293,7 @@ fn unless_cancelled<T>(
     what: &str,
     future: impl Future<Output = Result<T, ckpt::Error>>,
 ) -> Result<T, TrainError> {
-    runtime.block_on(async {
-        tokio::select! {
-            out = future => out.map_err(TrainError::from),
-            () = supervisor.cancelled() => Err(TrainError::Cancelled(what.to_string())),
-        }
-    })
+    or_cancelled(runtime, supervisor, what, future)?.map_err(TrainError::from)
 }
 
 /// How a generation ended without failure.
@@ -334,6 +337,10 @@ pub enum TrainError {
     /// The supervisor cancelled the generation during a wait (for a commit, a load).
     #[error("cancelled while {0}")]
     Cancelled(String),
+    /// This rank's device failed (lost GPU, uncorrectable ECC error): the rank cannot
+    /// go on, the others can without it.
+    #[error("device error: {0}")]
+    Device(String),
 }
 
 /// Counters of one generation, for benchmarks.
@@ -623,6 +630,16 @@ pub fn run_supervised(
             say(format_args!("step {} loss {loss:.6}", st.step));
         }
 
+        if config.device_error == Some((st.step, rank)) {
+            say(format_args!(
+                "fault: rank {rank} device error at step {}",
+                st.step
+            ));
+            return Err(TrainError::Device(format!(
+                "injected at step {} (as a lost GPU would surface)",
+                st.step
+            )));
+        }
         hold_here(config.hold, st.step, rank, true, supervisor)?;
         let due = (config.ckpt_every > 0 && st.step % config.ckpt_every == 0)
             || st.step == config.steps
