@@ -17,6 +17,11 @@
 //! [`CheckpointReader`], verified block by block. The format and its guarantees:
 //! `docs/FORMAT.md`.
 //!
+//! [`elastic`] is the control plane of elastic training: a coordinator, an agent in
+//! every rank and the [`elastic::ControlPlane`] trait between them. It notices lost
+//! ranks and nodes, forms the next generation of the world from the survivors, and
+//! supplies the generation that fences every save (`docs/ELASTIC.md`).
+//!
 //! ```
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 //! # async fn main() -> Result<(), ckpt::Error> {
@@ -62,6 +67,7 @@ pub mod commit;
 pub mod commits;
 mod direct;
 pub mod dtype;
+pub mod elastic;
 mod error;
 mod failpoint;
 pub mod format;

@@ -52,6 +52,14 @@ enum Command {
         after_help = "Examples:\n  ckpt bench file:///tmp/ckpt-bench\n  ckpt bench --url file:///tmp/ckpt-bench --rss-saves 20 --json > bench.json\n  ckpt bench file:///tmp/b --ranks 2 --tensors 4 --rows 256 --cols 256 --reps 1 --raw-mib 1"
     )]
     Bench(Box<BenchArgs>),
+    /// Run the elastic control plane's coordinator for one job: it forms generations
+    /// of ranks, detects lost and hung ranks and tells survivors to restart. Prints
+    /// `coordinator: listening on ADDR`, then serves until killed; generation changes
+    /// are logged on stderr.
+    #[command(
+        after_help = "Example:\n  ckpt coordinator --listen 0.0.0.0:29400 --job run1 --min-ranks 2 --max-ranks 8"
+    )]
+    Coordinator(CoordinatorArgs),
     #[command(flatten)]
     Tool(cli::Tool),
 }
@@ -132,13 +140,71 @@ struct BenchArgs {
     codec_sample_mib: u64,
 }
 
+/// Flags of `ckpt coordinator`.
+#[derive(clap::Args)]
+struct CoordinatorArgs {
+    /// Address to listen on (port 0 picks a free port; the line printed at start
+    /// names the real one).
+    #[arg(long, value_name = "ADDR")]
+    listen: std::net::SocketAddr,
+    /// Job id; members of other jobs are refused.
+    #[arg(long, value_name = "ID")]
+    job: String,
+    /// Fewest ranks a generation may have.
+    #[arg(long, value_name = "M")]
+    min_ranks: usize,
+    /// Most ranks a generation may have; more wait to join.
+    #[arg(long, value_name = "N")]
+    max_ranks: usize,
+    /// No heartbeat for this long: the rank is lost. Also how long a restarted
+    /// coordinator waits for ranks to come back before forming a new generation.
+    #[arg(long, value_name = "S", default_value_t = 5.0, value_parser = seconds)]
+    heartbeat_timeout_secs: f64,
+    /// Idle this long outside a collective: the rank is hung.
+    #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = seconds)]
+    progress_timeout_secs: f64,
+    /// After a restart, ranks that do not rejoin within this are dropped.
+    #[arg(long, value_name = "S", default_value_t = 10.0, value_parser = seconds)]
+    join_timeout_secs: f64,
+    /// Once enough ranks wait, how long to wait for more arriving together.
+    #[arg(long, value_name = "MS", default_value_t = 300)]
+    last_call_ms: u64,
+    /// Fewer than --min-ranks for this long: the job is shut down.
+    #[arg(long, value_name = "S", default_value_t = 120.0, value_parser = seconds)]
+    rendezvous_timeout_secs: f64,
+}
+
+/// Parses a positive number of seconds (fractions allowed).
+fn seconds(text: &str) -> Result<f64, String> {
+    let value: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if value.is_finite() && value > 0.0 && value <= 1e9 {
+        Ok(value)
+    } else {
+        Err(format!("{text} is not a positive number of seconds"))
+    }
+}
+
 fn main() -> ExitCode {
     cli::end_quietly_when_output_closes();
+    let cli = Cli::parse();
+    // The coordinator's log of generation changes is its output: info by default.
+    let default_level = match cli.command {
+        Command::Coordinator(_) => tracing::Level::INFO,
+        _ => tracing::Level::ERROR,
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::builder()
+                .with_default_directive(default_level.into())
+                .from_env_lossy(),
+        )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    if let Command::Coordinator(args) = cli.command {
+        return run_coordinator(args);
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -150,6 +216,50 @@ fn main() -> ExitCode {
         Command::Probe { url, options, json } => runtime.block_on(run_probe(&url, &options, json)),
         Command::Bench(args) => run_bench(&runtime, *args),
         Command::Tool(tool) => runtime.block_on(cli::run(tool)),
+        Command::Coordinator(args) => run_coordinator(args),
+    }
+}
+
+fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
+    use std::io::Write;
+    use std::time::Duration;
+
+    let config = ckpt::elastic::CoordinatorConfig {
+        job: args.job,
+        min_ranks: args.min_ranks,
+        max_ranks: args.max_ranks,
+        last_call: Duration::from_millis(args.last_call_ms),
+        heartbeat_timeout: Duration::from_secs_f64(args.heartbeat_timeout_secs),
+        progress_timeout: Duration::from_secs_f64(args.progress_timeout_secs),
+        join_timeout: Duration::from_secs_f64(args.join_timeout_secs),
+        rendezvous_timeout: Duration::from_secs_f64(args.rendezvous_timeout_secs),
+        // A restarted coordinator waits as long as a member may stay silent.
+        settle: Duration::from_secs_f64(args.heartbeat_timeout_secs),
+    };
+    let coordinator = match ckpt::elastic::Coordinator::bind(args.listen, config) {
+        Ok(coordinator) => coordinator,
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+        Err(e) => {
+            eprintln!("error: cannot listen on {}: {e}", args.listen);
+            return ExitCode::from(EXIT_CHECK_FAILED);
+        }
+    };
+    let mut stdout = std::io::stdout();
+    let _ = writeln!(
+        stdout,
+        "coordinator: listening on {}",
+        coordinator.local_addr()
+    );
+    let _ = stdout.flush();
+    match coordinator.run() {
+        Ok(()) => ExitCode::from(EXIT_OK),
+        Err(e) => {
+            eprintln!("error: coordinator failed: {e}");
+            ExitCode::from(EXIT_CHECK_FAILED)
+        }
     }
 }
 

@@ -12,20 +12,40 @@
 //! [`LaunchConfig::grace`]. Exit status: 0 when every rank succeeded;
 //! [`EXIT_STOPPED`] when every rank stopped cleanly after a final save; otherwise the
 //! first failure's code (128 + signal for a rank killed by a signal).
+//!
+//! # Elastic mode
+//!
+//! With [`LaunchConfig::elastic`] the ranks do not get `RANK`/`WORLD_SIZE`: they join
+//! a coordinator (`CKPT_RDZV`), which assigns ranks per generation, and the launcher
+//! no longer stops the survivors when one rank fails: the coordinator re-forms the
+//! world without it, and the launcher relaunches the failed rank while it has
+//! restarts left (`--max-restarts`), which then joins as a waiting member. The
+//! launcher hosts the coordinator itself (on a listener it keeps, so no other process
+//! can take the port between choosing and binding it) unless `--rdzv` names one that
+//! is already running. Without `--min-ranks` the world may not shrink below its
+//! starting size: a failure with no restart left stops every rank, as without
+//! elastic mode.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{IpAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use ckpt::elastic::{Coordinator, CoordinatorConfig};
 
 use crate::signals;
 
 /// Exit code of a rank (and of the launcher) that stopped on SIGTERM/SIGINT after
 /// committing a final checkpoint: 75 (`EX_TEMPFAIL`, "try again later": resume).
 pub const EXIT_STOPPED: i32 = 75;
+
+/// The environment variable that tells rank 0 which inherited descriptor is the
+/// rendezvous listener the launcher bound for it.
+pub const RENDEZVOUS_FD: &str = "CKPT_RENDEZVOUS_FD";
 
 /// What to launch.
 #[derive(Debug, Clone)]
@@ -40,6 +60,33 @@ pub struct LaunchConfig {
     pub args: Vec<OsString>,
     /// Time between SIGTERM and SIGKILL of the survivors after a failure.
     pub grace: Duration,
+    /// Elastic mode (a coordinator assigns ranks; failed ranks do not stop the rest).
+    pub elastic: Option<ElasticLaunch>,
+}
+
+/// The elastic settings of a launcher (one per node).
+#[derive(Debug, Clone)]
+pub struct ElasticLaunch {
+    /// Job id: every node's launcher and the coordinator must agree on it.
+    pub job: String,
+    /// This node's id (member ids and the `launch: rank R` labels derive from it).
+    pub node_id: usize,
+    /// The coordinator to join; `None`: host one (at `host_at`, else on
+    /// `master_addr:master_port`, a free port when none is given).
+    pub rdzv: Option<SocketAddr>,
+    /// Where a hosted coordinator listens (`--rdzv` with `--host-rdzv`).
+    pub host_at: Option<SocketAddr>,
+    /// Fewest ranks the job trains with (a smaller world waits for members).
+    pub min_ranks: usize,
+    /// Most ranks in a generation (more wait).
+    pub max_ranks: usize,
+    /// Whether `--min-ranks` was given: without it, a failure with no restart left
+    /// stops every rank.
+    pub shrink: bool,
+    /// How many times this launcher relaunches its failed ranks, in all.
+    pub max_restarts: usize,
+    /// Settings of a hosted coordinator.
+    pub coordinator: CoordinatorConfig,
 }
 
 static OUTPUT: Mutex<()> = Mutex::new(());
@@ -90,15 +137,39 @@ fn kill(child: &Child, sig: i32) {
     }
 }
 
+/// Clears close-on-exec on `fd`, so that the program exec'd next inherits it.
+fn inherit(fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl(2) on a descriptor number reads and writes only the kernel's
+    // descriptor flags; a closed descriptor makes it fail, which is checked.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Runs the ranks to completion; returns the launcher's exit code.
 pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
+    if let Some(elastic) = &config.elastic {
+        return launch_elastic(config, elastic);
+    }
     signals::install();
-    let port = match config.master_port {
-        Some(port) => port,
-        None => TcpListener::bind((config.master_addr, 0))?
-            .local_addr()?
-            .port(),
-    };
+    // The launcher binds the rendezvous listener itself and hands it to rank 0 (an
+    // inherited descriptor): choosing a free port by binding and releasing it would
+    // let another process take the port in between.
+    let mut rendezvous = Some(TcpListener::bind((
+        config.master_addr,
+        config.master_port.unwrap_or(0),
+    ))?);
+    let port = rendezvous
+        .as_ref()
+        .map(TcpListener::local_addr)
+        .transpose()?
+        .map_or(0, |a| a.port());
     let exe = std::env::current_exe()?;
     // One run id per launch, shared by its ranks: a relaunch that saves a step again
     // writes a new save attempt instead of meeting the old one's objects.
@@ -121,8 +192,22 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(pgid);
+        if rank == 0
+            && let Some(listener) = &rendezvous
+        {
+            let fd = listener.as_raw_fd();
+            command.env(RENDEZVOUS_FD, fd.to_string());
+            // SAFETY: the closure runs in the child between fork and exec, where only
+            // async-signal-safe calls are allowed: `inherit` makes two fcntl(2) calls
+            // on a descriptor the parent owns and keeps open until the spawn returned.
+            unsafe {
+                command.pre_exec(move || inherit(fd));
+            }
+        }
         let mut child = command.spawn()?;
         if rank == 0 {
+            // Rank 0 has its copy; the launcher's would keep the port bound forever.
+            rendezvous = None;
             pgid = child.id() as i32;
             say(format_args!(
                 "launch: {} ranks, rendezvous {}:{port}, process group {pgid}",
@@ -203,5 +288,195 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
         None if codes.iter().all(|c| *c == 0) => 0,
         None if codes.iter().all(|c| *c == EXIT_STOPPED || *c == 0) => EXIT_STOPPED,
         None => codes.into_iter().find(|c| *c != 0).unwrap_or(1),
+    })
+}
+
+/// One rank slot of an elastic launcher: the process now running in it, if any.
+struct Slot {
+    label: usize,
+    child: Option<Child>,
+    incarnation: usize,
+    status: Option<ExitStatus>,
+}
+
+/// Starts rank processes of one elastic node.
+struct Spawner<'a> {
+    exe: std::path::PathBuf,
+    config: &'a LaunchConfig,
+    elastic: &'a ElasticLaunch,
+    rdzv: SocketAddr,
+    run_id: String,
+    pgid: i32,
+    pumps: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Spawner<'_> {
+    /// Starts local rank `local` (its `incarnation`-th process) and prints its line.
+    fn spawn(&mut self, local: usize, incarnation: usize) -> std::io::Result<Child> {
+        let (config, elastic) = (self.config, self.elastic);
+        let label = elastic.node_id * config.nproc + local;
+        let mut command = Command::new(&self.exe);
+        command
+            .args(&config.args)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
+            .env("CKPT_RDZV", self.rdzv.to_string())
+            .env("CKPT_JOB_ID", &elastic.job)
+            .env("CKPT_NODE_ID", elastic.node_id.to_string())
+            .env(
+                "CKPT_MEMBER_ID",
+                format!("n{}-l{local}-i{incarnation}", elastic.node_id),
+            )
+            .env("CKPT_RUN_ID", &self.run_id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(self.pgid);
+        let mut child = command.spawn()?;
+        if self.pgid == 0 {
+            self.pgid = child.id() as i32;
+            say(format_args!(
+                "launch: node {} with {} ranks, coordinator {}, job {}, process group {}",
+                elastic.node_id, config.nproc, self.rdzv, elastic.job, self.pgid
+            ));
+        }
+        if incarnation == 0 {
+            say(format_args!("launch: rank {label} pid {}", child.id()));
+        } else {
+            say(format_args!(
+                "launch: rank {label} pid {} (restart {incarnation})",
+                child.id()
+            ));
+        }
+        let prefix = format!("[rank {label}] ");
+        self.pumps.push(stream(
+            child.stdout.take().expect("piped"),
+            prefix.clone(),
+            false,
+        ));
+        self.pumps
+            .push(stream(child.stderr.take().expect("piped"), prefix, true));
+        Ok(child)
+    }
+}
+
+fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
+    signals::install();
+    // Host the coordinator on a listener this process keeps, or join the one named.
+    let hosted = match elastic.rdzv {
+        None => Some(Coordinator::bind(
+            elastic.host_at.unwrap_or_else(|| {
+                SocketAddr::new(config.master_addr, config.master_port.unwrap_or(0))
+            }),
+            elastic.coordinator.clone(),
+        )?),
+        Some(_) => None,
+    };
+    let rdzv = match (&hosted, elastic.rdzv) {
+        (Some(c), _) => c.local_addr(),
+        (None, Some(addr)) => addr,
+        (None, None) => unreachable!("hosted when no address is given"),
+    };
+    let _coordinator = hosted.map(Coordinator::spawn);
+    let mut spawner = Spawner {
+        exe: std::env::current_exe()?,
+        config,
+        elastic,
+        rdzv,
+        run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id()),
+        pgid: 0,
+        pumps: Vec::new(),
+    };
+    let mut slots = Vec::with_capacity(config.nproc);
+    for local in 0..config.nproc {
+        let child = spawner.spawn(local, 0)?;
+        slots.push(Slot {
+            label: elastic.node_id * config.nproc + local,
+            child: Some(child),
+            incarnation: 0,
+            status: None,
+        });
+    }
+    let mut forwarded = 0;
+    let mut restarts = 0;
+    let mut first_failure: Option<i32> = None;
+    let mut kill_at: Option<Instant> = None;
+    while slots.iter().any(|s| s.child.is_some()) {
+        let (count, last) = signals::received();
+        if count > forwarded {
+            forwarded = count;
+            say(format_args!(
+                "launch: forwarding signal {last} to the ranks"
+            ));
+            for child in slots.iter().filter_map(|s| s.child.as_ref()) {
+                kill(child, last);
+            }
+        }
+        let mut stop_all = false;
+        for (local, slot) in slots.iter_mut().enumerate() {
+            let Some(child) = slot.child.as_mut() else {
+                continue;
+            };
+            let Some(status) = child.try_wait()? else {
+                continue;
+            };
+            let label = slot.label;
+            slot.child = None;
+            slot.status = Some(status);
+            let code = code_of(status);
+            if code == 0 || (code == EXIT_STOPPED && forwarded > 0) {
+                continue;
+            }
+            say(format_args!("launch: rank {label} failed: {status}"));
+            first_failure.get_or_insert(code);
+            if forwarded > 0 {
+                continue;
+            }
+            if restarts < elastic.max_restarts {
+                restarts += 1;
+                let incarnation = slot.incarnation + 1;
+                slot.child = Some(spawner.spawn(local, incarnation)?);
+                slot.incarnation = incarnation;
+                slot.status = None;
+            } else if !elastic.shrink {
+                stop_all = true;
+            } else {
+                say(format_args!(
+                    "launch: rank {label} is not restarted ({restarts} of {} restarts used); the others go on",
+                    elastic.max_restarts
+                ));
+            }
+        }
+        if stop_all && kill_at.is_none() {
+            say(format_args!(
+                "launch: no restart left and no --min-ranks: stopping every rank"
+            ));
+            for child in slots.iter().filter_map(|s| s.child.as_ref()) {
+                kill(child, libc::SIGTERM);
+            }
+            kill_at = Some(Instant::now() + config.grace);
+        }
+        if let Some(at) = kill_at
+            && Instant::now() >= at
+        {
+            for child in slots.iter().filter_map(|s| s.child.as_ref()) {
+                kill(child, libc::SIGKILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for pump in spawner.pumps {
+        let _ = pump.join();
+    }
+    let codes: Vec<i32> = slots.iter().filter_map(|s| s.status.map(code_of)).collect();
+    Ok(if codes.contains(&0) && kill_at.is_none() {
+        // Some rank trained to the end: the job finished, whatever it recovered from.
+        0
+    } else if !codes.is_empty() && codes.iter().all(|c| *c == EXIT_STOPPED) {
+        EXIT_STOPPED
+    } else {
+        first_failure.unwrap_or(1)
     })
 }

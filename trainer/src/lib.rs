@@ -14,7 +14,9 @@
 //! - [`fixed`]: exact fixed-point gradient sums, the source of determinism;
 //! - [`train`]: one *generation* of FSDP2-style training on a fixed world, with
 //!   async checkpoints and resharding resume through ckpt's public API;
-//! - [`launch`]: a torchrun-like launcher of rank processes;
+//! - [`launch`]: a torchrun-like launcher of rank processes, fixed or elastic;
+//! - [`elastic`](mod@elastic): one rank of an elastic job, driven by ckpt's control
+//!   plane through as many generations (world sizes) as failures require;
 //! - [`bench`](mod@bench): collective bandwidth against raw loopback TCP.
 //!
 //! Run `ckpt-train --help` for the command line; `trainer/README.md` has the
@@ -22,6 +24,7 @@
 
 pub mod bench;
 pub mod collective;
+pub mod elastic;
 pub mod fixed;
 pub mod launch;
 pub mod model;

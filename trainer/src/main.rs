@@ -10,9 +10,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use ckpt::elastic::{Agent, AgentConfig, CoordinatorConfig, Member, TcpControlPlane, TcpSettings};
 use ckpt::storage::Store;
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
-use ckpt_trainer::launch::{self, EXIT_STOPPED, LaunchConfig};
+use ckpt_trainer::elastic::{self as elastic_rank, Exit};
+use ckpt_trainer::launch::{self, EXIT_STOPPED, ElasticLaunch, LaunchConfig};
 use ckpt_trainer::model::Preset;
 use ckpt_trainer::train::{self, Hold, Outcome, Stats, TrainConfig};
 use ckpt_trainer::{bench, signals};
@@ -81,6 +83,13 @@ struct TrainArgs {
     /// forever at that step (the world then hangs mid-step until killed).
     #[arg(long, hide = true)]
     fault_hold: Option<String>,
+    /// Test knob: sleep this many milliseconds after every step.
+    #[arg(long, hide = true, default_value_t = 0)]
+    fault_step_pause_ms: u64,
+    /// Fault injection for tests: STEP:RANK reports a device error on that rank at
+    /// that step (what a lost GPU does), which it cannot recover from.
+    #[arg(long, hide = true)]
+    fault_device_error: Option<String>,
 }
 
 /// Measure the TCP backend: all-reduce and all-gather bus bandwidth against one raw
@@ -139,6 +148,43 @@ struct LaunchArgs {
     /// Seconds between SIGTERM and SIGKILL of the other ranks after one fails.
     #[arg(long, default_value_t = 10.0)]
     grace_secs: f64,
+    /// Elastic: keep training while at least this many ranks (all nodes together)
+    /// remain. Without it a lost rank stops the job (after its restarts, if any).
+    #[arg(long)]
+    min_ranks: Option<usize>,
+    /// Elastic: at most this many ranks in a generation (default: nproc × the most
+    /// nodes).
+    #[arg(long)]
+    max_ranks: Option<usize>,
+    /// Elastic: relaunch this node's failed ranks up to K times in all; a relaunched
+    /// rank joins as a waiting member and the world grows at the next checkpoint.
+    #[arg(long)]
+    max_restarts: Option<usize>,
+    /// Elastic: MIN:MAX nodes (or N), each running its own launcher with --nproc ranks.
+    #[arg(long)]
+    nnodes: Option<String>,
+    /// Elastic: the coordinator to join, tcp://HOST:PORT (a `ckpt coordinator`, or the
+    /// launcher started with --host-rdzv). Default: this launcher hosts one.
+    #[arg(long)]
+    rdzv: Option<String>,
+    /// Elastic: host the coordinator at the --rdzv address (one node does, e.g. node 0).
+    #[arg(long)]
+    host_rdzv: bool,
+    /// Elastic: this node's id, 0..MAX nodes (e.g. $SLURM_NODEID).
+    #[arg(long, default_value_t = 0)]
+    node_id: usize,
+    /// Elastic: the job id every node and the coordinator share (default: random on
+    /// one node; required with --rdzv).
+    #[arg(long)]
+    job_id: Option<String>,
+    /// Elastic (hosted coordinator): a rank that sends no heartbeat for this long is
+    /// lost (a stopped process, a partitioned node).
+    #[arg(long, default_value_t = 5.0)]
+    heartbeat_timeout_secs: f64,
+    /// Elastic (hosted coordinator): a rank whose training loop makes no progress for
+    /// this long outside a collective is hung.
+    #[arg(long, default_value_t = 60.0)]
+    progress_timeout_secs: f64,
     /// The ranks' arguments: training options, or `bench-collectives …`.
     #[arg(last = true)]
     args: Vec<OsString>,
@@ -177,13 +223,53 @@ fn world_from_env() -> Result<World, String> {
     })
 }
 
+/// Rank 0's rendezvous listener when the launcher bound it and passed it down.
+fn inherited_rendezvous(world: &World) -> Result<Option<std::net::TcpListener>, String> {
+    use std::os::fd::FromRawFd;
+    let Some(text) = std::env::var(launch::RENDEZVOUS_FD).ok() else {
+        return Ok(None);
+    };
+    if world.rank != 0 {
+        return Ok(None);
+    }
+    let fd: i32 = text
+        .parse()
+        .map_err(|e| format!("{}={text:?}: {e}", launch::RENDEZVOUS_FD))?;
+    // SAFETY: `struct stat` is plain old data: all zeroes is a valid value.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat(2) writes only into `stat`, a valid and writable `struct stat`;
+    // a descriptor that is not open makes it fail, which is checked.
+    let fstat = unsafe { libc::fstat(fd, &mut stat) };
+    if fd < 3 || fstat != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(format!(
+            "{}={fd} is not an inherited socket",
+            launch::RENDEZVOUS_FD
+        ));
+    }
+    // SAFETY: the launcher opened this listening socket for rank 0 and passed it down;
+    // nothing else in this process owns the descriptor: `connect`, the only reader
+    // of the variable, runs once per process.
+    let listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    if bound.port() != world.rendezvous.port() {
+        return Err(format!(
+            "the inherited rendezvous listener is bound to {bound}, MASTER_PORT says {}",
+            world.rendezvous.port()
+        ));
+    }
+    Ok(Some(listener))
+}
+
 fn connect(world: &World, timeout_secs: f64) -> Result<TcpCollective, String> {
     let config = TcpConfig {
         timeout: Duration::from_secs_f64(timeout_secs),
         ..TcpConfig::default()
     };
-    TcpCollective::bootstrap(world.rank, world.world, world.rendezvous, config)
-        .map_err(|e| format!("rank {}: {e}", world.rank))
+    match inherited_rendezvous(world).map_err(|e| format!("rank {}: {e}", world.rank))? {
+        Some(listener) => TcpCollective::bootstrap_root(listener, world.world, config),
+        None => TcpCollective::bootstrap(world.rank, world.world, world.rendezvous, config),
+    }
+    .map_err(|e| format!("rank {}: {e}", world.rank))
 }
 
 fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
@@ -257,17 +343,111 @@ fn run_launch(args: LaunchArgs) -> ExitCode {
     if args.nproc == 0 {
         return fail(EXIT_USAGE, "--nproc must be at least 1");
     }
+    let elastic = match elastic_launch(&args) {
+        Ok(e) => e,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
     let config = LaunchConfig {
         nproc: args.nproc,
         master_addr: args.master_addr,
         master_port: args.master_port,
         args: args.args,
         grace: Duration::from_secs_f64(args.grace_secs),
+        elastic,
     };
     match launch::launch(&config) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => fail(EXIT_FAILED, format!("launch: {e}")),
     }
+}
+
+fn parse_rdzv(text: &str) -> Result<SocketAddr, String> {
+    let hostport = text.strip_prefix("tcp://").unwrap_or(text);
+    std::net::ToSocketAddrs::to_socket_addrs(hostport)
+        .map_err(|e| format!("--rdzv {text:?}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("--rdzv {text:?} resolves to no address"))
+}
+
+fn positive_secs(value: f64, flag: &str) -> Result<Duration, String> {
+    if value.is_finite() && value > 0.0 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(format!("{flag} must be positive, got {value}"))
+    }
+}
+
+/// The elastic settings, when any elastic flag is given.
+fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
+    if args.min_ranks.is_none()
+        && args.max_ranks.is_none()
+        && args.max_restarts.is_none()
+        && args.nnodes.is_none()
+        && args.rdzv.is_none()
+    {
+        return Ok(None);
+    }
+    let (min_nodes, max_nodes) = match args.nnodes.as_deref() {
+        None => (1, 1),
+        Some(text) => {
+            let bad = || format!("--nnodes {text:?} is not N or MIN:MAX");
+            let (a, b) = text.split_once(':').unwrap_or((text, text));
+            let min: usize = a.parse().map_err(|_| bad())?;
+            let max: usize = b.parse().map_err(|_| bad())?;
+            if min == 0 || min > max {
+                return Err(bad());
+            }
+            (min, max)
+        }
+    };
+    if args.node_id >= max_nodes {
+        return Err(format!(
+            "--node-id {} is not below the most nodes ({max_nodes})",
+            args.node_id
+        ));
+    }
+    let max_ranks = args.max_ranks.unwrap_or(args.nproc * max_nodes);
+    let min_ranks = args.min_ranks.unwrap_or(args.nproc * min_nodes);
+    if min_ranks == 0 || min_ranks > max_ranks {
+        return Err(format!(
+            "--min-ranks {min_ranks} must be between 1 and the most ranks ({max_ranks})"
+        ));
+    }
+    let rdzv = args.rdzv.as_deref().map(parse_rdzv).transpose()?;
+    let job = match (&args.job_id, rdzv) {
+        (Some(job), _) => job.clone(),
+        (None, None) => format!("job-{}", ckpt::attempt::random_run_id()),
+        (None, Some(_)) => {
+            return Err("--rdzv needs --job-id (the same on every node)".into());
+        }
+    };
+    let mut coordinator = CoordinatorConfig::new(job.clone(), min_ranks, max_ranks);
+    if rdzv.is_none() || args.host_rdzv {
+        // A coordinator this launcher starts for its job has no running generation
+        // to wait for.
+        coordinator.settle = Duration::ZERO;
+    }
+    coordinator.heartbeat_timeout =
+        positive_secs(args.heartbeat_timeout_secs, "--heartbeat-timeout-secs")?;
+    coordinator.progress_timeout =
+        positive_secs(args.progress_timeout_secs, "--progress-timeout-secs")?;
+    // Hosting at the --rdzv address: bind it here (this launcher is the coordinator's
+    // home) and let the ranks join it like any other node's.
+    let (rdzv, host_at) = match (rdzv, args.host_rdzv) {
+        (Some(addr), true) => (None, Some(addr)),
+        (rdzv, _) => (rdzv, None),
+    };
+    Ok(Some(ElasticLaunch {
+        job,
+        node_id: args.node_id,
+        rdzv,
+        host_at,
+        min_ranks,
+        max_ranks,
+        shrink: args.min_ranks.is_some(),
+        max_restarts: args.max_restarts.unwrap_or(0),
+        coordinator,
+    }))
 }
 
 fn run_bench(args: BenchArgs) -> ExitCode {
@@ -318,6 +498,11 @@ fn run_probe(args: ProbeArgs) -> ExitCode {
         Ok(k) => k.map(|(rank, at)| (rank as usize, at)),
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    // The launcher sends SIGTERM to the survivors as soon as the killed rank is
+    // reaped; the probe must outlive it long enough to report how its collective
+    // failed, which is what it is for (the flag is never read: the launcher's
+    // SIGKILL after its grace period ends a probe that hangs).
+    signals::install();
     let comm = match connect(&world, args.timeout_secs) {
         Ok(c) => c,
         Err(e) => return fail(EXIT_FAILED, e),
@@ -351,13 +536,33 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(h) => h,
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    let device_error = match args
+        .fault_device_error
+        .as_deref()
+        .map(|f| parse_pair(f, "--fault-device-error"))
+        .transpose()
+    {
+        Ok(d) => d,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
     let store = match args.ckpt.as_deref().map(Store::from_url).transpose() {
         Ok(s) => s,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    let world = match world_from_env() {
-        Ok(w) => w,
-        Err(e) => return fail(EXIT_USAGE, e),
+    let rdzv = match std::env::var("CKPT_RDZV")
+        .ok()
+        .map(|r| parse_rdzv(&r))
+        .transpose()
+    {
+        Ok(r) => r,
+        Err(e) => return fail(EXIT_USAGE, format!("CKPT_RDZV: {e}")),
+    };
+    let world = match rdzv {
+        Some(_) => None,
+        None => match world_from_env() {
+            Ok(w) => Some(w),
+            Err(e) => return fail(EXIT_USAGE, e),
+        },
     };
     signals::install();
     signals::exit_on_second_signal();
@@ -368,10 +573,6 @@ fn run_train(args: TrainArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => return fail(EXIT_FAILED, format!("tokio runtime: {e}")),
-    };
-    let comm = match connect(&world, args.timeout_secs) {
-        Ok(c) => c,
-        Err(e) => return fail(EXIT_FAILED, e),
     };
     let config = TrainConfig {
         preset,
@@ -384,7 +585,21 @@ fn run_train(args: TrainArgs) -> ExitCode {
         resume: args.resume,
         log_every: args.log_every,
         generation: 0,
+        run_id: None,
         hold,
+        step_pause: Duration::from_millis(args.fault_step_pause_ms),
+        device_error,
+    };
+    let world = match (world, rdzv) {
+        (Some(world), _) => world,
+        (None, Some(rdzv)) => {
+            return run_elastic_rank(rdzv, &runtime, store.as_ref(), &config, &args);
+        }
+        (None, None) => unreachable!("either a fixed world or a coordinator"),
+    };
+    let comm = match connect(&world, args.timeout_secs) {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_FAILED, e),
     };
     let mut stats = Stats::default();
     let outcome = train::run_generation(
@@ -423,6 +638,74 @@ fn run_train(args: TrainArgs) -> ExitCode {
             eprintln!("rank {rank}: stopped at step {step} after a committed checkpoint");
             ExitCode::from(EXIT_STOPPED as u8)
         }
+        Ok(Outcome::Regroup { step }) => fail(
+            EXIT_FAILED,
+            format!("rank {rank}: a fixed world was asked to regroup at step {step}"),
+        ),
         Err(e) => fail(EXIT_FAILED, format!("rank {rank}: {e}")),
+    }
+}
+
+/// One rank of an elastic job (the launcher set `CKPT_RDZV`): join the coordinator
+/// and train through as many generations as it takes.
+fn run_elastic_rank(
+    rdzv: SocketAddr,
+    runtime: &tokio::runtime::Runtime,
+    store: Option<&Store>,
+    config: &TrainConfig,
+    args: &TrainArgs,
+) -> ExitCode {
+    let ip = match elastic_rank::local_ip_towards(rdzv) {
+        Ok(ip) => ip,
+        Err(e) => {
+            return fail(
+                EXIT_FAILED,
+                format!("no route to the coordinator {rdzv}: {e}"),
+            );
+        }
+    };
+    let env = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
+    let member = Member {
+        job: env("CKPT_JOB_ID").unwrap_or_else(|| "default".into()),
+        id: env("CKPT_MEMBER_ID").unwrap_or_else(|| format!("{ip}-{}", std::process::id())),
+        host: ip.to_string(),
+        node: env("CKPT_NODE_ID").unwrap_or_else(|| ip.to_string()),
+    };
+    let plane = match TcpControlPlane::connect(rdzv, member.clone(), TcpSettings::default()) {
+        Ok(p) => p,
+        Err(e) => {
+            return fail(
+                EXIT_FAILED,
+                format!("member {}: coordinator {rdzv}: {e}", member.id),
+            );
+        }
+    };
+    let agent = Agent::new(std::sync::Arc::new(plane), AgentConfig::default());
+    let tcp = TcpConfig {
+        timeout: Duration::from_secs_f64(args.timeout_secs),
+        ..TcpConfig::default()
+    };
+    match elastic_rank::run(
+        &agent,
+        runtime.handle(),
+        store,
+        config,
+        &tcp,
+        ip,
+        &signals::STOP,
+    ) {
+        Exit::Finished { step, loss } => {
+            println!("done: step {step}, loss {loss:.6} (member {})", member.id);
+            ExitCode::SUCCESS
+        }
+        Exit::Stopped { step } => {
+            eprintln!(
+                "member {}: stopped at step {step} after a committed checkpoint",
+                member.id
+            );
+            ExitCode::from(EXIT_STOPPED as u8)
+        }
+        Exit::Left(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
+        Exit::Failed(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
     }
 }

@@ -24,7 +24,9 @@
 //! chunk), so a resumed run at any world size continues the same sequence.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::io::Write;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -59,11 +61,22 @@ pub struct TrainConfig {
     pub resume: bool,
     /// Print the loss every this many steps (rank 0).
     pub log_every: u64,
-    /// Generation number recorded in the checkpoints.
+    /// Generation number recorded in the checkpoints (a floor: a resumed run saves in
+    /// a newer generation than the checkpoint it resumed from).
     pub generation: u64,
+    /// Run id of the save attempts (`None`: `CKPT_RUN_ID`, as
+    /// [`CheckpointConfig::new`] reads it). An elastic rank sets one per generation,
+    /// so that two generations never name the same attempt directory.
+    pub run_id: Option<String>,
     /// Fault injection for tests: one rank stops forever at a step, so that a test
     /// can kill the world at a known point instead of racing a fast loop.
     pub hold: Option<Hold>,
+    /// Test knob: sleep this long after every step, so that a tiny model trains long
+    /// enough for a test to act (relaunch a node) while it runs.
+    pub step_pause: Duration,
+    /// Fault injection for tests: (step, rank) at which that rank reports a device
+    /// error, as a CUDA error would surface on a GPU.
+    pub device_error: Option<(u64, usize)>,
 }
 
 /// Where a rank holds (parks its training thread forever); see
@@ -80,7 +93,16 @@ pub struct Hold {
     pub before_save: bool,
 }
 
-fn hold_here(hold: Option<Hold>, step: u64, rank: usize, before_save: bool) {
+/// Parks the training thread when `hold` says so: forever in a fixed world; until the
+/// supervisor cancels the generation in an elastic one (then the generation ends with
+/// [`TrainError::Cancelled`], as any wait does).
+fn hold_here(
+    hold: Option<Hold>,
+    step: u64,
+    rank: usize,
+    before_save: bool,
+    supervisor: &dyn Supervisor,
+) -> Result<(), TrainError> {
     if let Some(h) = hold
         && h.step == step
         && h.rank == rank
@@ -90,10 +112,188 @@ fn hold_here(hold: Option<Hold>, step: u64, rank: usize, before_save: bool) {
             "fault: rank {rank} holds {} saving step {step}",
             if before_save { "before" } else { "after" }
         ));
-        loop {
-            std::thread::park();
+        while !supervisor.is_cancelled() {
+            std::thread::park_timeout(Duration::from_millis(50));
         }
+        return Err(TrainError::Cancelled(format!("holding at step {step}")));
     }
+    Ok(())
+}
+
+/// What a control plane sees of a generation and asks of it. The elastic agent
+/// implements it; a fixed world uses [`Unsupervised`].
+///
+/// Every method is cheap and called from the training thread: progress marks feed
+/// the heartbeats that tell a stuck training loop from a slow one, `cancelled`
+/// ends every wait that is not a collective (a commit, a load), which
+/// [`Collective::abort`] cannot reach.
+pub trait Supervisor: Sync {
+    /// A step completed (or the load finished: `step` is where training stands).
+    fn progress(&self, step: u64);
+    /// The training thread starts (`true`) or stops (`false`) waiting on others: a
+    /// collective (its peers), a load or a commit (the store, the committer). A
+    /// loop that makes no progress while waiting is not the one that is stuck. Calls
+    /// nest (a load runs collectives).
+    fn waiting(&self, active: bool);
+    /// Members wait to join: the world should end this generation at its next
+    /// checkpoint.
+    fn regroup_requested(&self) -> bool;
+    /// Completes once this generation is cancelled (a member failed, or this one is
+    /// stale).
+    fn cancelled(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+    /// Whether it is cancelled already.
+    fn is_cancelled(&self) -> bool;
+    /// Rank 0 learned that `step` committed.
+    fn committed(&self, step: u64);
+    /// The checkpoint generation this generation's saves use (fencing floor of later
+    /// ones).
+    fn checkpoint_generation(&self, generation: u64);
+}
+
+/// The supervisor of a fixed world: nothing watches it and nothing cancels it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Unsupervised;
+
+impl Supervisor for Unsupervised {
+    fn progress(&self, _: u64) {}
+    fn waiting(&self, _: bool) {}
+    fn regroup_requested(&self) -> bool {
+        false
+    }
+    fn cancelled(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(std::future::pending())
+    }
+    fn is_cancelled(&self) -> bool {
+        false
+    }
+    fn committed(&self, _: u64) {}
+    fn checkpoint_generation(&self, _: u64) {}
+}
+
+/// Checkpoint state that outlives a generation: the save still in flight when a
+/// generation ended. An elastic rank keeps one across its generations, so that the
+/// next generation waits for the previous save to reach a known outcome (or
+/// abandons it explicitly) instead of dropping it unseen while its upload runs on.
+#[derive(Debug, Default)]
+pub struct Checkpointing {
+    pending: Option<SaveHandle>,
+}
+
+impl Checkpointing {
+    /// Waits, at most `limit`, for the save left by an earlier generation to become
+    /// durable on this rank, then lets it go: if every part is durable a surviving
+    /// committer commits it (the commit is live), and a newer generation's commit
+    /// fences it otherwise. Returns the step it was saving.
+    pub fn settle(&mut self, runtime: &tokio::runtime::Handle, limit: Duration) -> Option<u64> {
+        let handle = self.pending.take()?;
+        let step = handle.step();
+        // The timer must be created inside the runtime.
+        match runtime.block_on(async { tokio::time::timeout(limit, handle.durable()).await }) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(step, error = %e, "the save left by the previous generation failed on this rank")
+            }
+            Err(_) => {
+                tracing::warn!(
+                    step,
+                    "the save left by the previous generation is not durable yet; leaving it"
+                )
+            }
+        }
+        Some(step)
+    }
+}
+
+/// A collective that tells the supervisor when the training thread waits on peers.
+struct Watched<'a> {
+    comm: &'a dyn Collective,
+    supervisor: &'a dyn Supervisor,
+}
+
+impl Watched<'_> {
+    fn run<T>(&self, f: impl FnOnce(&dyn Collective) -> T) -> T {
+        self.supervisor.waiting(true);
+        let out = f(self.comm);
+        self.supervisor.waiting(false);
+        out
+    }
+}
+
+impl Collective for Watched<'_> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+    fn all_gather(
+        &self,
+        mine: &[u8],
+        counts: &[usize],
+        out: &mut [u8],
+    ) -> crate::collective::CollectiveResult {
+        self.run(|c| c.all_gather(mine, counts, out))
+    }
+    fn reduce_scatter_i64(
+        &self,
+        data: &mut [i64],
+        counts: &[usize],
+        out: &mut [i64],
+    ) -> crate::collective::CollectiveResult {
+        self.run(|c| c.reduce_scatter_i64(data, counts, out))
+    }
+    fn reduce_scatter_f32(
+        &self,
+        data: &mut [f32],
+        counts: &[usize],
+        out: &mut [f32],
+    ) -> crate::collective::CollectiveResult {
+        self.run(|c| c.reduce_scatter_f32(data, counts, out))
+    }
+    fn all_reduce_i64(&self, data: &mut [i64]) -> crate::collective::CollectiveResult {
+        self.run(|c| c.all_reduce_i64(data))
+    }
+    fn all_reduce_f32(&self, data: &mut [f32]) -> crate::collective::CollectiveResult {
+        self.run(|c| c.all_reduce_f32(data))
+    }
+    fn broadcast(&self, root: usize, data: &mut [u8]) -> crate::collective::CollectiveResult {
+        self.run(|c| c.broadcast(root, data))
+    }
+    fn barrier(&self) -> crate::collective::CollectiveResult {
+        self.run(|c| c.barrier())
+    }
+    fn abort(&self) {
+        self.comm.abort()
+    }
+}
+
+/// Runs `future` unless the supervisor cancels the generation first; the future's
+/// own result is left for the caller to judge.
+fn or_cancelled<T>(
+    runtime: &tokio::runtime::Handle,
+    supervisor: &dyn Supervisor,
+    what: &str,
+    future: impl Future<Output = T>,
+) -> Result<T, TrainError> {
+    supervisor.waiting(true);
+    let out = runtime.block_on(async {
+        tokio::select! {
+            out = future => Ok(out),
+            () = supervisor.cancelled() => Err(TrainError::Cancelled(what.to_string())),
+        }
+    });
+    supervisor.waiting(false);
+    out
+}
+
+/// Runs `future` unless the supervisor cancels the generation first.
+fn unless_cancelled<T>(
+    runtime: &tokio::runtime::Handle,
+    supervisor: &dyn Supervisor,
+    what: &str,
+    future: impl Future<Output = Result<T, ckpt::Error>>,
+) -> Result<T, TrainError> {
+    or_cancelled(runtime, supervisor, what, future)?.map_err(TrainError::from)
 }
 
 /// How a generation ended without failure.
@@ -112,6 +312,13 @@ pub enum Outcome {
         /// Steps completed (and saved).
         step: u64,
     },
+    /// The supervisor asked for a regroup (members wait to join): the ranks agreed on
+    /// a checkpoint step, saved it, waited for the commit and ended the generation, so
+    /// that the next one (with the new members) loads it.
+    Regroup {
+        /// Steps completed (and saved).
+        step: u64,
+    },
 }
 
 /// Why a generation failed. A collective error means the world is broken (a new
@@ -127,6 +334,13 @@ pub enum TrainError {
     /// The settings or the checkpoint found do not fit this run.
     #[error("{0}")]
     Invalid(String),
+    /// The supervisor cancelled the generation during a wait (for a commit, a load).
+    #[error("cancelled while {0}")]
+    Cancelled(String),
+    /// This rank's device failed (lost GPU, uncorrectable ECC error): the rank cannot
+    /// go on, the others can without it.
+    #[error("device error: {0}")]
+    Device(String),
 }
 
 /// Counters of one generation, for benchmarks.
@@ -208,6 +422,36 @@ pub fn run_generation(
     stop: &AtomicBool,
     stats: &mut Stats,
 ) -> Result<Outcome, TrainError> {
+    run_supervised(
+        comm,
+        runtime,
+        store,
+        config,
+        stop,
+        stats,
+        &Unsupervised,
+        &mut Checkpointing::default(),
+    )
+}
+
+/// [`run_generation`] under a supervisor (an elastic agent), with checkpoint state
+/// that outlives the generation. The generation ends early with
+/// [`TrainError::Cancelled`] or a collective error when the supervisor cancels it
+/// (its abort hook aborts `comm`), and with [`Outcome::Regroup`] when it asks for a
+/// regroup. `config.generation` is the floor of the checkpoint generation.
+#[allow(clippy::too_many_arguments)]
+pub fn run_supervised(
+    comm: &dyn Collective,
+    runtime: &tokio::runtime::Handle,
+    store: Option<&Store>,
+    config: &TrainConfig,
+    stop: &AtomicBool,
+    stats: &mut Stats,
+    supervisor: &dyn Supervisor,
+    checkpointing: &mut Checkpointing,
+) -> Result<Outcome, TrainError> {
+    let watched = Watched { comm, supervisor };
+    let comm: &dyn Collective = &watched;
     let (rank, world) = (comm.rank(), comm.world_size());
     let preset = &config.preset;
     if preset.chunks > fixed::MAX_CHUNKS || !preset.batch.is_multiple_of(preset.chunks) {
@@ -228,8 +472,19 @@ pub fn run_generation(
     }
     offsets.push(total);
 
-    let resumed = match (store, config.resume) {
-        (Some(store), true) => load(comm, runtime, store, config, &specs)?,
+    // Whether to resume is decided together: in an elastic world a member that
+    // just joined (a relaunched rank) has never trained while the survivors resume,
+    // and all of them must run the same collectives.
+    let resume = match store {
+        Some(_) => {
+            let mut wanted = [i64::from(config.resume)];
+            comm.all_reduce_i64(&mut wanted)?;
+            wanted[0] > 0
+        }
+        None => false,
+    };
+    let resumed = match (store, resume) {
+        (Some(store), true) => load(comm, runtime, store, config, &specs, supervisor)?,
         _ => None,
     };
     // A resumed run saves in a newer generation than the checkpoint it resumed from:
@@ -240,12 +495,17 @@ pub fn run_generation(
     let mut st = resumed
         .map(|(shards, _)| shards)
         .unwrap_or_else(|| init(config, &specs, rank, world));
+    supervisor.checkpoint_generation(generation);
+    supervisor.progress(st.step);
     let checkpointer = match store {
         Some(store) => {
             let mut c = CheckpointConfig::new(rank, world);
             c.keep_last = Some(config.keep.max(1));
             c.retention_grace = config.retention_grace;
             c.generation = generation;
+            if let Some(run_id) = &config.run_id {
+                c.run_id = run_id.clone();
+            }
             Some(Checkpointer::new(store.clone(), c)?)
         }
         None => None,
@@ -275,12 +535,15 @@ pub fn run_generation(
     let mut acc_f32 = vec![0f32; total];
     let mut grad_shard: Vec<f32> = Vec::new();
     let mut grad_shard_i64: Vec<i64> = Vec::new();
-    let mut pending: Option<SaveHandle> = None;
+    let pending = &mut checkpointing.pending;
     let started = Instant::now();
     let first_step = st.step;
     let mut loss = f64::NAN;
 
     while st.step < config.steps {
+        if supervisor.is_cancelled() {
+            return Err(TrainError::Cancelled(format!("at step {}", st.step)));
+        }
         let step = st.step;
         // 1. All-gather the parameters.
         let mut clock = Instant::now();
@@ -297,7 +560,7 @@ pub fn run_generation(
         }
         stats.gather += lap(&mut clock);
         // 2. This rank's chunks.
-        let mut flags = vec![0i64; preset.chunks + 1];
+        let mut flags = vec![0i64; preset.chunks + 2];
         if config.deterministic {
             acc_i64.fill(0);
         } else {
@@ -320,12 +583,16 @@ pub fn run_generation(
         // 3. Reduce-scatter the gradients and 5. update the owned rows.
         // 4. Losses and stop flags first, so a stop is agreed before any update.
         flags[preset.chunks] = i64::from(stop.load(Ordering::SeqCst));
+        flags[preset.chunks + 1] = i64::from(supervisor.regroup_requested());
         comm.all_reduce_i64(&mut flags)?;
         loss = flags[..preset.chunks]
             .iter()
             .map(|b| f64::from_bits(*b as u64))
             .sum();
         let stopping = flags[preset.chunks] != 0;
+        // A regroup ends the generation like a stop, at the same agreed step, but the
+        // ranks go on in the next generation instead of exiting.
+        let regrouping = !stopping && flags[preset.chunks + 1] != 0;
         stats.reduce += lap(&mut clock);
         for (i, spec) in specs.iter().enumerate() {
             let counts: Vec<usize> = shard_counts(spec.rows, world)
@@ -358,20 +625,41 @@ pub fn run_generation(
         st.step = step + 1;
         st.losses.push(loss);
         stats.steps += 1;
+        supervisor.progress(st.step);
         if rank == 0 && (st.step % config.log_every.max(1) == 0 || st.step == config.steps) {
             say(format_args!("step {} loss {loss:.6}", st.step));
         }
 
-        hold_here(config.hold, st.step, rank, true);
+        if config.device_error == Some((st.step, rank)) {
+            say(format_args!(
+                "fault: rank {rank} device error at step {}",
+                st.step
+            ));
+            return Err(TrainError::Device(format!(
+                "injected at step {} (as a lost GPU would surface)",
+                st.step
+            )));
+        }
+        hold_here(config.hold, st.step, rank, true, supervisor)?;
         let due = (config.ckpt_every > 0 && st.step % config.ckpt_every == 0)
             || st.step == config.steps
-            || stopping;
+            || stopping
+            || regrouping;
         if let Some(checkpointer) = &checkpointer
             && due
         {
             let blocked = Instant::now();
             if let Some(previous) = pending.take() {
-                runtime.block_on(previous.committed())?;
+                let step = previous.step();
+                unless_cancelled(
+                    runtime,
+                    supervisor,
+                    "waiting for the previous commit",
+                    previous.committed(),
+                )?;
+                if rank == 0 {
+                    supervisor.committed(step);
+                }
             }
             let handle = save(runtime, checkpointer, config, &specs, &st, rank, world)?;
             stats.ckpt_blocked += blocked.elapsed();
@@ -383,16 +671,38 @@ pub fn run_generation(
                     handle.stall().as_secs_f64() * 1e3
                 ));
             }
-            pending = Some(handle);
+            *pending = Some(handle);
         }
-        hold_here(config.hold, st.step, rank, false);
+        hold_here(config.hold, st.step, rank, false, supervisor)?;
         stats.marks.push(started.elapsed());
-        if stopping {
+        if !config.step_pause.is_zero() {
+            std::thread::sleep(config.step_pause);
+        }
+        if stopping || regrouping {
             if let Some(handle) = pending.take() {
-                runtime.block_on(handle.committed())?;
-                final_retention(runtime, store, config, rank);
+                unless_cancelled(
+                    runtime,
+                    supervisor,
+                    "waiting for the final commit",
+                    handle.committed(),
+                )?;
+                if rank == 0 {
+                    supervisor.committed(handle.step());
+                }
+                if stopping {
+                    final_retention(runtime, store, config, rank);
+                }
             }
             stats.elapsed += started.elapsed();
+            if regrouping {
+                if rank == 0 {
+                    say(format_args!(
+                        "regroup at step {} (checkpoint committed)",
+                        st.step
+                    ));
+                }
+                return Ok(Outcome::Regroup { step: st.step });
+            }
             if rank == 0 {
                 say(format_args!(
                     "stopped at step {} (checkpoint committed)",
@@ -403,8 +713,14 @@ pub fn run_generation(
         }
     }
     if let Some(handle) = pending.take() {
-        runtime.block_on(handle.committed())?;
+        unless_cancelled(
+            runtime,
+            supervisor,
+            "waiting for the final commit",
+            handle.committed(),
+        )?;
         if rank == 0 {
+            supervisor.committed(handle.step());
             say(format_args!("committed step {}", handle.step()));
         }
         final_retention(runtime, store, config, rank);
@@ -549,19 +865,30 @@ fn load(
     store: &Store,
     config: &TrainConfig,
     specs: &[TensorSpec],
+    supervisor: &dyn Supervisor,
 ) -> Result<Option<(Shards, u64)>, TrainError> {
     const NONE: u64 = u64::MAX;
     let (rank, world) = (comm.rank(), comm.world_size());
     // Rank 0 walks the commits newest first, reading older history only if needed.
     let mut walk = if rank == 0 {
-        Some(runtime.block_on(ckpt::catalog::NewestFirst::new(store))?)
+        Some(unless_cancelled(
+            runtime,
+            supervisor,
+            "finding the newest commit",
+            ckpt::catalog::NewestFirst::new(store),
+        )?)
     } else {
         None
     };
     let mut known: Vec<ckpt::Commit> = Vec::new();
     let (found, generation) = loop {
         let proposal = match walk.as_mut() {
-            Some(walk) => runtime.block_on(walk.next())?,
+            Some(walk) => unless_cancelled(
+                runtime,
+                supervisor,
+                "finding the newest commit",
+                walk.next(),
+            )?,
             None => None,
         };
         let proposal = proposal.as_ref();
@@ -578,13 +905,18 @@ fn load(
             Some(c) => Some(c.clone()),
             None => {
                 if !known.iter().any(matches) {
-                    known = runtime.block_on(ckpt::catalog::commits(store))?;
+                    known = unless_cancelled(
+                        runtime,
+                        supervisor,
+                        "listing the commits",
+                        ckpt::catalog::commits(store),
+                    )?;
                 }
                 known.iter().find(|c| matches(c)).cloned()
             }
         };
         let attempt = match commit {
-            Some(commit) => runtime.block_on(async {
+            Some(commit) => or_cancelled(runtime, supervisor, "loading", async {
                 let manifest = ckpt::catalog::read_commit(store, &commit).await?;
                 let generation = manifest.generation;
                 let reader = ckpt::CheckpointReader::from_manifest(store, manifest);
@@ -596,7 +928,7 @@ fn load(
                     (reader.step(), reader.manifest().world_size, loaded, global),
                     generation,
                 ))
-            }),
+            })?,
             None => Err(ckpt::Error::NotFound(format!(
                 "rank {rank} cannot find commit {seq} (step {step}) that rank 0 proposed"
             ))),

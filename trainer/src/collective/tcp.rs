@@ -13,6 +13,10 @@
 //! when launched), every rank binds a data listener on the interface it reaches the
 //! rendezvous from and reports it; rank 0 answers everyone with the table of
 //! addresses; each rank then connects to its successor and accepts its predecessor.
+//! An elastic world skips the rank-0 rendezvous ([`TcpCollective::from_peers`]): its
+//! control plane's key-value space carries the addresses, so no rank is special and
+//! losing any one of them does not stop the survivors from forming the next ring. The
+//! ring handshake carries the generation, so a stale rank cannot join a newer ring.
 //!
 //! Failure: socket read and write timeouts bound every blocking call, so an operation
 //! fails when a peer makes no progress for [`TcpConfig::timeout`]. On any error the
@@ -97,11 +101,20 @@ fn io_err(op: &'static str, peer: Option<usize>, e: impl std::fmt::Display) -> C
     }
 }
 
-/// Polls a non-blocking listener until a connection arrives or the deadline passes.
+/// Never aborts: the bootstrap of a fixed world (rank 0 as rendezvous) is cut short
+/// only by its deadline.
+fn never() -> bool {
+    false
+}
+
+/// Polls a non-blocking listener until a connection arrives, the deadline passes or
+/// `aborted` says so (checked every poll, so an elastic agent can cancel a bootstrap
+/// whose peers will never come).
 fn accept_until(
     listener: &TcpListener,
     deadline: Instant,
     op: &'static str,
+    aborted: &dyn Fn() -> bool,
 ) -> CollectiveResult<TcpStream> {
     listener
         .set_nonblocking(true)
@@ -115,6 +128,9 @@ fn accept_until(
                 return Ok(stream);
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if aborted() {
+                    return Err(CollectiveError::Aborted { op });
+                }
                 if Instant::now() >= deadline {
                     return Err(io_err(op, None, "timed out waiting for a peer to connect"));
                 }
@@ -147,6 +163,16 @@ fn read_str(stream: &mut TcpStream) -> std::io::Result<String> {
     let mut b = vec![0u8; len];
     stream.read_exact(&mut b)?;
     String::from_utf8(b).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
+}
+
+fn parse_addr(table: &[String], rank: usize) -> CollectiveResult<SocketAddr> {
+    table[rank].parse().map_err(|e| {
+        io_err(
+            "bootstrap",
+            Some(rank),
+            format!("bad address {:?}: {e}", table[rank]),
+        )
+    })
 }
 
 impl TcpCollective {
@@ -214,7 +240,10 @@ impl TcpCollective {
             (0..n).map(|_| read_str(&mut master)).collect()
         })()
         .map_err(|e| io_err(op, Some(0), e))?;
-        Self::connect_ring(rank, world, listener, &table, config, deadline)
+        let next_addr = parse_addr(&table, (rank + 1) % world)?;
+        Self::connect_ring(
+            rank, world, 0, listener, next_addr, config, deadline, &never,
+        )
     }
 
     /// Rank 0's side of the bootstrap, on an already bound rendezvous listener (tests
@@ -241,7 +270,7 @@ impl TcpCollective {
             .to_string();
         let mut joined: Vec<(usize, TcpStream)> = Vec::with_capacity(world - 1);
         while joined.len() < world - 1 {
-            let mut stream = accept_until(&rendezvous, deadline, op).map_err(|_| {
+            let mut stream = accept_until(&rendezvous, deadline, op, &never).map_err(|_| {
                 io_err(
                     op,
                     None,
@@ -293,7 +322,8 @@ impl TcpCollective {
             })()
             .map_err(|e| io_err(op, Some(*rank), e))?;
         }
-        Self::connect_ring(0, world, listener, &table, config, deadline)
+        let next_addr = parse_addr(&table, 1)?;
+        Self::connect_ring(0, world, 0, listener, next_addr, config, deadline, &never)
     }
 
     fn single(config: TcpConfig) -> Self {
@@ -308,43 +338,99 @@ impl TcpCollective {
         }
     }
 
+    /// Joins the ring of an elastic world whose membership a control plane fixed:
+    /// this rank already bound `listener` (and published its address), and learned
+    /// `next`, its successor's listener. The handshake carries `generation`: a rank of
+    /// another generation (a stale member that woke up) is refused instead of joining.
+    /// `aborted` is polled while waiting, so the agent can cancel a bootstrap whose
+    /// peers are gone.
+    pub fn from_peers(
+        rank: usize,
+        world: usize,
+        generation: u64,
+        listener: TcpListener,
+        next: SocketAddr,
+        config: TcpConfig,
+        aborted: &dyn Fn() -> bool,
+    ) -> CollectiveResult<Self> {
+        if world == 0 || rank >= world {
+            return Err(CollectiveError::Invalid {
+                op: "bootstrap",
+                message: format!("rank {rank} is not in world size {world}"),
+            });
+        }
+        if world == 1 {
+            return Ok(Self::single(config));
+        }
+        let deadline = Instant::now() + config.connect_timeout;
+        Self::connect_ring(
+            rank, world, generation, listener, next, config, deadline, aborted,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn connect_ring(
         rank: usize,
         world: usize,
+        generation: u64,
         listener: TcpListener,
-        table: &[String],
+        next_addr: SocketAddr,
         config: TcpConfig,
         deadline: Instant,
+        aborted: &dyn Fn() -> bool,
     ) -> CollectiveResult<Self> {
         let op = "bootstrap";
         let next_rank = (rank + 1) % world;
         let prev_rank = (rank + world - 1) % world;
-        let next_addr: SocketAddr = table[next_rank].parse().map_err(|e| {
-            io_err(
-                op,
-                Some(next_rank),
-                format!("bad address {:?}: {e}", table[next_rank]),
-            )
-        })?;
-        let mut next = TcpStream::connect_timeout(&next_addr, config.connect_timeout)
-            .map_err(|e| io_err(op, Some(next_rank), e))?;
+        let mut next = loop {
+            match TcpStream::connect_timeout(&next_addr, Duration::from_secs(1)) {
+                Ok(stream) => break stream,
+                Err(_) if aborted() => return Err(CollectiveError::Aborted { op }),
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(io_err(op, Some(next_rank), e));
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, next = %next_addr, "successor not reachable yet");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        };
         next.write_all(MAGIC)
             .and_then(|_| next.write_all(&(rank as u32).to_le_bytes()))
+            .and_then(|_| next.write_all(&generation.to_le_bytes()))
             .map_err(|e| io_err(op, Some(next_rank), e))?;
-        let mut prev =
-            accept_until(&listener, deadline, op).map_err(|e| io_err(op, Some(prev_rank), e))?;
-        prev.set_read_timeout(Some(config.connect_timeout))
-            .map_err(|e| io_err(op, Some(prev_rank), e))?;
-        let mut magic = [0u8; 8];
-        prev.read_exact(&mut magic)
-            .map_err(|e| io_err(op, Some(prev_rank), e))?;
-        let who = read_u32(&mut prev).map_err(|e| io_err(op, Some(prev_rank), e))? as usize;
-        if &magic != MAGIC || who != prev_rank {
-            return Err(CollectiveError::Invalid {
-                op,
-                message: format!("expected rank {prev_rank} to connect, got rank {who}"),
-            });
-        }
+        // Accept until the predecessor of this generation shows up; anything else (a
+        // stale rank of an older generation, a port scanner) is dropped with a warning.
+        let prev = loop {
+            let mut stream =
+                accept_until(&listener, deadline, op, aborted).map_err(|e| match e {
+                    CollectiveError::Aborted { .. } => e,
+                    e => io_err(op, Some(prev_rank), e),
+                })?;
+            stream
+                .set_read_timeout(Some(config.connect_timeout.min(Duration::from_secs(10))))
+                .map_err(|e| io_err(op, Some(prev_rank), e))?;
+            let hello = (|| -> std::io::Result<(usize, u64)> {
+                let mut magic = [0u8; 8];
+                stream.read_exact(&mut magic)?;
+                if &magic != MAGIC {
+                    return Err(std::io::Error::new(ErrorKind::InvalidData, "bad magic"));
+                }
+                let who = read_u32(&mut stream)? as usize;
+                let mut g = [0u8; 8];
+                stream.read_exact(&mut g)?;
+                Ok((who, u64::from_le_bytes(g)))
+            })();
+            match hello {
+                Ok((who, g)) if who == prev_rank && g == generation => break stream,
+                Ok((who, g)) => tracing::warn!(
+                    rank,
+                    generation,
+                    "refused rank {who} of generation {g}: expected rank {prev_rank} of generation {generation}"
+                ),
+                Err(e) => tracing::warn!(rank, error = %e, "ignoring a bad ring connection"),
+            }
+        };
         for s in [&next, &prev] {
             s.set_nodelay(true).map_err(|e| io_err(op, None, e))?;
             s.set_read_timeout(Some(config.timeout))

@@ -1,0 +1,266 @@
+//! The elastic control plane: which processes form the training world, with which
+//! ranks, and what each must do when the world changes.
+//!
+//! # Why a control plane
+//!
+//! A collective (NCCL, a TCP ring) cannot recover from a lost peer by itself: every
+//! survivor blocks or fails, and none knows who else is alive. Something outside the
+//! data path has to notice the failure, tell the survivors to abort, and hand out a
+//! new, consistent world. That is this module. It moves a few small messages per
+//! second, never tensors.
+//!
+//! # Parts
+//!
+//! - A [`Coordinator`] (standalone `ckpt coordinator`, or embedded in a launcher)
+//!   forms *generations*: a numbered membership with ranks `0..world_size`.
+//! - Each rank process links an [`Agent`] over a [`ControlPlane`] backend
+//!   ([`TcpControlPlane`] now; a consensus store such as etcd is the path to high
+//!   availability). The agent's own thread heartbeats and watches for [`Directive`]s,
+//!   so the training thread can be stuck in a collective and still be aborted.
+//!
+//! # Protocol
+//!
+//! One TCP connection per member carries newline-delimited JSON ([`protocol`]), each
+//! line at most [`protocol::MAX_LINE`] bytes. The member says `hello` (job, identity,
+//! the generation it is running, if any), then asks to `rendezvous` for a generation
+//! newer than the one it had, heartbeats with its [`Progress`], sends [`Report`]s and
+//! sets keys. The coordinator answers with assignments, directives, key-value updates
+//! and errors. A generation forms when:
+//!
+//! - no generation runs: at least `min_ranks` members wait and either `max_ranks`
+//!   are there or the `last_call` window since `min_ranks` was reached has passed (so
+//!   members starting together land in one generation);
+//! - a generation just ended: every survivor asked for the next one, or `join_timeout`
+//!   passed (who did not come is dropped and told [`Directive::Stale`]).
+//!
+//! Ranks follow the members sorted by `(node, id)`, so the ranks of one node are
+//! contiguous. Generation numbers only grow, also across coordinator restarts (see
+//! below). Members beyond `max_ranks`, and members arriving while a generation runs,
+//! wait; after the next [`Report::Committed`] the coordinator sends
+//! [`Directive::Regroup`], so the world grows at a checkpoint boundary and loses no
+//! work.
+//!
+//! # Failure model
+//!
+//! - *Crash* (process killed, node rebooted): the connection closes and the kernel
+//!   tells the coordinator at once. The member is dropped; the others get
+//!   [`Directive::Restart`].
+//! - *Hang or partition* (SIGSTOP, a dead link, a lost node whose sockets linger):
+//!   no heartbeat for `heartbeat_timeout`. The member is dropped, the others restart,
+//!   and the member is told [`Directive::Stale`] in case it wakes up: a hung member
+//!   that resumes must write nothing more for its old generation.
+//! - *Stuck training thread* (the process heartbeats, but its training thread is
+//!   wedged): idle longer than `progress_timeout` while *not* inside a collective.
+//!   A member blocked in a collective is waiting for a peer, not hung itself, so it
+//!   is not blamed; the peer that is really stuck is.
+//! - *Errors a rank sees itself*: [`Report::CollectiveFailed`] restarts the world
+//!   without dropping anyone; [`Report::Fatal`] and [`Report::Leaving`] drop the
+//!   reporting member.
+//! - *Too few members*: below `min_ranks` for longer than `rendezvous_timeout`, every
+//!   member gets [`Directive::Shutdown`].
+//! - *Coordinator restart*: the coordinator keeps nothing that matters across a
+//!   restart. Each [`TcpControlPlane`] reconnects to the same address and re-announces
+//!   the generation it is running. When all members of a claimed generation come
+//!   back with the same view within a settle window (`CoordinatorConfig::settle`, by
+//!   default the heartbeat timeout: a member that cannot come back by then would be
+//!   declared lost anyway), the new coordinator
+//!   adopts it and training never stops. Otherwise it restarts the claimants into a
+//!   generation numbered above every number any member announced. Until the settle
+//!   window ends (or a generation is adopted) no generation forms, so a fresh member
+//!   cannot slip in a generation number below a running one.
+//! - *Hostile or broken input* (other jobs, garbage, oversize lines, generations from
+//!   the past or the future): a clear error to that connection, a warning in the
+//!   log, no effect on anyone else. Nothing a peer sends can panic the coordinator or
+//!   make it hold more than one line's worth of memory per connection.
+//!
+//! The coordinator is a single process: if it is down, nothing fails, but nothing can
+//! recover either until it is back.
+
+pub mod agent;
+mod cancel;
+pub mod coordinator;
+pub mod protocol;
+pub mod tcp;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use agent::{Agent, AgentConfig};
+pub use cancel::Cancel;
+pub use coordinator::{Coordinator, CoordinatorConfig, CoordinatorHandle, Event};
+pub use tcp::{TcpControlPlane, TcpSettings};
+
+/// Who a member is. `job` must match the coordinator's job id (else a clear error).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Member {
+    /// The job this member belongs to; the coordinator rejects other jobs.
+    pub job: String,
+    /// Unique within the job (e.g. `host:pid` or a launcher-given name).
+    pub id: String,
+    /// Address peers reach this member on (for collectives' bootstrap).
+    pub host: String,
+    /// The node (machine) the member runs on: ranks of one node are contiguous.
+    pub node: String,
+}
+
+/// One generation as this member sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assignment {
+    /// Strictly increasing, also across coordinator restarts.
+    pub generation: u64,
+    /// This member's rank: contiguous `0..world_size`, members sorted by `(node, id)`.
+    pub rank: usize,
+    /// Members in this generation.
+    pub world_size: usize,
+    /// The members, index = rank.
+    pub members: Vec<Member>,
+    /// Every checkpoint saved in this generation must use a checkpoint generation >=
+    /// this (the max checkpoint generation any member ever reported + 1, see
+    /// [`Progress`]).
+    pub checkpoint_generation_floor: u64,
+    /// Why it formed: "initial", "lost member X: connection closed", "grow: 1 waiting
+    /// member", ...
+    pub cause: String,
+}
+
+/// What the control plane asks of a member (pushed to the [`Agent`]'s thread).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Directive {
+    /// The current generation (`generation`, the one that is over) is over (a member
+    /// failed): abort at once and rendezvous again.
+    Restart {
+        /// The generation that ended.
+        generation: u64,
+        /// Why, naming the member when there is one.
+        cause: String,
+    },
+    /// Members are waiting to join: finish at the next checkpoint boundary (save,
+    /// commit), then rendezvous again. No abort.
+    Regroup {
+        /// The running generation that should regroup.
+        generation: u64,
+        /// Why ("grow: 1 waiting member").
+        cause: String,
+    },
+    /// This member's generation is over and it was not kept (a hung or partitioned
+    /// member that wakes up): abort, write nothing more, and leave (or rendezvous as a
+    /// new member). Applies to a member whose generation is `<= current`.
+    Stale {
+        /// The newest generation the coordinator knows.
+        current: u64,
+    },
+    /// The job cannot go on (fewer than min ranks for longer than the rendezvous
+    /// timeout, or the job finished): abort and exit.
+    Shutdown {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Heartbeat payload. `idle` = time since the training thread last called
+/// `progress()`/`collective_done()`; `in_collective` = it is blocked waiting on peers.
+/// A member that is not in a collective and idle longer than the coordinator's
+/// progress timeout is hung (its training thread is stuck) even though its process
+/// lives.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Last step the training thread reported.
+    pub step: u64,
+    /// The training thread is inside a collective (waiting on peers).
+    pub in_collective: bool,
+    /// Milliseconds since the training thread last showed progress.
+    pub idle_ms: u64,
+    /// Highest checkpoint generation this member has saved with.
+    pub checkpoint_generation: u64,
+}
+
+/// What a member tells the control plane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Report {
+    /// The communicator failed (peer named when known): the world must re-form. The
+    /// coordinator restarts the generation; members that do not rendezvous again
+    /// within the join timeout are dropped.
+    CollectiveFailed {
+        /// The failed peer's rank, when known.
+        peer: Option<usize>,
+        /// What failed.
+        reason: String,
+    },
+    /// This member cannot go on (device lost): drop it and restart the others.
+    Fatal {
+        /// What happened.
+        reason: String,
+    },
+    /// Step `step` committed in this generation (sent by rank 0); if members are
+    /// waiting, the coordinator answers with Regroup.
+    Committed {
+        /// The committed step.
+        step: u64,
+    },
+    /// This member ended the generation at a checkpoint boundary that every member
+    /// agreed on (a stop or a regroup whose save committed at `step`) and is about to
+    /// rendezvous again: the generation is over without a failure, so the others
+    /// are not aborted; they come to the rendezvous by themselves.
+    Ended {
+        /// The step committed at the boundary.
+        step: u64,
+    },
+    /// Leaving on purpose (preempted after its final save, finished): not a failure.
+    Leaving {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A control-plane backend (TCP coordinator now, etcd next). One value per member
+/// process. Every blocking call is bounded by a timeout or a [`Cancel`].
+pub trait ControlPlane: Send + Sync {
+    /// Blocks until a generation newer than `after` includes this member (joining, or
+    /// waiting as a new member while a generation runs). Err on cancel / timeout / bad
+    /// job / shutdown.
+    fn rendezvous(&self, after: u64, cancel: &Cancel) -> Result<Assignment, ElasticError>;
+    /// Sends a heartbeat for `generation` (0: in no generation yet).
+    fn heartbeat(&self, generation: u64, progress: &Progress) -> Result<(), ElasticError>;
+    /// Blocks up to `timeout` for the next directive for `generation` (or a newer one).
+    fn watch(&self, generation: u64, timeout: Duration) -> Result<Option<Directive>, ElasticError>;
+    /// Tells the control plane something about `generation` (see [`Report`]).
+    fn report(&self, generation: u64, report: &Report) -> Result<(), ElasticError>;
+    /// Generation-scoped key-value space for bootstrapping collectives.
+    fn kv_set(&self, generation: u64, key: &str, value: &str) -> Result<(), ElasticError>;
+    /// Blocks until the key exists in `generation` (Err on cancel, on timeout, or when
+    /// the generation is over).
+    fn kv_get(
+        &self,
+        generation: u64,
+        key: &str,
+        cancel: &Cancel,
+        timeout: Duration,
+    ) -> Result<String, ElasticError>;
+}
+
+/// A control-plane call failed. Each variant says whether trying again can help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ElasticError {
+    /// The call's [`Cancel`] was cancelled. Retrying with the same token cannot help.
+    #[error("cancelled")]
+    Cancelled,
+    /// Waiting took longer than allowed; retrying may help.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// The control plane refused the request: another job's id, a stale or over
+    /// generation, a malformed or oversize message. Retrying the same request cannot
+    /// help.
+    #[error("rejected: {0}")]
+    Rejected(String),
+    /// The coordinator cannot be reached (the backend keeps reconnecting); retrying
+    /// later may help.
+    #[error("control plane unreachable: {0}")]
+    Io(String),
+    /// The peer broke the protocol (an unparsable or unexpected message).
+    #[error("control plane protocol error: {0}")]
+    Protocol(String),
+    /// The job is over ([`Directive::Shutdown`]). Retrying cannot help.
+    #[error("job shut down: {0}")]
+    Shutdown(String),
+}

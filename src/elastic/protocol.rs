@@ -1,0 +1,326 @@
+//! The wire format between a member and the coordinator.
+//!
+//! - The transport is a byte stream (TCP). Each message is one JSON object on one
+//!   line, terminated by `\n`, at most [`MAX_LINE`] bytes including the newline.
+//!   JSON lines keep the protocol readable in `tcpdump` and writable by hand in tests,
+//!   and the line bound caps what a peer can make the other side allocate.
+//! - Every object has a `"type"` field naming the message ([`ClientMessage`] from a
+//!   member, [`ServerMessage`] from the coordinator); unknown types and missing
+//!   fields are errors, unknown extra fields are ignored.
+//! - A member MUST send `hello` first, once per connection. Anything else before it
+//!   is rejected.
+//! - A line longer than [`MAX_LINE`] is an error; the reader does not resynchronise
+//!   and the connection is closed after an error message. A line that is not valid
+//!   JSON of a known message is an error; the connection stays usable.
+
+use std::io::{self, BufRead, BufReader, Read};
+
+use serde::{Deserialize, Serialize};
+
+use super::{Assignment, Directive, Member, Progress, Report};
+
+/// The longest line either side accepts, newline included (64 KiB).
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// Protocol version a member announces in `hello`; the coordinator rejects others.
+pub const VERSION: u32 = 1;
+
+/// A message from a member to the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ClientMessage {
+    /// First message of every connection.
+    Hello {
+        /// Must be [`VERSION`].
+        version: u32,
+        /// Who is speaking; `member.job` must be the coordinator's job.
+        member: Member,
+        /// The newest generation number this member has heard of (0: none), so that a
+        /// restarted coordinator never hands out a smaller one.
+        seen: u64,
+        /// The highest checkpoint generation this member knows was used.
+        checkpoint_generation: u64,
+        /// The generation this member is running and asks to keep, if any (after a
+        /// reconnect; a restarted coordinator adopts it when all its members agree).
+        claim: Option<Assignment>,
+    },
+    /// Wait for a generation newer than `after` that includes this member.
+    Rendezvous {
+        /// The newest generation this member had (0: none).
+        after: u64,
+    },
+    /// Liveness and progress of the member in `generation` (0: in none).
+    Heartbeat {
+        /// The generation the member is in.
+        generation: u64,
+        /// Its training thread's progress.
+        progress: Progress,
+    },
+    /// A report about `generation`.
+    Report {
+        /// The generation the report is about.
+        generation: u64,
+        /// What happened.
+        report: Report,
+    },
+    /// Set `key` to `value` in `generation`'s key-value space.
+    KvSet {
+        /// The generation the key belongs to.
+        generation: u64,
+        /// The key.
+        key: String,
+        /// The value.
+        value: String,
+    },
+}
+
+/// A message from the coordinator to a member.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ServerMessage {
+    /// Answer to a valid `hello`.
+    Welcome {
+        /// The coordinator's job id.
+        job: String,
+        /// The newest generation the coordinator knows.
+        generation: u64,
+    },
+    /// The member is in a new generation.
+    Assigned {
+        /// Its place in it.
+        assignment: Assignment,
+    },
+    /// Something the member must do.
+    Directive {
+        /// What.
+        directive: Directive,
+    },
+    /// A key was set in `generation` (sent to every member of it, the setter too).
+    Kv {
+        /// The generation the key belongs to.
+        generation: u64,
+        /// The key.
+        key: String,
+        /// The value.
+        value: String,
+    },
+    /// The member's last message was refused.
+    Error {
+        /// Why, in words.
+        message: String,
+        /// True when the connection cannot go on (another job, another protocol
+        /// version, an oversize line): the coordinator closes it, and reconnecting
+        /// with the same identity will not help.
+        fatal: bool,
+    },
+}
+
+/// A line could not be read or decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    /// The peer sent more than [`MAX_LINE`] bytes without a newline.
+    #[error("line longer than {max} bytes")]
+    TooLong {
+        /// The bound.
+        max: usize,
+    },
+    /// The line is not a message of this protocol.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// The connection failed.
+    #[error("connection error: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Encodes `message` as one line, newline included. Fails (rather than send a line
+/// the peer would refuse) when the line would exceed [`MAX_LINE`].
+pub fn encode<T: Serialize>(message: &T) -> Result<String, LineError> {
+    let mut line =
+        serde_json::to_string(message).map_err(|e| LineError::Malformed(e.to_string()))?;
+    line.push('\n');
+    if line.len() > MAX_LINE {
+        return Err(LineError::TooLong { max: MAX_LINE });
+    }
+    Ok(line)
+}
+
+/// Decodes one line (without its newline) into a message.
+pub fn decode<T: for<'de> Deserialize<'de>>(line: &[u8]) -> Result<T, LineError> {
+    serde_json::from_slice(line).map_err(|e| LineError::Malformed(e.to_string()))
+}
+
+/// Reads newline-terminated lines of at most `max` bytes from a stream, holding at
+/// most `max` bytes of a line plus the buffer of the underlying reader.
+pub struct LineReader<R> {
+    inner: BufReader<R>,
+    line: Vec<u8>,
+    max: usize,
+}
+
+impl<R: Read> LineReader<R> {
+    /// Lines of at most [`MAX_LINE`] bytes from `inner`.
+    pub fn new(inner: R) -> Self {
+        Self::with_max(inner, MAX_LINE)
+    }
+
+    /// Lines of at most `max` bytes (newline included) from `inner`.
+    pub fn with_max(inner: R, max: usize) -> Self {
+        LineReader {
+            inner: BufReader::with_capacity(8 * 1024, inner),
+            line: Vec::new(),
+            max: max.max(1),
+        }
+    }
+
+    /// The underlying reader (to change its timeouts).
+    pub fn get_ref(&self) -> &R {
+        self.inner.get_ref()
+    }
+
+    /// The next line without its newline; `None` at a clean end of stream. A final
+    /// line without a newline is dropped: the peer died in the middle of it.
+    pub fn next_line(&mut self) -> Result<Option<&[u8]>, LineError> {
+        self.line.clear();
+        loop {
+            let available = match self.inner.fill_buf() {
+                Ok(available) => available,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(LineError::Io(e)),
+            };
+            if available.is_empty() {
+                return Ok(None);
+            }
+            let (take, done) = match available.iter().position(|&b| b == b'\n') {
+                Some(newline) => (newline + 1, true),
+                None => (available.len(), false),
+            };
+            if self.line.len().saturating_add(take) > self.max {
+                return Err(LineError::TooLong { max: self.max });
+            }
+            self.line.extend_from_slice(&available[..take]);
+            self.inner.consume(take);
+            if done {
+                self.line.pop();
+                if self.line.last() == Some(&b'\r') {
+                    self.line.pop();
+                }
+                return Ok(Some(&self.line));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member() -> Member {
+        Member {
+            job: "job".into(),
+            id: "a".into(),
+            host: "127.0.0.1".into(),
+            node: "n0".into(),
+        }
+    }
+
+    #[test]
+    fn messages_round_trip_as_one_line_each() {
+        let messages = vec![
+            ClientMessage::Hello {
+                version: VERSION,
+                member: member(),
+                seen: 3,
+                checkpoint_generation: 2,
+                claim: None,
+            },
+            ClientMessage::Heartbeat {
+                generation: 3,
+                progress: Progress {
+                    step: 7,
+                    in_collective: true,
+                    idle_ms: 12,
+                    checkpoint_generation: 2,
+                },
+            },
+            ClientMessage::Report {
+                generation: 3,
+                report: Report::CollectiveFailed {
+                    peer: Some(1),
+                    reason: "ring\nbroken".into(),
+                },
+            },
+        ];
+        let mut wire = String::new();
+        for message in &messages {
+            let line = encode(message).unwrap();
+            assert_eq!(line.matches('\n').count(), 1, "{line:?}");
+            wire.push_str(&line);
+        }
+        let mut reader = LineReader::new(wire.as_bytes());
+        for message in &messages {
+            let line = reader.next_line().unwrap().unwrap();
+            assert_eq!(&decode::<ClientMessage>(line).unwrap(), message);
+        }
+        assert!(reader.next_line().unwrap().is_none());
+    }
+
+    #[test]
+    fn an_oversize_line_is_an_error_before_it_is_buffered() {
+        let wire = vec![b'x'; 3 * MAX_LINE];
+        let mut reader = LineReader::new(&wire[..]);
+        let error = reader.next_line().unwrap_err();
+        assert!(
+            matches!(error, LineError::TooLong { max: MAX_LINE }),
+            "{error}"
+        );
+        assert!(reader.line.capacity() <= 2 * MAX_LINE);
+    }
+
+    #[test]
+    fn a_line_of_exactly_the_bound_is_accepted() {
+        let mut wire = vec![b'x'; 9];
+        wire.push(b'\n');
+        let mut reader = LineReader::with_max(&wire[..], 10);
+        assert_eq!(reader.next_line().unwrap().unwrap().len(), 9);
+        let mut longer = vec![b'x'; 10];
+        longer.push(b'\n');
+        let mut reader = LineReader::with_max(&longer[..], 10);
+        assert!(matches!(reader.next_line(), Err(LineError::TooLong { .. })));
+    }
+
+    #[test]
+    fn malformed_lines_name_the_problem() {
+        for line in [
+            &b"not json"[..],
+            b"{\"type\":\"launch_missiles\"}",
+            b"{\"type\":\"rendezvous\"}",
+            b"{\"type\":\"rendezvous\",\"after\":-1}",
+            b"\xff\xfe",
+        ] {
+            let error = decode::<ClientMessage>(line).unwrap_err();
+            assert!(matches!(error, LineError::Malformed(_)), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_torn_final_line_is_dropped_and_crlf_is_accepted() {
+        let wire = b"{\"type\":\"rendezvous\",\"after\":1}\r\n{\"type\":\"rend";
+        let mut reader = LineReader::new(&wire[..]);
+        let line = reader.next_line().unwrap().unwrap().to_vec();
+        assert_eq!(
+            decode::<ClientMessage>(&line).unwrap(),
+            ClientMessage::Rendezvous { after: 1 }
+        );
+        assert!(reader.next_line().unwrap().is_none());
+    }
+
+    #[test]
+    fn encode_refuses_a_line_the_peer_would_refuse() {
+        let message = ClientMessage::KvSet {
+            generation: 1,
+            key: "k".into(),
+            value: "v".repeat(MAX_LINE),
+        };
+        assert!(matches!(encode(&message), Err(LineError::TooLong { .. })));
+    }
+}

@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Recovery figures of docs/BENCHMARKS.md ("Elastic recovery").
+
+For each fault (SIGKILL, SIGSTOP) and repetition: start an elastic 4-rank job of
+`ckpt-train` (preset small by default), wait until it has committed a checkpoint and
+trained a few more steps, hit rank 2, and read the recovery line that rank 0 of the new
+generation prints (`recovery: generation G world W (...): noticed at T ms, aborted +A ms,
+rendezvous R ms, ring B ms, load L ms, first step F ms; back to training X ms after the
+failure was noticed`). Detection is the time from the fault to `noticed`.
+
+In the same run, the baseline every current tool uses: kill every rank and start the
+job again on 3 ranks from the newest checkpoint (what torchrun does on a failure), timed
+from the fault to the first completed step of the restarted job.
+
+    cargo build --release -p ckpt-trainer
+    python3 trainer/scripts/recovery_bench.py [--reps 5] [--preset small] [--json out.json]
+    python3 trainer/scripts/recovery_bench.py --goodput [--minutes 10 --kill-every 120]
+
+Goodput: useful steps per second of an elastic job that loses one rank every two minutes
+(relaunched by the launcher, so the world grows back), relative to the same job without
+failures measured in the same session.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import queue
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.join(ROOT, "target", "release", "ckpt-train")
+RECOVERY = re.compile(
+    r"recovery: generation (\d+) world (\d+) \((.*)\): noticed at (\d+) ms, aborted \+(\d+) ms, "
+    r"rendezvous (\d+) ms, ring (\d+) ms, load (\d+) ms, first step (\d+) ms; "
+    r"back to training (\d+) ms"
+)
+
+
+class Job:
+    """A launcher whose output lines arrive on a queue with their arrival time."""
+
+    def __init__(self, args):
+        self.proc = subprocess.Popen(
+            [BIN, "launch"] + args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines = queue.Queue()
+        self.seen = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put((time.time(), line.rstrip("\n")))
+        self.lines.put((time.time(), None))
+
+    def expect(self, pattern, timeout=300):
+        deadline = time.time() + timeout
+        while True:
+            try:
+                at, line = self.lines.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                raise SystemExit(f"timed out waiting for {pattern!r}:\n" + "\n".join(self.seen[-40:]))
+            if line is None:
+                raise SystemExit(f"job ended before {pattern!r}:\n" + "\n".join(self.seen[-40:]))
+            self.seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return at, m, line
+
+    def pid(self, label):
+        for line in reversed(self.seen):
+            m = re.match(rf"launch: rank {label} pid (\d+)", line)
+            if m:
+                return int(m.group(1))
+        raise SystemExit(f"no pid for rank {label}")
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for line in reversed(self.seen):
+            m = re.match(r"launch: .*process group (\d+)", line)
+            if m:
+                try:
+                    os.killpg(int(m.group(1)), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.proc.wait()
+
+
+def train_args(ckpt, preset, steps, resume=False):
+    args = ["--preset", preset, "--steps", str(steps), "--ckpt", f"file://{ckpt}",
+            "--ckpt-every", "10", "--log-every", "1", "--keep", "2"]
+    if resume:
+        args.append("--resume")
+    return args
+
+
+def elastic_once(fault, scratch, preset, steps):
+    shutil.rmtree(scratch, ignore_errors=True)
+    job = Job(["--nproc", "4", "--min-ranks", "3", "--"] + train_args(scratch, preset, steps))
+    try:
+        job.expect(r"\] step 13 loss")
+        pid = job.pid(2)
+        t_fault = time.time()
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        _, m, _ = job.expect(r"recovery: generation")
+        m = RECOVERY.search(m.string)
+        detect = int(m.group(4)) - t_fault * 1e3
+        abort, rendezvous, ring, load, first = (float(m.group(i)) for i in range(5, 10))
+        return {
+            "detect_ms": detect,
+            "abort_ms": abort,
+            "rendezvous_ms": rendezvous,
+            "ring_ms": ring,
+            "load_ms": load,
+            "first_step_ms": first,
+            # Training again: the survivors start their first step at N-1.
+            "to_training_ms": detect + abort + rendezvous + ring + load,
+            "to_first_step_ms": detect + float(m.group(10)),
+        }
+    finally:
+        if fault == "stop":
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except (ProcessLookupError, UnboundLocalError):
+                pass
+        job.kill()
+
+
+def restart_once(scratch, preset, steps, fault="kill"):
+    """The torchrun way: the launcher sees the failure and stops every rank; the job
+    is started again on the surviving size and resumes from the newest checkpoint.
+    A stopped (hung) rank is seen only when the survivors' collectives time out
+    (`--timeout-secs`, 60 s by default), as NCCL's watchdog does."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    job = Job(["--nproc", "4", "--grace-secs", "30", "--"] + train_args(scratch, preset, steps))
+    job.expect(r"\] step 13 loss")
+    pid = job.pid(2)
+    t_fault = time.time()
+    os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    try:
+        job.proc.wait(timeout=600)
+    finally:
+        if fault == "stop":
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.kill()
+    again = Job(["--nproc", "3", "--"] + train_args(scratch, preset, steps, resume=True))
+    try:
+        at_loaded, m, _ = again.expect(r"resumed from step (\d+)")
+        resumed = int(m.group(1))
+        at_step, _, _ = again.expect(rf"\] step {resumed + 1} loss")
+        return {
+            "to_training_ms": (at_loaded - t_fault) * 1e3,
+            "to_first_step_ms": (at_step - t_fault) * 1e3,
+        }
+    finally:
+        again.kill()
+
+
+def last_step(job):
+    """The highest step any rank logged so far (reads what arrived)."""
+    step = getattr(job, "last_step", 0)
+    while True:
+        try:
+            _, line = job.lines.get_nowait()
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        job.seen.append(line)
+        m = re.search(r"\[rank \d+\] step (\d+) loss", line)
+        if m:
+            step = max(step, int(m.group(1)))
+    job.last_step = step
+    return step
+
+
+def goodput(scratch, preset, minutes, every, free_secs):
+    """Useful steps per second of an elastic 4-rank job that loses a rank every
+    `every` seconds (relaunched: --max-restarts), relative to a failure-free run of the
+    same job measured for `free_secs` in the same session."""
+    import random
+
+    rng = random.Random(1)
+    args = ["--preset", preset, "--steps", "100000000", "--log-every", "1", "--keep", "2",
+            "--ckpt-every", "10"]
+    shutil.rmtree(scratch, ignore_errors=True)
+    free = Job(["--nproc", "4", "--min-ranks", "2", "--"] + args + ["--ckpt", f"file://{scratch}"])
+    free.expect(r"\] step 1 loss")
+    t0 = time.time()
+    s0 = last_step(free)
+    time.sleep(free_secs)
+    rate_free = (last_step(free) - s0) / (time.time() - t0)
+    free.kill()
+    shutil.rmtree(scratch, ignore_errors=True)
+    job = Job(["--nproc", "4", "--min-ranks", "2", "--max-restarts", "100", "--"] + args
+              + ["--ckpt", f"file://{scratch}"])
+    job.expect(r"\] step 1 loss")
+    t0 = time.time()
+    s0 = last_step(job)
+    kills = 0
+    deadline = t0 + minutes * 60
+    next_kill = t0 + every
+    while time.time() < deadline:
+        time.sleep(max(0.0, min(next_kill, deadline) - time.time()))
+        last_step(job)
+        if time.time() >= next_kill and time.time() < deadline:
+            label = rng.randrange(4)
+            os.kill(job.pid(label), signal.SIGKILL)
+            kills += 1
+            print(f"goodput: killed rank {label} at {time.time() - t0:.0f} s", file=sys.stderr)
+            next_kill += every
+    steps = last_step(job) - s0
+    wall = time.time() - t0
+    job.kill()
+    recoveries = sum(1 for l in job.seen if "recovery: generation" in l)
+    return {
+        "minutes": minutes,
+        "kill_every_s": every,
+        "kills": kills,
+        "recoveries": recoveries,
+        "failure_free_steps_per_s": rate_free,
+        "steps_per_s": steps / wall,
+        "goodput": (steps / wall) / rate_free,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--scratch", default="/tmp/ckpt-recovery-bench")
+    ap.add_argument("--json")
+    ap.add_argument("--goodput", action="store_true",
+                    help="instead: goodput of a run with a kill every --kill-every seconds")
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--kill-every", type=float, default=120)
+    ap.add_argument("--free-secs", type=float, default=120)
+    ap.add_argument("--restart-stop", action="store_true",
+                    help="instead: the full-restart baseline for a stopped (hung) rank")
+    a = ap.parse_args()
+    if not os.path.exists(BIN):
+        sys.exit(f"{BIN} missing: cargo build --release -p ckpt-trainer")
+    if a.restart_stop:
+        runs = [restart_once(a.scratch, a.preset, a.steps, fault="stop") for _ in range(a.reps)]
+        for r in runs:
+            print("full restart after a hang: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(json.dumps({"median": med, "runs": runs}, indent=1))
+        return
+    if a.goodput:
+        print(json.dumps(goodput(a.scratch, a.preset, a.minutes, a.kill_every, a.free_secs), indent=1))
+        return
+    runs = {"kill": [], "stop": [], "restart": []}
+    for rep in range(a.reps):
+        for fault in ("kill", "stop"):
+            r = elastic_once(fault, a.scratch, a.preset, a.steps)
+            runs[fault].append(r)
+            print(f"rep {rep + 1} {fault}: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
+        r = restart_once(a.scratch, a.preset, a.steps)
+        runs["restart"].append(r)
+        print(f"rep {rep + 1} full restart: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        for name, rs in runs.items()
+    }
+    for fault in ("kill", "stop"):
+        for key in ("to_training_ms", "to_first_step_ms"):
+            med[fault][f"restart_over_elastic_{key[:-3]}"] = med["restart"][key] / med[fault][key]
+    print(json.dumps({"median": med, "runs": runs}, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"median": med, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

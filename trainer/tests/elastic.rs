@@ -1,0 +1,655 @@
+//! Elastic recovery end to end: real launcher and rank processes of `ckpt-train`, a
+//! coordinator (hosted by a launcher, or the standalone `ckpt coordinator`), real
+//! SIGKILL, SIGSTOP and SIGTERM.
+//!
+//! The oracle is the same as for every recovery test: the final checkpoint equals,
+//! bitwise, the one of a failure-free run (deterministic mode makes the weights
+//! independent of the world size and of the recovery history). Faults happen at known
+//! points: `--fault-hold` parks one rank at a step (the others block in their next
+//! collective), and the test acts when it sees that rank's log line.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::{Duration, Instant};
+
+use ckpt::storage::Store;
+use ckpt::tools::diff::{DiffOptions, diff};
+use ckpt::{CheckpointReader, Commit};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ckpt-train");
+/// Generous bound on any one wait: these machines are small and shared.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// One elastic job at a time: each runs 4 to 6 rank processes with heartbeat
+/// deadlines, and several at once on a 2-core machine would starve them into false
+/// failures (which the tests would then, rightly, report).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn url(dir: &Path) -> String {
+    format!("file://{}", dir.display())
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on a process this test started (directly or through the
+    // launcher, whose `launch: rank R pid P` lines name it).
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig}) failed");
+}
+
+/// A launcher whose stdout and stderr lines arrive, in order per stream, on a channel.
+struct Launch {
+    child: Child,
+    lines: Receiver<String>,
+    seen: String,
+}
+
+impl Launch {
+    fn start(launch_args: &[&str], train_args: &[&str]) -> Launch {
+        let mut child = Command::new(BIN)
+            .arg("launch")
+            .args(launch_args)
+            .arg("--")
+            .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
+            .args(train_args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = channel();
+        for (stream, tag) in [
+            (
+                Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+                "",
+            ),
+            (Box::new(child.stderr.take().unwrap()), "stderr: "),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(format!("{tag}{line}")).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        Launch {
+            child,
+            lines: rx,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads lines until one satisfies `want`; returns it.
+    fn expect(&mut self, what: &str, want: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                    if want(&line) {
+                        return line;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!(
+                        "no line {what} within {WAIT:?}; output so far:\n{}",
+                        self.seen
+                    )
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!(
+                        "launcher ended without a line {what}; output:\n{}",
+                        self.seen
+                    )
+                }
+            }
+        }
+    }
+
+    /// Reads everything up to the end and reaps the launcher.
+    fn finish(mut self) -> (ExitStatus, String) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    let _ = self.child.kill();
+                    panic!("launcher still running after {WAIT:?}:\n{}", self.seen);
+                }
+            }
+        }
+        (self.child.wait().unwrap(), self.seen)
+    }
+}
+
+/// `launch: rank R pid P` lines: (label, pid) in the order printed.
+fn pids(output: &str) -> Vec<(usize, i32)> {
+    output
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("launch: rank ")?;
+            let (label, rest) = rest.split_once(" pid ")?;
+            let pid = rest.split_whitespace().next()?;
+            Some((label.parse().ok()?, pid.parse().ok()?))
+        })
+        .collect()
+}
+
+fn pid_of(output: &str, label: usize) -> i32 {
+    pids(output)
+        .into_iter()
+        .rev()
+        .find(|(l, _)| *l == label)
+        .unwrap_or_else(|| panic!("no pid for rank {label} in:\n{output}"))
+        .1
+}
+
+/// The launcher label of the process that printed `line` (`[rank L] …`).
+fn label_of(line: &str) -> usize {
+    line.trim_start_matches("stderr: ")
+        .strip_prefix("[rank ")
+        .and_then(|l| l.split(']').next())
+        .and_then(|l| l.parse().ok())
+        .unwrap_or_else(|| panic!("no [rank L] prefix on {line:?}"))
+}
+
+/// The reference: the same training, failure-free, on one fixed world.
+fn reference(dir: &Path, steps: u64) {
+    let output = Command::new(BIN)
+        .args(["launch", "--nproc", "2", "--"])
+        .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
+        .args(["--steps", &steps.to_string(), "--ckpt", &url(dir)])
+        .args(["--ckpt-every", "5"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "reference run failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Asserts that the newest checkpoints under `a` and `b` are bitwise identical.
+fn assert_identical(a: &Path, b: &Path) {
+    runtime().block_on(async {
+        let ra = CheckpointReader::open(&Store::from_url(&url(a)).unwrap(), None)
+            .await
+            .unwrap();
+        let rb = CheckpointReader::open(&Store::from_url(&url(b)).unwrap(), None)
+            .await
+            .unwrap();
+        assert_eq!(ra.step(), rb.step(), "different final steps");
+        let report = diff(&ra, &rb, &DiffOptions::default(), &|_| {})
+            .await
+            .unwrap();
+        assert!(report.identical, "final checkpoints differ: {report:#?}");
+        assert_eq!(report.tensors.len(), 18);
+    });
+}
+
+fn commits(dir: &Path) -> Vec<Commit> {
+    runtime().block_on(async {
+        ckpt::catalog::commits(&Store::from_url(&url(dir)).unwrap())
+            .await
+            .unwrap()
+    })
+}
+
+fn train_args(dir: &Path, steps: u64) -> Vec<String> {
+    vec![
+        "--steps".into(),
+        steps.to_string(),
+        "--ckpt".into(),
+        url(dir),
+        "--ckpt-every".into(),
+        "5".into(),
+        "--log-every".into(),
+        "1".into(),
+    ]
+}
+
+fn as_strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+/// Kills (SIGKILL) the rank that holds at `hold`, and checks that the other three
+/// finish in the same processes, on three ranks, with the reference's weights.
+fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 30);
+    let mut args = train_args(dir.path(), 30);
+    args.extend(["--fault-hold".into(), hold.into()]);
+    let mut launch = Launch::start(&["--nproc", "4", "--min-ranks", "2"], &as_strs(&args));
+    let held = launch.expect("where a rank holds", |l| l.contains("fault: rank "));
+    let victim = label_of(&held);
+    signal(pid_of(&launch.seen, victim), libc::SIGKILL);
+    let mut killed = vec![victim];
+    if also_kill_during_rendezvous {
+        // A second kill while the survivors re-form the world.
+        let second = (victim + 1) % 4;
+        signal(pid_of(&launch.seen, second), libc::SIGKILL);
+        killed.push(second);
+    }
+    let started_pids = pids(&launch.seen);
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the survivors must finish:\n{output}");
+    assert_eq!(
+        pids(&output),
+        started_pids,
+        "no rank may be (re)started: the survivors go on in their processes\n{output}"
+    );
+    let world = 4 - killed.len();
+    assert!(
+        output.contains("recovery: generation ") && output.contains(&format!("world {world}")),
+        "a recovery onto {world} ranks must be reported:\n{output}"
+    );
+    for label in (0..4).filter(|l| !killed.contains(l)) {
+        assert!(
+            output.contains(&format!("[rank {label}] done: step 30")),
+            "survivor {label} must finish in its own process:\n{output}"
+        );
+    }
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+#[test]
+fn a_rank_killed_mid_step_leaves_three_survivors_that_finish_with_the_reference_weights() {
+    let _serial = one_at_a_time();
+    kill_one_of_four("12:2:before-save", false);
+}
+
+#[test]
+fn a_rank_killed_while_its_async_save_runs_is_recovered_the_same_way() {
+    let _serial = one_at_a_time();
+    kill_one_of_four("10:1:after-save", false);
+}
+
+#[test]
+fn a_second_kill_during_the_rendezvous_of_the_first_recovery_is_recovered_too() {
+    let _serial = one_at_a_time();
+    kill_one_of_four("12:3:before-save", true);
+}
+
+#[test]
+fn a_stopped_rank_is_detected_by_heartbeat_and_fenced_when_it_resumes() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 30);
+    let mut args = train_args(dir.path(), 30);
+    args.extend(["--fault-step-pause-ms".into(), "30".into()]);
+    let mut launch = Launch::start(
+        &[
+            "--nproc",
+            "4",
+            "--min-ranks",
+            "2",
+            "--heartbeat-timeout-secs",
+            "2",
+        ],
+        &as_strs(&args),
+    );
+    launch.expect("step 12", |l| l.contains("] step 12 loss"));
+    let victim = 2;
+    let pid = pid_of(&launch.seen, victim);
+    let stopped_at = Instant::now();
+    signal(pid, libc::SIGSTOP);
+    let before: Vec<u64> = commits(dir.path()).iter().map(|c| c.step).collect();
+    let line = launch.expect("a recovery", |l| l.contains("recovery: generation"));
+    let detected = stopped_at.elapsed();
+    assert!(line.contains("world 3"), "{line}");
+    assert!(
+        detected < Duration::from_secs(30),
+        "a stopped rank must be found by its missing heartbeats, not by the 30 s collective timeout ({detected:?})"
+    );
+    signal(pid, libc::SIGCONT);
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the survivors must finish:\n{output}");
+    // The resumed process either learns that it is stale and leaves, or (when its
+    // own collective error reaches it first) joins again as a new, waiting member,
+    // and the world grows back at the next checkpoint. Either way it never trains
+    // on in the generation it was dropped from.
+    let left =
+        output.contains(&format!("[rank {victim}] error: member")) && output.contains("stale");
+    let rejoined = output.contains("grow: 1 waiting member")
+        && output.contains(&format!("[rank {victim}] done: step 30"));
+    assert!(
+        left || rejoined,
+        "the resumed rank must leave as stale or rejoin as a new member:\n{output}"
+    );
+    // Nothing the stale rank's generation wrote after the stop was committed: every
+    // commit of generation 1 (run id `…-e1`) predates it.
+    for commit in commits(dir.path()) {
+        let manifest_gen1 = commit_run_id(dir.path(), &commit).ends_with("-e1");
+        if manifest_gen1 {
+            // Generation 1 needs the stopped rank's part for every step it commits,
+            // and that rank was stopped at step 12 or 13.
+            assert!(
+                commit.step <= 12,
+                "step {} committed by the stale generation after the stop (committed before: {before:?})",
+                commit.step
+            );
+        }
+    }
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+fn commit_run_id(dir: &Path, commit: &Commit) -> String {
+    runtime().block_on(async {
+        let store = Store::from_url(&url(dir)).unwrap();
+        ckpt::catalog::read_commit(&store, commit)
+            .await
+            .unwrap()
+            .attempt
+            .unwrap_or_default()
+    })
+}
+
+/// The `ckpt` binary of the root package (the standalone coordinator), built like the
+/// trainer with the same profile.
+fn ckpt_bin() -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
+    let exe = std::env::current_exe().unwrap();
+    let profile = match exe
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::file_name)
+        .and_then(|name| name.to_str())
+    {
+        Some("debug") | None => "dev".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let output = Command::new(&cargo)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--quiet", "-p", "ckpt", "--bin", "ckpt"])
+        .args(["--profile", &profile, "--message-format=json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "building ckpt failed");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "ckpt")
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .expect("cargo names the ckpt executable")
+}
+
+/// Starts `ckpt coordinator` and returns it with the address it listens on.
+fn coordinator(listen: &str, job: &str) -> (Child, String) {
+    let mut child = Command::new(ckpt_bin())
+        .args(["coordinator", "--listen", listen, "--job", job])
+        .args(["--min-ranks", "2", "--max-ranks", "4"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first
+        .trim()
+        .strip_prefix("coordinator: listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
+        .to_string();
+    (child, addr)
+}
+
+#[test]
+fn a_restarted_standalone_coordinator_lets_training_go_on() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 60);
+    let (mut first, addr) = coordinator("127.0.0.1:0", "restart-test");
+    let rdzv = format!("tcp://{addr}");
+    let mut args = train_args(dir.path(), 60);
+    args.extend(["--fault-step-pause-ms".into(), "40".into()]);
+    let mut launch = Launch::start(
+        &[
+            "--nproc",
+            "2",
+            "--min-ranks",
+            "2",
+            "--rdzv",
+            &rdzv,
+            "--job-id",
+            "restart-test",
+        ],
+        &as_strs(&args),
+    );
+    launch.expect("step 10", |l| l.contains("] step 10 loss"));
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let (mut second, _) = coordinator(&addr, "restart-test");
+    let (status, output) = launch.finish();
+    let _ = second.kill();
+    let _ = second.wait();
+    assert!(
+        status.success(),
+        "training must survive the coordinator's restart:\n{output}"
+    );
+    assert!(output.contains("done: step 60"), "{output}");
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+/// Launcher flags of node `id` of a two-node job (`--rdzv`: join that coordinator;
+/// none: host it).
+fn node_args(id: usize, job: &str, rdzv: Option<&str>) -> Vec<String> {
+    let mut v: Vec<String> = ["--nproc", "2", "--nnodes", "1:2", "--min-ranks", "2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.extend([
+        "--node-id".into(),
+        id.to_string(),
+        "--job-id".into(),
+        job.into(),
+    ]);
+    if let Some(r) = rdzv {
+        v.extend(["--rdzv".to_string(), r.to_string()]);
+    }
+    v
+}
+
+/// The `tcp://` address of the coordinator a launcher hosts, from its first line.
+fn hosted_coordinator(launch: &mut Launch) -> String {
+    let header = launch.expect("the coordinator's address", |l| l.contains("coordinator "));
+    let addr = header
+        .split("coordinator ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap();
+    format!("tcp://{addr}")
+}
+
+#[test]
+fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 200);
+    let mut args = train_args(dir.path(), 200);
+    args.extend(["--fault-step-pause-ms".into(), "40".into()]);
+    let args = as_strs(&args);
+    let mut node0 = Launch::start(&as_strs(&node_args(0, "two-nodes", None)), &args);
+    let rdzv = hosted_coordinator(&mut node0);
+    let mut node1 = Launch::start(&as_strs(&node_args(1, "two-nodes", Some(&rdzv))), &args);
+    node0.expect("a world of 4", |l| l.contains("world 4"));
+    // Lose node 1 whole: its launcher and every rank it started.
+    node1.expect("node 1's ranks", |l| l.contains("launch: rank 3 pid"));
+    for (_, pid) in pids(&node1.seen) {
+        signal(pid, libc::SIGKILL);
+    }
+    signal(node1.child.id() as i32, libc::SIGKILL);
+    let _ = node1.finish();
+    node0.expect("recovery onto node 0 alone", |l| {
+        l.contains("recovery: generation") && l.contains("world 2")
+    });
+    // Relaunch node 1: the world grows back at a checkpoint boundary.
+    let node1 = Launch::start(&as_strs(&node_args(1, "two-nodes", Some(&rdzv))), &args);
+    node0.expect("the world grown back to 4", |l| {
+        l.contains("generation") && l.contains("world 4") && l.contains("grow")
+    });
+    let (status0, output0) = node0.finish();
+    let (status1, output1) = node1.finish();
+    assert!(status0.success(), "node 0:\n{output0}");
+    assert!(status1.success(), "node 1 (relaunched):\n{output1}");
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+#[test]
+fn sigterm_to_one_node_makes_a_final_save_and_the_other_node_goes_on() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 80);
+    let mut args = train_args(dir.path(), 80);
+    args.extend(["--fault-step-pause-ms".into(), "40".into()]);
+    let args = as_strs(&args);
+    let mut node0 = Launch::start(&as_strs(&node_args(0, "term", None)), &args);
+    let rdzv = hosted_coordinator(&mut node0);
+    let node1 = Launch::start(&as_strs(&node_args(1, "term", Some(&rdzv))), &args);
+    node0.expect("a world of 4", |l| l.contains("world 4"));
+    node0.expect("step 20", |l| l.contains("] step 20 loss"));
+    let committed_before = commits(dir.path()).len();
+    signal(node1.child.id() as i32, libc::SIGTERM);
+    let (status1, output1) = node1.finish();
+    assert_eq!(
+        status1.code(),
+        Some(75),
+        "the preempted node stops after its final save:\n{output1}"
+    );
+    assert!(
+        commits(dir.path()).len() > committed_before,
+        "the preempted node's ranks helped commit a final checkpoint"
+    );
+    let (status0, output0) = node0.finish();
+    assert!(status0.success(), "node 0 goes on alone:\n{output0}");
+    assert!(output0.contains("world 2"), "{output0}");
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+#[test]
+fn a_training_loop_stuck_in_a_live_process_is_found_by_its_progress_and_dropped() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 30);
+    let mut args = train_args(dir.path(), 30);
+    // Rank 1's training thread parks at step 12; its process and agent stay alive
+    // and keep sending heartbeats, and the other ranks wait in a collective.
+    args.extend(["--fault-hold".into(), "12:1:before-save".into()]);
+    let mut launch = Launch::start(
+        &[
+            "--nproc",
+            "3",
+            "--min-ranks",
+            "2",
+            "--progress-timeout-secs",
+            "3",
+        ],
+        &as_strs(&args),
+    );
+    let held = launch.expect("where a rank holds", |l| l.contains("fault: rank 1 holds"));
+    let victim = label_of(&held);
+    let line = launch.expect("a recovery", |l| l.contains("recovery: generation"));
+    assert!(line.contains("world 2"), "{line}");
+    assert!(
+        line.contains("no progress") || line.contains("hung") || line.contains("idle"),
+        "the cause names the stuck loop: {line}"
+    );
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the others must finish:\n{output}");
+    assert!(
+        output.contains(&format!("[rank {victim}] error: member")),
+        "the stuck rank is dropped and leaves:\n{output}"
+    );
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+#[test]
+fn a_failed_rank_is_relaunched_and_the_world_grows_back_to_its_size() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 60);
+    let mut args = train_args(dir.path(), 60);
+    args.extend(["--fault-hold".into(), "12:1:before-save".into()]);
+    args.extend(["--fault-step-pause-ms".into(), "30".into()]);
+    let mut launch = Launch::start(
+        &["--nproc", "3", "--min-ranks", "2", "--max-restarts", "1"],
+        &as_strs(&args),
+    );
+    let held = launch.expect("where a rank holds", |l| l.contains("fault: rank 1 holds"));
+    let victim = label_of(&held);
+    signal(pid_of(&launch.seen, victim), libc::SIGKILL);
+    let restarted = launch.expect("the relaunch", |l| {
+        l.starts_with(&format!("launch: rank {victim} pid")) && l.contains("(restart 1)")
+    });
+    // The relaunched rank joins the world again: at once when it arrives while the
+    // survivors re-form, else at the next checkpoint (a regroup).
+    launch.expect("the world back at 3 ranks", |l| {
+        l.contains("] generation") && l.contains("world 3") && !l.contains("initial")
+    });
+    let (status, output) = launch.finish();
+    assert!(status.success(), "{output}");
+    let new_pid = restarted
+        .split(" pid ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    assert_ne!(new_pid, "", "{restarted}");
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+#[test]
+fn a_rank_that_reports_a_device_error_is_dropped_and_the_others_go_on() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 30);
+    let mut args = train_args(dir.path(), 30);
+    args.extend(["--fault-device-error".into(), "12:1".into()]);
+    let launch = Launch::start(&["--nproc", "3", "--min-ranks", "2"], &as_strs(&args));
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the others must finish:\n{output}");
+    let line = output
+        .lines()
+        .find(|l| l.contains("recovery: generation"))
+        .unwrap_or_else(|| panic!("no recovery:\n{output}"));
+    assert!(
+        line.contains("world 2") && line.contains("device error"),
+        "the cause names the device error: {line}"
+    );
+    assert!(
+        output.contains("launch: rank 1 failed"),
+        "the rank with the failed device exits:\n{output}"
+    );
+    assert_identical(reference_dir.path(), dir.path());
+}
