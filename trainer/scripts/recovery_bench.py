@@ -143,9 +143,10 @@ def restart_once(scratch, preset, steps, fault="kill"):
     """The torchrun way: the launcher sees the failure and stops every rank; the job
     is started again on the surviving size and resumes from the newest checkpoint.
     A stopped (hung) rank is seen only when the survivors' collectives time out
-    (`--timeout-secs`, 60 s by default), as NCCL's watchdog does."""
+    (`--timeout-secs`, 60 s by default), as NCCL's watchdog does, and the launcher
+    kills it (it ignores SIGTERM while stopped) after its grace period (10 s)."""
     shutil.rmtree(scratch, ignore_errors=True)
-    job = Job(["--nproc", "4", "--grace-secs", "30", "--"] + train_args(scratch, preset, steps))
+    job = Job(["--nproc", "4", "--"] + train_args(scratch, preset, steps))
     job.expect(r"\] step 13 loss")
     pid = job.pid(2)
     t_fault = time.time()

@@ -35,7 +35,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ckpt::elastic::{Coordinator, CoordinatorConfig};
+use ckpt::elastic::{Coordinator, CoordinatorConfig, Event};
 
 use crate::signals;
 
@@ -134,6 +134,48 @@ fn kill(child: &Child, sig: i32) {
     // SAFETY: kill(2) on a pid we spawned and have not reaped yet.
     unsafe {
         libc::kill(child.id() as libc::pid_t, sig);
+    }
+}
+
+/// Prints the launcher's line for a generation change of the coordinator it hosts:
+/// one per recovery (an ended generation and the one formed after it), with the cause
+/// and how long the world took to re-form. Rank 0 of the new generation prints the
+/// per-rank timings (abort, load, first step).
+fn summarize(event: &Event, last_ended: &mut Option<(u64, std::time::SystemTime)>) {
+    match event {
+        Event::Ended { generation, at, .. } => *last_ended = Some((*generation, *at)),
+        Event::Formed {
+            generation,
+            members,
+            cause,
+            adopted,
+            at,
+        } => {
+            let after = last_ended
+                .take()
+                .and_then(|(ended, when)| Some((ended, at.duration_since(when).ok()?)));
+            match (after, adopted) {
+                (_, true) => say(format_args!(
+                    "launch: generation {generation} (world {}) adopted by a restarted coordinator",
+                    members.len()
+                )),
+                (Some((ended, took)), false) => say(format_args!(
+                    "launch: {}: generation {ended} ended, generation {generation} formed with world {} {} ms later ({cause})",
+                    if cause.starts_with("grow") {
+                        "regroup"
+                    } else {
+                        "recovery"
+                    },
+                    members.len(),
+                    took.as_millis()
+                )),
+                (None, false) => say(format_args!(
+                    "launch: generation {generation} formed with world {} ({cause})",
+                    members.len()
+                )),
+            }
+        }
+        Event::Shutdown { reason, .. } => say(format_args!("launch: job shut down: {reason}")),
     }
 }
 
@@ -379,7 +421,9 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         (None, Some(addr)) => addr,
         (None, None) => unreachable!("hosted when no address is given"),
     };
-    let _coordinator = hosted.map(Coordinator::spawn);
+    let coordinator = hosted.map(Coordinator::spawn);
+    let mut events_seen = 0;
+    let mut last_ended: Option<(u64, std::time::SystemTime)> = None;
     let mut spawner = Spawner {
         exe: std::env::current_exe()?,
         config,
@@ -413,6 +457,13 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             for child in slots.iter().filter_map(|s| s.child.as_ref()) {
                 kill(child, last);
             }
+        }
+        if let Some(coordinator) = &coordinator {
+            let events = coordinator.events();
+            for event in events.iter().skip(events_seen) {
+                summarize(event, &mut last_ended);
+            }
+            events_seen = events.len();
         }
         let mut stop_all = false;
         for (local, slot) in slots.iter_mut().enumerate() {

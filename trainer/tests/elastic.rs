@@ -272,6 +272,10 @@ fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
         output.contains("recovery: generation ") && output.contains(&format!("world {world}")),
         "a recovery onto {world} ranks must be reported:\n{output}"
     );
+    assert!(
+        output.contains("launch: recovery: generation 1 ended, generation 2 formed with world"),
+        "the launcher summarizes the recovery in one line:\n{output}"
+    );
     for label in (0..4).filter(|l| !killed.contains(l)) {
         assert!(
             output.contains(&format!("[rank {label}] done: step 30")),
