@@ -115,7 +115,7 @@ def elastic_once(fault, scratch, preset, steps):
         pid = job.pid(2)
         t_fault = time.time()
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        _, m, _ = job.expect(r"recovery: generation")
+        _, m, _ = job.expect(r"\] recovery: generation")
         m = RECOVERY.search(m.string)
         detect = int(m.group(4)) - t_fault * 1e3
         abort, rendezvous, ring, load, first = (float(m.group(i)) for i in range(5, 10))
@@ -230,7 +230,7 @@ def goodput(scratch, preset, minutes, every, free_secs):
     steps = last_step(job) - s0
     wall = time.time() - t0
     job.kill()
-    recoveries = sum(1 for l in job.seen if "recovery: generation" in l)
+    recoveries = sum(1 for l in job.seen if "launch: recovery: generation" in l)
     return {
         "minutes": minutes,
         "kill_every_s": every,

@@ -567,6 +567,14 @@ pub fn run_supervised(
             acc_f32.fill(0.0);
         }
         for chunk in (rank..preset.chunks).step_by(world) {
+            // A cancelled generation stops between chunks, not at the next
+            // collective: recovery does not wait for a whole step's compute.
+            if supervisor.is_cancelled() {
+                return Err(TrainError::Cancelled(format!(
+                    "computing step {}",
+                    step + 1
+                )));
+            }
             let (x, y) = model::chunk_data(config.seed, step, chunk, preset, &teacher);
             let mut sink = if config.deterministic {
                 GradSink::Fixed {
