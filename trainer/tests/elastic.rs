@@ -8,8 +8,10 @@
 //! points: `--fault-hold` parks one rank at a step (the others block in their next
 //! collective), and the test acts when it sees that rank's log line.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
@@ -377,39 +379,9 @@ fn commit_run_id(dir: &Path, commit: &Commit) -> String {
     })
 }
 
-/// The `ckpt` binary of the root package (the standalone coordinator), built like the
-/// trainer with the same profile.
-fn ckpt_bin() -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
-    let exe = std::env::current_exe().unwrap();
-    let profile = match exe
-        .parent()
-        .and_then(Path::parent)
-        .and_then(Path::file_name)
-        .and_then(|name| name.to_str())
-    {
-        Some("debug") | None => "dev".to_string(),
-        Some(other) => other.to_string(),
-    };
-    let output = Command::new(&cargo)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["build", "--quiet", "-p", "ckpt", "--bin", "ckpt"])
-        .args(["--profile", &profile, "--message-format=json"])
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "building ckpt failed");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "ckpt")
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .expect("cargo names the ckpt executable")
-}
-
 /// Starts `ckpt coordinator` and returns it with the address it listens on.
 fn coordinator(listen: &str, job: &str) -> (Child, String) {
-    let mut child = Command::new(ckpt_bin())
+    let mut child = Command::new(common::ckpt_cli())
         .args(["coordinator", "--listen", listen, "--job", job])
         .args(["--min-ranks", "2", "--max-ranks", "4"])
         .stdout(Stdio::piped())

@@ -8,8 +8,10 @@
 //! step, the others block in their next collective (mid-step), the test sees the
 //! rank's log line and SIGKILLs every rank by pid.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use ckpt::storage::Store;
@@ -168,7 +170,7 @@ fn world_sizes_one_to_four_end_with_bitwise_identical_weights() {
         assert_identical(dirs[0].path(), dir.path());
     }
     // The same verdict from the `ckpt` command line.
-    let out = Command::new(ckpt_cli())
+    let out = Command::new(common::ckpt_cli())
         .args(["diff", &url(dirs[0].path()), &url(dirs[3].path())])
         .output()
         .unwrap();
@@ -211,48 +213,6 @@ fn printed_losses(output: &str) -> Vec<(u64, f64)> {
             Some((step.parse().ok()?, loss.trim().parse().ok()?))
         })
         .collect()
-}
-
-/// The `ckpt` command line of this workspace, built now if needed. The trainer links
-/// the library without its command-line feature, so building the trainer's tests
-/// does not build the binary; building it here (a no-op when fresh) also makes sure
-/// it is not a stale copy. Panics, and so fails the test, when it cannot be built.
-fn ckpt_cli() -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
-    // The profile this test was built with, from `<target>/<profile dir>/deps/<exe>`.
-    let exe = std::env::current_exe().unwrap();
-    let profile = match exe
-        .parent()
-        .and_then(Path::parent)
-        .and_then(Path::file_name)
-        .and_then(|name| name.to_str())
-    {
-        Some("debug") | None => "dev".to_string(),
-        Some(other) => other.to_string(),
-    };
-    let output = Command::new(&cargo)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["build", "--quiet", "-p", "ckpt", "--bin", "ckpt"])
-        .args(["--profile", &profile, "--message-format=json"])
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cargo:?} to build the ckpt binary: {e}"));
-    assert!(
-        output.status.success(),
-        "building the ckpt binary failed ({})",
-        output.status
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let executable = stdout
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|message| message["reason"] == "compiler-artifact")
-        .filter(|message| message["target"]["name"] == "ckpt")
-        .find_map(|message| message["executable"].as_str().map(PathBuf::from));
-    let executable = executable
-        .unwrap_or_else(|| panic!("cargo built no ckpt executable; its messages:\n{stdout}"));
-    assert!(executable.is_file(), "{} is missing", executable.display());
-    executable
 }
 
 fn kill_at_20_then_resume(before: usize, after: usize) {
