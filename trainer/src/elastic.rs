@@ -274,8 +274,9 @@ pub fn run(
             .generation
             .max(assignment.checkpoint_generation_floor);
         generation_config.resume = config.resume || !first;
-        if !first {
-            // A test's fault happens once, in the first generation.
+        if generation != 1 {
+            // A test's fault happens once, in the job's first generation (not again in
+            // a relaunched process, nor after the resume that recovered from it).
             generation_config.hold = None;
             generation_config.device_error = None;
         }

@@ -80,7 +80,9 @@ struct TrainArgs {
     #[arg(long, default_value_t = 60.0)]
     timeout_secs: f64,
     /// Fault injection for tests: STEP:RANK:before-save|after-save parks that rank
-    /// forever at that step (the world then hangs mid-step until killed).
+    /// forever at that step (the world then hangs mid-step until killed; in an
+    /// elastic job, until the generation is cancelled). Elastic faults happen only in
+    /// the job's first generation.
     #[arg(long, hide = true)]
     fault_hold: Option<String>,
     /// Test knob: sleep this many milliseconds after every step.
