@@ -17,8 +17,10 @@ async fn delete_prefix_removes_staging_files_of_abandoned_uploads() {
     store.put("step-1/done", &b"x"[..]).await.unwrap();
     let mut upload = store.upload("step-1/big").unwrap();
     upload.write(vec![1u8; MIN_PART_SIZE + 1]).await.unwrap();
-    // A writer that dies mid-upload never finishes or aborts.
-    drop(upload);
+    // A writer that dies mid-upload never finishes or aborts, and runs no destructor
+    // (object_store's drop of a local upload would remove the staging file in a
+    // background task, racing this test): forget it, as a SIGKILL would.
+    std::mem::forget(upload);
     let leftovers: Vec<_> = std::fs::read_dir(dir.path().join("step-1"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
