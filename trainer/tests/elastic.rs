@@ -10,15 +10,16 @@
 
 mod common;
 
+use common::{assert_identical, runtime, tempdir, url};
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
+use ckpt::Commit;
 use ckpt::storage::Store;
-use ckpt::tools::diff::{DiffOptions, diff};
-use ckpt::{CheckpointReader, Commit};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-train");
 /// Generous bound on any one wait: these machines are small and shared.
@@ -31,18 +32,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn url(dir: &Path) -> String {
-    format!("file://{}", dir.display())
 }
 
 fn signal(pid: i32, sig: i32) {
@@ -196,24 +185,6 @@ fn reference(dir: &Path, steps: u64) {
     );
 }
 
-/// Asserts that the newest checkpoints under `a` and `b` are bitwise identical.
-fn assert_identical(a: &Path, b: &Path) {
-    runtime().block_on(async {
-        let ra = CheckpointReader::open(&Store::from_url(&url(a)).unwrap(), None)
-            .await
-            .unwrap();
-        let rb = CheckpointReader::open(&Store::from_url(&url(b)).unwrap(), None)
-            .await
-            .unwrap();
-        assert_eq!(ra.step(), rb.step(), "different final steps");
-        let report = diff(&ra, &rb, &DiffOptions::default(), &|_| {})
-            .await
-            .unwrap();
-        assert!(report.identical, "final checkpoints differ: {report:#?}");
-        assert_eq!(report.tensors.len(), 18);
-    });
-}
-
 fn commits(dir: &Path) -> Vec<Commit> {
     runtime().block_on(async {
         ckpt::catalog::commits(&Store::from_url(&url(dir)).unwrap())
@@ -235,20 +206,24 @@ fn train_args(dir: &Path, steps: u64) -> Vec<String> {
     ]
 }
 
-fn as_strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
+/// A test's directories and arguments: the failure-free reference trained to `steps`
+/// in one directory, and the arguments of the elastic run (into the other) that must
+/// end with the same weights.
+fn scenario(steps: u64) -> (tempfile::TempDir, tempfile::TempDir, Vec<String>) {
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), steps);
+    let args = train_args(dir.path(), steps);
+    (reference_dir, dir, args)
 }
 
-fn tempdir() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
+fn as_strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
 }
 
 /// Kills (SIGKILL) the rank that holds at `hold`, and checks that the other three
 /// finish in the same processes, on three ranks, with the reference's weights.
 fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
-    let (reference_dir, dir) = (tempdir(), tempdir());
-    reference(reference_dir.path(), 30);
-    let mut args = train_args(dir.path(), 30);
+    let (reference_dir, dir, mut args) = scenario(30);
     args.extend(["--fault-hold".into(), hold.into()]);
     let mut launch = Launch::start(&["--nproc", "4", "--min-ranks", "2"], &as_strs(&args));
     let held = launch.expect("where a rank holds", |l| l.contains("fault: rank "));
@@ -308,9 +283,7 @@ fn a_second_kill_during_the_rendezvous_of_the_first_recovery_is_recovered_too() 
 #[test]
 fn a_stopped_rank_is_detected_by_heartbeat_and_fenced_when_it_resumes() {
     let _serial = one_at_a_time();
-    let (reference_dir, dir) = (tempdir(), tempdir());
-    reference(reference_dir.path(), 30);
-    let mut args = train_args(dir.path(), 30);
+    let (reference_dir, dir, mut args) = scenario(30);
     args.extend(["--fault-step-pause-ms".into(), "30".into()]);
     let mut launch = Launch::start(
         &[
@@ -470,9 +443,7 @@ fn hosted_coordinator(launch: &mut Launch) -> String {
 #[test]
 fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
     let _serial = one_at_a_time();
-    let (reference_dir, dir) = (tempdir(), tempdir());
-    reference(reference_dir.path(), 200);
-    let mut args = train_args(dir.path(), 200);
+    let (reference_dir, dir, mut args) = scenario(200);
     args.extend(["--fault-step-pause-ms".into(), "40".into()]);
     let args = as_strs(&args);
     let mut node0 = Launch::start(&as_strs(&node_args(0, "two-nodes", None)), &args);
@@ -504,9 +475,7 @@ fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
 #[test]
 fn sigterm_to_one_node_makes_a_final_save_and_the_other_node_goes_on() {
     let _serial = one_at_a_time();
-    let (reference_dir, dir) = (tempdir(), tempdir());
-    reference(reference_dir.path(), 80);
-    let mut args = train_args(dir.path(), 80);
+    let (reference_dir, dir, mut args) = scenario(80);
     args.extend(["--fault-step-pause-ms".into(), "40".into()]);
     let args = as_strs(&args);
     let mut node0 = Launch::start(&as_strs(&node_args(0, "term", None)), &args);
@@ -535,9 +504,7 @@ fn sigterm_to_one_node_makes_a_final_save_and_the_other_node_goes_on() {
 #[test]
 fn a_training_loop_stuck_in_a_live_process_is_found_by_its_progress_and_dropped() {
     let _serial = one_at_a_time();
-    let (reference_dir, dir) = (tempdir(), tempdir());
-    reference(reference_dir.path(), 30);
-    let mut args = train_args(dir.path(), 30);
+    let (reference_dir, dir, mut args) = scenario(30);
     // Rank 1's training thread parks at step 12; its process and agent stay alive
     // and keep sending heartbeats, and the other ranks wait in a collective.
     args.extend(["--fault-hold".into(), "12:1:before-save".into()]);
@@ -572,9 +539,7 @@ fn a_training_loop_stuck_in_a_live_process_is_found_by_its_progress_and_dropped(
 #[test]
 fn a_failed_rank_is_relaunched_and_the_world_grows_back_to_its_size() {
     let _serial = one_at_a_time();
-    let (reference_dir, dir) = (tempdir(), tempdir());
-    reference(reference_dir.path(), 60);
-    let mut args = train_args(dir.path(), 60);
+    let (reference_dir, dir, mut args) = scenario(60);
     args.extend(["--fault-hold".into(), "12:1:before-save".into()]);
     args.extend(["--fault-step-pause-ms".into(), "30".into()]);
     let mut launch = Launch::start(
@@ -608,9 +573,7 @@ fn a_failed_rank_is_relaunched_and_the_world_grows_back_to_its_size() {
 #[test]
 fn a_rank_that_reports_a_device_error_is_dropped_and_the_others_go_on() {
     let _serial = one_at_a_time();
-    let (reference_dir, dir) = (tempdir(), tempdir());
-    reference(reference_dir.path(), 30);
-    let mut args = train_args(dir.path(), 30);
+    let (reference_dir, dir, mut args) = scenario(30);
     args.extend(["--fault-device-error".into(), "12:1".into()]);
     let launch = Launch::start(&["--nproc", "3", "--min-ranks", "2"], &as_strs(&args));
     let (status, output) = launch.finish();

@@ -10,28 +10,17 @@
 
 mod common;
 
+use common::{assert_identical, runtime, tempdir, url};
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use ckpt::storage::Store;
-use ckpt::tools::diff::{DiffOptions, diff};
 use ckpt::tools::verify::{VerifyOptions, verify};
 use ckpt::{CheckpointReader, list_checkpoints};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-train");
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn url(dir: &Path) -> String {
-    format!("file://{}", dir.display())
-}
 
 /// `ckpt-train launch --nproc N -- --preset tiny … ARGS`, to completion.
 fn launch(nproc: usize, args: &[&str]) -> Output {
@@ -56,36 +45,6 @@ fn train(nproc: usize, dir: &Path, steps: u64, extra: &[&str]) -> String {
     let mut args = vec!["--steps", &steps, "--ckpt", &url, "--ckpt-every", "10"];
     args.extend_from_slice(extra);
     String::from_utf8(launch(nproc, &args).stdout).unwrap()
-}
-
-/// Asserts that the newest checkpoints under `a` and `b` are bitwise identical
-/// (tensors and non-tensor state), with the library's `ckpt diff`.
-fn assert_identical(a: &Path, b: &Path) {
-    runtime().block_on(async {
-        let ra = CheckpointReader::open(&Store::from_url(&url(a)).unwrap(), None)
-            .await
-            .unwrap();
-        let rb = CheckpointReader::open(&Store::from_url(&url(b)).unwrap(), None)
-            .await
-            .unwrap();
-        let report = diff(&ra, &rb, &DiffOptions::default(), &|_| {})
-            .await
-            .unwrap();
-        assert!(
-            report.identical,
-            "{} (world {}) and {} (world {}) differ: {report:#?}",
-            a.display(),
-            ra.manifest().world_size,
-            b.display(),
-            rb.manifest().world_size
-        );
-        assert_eq!(
-            report.tensors.len(),
-            18,
-            "params and both Adam moments of 6 tensors"
-        );
-        assert!(report.only_in_a.is_empty() && report.only_in_b.is_empty());
-    });
 }
 
 fn latest_step(dir: &Path) -> Option<u64> {
@@ -153,10 +112,6 @@ fn resumed_from(output: &str) -> u64 {
         .and_then(|r| r.split(' ').next())
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no resume line in:\n{output}"))
-}
-
-fn tempdir() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
 }
 
 #[test]
