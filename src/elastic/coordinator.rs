@@ -1090,6 +1090,12 @@ impl Core {
             Phase::Rejoin {
                 previous, expected, ..
             } if in_it && *previous == generation => {
+                if let Report::Fatal { reason } = &report {
+                    // The root cause of the restart, when the peers' collective
+                    // errors reached the coordinator before the failed member's own
+                    // report: the next generation names it.
+                    self.cause = format!("member {id} failed: {reason}");
+                }
                 if matches!(report, Report::Fatal { .. } | Report::Leaving { .. }) {
                     expected.remove(&id);
                     if let Some(conn) = self.conns.get_mut(&c) {

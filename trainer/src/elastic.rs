@@ -376,10 +376,13 @@ pub fn run(
                         }
                         TrainError::Cancelled(_) => {}
                         _ => {
-                            comm.abort();
+                            // Report before aborting: the peers notice the abort at
+                            // once and would otherwise report a collective failure
+                            // first, which names no culprit.
                             let _ = agent.report(Report::Fatal {
                                 reason: e.to_string(),
                             });
+                            comm.abort();
                             return Exit::Failed(e.to_string());
                         }
                     }
