@@ -119,7 +119,9 @@ def elastic_once(fault, scratch, preset, steps):
         m = RECOVERY.search(m.string)
         detect = int(m.group(4)) - t_fault * 1e3
         abort, rendezvous, ring, load, first = (float(m.group(i)) for i in range(5, 10))
+        sources = [re.search(r"rank 0 read (.*)\)$", l) for l in job.seen if "resumed from step" in l]
         return {
+            "read_from": sources[-1].group(1) if sources and sources[-1] else "?",
             "detect_ms": detect,
             "abort_ms": abort,
             "rendezvous_ms": rendezvous,
@@ -274,12 +276,12 @@ def main():
         for fault in ("kill", "stop"):
             r = elastic_once(fault, a.scratch, a.preset, a.steps)
             runs[fault].append(r)
-            print(f"rep {rep + 1} {fault}: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
+            print(f"rep {rep + 1} {fault}: " + ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), file=sys.stderr)
         r = restart_once(a.scratch, a.preset, a.steps)
         runs["restart"].append(r)
         print(f"rep {rep + 1} full restart: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
     med = {
-        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "read_from"}
         for name, rs in runs.items()
     }
     for fault in ("kill", "stop"):

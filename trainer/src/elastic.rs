@@ -30,6 +30,7 @@ use ckpt::elastic::{Agent, Assignment, Cancel, Directive, Report};
 use ckpt::storage::Store;
 
 use crate::collective::{Collective, TcpCollective, TcpConfig};
+use crate::memory::Memory;
 use crate::train::{
     Checkpointing, Outcome, Stats, Supervisor, TrainConfig, TrainError, run_supervised,
 };
@@ -194,6 +195,14 @@ pub fn run(
     stop: &AtomicBool,
 ) -> Exit {
     let mut checkpointing = Checkpointing::default();
+    if config.memory_copies && store.is_some() {
+        match Memory::start(ip) {
+            Ok(memory) => checkpointing.memory = Some(memory),
+            Err(e) => {
+                tracing::warn!(%ip, error = %e, "no in-memory copies (recoveries read the store)")
+            }
+        }
+    }
     let mut first = true;
     let mut previous: Option<Previous> = None;
     loop {

@@ -27,6 +27,7 @@ pub mod collective;
 pub mod elastic;
 pub mod fixed;
 pub mod launch;
+pub mod memory;
 pub mod model;
 pub mod signals;
 pub mod train;

@@ -76,6 +76,12 @@ struct TrainArgs {
     /// Print the loss every N steps (rank 0).
     #[arg(long, default_value_t = 10)]
     log_every: u64,
+    /// Elastic jobs: keep in RAM a copy of the rows each rank saves and a replica of
+    /// its ring predecessor's, so that survivors recover from memory instead of the
+    /// store (about twice the checkpoint's size in RAM per rank).
+    /// --memory-copies=false: recoveries read the store.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    memory_copies: bool,
     /// A collective fails when a peer makes no progress for this many seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout_secs: f64,
@@ -591,6 +597,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         hold,
         step_pause: Duration::from_millis(args.fault_step_pause_ms),
         device_error,
+        memory_copies: args.memory_copies,
     };
     let world = match (world, rdzv) {
         (Some(world), _) => world,

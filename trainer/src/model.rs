@@ -346,6 +346,21 @@ pub fn chunk_step(
     y: &[f32],
     sink: &mut GradSink<'_>,
 ) -> f64 {
+    chunk_step_unless(preset, params, offsets, x, y, sink, &|| false).expect("never interrupted")
+}
+
+/// [`chunk_step`], given up (returning `None`, with `sink` partly updated) as soon as
+/// `interrupted` says so between two layers: a recovery must not wait for a whole
+/// chunk's compute before its survivors can re-form.
+pub fn chunk_step_unless(
+    preset: &Preset,
+    params: &[f32],
+    offsets: &[usize],
+    x: &[f32],
+    y: &[f32],
+    sink: &mut GradSink<'_>,
+    interrupted: &dyn Fn() -> bool,
+) -> Option<f64> {
     let dims = preset.dims();
     let layers = dims.len() - 1;
     let n = preset.chunk_size();
@@ -353,6 +368,9 @@ pub fn chunk_step(
     let mut acts: Vec<Vec<f32>> = Vec::with_capacity(layers + 1);
     acts.push(x.to_vec());
     for l in 0..layers {
+        if interrupted() {
+            return None;
+        }
         let (fi, fo) = (dims[l], dims[l + 1]);
         let w = &params[offsets[2 * l]..offsets[2 * l] + fo * fi];
         let b = &params[offsets[2 * l + 1]..offsets[2 * l + 1] + fo];
@@ -387,6 +405,9 @@ pub fn chunk_step(
     loss /= f64::from(denom);
     // Backward.
     for l in (0..layers).rev() {
+        if interrupted() {
+            return None;
+        }
         let (fi, fo) = (dims[l], dims[l + 1]);
         let (ow, ob) = (offsets[2 * l], offsets[2 * l + 1]);
         let w = &params[ow..ow + fo * fi];
@@ -443,7 +464,7 @@ pub fn chunk_step(
             dz = da;
         }
     }
-    loss
+    Some(loss)
 }
 
 /// Adam hyper-parameters (besides the learning rate of the preset).

@@ -27,6 +27,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,7 @@ use serde_json::json;
 
 use crate::collective::{Collective, CollectiveError, CollectiveExt, shard_counts, shard_range};
 use crate::fixed;
+use crate::memory::{self, Holding, Memory};
 use crate::model::{self, GradSink, Preset, Teacher, TensorSpec};
 
 /// What one generation is asked to do.
@@ -77,6 +79,9 @@ pub struct TrainConfig {
     /// Fault injection for tests: (step, rank) at which that rank reports a device
     /// error, as a CUDA error would surface on a GPU.
     pub device_error: Option<(u64, usize)>,
+    /// Elastic ranks: keep in-memory copies of the newest checkpoints (see
+    /// [`crate::memory`]), so that a recovery rebuilds from RAM where it can.
+    pub memory_copies: bool,
 }
 
 /// Where a rank holds (parks its training thread forever); see
@@ -177,6 +182,74 @@ impl Supervisor for Unsupervised {
 #[derive(Debug, Default)]
 pub struct Checkpointing {
     pending: Option<SaveHandle>,
+    /// In-memory copies of the newest checkpoints (elastic ranks): a recovery
+    /// rebuilds from them instead of the store where it can. Used only when every
+    /// rank of the world has them.
+    pub memory: Option<Arc<Memory>>,
+    /// The step's full-size buffers, kept from one generation to the next: their
+    /// size does not depend on the world, and releasing and faulting in several
+    /// hundred megabytes again would add tens of milliseconds to every recovery.
+    workspace: Workspace,
+    /// The last generation's state vectors (its rows at the step it stopped at),
+    /// recycled as the next load's destination: memory this process has already
+    /// touched fills several times faster than fresh pages.
+    spare: Vec<Vec<f32>>,
+}
+
+/// A generation's state, whose vectors go back to [`Checkpointing::spare`] however
+/// the generation ends.
+struct Recycled<'a> {
+    shards: Shards,
+    spare: &'a mut Vec<Vec<f32>>,
+}
+
+impl std::ops::Deref for Recycled<'_> {
+    type Target = Shards;
+    fn deref(&self) -> &Shards {
+        &self.shards
+    }
+}
+
+impl std::ops::DerefMut for Recycled<'_> {
+    fn deref_mut(&mut self) -> &mut Shards {
+        &mut self.shards
+    }
+}
+
+impl Drop for Recycled<'_> {
+    fn drop(&mut self) {
+        let s = &mut self.shards;
+        self.spare.clear();
+        for ((p, m), v) in s.params.iter_mut().zip(&mut s.m).zip(&mut s.v) {
+            self.spare
+                .extend([std::mem::take(p), std::mem::take(m), std::mem::take(v)]);
+        }
+    }
+}
+
+/// Buffers of one step that span all parameters (see [`Checkpointing`]).
+#[derive(Debug, Default)]
+struct Workspace {
+    /// The all-gathered parameters.
+    full: Vec<f32>,
+    /// Fixed-point gradient accumulators (deterministic mode).
+    acc_i64: Vec<i64>,
+    /// f32 gradients (scratch of one chunk in deterministic mode).
+    acc_f32: Vec<f32>,
+}
+
+impl Workspace {
+    /// Sizes the buffers for `total` parameters (contents unspecified).
+    fn prepare(&mut self, total: usize, deterministic: bool) {
+        fn sized<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+            if v.len() != n {
+                *v = memory::huge_zeros(n);
+            }
+        }
+        sized(&mut self.full, total);
+        sized(&mut self.acc_i64, if deterministic { total } else { 0 });
+        sized(&mut self.acc_f32, total);
+    }
 }
 
 impl Checkpointing {
@@ -475,16 +548,35 @@ pub fn run_supervised(
     // Whether to resume is decided together: in an elastic world a member that
     // just joined (a relaunched rank) has never trained while the survivors resume,
     // and all of them must run the same collectives.
-    let resume = match store {
+    // So is whether to keep in-memory copies: only when every rank has them (their
+    // table of holdings is one more collective).
+    let (resume, memory) = match store {
         Some(_) => {
-            let mut wanted = [i64::from(config.resume)];
+            let mut wanted = [
+                i64::from(config.resume),
+                i64::from(checkpointing.memory.is_some()),
+            ];
             comm.all_reduce_i64(&mut wanted)?;
-            wanted[0] > 0
+            let memory = match &checkpointing.memory {
+                Some(memory) if wanted[1] == world as i64 => {
+                    Some((Arc::clone(memory), holdings(comm, memory)?))
+                }
+                _ => None,
+            };
+            (wanted[0] > 0, memory)
         }
-        None => false,
+        None => (false, None),
     };
+    let memory = memory
+        .as_ref()
+        .map(|(m, table)| (m.as_ref(), table.as_slice()));
     let resumed = match (store, resume) {
-        (Some(store), true) => load(comm, runtime, store, config, &specs, supervisor)?,
+        (Some(store), true) => {
+            let spare = std::mem::take(&mut checkpointing.spare);
+            load(
+                comm, runtime, store, config, &specs, supervisor, memory, spare,
+            )?
+        }
         _ => None,
     };
     // A resumed run saves in a newer generation than the checkpoint it resumed from:
@@ -492,9 +584,12 @@ pub fn run_supervised(
     let generation = resumed
         .as_ref()
         .map_or(config.generation, |(_, g)| config.generation.max(g + 1));
-    let mut st = resumed
-        .map(|(shards, _)| shards)
-        .unwrap_or_else(|| init(config, &specs, rank, world));
+    let mut st = Recycled {
+        shards: resumed
+            .map(|(shards, _)| shards)
+            .unwrap_or_else(|| init(config, &specs, rank, world)),
+        spare: &mut checkpointing.spare,
+    };
     supervisor.checkpoint_generation(generation);
     supervisor.progress(st.step);
     let checkpointer = match store {
@@ -526,13 +621,12 @@ pub fn run_supervised(
     }
 
     let teacher = Teacher::new(config.seed, preset);
-    let mut full = vec![0f32; total];
-    let mut acc_i64 = if config.deterministic {
-        vec![0i64; total]
-    } else {
-        Vec::new()
-    };
-    let mut acc_f32 = vec![0f32; total];
+    checkpointing.workspace.prepare(total, config.deterministic);
+    let Workspace {
+        full,
+        acc_i64,
+        acc_f32,
+    } = &mut checkpointing.workspace;
     let mut grad_shard: Vec<f32> = Vec::new();
     let mut grad_shard_i64: Vec<i64> = Vec::new();
     let pending = &mut checkpointing.pending;
@@ -578,13 +672,19 @@ pub fn run_supervised(
             let (x, y) = model::chunk_data(config.seed, step, chunk, preset, &teacher);
             let mut sink = if config.deterministic {
                 GradSink::Fixed {
-                    acc: &mut acc_i64,
-                    scratch: &mut acc_f32,
+                    acc: &mut acc_i64[..],
+                    scratch: &mut acc_f32[..],
                 }
             } else {
-                GradSink::Float { acc: &mut acc_f32 }
+                GradSink::Float {
+                    acc: &mut acc_f32[..],
+                }
             };
-            let chunk_loss = model::chunk_step(preset, &full, &offsets, &x, &y, &mut sink);
+            let chunk_loss =
+                model::chunk_step_unless(preset, full, &offsets, &x, &y, &mut sink, &|| {
+                    supervisor.is_cancelled()
+                })
+                .ok_or_else(|| TrainError::Cancelled(format!("computing step {}", step + 1)))?;
             flags[chunk] = chunk_loss.to_bits() as i64;
         }
         stats.compute += lap(&mut clock);
@@ -620,6 +720,7 @@ pub fn run_supervised(
                 comm.reduce_scatter_f32(&mut acc_f32[range], &counts, &mut grad_shard)?;
             }
             stats.reduce += lap(&mut clock);
+            let st = &mut *st;
             model::adam(
                 preset.lr,
                 step + 1,
@@ -634,7 +735,7 @@ pub fn run_supervised(
         st.losses.push(loss);
         stats.steps += 1;
         supervisor.progress(st.step);
-        if rank == 0 && (st.step % config.log_every.max(1) == 0 || st.step == config.steps) {
+        if rank == 0 && (st.step.is_multiple_of(config.log_every.max(1)) || st.step == config.steps) {
             say(format_args!("step {} loss {loss:.6}", st.step));
         }
 
@@ -649,7 +750,7 @@ pub fn run_supervised(
             )));
         }
         hold_here(config.hold, st.step, rank, true, supervisor)?;
-        let due = (config.ckpt_every > 0 && st.step % config.ckpt_every == 0)
+        let due = (config.ckpt_every > 0 && st.step.is_multiple_of(config.ckpt_every))
             || st.step == config.steps
             || stopping
             || regrouping;
@@ -665,11 +766,17 @@ pub fn run_supervised(
                     "waiting for the previous commit",
                     previous.committed(),
                 )?;
+                if let Some((memory, _)) = memory {
+                    memory.confirm(&previous.attempt().dir());
+                }
                 if rank == 0 {
                     supervisor.committed(step);
                 }
             }
             let handle = save(runtime, checkpointer, config, &specs, &st, rank, world)?;
+            if let Some((memory, table)) = memory {
+                keep_copy(memory, table, &handle, &specs, &st, rank, world);
+            }
             stats.ckpt_blocked += blocked.elapsed();
             stats.saves += 1;
             if rank == 0 {
@@ -694,6 +801,9 @@ pub fn run_supervised(
                     "waiting for the final commit",
                     handle.committed(),
                 )?;
+                if let Some((memory, _)) = memory {
+                    memory.confirm(&handle.attempt().dir());
+                }
                 if rank == 0 {
                     supervisor.committed(handle.step());
                 }
@@ -727,6 +837,9 @@ pub fn run_supervised(
             "waiting for the final commit",
             handle.committed(),
         )?;
+        if let Some((memory, _)) = memory {
+            memory.confirm(&handle.attempt().dir());
+        }
         if rank == 0 {
             supervisor.committed(handle.step());
             say(format_args!("committed step {}", handle.step()));
@@ -801,6 +914,68 @@ fn init(config: &TrainConfig, specs: &[TensorSpec], rank: usize, world: usize) -
     }
 }
 
+/// Every rank's holding of in-memory copies (see [`memory`]), by rank.
+fn holdings(comm: &dyn Collective, memory: &Memory) -> Result<Vec<Holding>, TrainError> {
+    let world = comm.world_size();
+    let mut table = vec![0u8; Holding::SIZE * world];
+    comm.all_gather(
+        &memory.holding().encode(),
+        &vec![Holding::SIZE; world],
+        &mut table,
+    )?;
+    Ok(table
+        .chunks_exact(Holding::SIZE)
+        .map(Holding::decode)
+        .collect())
+}
+
+/// Keeps this rank's rows of the save `handle` started as an in-memory copy, and
+/// pulls a replica of its ring predecessor's copy in the background.
+fn keep_copy(
+    memory: &Memory,
+    table: &[Holding],
+    handle: &SaveHandle,
+    specs: &[TensorSpec],
+    st: &Shards,
+    rank: usize,
+    world: usize,
+) {
+    let dir = handle.attempt().dir();
+    let mut tensors = Vec::with_capacity(specs.len() * memory::KINDS);
+    for i in 0..specs.len() {
+        tensors.extend([
+            memory::huge_copy(&st.params[i]),
+            memory::huge_copy(&st.m[i]),
+            memory::huge_copy(&st.v[i]),
+        ]);
+    }
+    let key = memory::Key {
+        dir: dir.clone(),
+        world,
+        rank,
+    };
+    memory.keep_own(memory::RankCopy::new(key, tensors, st.losses.clone()));
+    if world < 2 {
+        return;
+    }
+    let predecessor = (rank + world - 1) % world;
+    if let Some(from) = table.get(predecessor).and_then(|h| h.addr) {
+        let lens = specs
+            .iter()
+            .flat_map(|s| {
+                let n = owned_rows(s, predecessor, world).len() * s.cols;
+                [n; memory::KINDS]
+            })
+            .collect();
+        let key = memory::Key {
+            dir,
+            world,
+            rank: predecessor,
+        };
+        memory.replicate(from, key, lens);
+    }
+}
+
 fn save(
     runtime: &tokio::runtime::Handle,
     checkpointer: &Checkpointer,
@@ -866,7 +1041,7 @@ const DAMAGED: i64 = 0;
 /// commit order); every rank loads its boxes of the proposal; an all-reduce says
 /// whether all succeeded. A checkpoint damaged only where some ranks read it is
 /// skipped by all of them, so no rank resumes from a step the others refused.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn load(
     comm: &dyn Collective,
     runtime: &tokio::runtime::Handle,
@@ -874,6 +1049,8 @@ fn load(
     config: &TrainConfig,
     specs: &[TensorSpec],
     supervisor: &dyn Supervisor,
+    memory: Option<(&Memory, &[Holding])>,
+    mut spare: Vec<Vec<f32>>,
 ) -> Result<Option<(Shards, u64)>, TrainError> {
     const NONE: u64 = u64::MAX;
     let (rank, world) = (comm.rank(), comm.world_size());
@@ -889,7 +1066,7 @@ fn load(
         None
     };
     let mut known: Vec<ckpt::Commit> = Vec::new();
-    let (found, generation) = loop {
+    let (found, generation, committed_dir) = loop {
         let proposal = match walk.as_mut() {
             Some(walk) => unless_cancelled(
                 runtime,
@@ -923,8 +1100,23 @@ fn load(
                 known.iter().find(|c| matches(c)).cloned()
             }
         };
-        let attempt = match commit {
-            Some(commit) => or_cancelled(runtime, supervisor, "loading", async {
+        let dir = commit.as_ref().map(|c| c.dir.clone());
+        let in_memory = match (&commit, memory) {
+            (Some(commit), Some((memory, table))) => from_memory(
+                memory,
+                table,
+                commit,
+                rank,
+                world,
+                specs,
+                supervisor,
+                std::mem::take(&mut spare),
+            ),
+            _ => None,
+        };
+        let attempt = match (in_memory, commit) {
+            (Some(found), _) => Ok(found),
+            (None, Some(commit)) => or_cancelled(runtime, supervisor, "loading", async {
                 let manifest = ckpt::catalog::read_commit(store, &commit).await?;
                 let generation = manifest.generation;
                 let reader = ckpt::CheckpointReader::from_manifest(store, manifest);
@@ -933,11 +1125,16 @@ fn load(
                     .await?;
                 let global = reader.global_state().await?;
                 Ok::<_, ckpt::Error>((
-                    (reader.step(), reader.manifest().world_size, loaded, global),
+                    Found::Store {
+                        step: reader.step(),
+                        saved_world: reader.manifest().world_size,
+                        loaded,
+                        global,
+                    },
                     generation,
                 ))
             })?,
-            None => Err(ckpt::Error::NotFound(format!(
+            (None, None) => Err(ckpt::Error::NotFound(format!(
                 "rank {rank} cannot find commit {seq} (step {step}) that rank 0 proposed"
             ))),
         };
@@ -959,7 +1156,7 @@ fn load(
         }
         if votes[0] == world as i64 {
             let (found, generation) = attempt.expect("this rank loaded");
-            break (found, generation);
+            break (found, generation, dir);
         }
         if rank == 0 {
             say(format_args!(
@@ -968,7 +1165,140 @@ fn load(
             ));
         }
     };
-    let (step, saved_world, loaded, global) = found;
+    let (step, saved_world, shards, source) = match found {
+        Found::Store {
+            step,
+            saved_world,
+            loaded,
+            global,
+        } => (
+            step,
+            saved_world,
+            shards_from_store(step, loaded, global, config, specs, rank, world)?,
+            "the store".to_string(),
+        ),
+        Found::Memory { step, assembled } => {
+            let mut tensors = assembled.tensors.into_iter();
+            let mut shards = Shards {
+                params: Vec::new(),
+                m: Vec::new(),
+                v: Vec::new(),
+                step,
+                losses: assembled.losses,
+            };
+            for _ in specs {
+                let mut next = || tensors.next().expect("KINDS tensors per spec");
+                shards.params.push(next());
+                shards.m.push(next());
+                shards.v.push(next());
+            }
+            let source = format!(
+                "memory ({:.1} MB own, {:.1} MB from peers)",
+                assembled.local_bytes as f64 / 1e6,
+                assembled.peer_bytes as f64 / 1e6
+            );
+            (step, assembled.saved_world as u32, shards, source)
+        }
+    };
+    if shards.losses.len() as u64 != step {
+        return Err(TrainError::Invalid(format!(
+            "checkpoint step {step} records {} losses",
+            shards.losses.len()
+        )));
+    }
+    if let Some((memory, _)) = memory
+        && let Some(dir) = &committed_dir
+    {
+        memory.confirm(dir);
+    }
+    if rank == 0 {
+        say(format_args!(
+            "resumed from step {step} of {} (saved by {saved_world} ranks, resharded onto {world}; rank 0 read {source})",
+            store.url()
+        ));
+    }
+    Ok(Some((shards, generation)))
+}
+
+/// What a rank loaded: from the store, or rebuilt from in-memory copies.
+enum Found {
+    Store {
+        step: u64,
+        saved_world: u32,
+        loaded: ckpt::Loaded,
+        global: BTreeMap<String, ckpt::format::StateValue>,
+    },
+    Memory {
+        step: u64,
+        assembled: memory::Assembled,
+    },
+}
+
+#[allow(clippy::too_many_arguments)]
+/// This rank's rows of `commit` rebuilt from the in-memory copies `table` lists (into
+/// the `spare` vectors where there are some), or `None` (the store is read instead)
+/// when they do not cover them or a peer fails.
+fn from_memory(
+    memory: &Memory,
+    table: &[Holding],
+    commit: &ckpt::Commit,
+    rank: usize,
+    world: usize,
+    specs: &[TensorSpec],
+    supervisor: &dyn Supervisor,
+    spare: Vec<Vec<f32>>,
+) -> Option<(Found, u64)> {
+    // Only a generation-stamped attempt names one commit exactly.
+    let (step_dir, name) = commit.dir.split_once('/')?;
+    let attempt = ckpt::attempt::Attempt::parse(commit.step, name)?;
+    if step_dir != ckpt::format::names::step_dir(commit.step) {
+        return None;
+    }
+    let shapes: Vec<memory::Shape> = specs
+        .iter()
+        .map(|s| memory::Shape {
+            rows: s.rows,
+            cols: s.cols,
+        })
+        .collect();
+    supervisor.waiting(true);
+    let assembled = memory::assemble(
+        memory,
+        table,
+        rank,
+        world,
+        &commit.dir,
+        &shapes,
+        spare,
+        &|| supervisor.is_cancelled(),
+    );
+    supervisor.waiting(false);
+    match assembled {
+        Ok(assembled) => Some((
+            Found::Memory {
+                step: commit.step,
+                assembled,
+            },
+            attempt.generation,
+        )),
+        Err(e) => {
+            tracing::info!(step = commit.step, rank, error = %e, "not rebuilt from memory; reading the store");
+            None
+        }
+    }
+}
+
+/// Checks a checkpoint loaded from the store against this run and turns it into
+/// this rank's shards.
+fn shards_from_store(
+    step: u64,
+    loaded: ckpt::Loaded,
+    global: BTreeMap<String, ckpt::format::StateValue>,
+    config: &TrainConfig,
+    specs: &[TensorSpec],
+    rank: usize,
+    world: usize,
+) -> Result<Shards, TrainError> {
     let expect = trainer_state(config);
     let saved = global.get("trainer").and_then(|v| v.as_json()).cloned();
     for key in ["preset", "seed", "global_batch", "chunks"] {
@@ -1032,11 +1362,5 @@ fn load(
         shards.m.push(take(format!("adam_m/{}", spec.name), spec)?);
         shards.v.push(take(format!("adam_v/{}", spec.name), spec)?);
     }
-    if rank == 0 {
-        say(format_args!(
-            "resumed from step {step} of {} (saved by {saved_world} ranks, resharded onto {world})",
-            store.url()
-        ));
-    }
-    Ok(Some((shards, generation)))
+    Ok(shards)
 }

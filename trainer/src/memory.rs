@@ -1,0 +1,938 @@
+//! In-memory copies of the newest checkpoints, so that the survivors of a failure
+//! rebuild their state from RAM instead of reading it back from the store.
+//!
+//! Why: when one rank of N dies, the survivors already hold almost all of the
+//! checkpoint they are about to resume from (each saved its own rows a few steps
+//! ago), and the store is the slowest place to read those rows back from. So every
+//! elastic rank keeps, beside what it saves:
+//!
+//! - its **own copy**: the rows it saved, copied when it stages the save;
+//! - a **replica** of its ring predecessor's copy, pulled in the background (over
+//!   loopback or the network) once the predecessor has staged it.
+//!
+//! Any set of lost ranks of which no two are ring neighbours therefore loses no row.
+//! At a recovery the ranks still agree on *what* to resume from through the store's
+//! commit log (memory never decides that something is committed); they publish which
+//! copies of that checkpoint they hold, and each rank assembles its new rows from its
+//! own copies and its peers', falling back to the store for anything nobody holds or
+//! any peer that fails to answer. The copies are the very bytes that were written, so
+//! both sources give bitwise the same state, and ranks may mix them.
+//!
+//! A copy is named by the attempt directory of its save (`step-N/gG-RUN`, which names
+//! exactly one commit) and by the layout (world size, rank) its rows follow. A rank
+//! keeps the copies of two checkpoints at most: the newest it saved, and the newest
+//! it knows to be committed (the one a failure would resume from).
+//!
+//! The wire protocol between ranks is one request line and one answer per exchange:
+//! `rows DIR WORLD RANK INDEX START END` answered by `ok N` and N little-endian f32
+//! values, `losses DIR WORLD RANK` by `ok N` and N f64 values, or `no REASON`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::collective::{pod_bytes, pod_bytes_mut, shard_range};
+
+/// Tensors of one copy, in this order for each model tensor: parameters, Adam's
+/// first moment, Adam's second moment.
+pub const KINDS: usize = 3;
+
+/// Longest request line a server reads.
+const MAX_LINE: u64 = 1024;
+/// Size of one rank's record in the table of holdings (JSON, padded with spaces).
+const RECORD: usize = 1024;
+/// How long a peer may take to answer one request before it is given up on.
+const PEER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a replica pull waits for its source to have staged the copy.
+const PULL_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Which copy: the checkpoint (its attempt directory) and the layout of its rows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Key {
+    /// The attempt directory of the save, `step-N/gG-RUN`.
+    pub dir: String,
+    /// World size of the layout.
+    pub world: usize,
+    /// Rank of the layout whose rows these are.
+    pub rank: usize,
+}
+
+/// One rank's rows of one checkpoint.
+#[derive(Debug)]
+pub struct RankCopy {
+    key: Key,
+    /// `KINDS` vectors per model tensor, the rank's rows of each.
+    tensors: Vec<Vec<f32>>,
+    /// The loss of every step up to the checkpoint.
+    losses: Vec<f64>,
+}
+
+impl RankCopy {
+    /// A copy of `tensors` (see [`KINDS`] for the order) under `key`.
+    pub fn new(key: Key, tensors: Vec<Vec<f32>>, losses: Vec<f64>) -> Self {
+        Self {
+            key,
+            tensors,
+            losses,
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.len() * 4).sum()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    copies: Vec<Arc<RankCopy>>,
+    /// The newest checkpoint this rank saved.
+    newest: Option<String>,
+    /// The newest checkpoint this rank knows to be committed.
+    confirmed: Option<String>,
+}
+
+impl Inner {
+    fn kept(&self, dir: &str) -> bool {
+        self.newest.as_deref() == Some(dir) || self.confirmed.as_deref() == Some(dir)
+    }
+
+    fn evict(&mut self) {
+        let (newest, confirmed) = (self.newest.clone(), self.confirmed.clone());
+        self.copies.retain(|c| {
+            Some(&c.key.dir) == newest.as_ref() || Some(&c.key.dir) == confirmed.as_ref()
+        });
+    }
+
+    fn put(&mut self, copy: Arc<RankCopy>) {
+        self.copies.retain(|c| c.key != copy.key);
+        self.copies.push(copy);
+    }
+
+    fn get(&self, key: &Key) -> Option<Arc<RankCopy>> {
+        self.copies.iter().find(|c| &c.key == key).cloned()
+    }
+}
+
+/// A replica to pull: `key`'s copy from the rank serving at `from`, whose tensors
+/// have the lengths `lens`.
+struct Pull {
+    from: SocketAddr,
+    key: Key,
+    lens: Vec<usize>,
+}
+
+/// This rank's in-memory copies and the server that hands them to its peers.
+#[derive(Debug)]
+pub struct Memory {
+    addr: SocketAddr,
+    inner: Arc<Mutex<Inner>>,
+    pulls: Mutex<mpsc::Sender<Pull>>,
+}
+
+impl Memory {
+    /// Binds the server on `ip` (any free port) and starts it and the replica puller.
+    pub fn start(ip: IpAddr) -> std::io::Result<Arc<Self>> {
+        let listener = TcpListener::bind((ip, 0))?;
+        let addr = listener.local_addr()?;
+        let inner = Arc::new(Mutex::new(Inner::default()));
+        {
+            let inner = Arc::clone(&inner);
+            std::thread::Builder::new()
+                .name("ckpt-memory-server".into())
+                .spawn(move || serve(listener, inner))?;
+        }
+        let (tx, rx) = mpsc::channel::<Pull>();
+        {
+            let inner = Arc::clone(&inner);
+            std::thread::Builder::new()
+                .name("ckpt-memory-pull".into())
+                .spawn(move || {
+                    for pull in rx {
+                        let started = Instant::now();
+                        match pull_copy(&pull) {
+                            Ok(copy) => {
+                                let bytes = copy.bytes();
+                                let mut inner = inner.lock().unwrap_or_else(|p| p.into_inner());
+                                if inner.kept(&copy.key.dir) {
+                                    inner.put(Arc::new(copy));
+                                    tracing::debug!(key = ?pull.key, bytes, ms = started.elapsed().as_millis() as u64, "replica pulled");
+                                }
+                            }
+                            Err(e) => {
+                                tracing::info!(key = ?pull.key, from = %pull.from, error = %e, "no replica of the predecessor's copy")
+                            }
+                        }
+                    }
+                })?;
+        }
+        Ok(Arc::new(Self {
+            addr,
+            inner,
+            pulls: Mutex::new(tx),
+        }))
+    }
+
+    /// Where peers fetch this rank's copies.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `copy`, the rows this rank just staged for a save; it is now the newest.
+    pub fn keep_own(&self, copy: RankCopy) {
+        let mut inner = self.lock();
+        inner.newest = Some(copy.key.dir.clone());
+        inner.put(Arc::new(copy));
+        inner.evict();
+    }
+
+    /// Notes that the checkpoint saved in `dir` is committed (a failure resumes from
+    /// it until a newer one is).
+    pub fn confirm(&self, dir: &str) {
+        let mut inner = self.lock();
+        inner.confirmed = Some(dir.to_string());
+        inner.evict();
+    }
+
+    /// Starts pulling, in the background, a replica of `key`'s copy from the rank
+    /// serving at `from` (it may not have staged it yet: the pull waits a while).
+    pub fn replicate(&self, from: SocketAddr, key: Key, lens: Vec<usize>) {
+        let pulls = self.pulls.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = pulls.send(Pull { from, key, lens });
+    }
+
+    /// The copy named `key`, if held.
+    pub fn get(&self, key: &Key) -> Option<Arc<RankCopy>> {
+        self.lock().get(key)
+    }
+
+    /// This rank's record for the table of holdings: its address and every copy held.
+    pub fn holding(&self) -> Holding {
+        let inner = self.lock();
+        Holding {
+            addr: Some(self.addr),
+            held: inner.copies.iter().map(|c| c.key.clone()).collect(),
+        }
+    }
+}
+
+/// What one rank holds, as published to the others when a generation starts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Holding {
+    /// Its server, if it keeps copies at all.
+    pub addr: Option<SocketAddr>,
+    /// The copies it holds.
+    pub held: Vec<Key>,
+}
+
+impl Holding {
+    /// The fixed-size record exchanged with an all-gather. Copies that do not fit are
+    /// left out (they are only an optimization).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut record = self.clone();
+        loop {
+            let mut bytes = serde_json::to_vec(&record).expect("a holding serializes");
+            if bytes.len() <= RECORD {
+                bytes.resize(RECORD, b' ');
+                return bytes;
+            }
+            record.held.pop();
+        }
+    }
+
+    /// Reads a record; a malformed one holds nothing.
+    pub fn decode(record: &[u8]) -> Self {
+        serde_json::from_slice(record.trim_ascii_end()).unwrap_or_default()
+    }
+
+    /// Size of one record.
+    pub const SIZE: usize = RECORD;
+}
+
+fn serve(listener: TcpListener, inner: Arc<Mutex<Inner>>) {
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let inner = Arc::clone(&inner);
+        let _ = std::thread::Builder::new()
+            .name("ckpt-memory-peer".into())
+            .spawn(move || {
+                if let Err(e) = serve_peer(stream, &inner) {
+                    tracing::debug!(error = %e, "memory peer connection ended");
+                }
+            });
+    }
+}
+
+fn serve_peer(stream: TcpStream, inner: &Mutex<Inner>) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let mut out = stream.try_clone()?;
+    let mut reader = BufReader::new(stream);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = (&mut reader).take(MAX_LINE).read_until(b'\n', &mut line)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if line.last() != Some(&b'\n') {
+            out.write_all(b"no request line too long\n")?;
+            return Ok(());
+        }
+        let text = String::from_utf8_lossy(&line);
+        match answer(text.trim_end(), inner) {
+            Ok(Answer::Rows(copy, index, range)) => {
+                let data = &copy.tensors[index][range];
+                out.write_all(format!("ok {}\n", data.len()).as_bytes())?;
+                out.write_all(pod_bytes(data))?;
+            }
+            Ok(Answer::Losses(copy)) => {
+                out.write_all(format!("ok {}\n", copy.losses.len()).as_bytes())?;
+                let bytes: Vec<u8> = copy.losses.iter().flat_map(|l| l.to_le_bytes()).collect();
+                out.write_all(&bytes)?;
+            }
+            Err(why) => out.write_all(format!("no {why}\n").as_bytes())?,
+        }
+    }
+}
+
+enum Answer {
+    Rows(Arc<RankCopy>, usize, Range<usize>),
+    Losses(Arc<RankCopy>),
+}
+
+fn answer(request: &str, inner: &Mutex<Inner>) -> Result<Answer, String> {
+    let words: Vec<&str> = request.split(' ').collect();
+    let number = |i: usize| -> Result<usize, String> {
+        words
+            .get(i)
+            .and_then(|w| w.parse().ok())
+            .ok_or_else(|| format!("bad request {request:?}"))
+    };
+    let key = |words: &[&str]| -> Result<Key, String> {
+        Ok(Key {
+            dir: words
+                .get(1)
+                .ok_or_else(|| format!("bad request {request:?}"))?
+                .to_string(),
+            world: number(2)?,
+            rank: number(3)?,
+        })
+    };
+    let find = |key: &Key| -> Result<Arc<RankCopy>, String> {
+        inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .ok_or_else(|| {
+                format!(
+                    "not held: {} (world {}, rank {})",
+                    key.dir, key.world, key.rank
+                )
+            })
+    };
+    match words.first().copied() {
+        Some("rows") if words.len() == 7 => {
+            let copy = find(&key(&words)?)?;
+            let (index, start, end) = (number(4)?, number(5)?, number(6)?);
+            let len = copy
+                .tensors
+                .get(index)
+                .ok_or_else(|| format!("no tensor {index}"))?
+                .len();
+            if start > end || end > len {
+                return Err(format!("elements {start}..{end} outside 0..{len}"));
+            }
+            Ok(Answer::Rows(copy, index, start..end))
+        }
+        Some("losses") if words.len() == 4 => Ok(Answer::Losses(find(&key(&words)?)?)),
+        _ => Err(format!("bad request {request:?}")),
+    }
+}
+
+/// A connection to one peer's server.
+struct Peer {
+    addr: SocketAddr,
+    out: TcpStream,
+    reader: BufReader<TcpStream>,
+}
+
+/// A peer's answer that is not `ok`: the copy is not (or no longer) there.
+#[derive(Debug)]
+enum FetchError {
+    Refused(String),
+    Failed(String),
+}
+
+impl std::fmt::Display for FetchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(why) | Self::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+impl Peer {
+    fn connect(addr: SocketAddr) -> Result<Self, FetchError> {
+        let failed = |e: std::io::Error| FetchError::Failed(format!("{addr}: {e}"));
+        let stream = TcpStream::connect_timeout(&addr, PEER_TIMEOUT).map_err(failed)?;
+        stream.set_nodelay(true).map_err(failed)?;
+        stream
+            .set_read_timeout(Some(PEER_TIMEOUT))
+            .map_err(failed)?;
+        stream
+            .set_write_timeout(Some(PEER_TIMEOUT))
+            .map_err(failed)?;
+        let reader = BufReader::with_capacity(1 << 20, stream.try_clone().map_err(failed)?);
+        Ok(Self {
+            addr,
+            out: stream,
+            reader,
+        })
+    }
+
+    /// Sends `request` and reads the count of the `ok` answer.
+    fn ask(&mut self, request: &str) -> Result<usize, FetchError> {
+        let addr = self.addr;
+        let failed = |e: std::io::Error| FetchError::Failed(format!("{addr}: {e}"));
+        self.out
+            .write_all(format!("{request}\n").as_bytes())
+            .map_err(failed)?;
+        let mut line = Vec::new();
+        (&mut self.reader)
+            .take(MAX_LINE)
+            .read_until(b'\n', &mut line)
+            .map_err(failed)?;
+        let line = String::from_utf8_lossy(&line);
+        let line = line.trim_end();
+        if let Some(count) = line.strip_prefix("ok ") {
+            return count
+                .parse()
+                .map_err(|_| FetchError::Failed(format!("{addr}: bad answer {line:?}")));
+        }
+        match line.strip_prefix("no ") {
+            Some(why) => Err(FetchError::Refused(format!("{addr}: {why}"))),
+            None => Err(FetchError::Failed(format!(
+                "{addr}: bad answer {line:?} (connection closed?)"
+            ))),
+        }
+    }
+
+    /// Reads elements `range` of tensor `index` of `key`'s copy into `out`.
+    fn rows(
+        &mut self,
+        key: &Key,
+        index: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), FetchError> {
+        let n = self.ask(&format!(
+            "rows {} {} {} {index} {} {}",
+            key.dir, key.world, key.rank, range.start, range.end
+        ))?;
+        if n != out.len() {
+            return Err(FetchError::Failed(format!(
+                "{}: sent {n} elements of tensor {index}, {} were asked for",
+                self.addr,
+                out.len()
+            )));
+        }
+        self.reader
+            .read_exact(pod_bytes_mut(out))
+            .map_err(|e| FetchError::Failed(format!("{}: {e}", self.addr)))
+    }
+
+    fn losses(&mut self, key: &Key) -> Result<Vec<f64>, FetchError> {
+        let n = self.ask(&format!("losses {} {} {}", key.dir, key.world, key.rank))?;
+        if n > 1 << 32 {
+            return Err(FetchError::Failed(format!("{}: {n} losses", self.addr)));
+        }
+        let mut bytes = vec![0u8; n * 8];
+        self.reader
+            .read_exact(&mut bytes)
+            .map_err(|e| FetchError::Failed(format!("{}: {e}", self.addr)))?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect())
+    }
+}
+
+/// Below this many bytes a buffer is left to the allocator as it is.
+const HUGE_MIN: usize = 4 << 20;
+/// The huge page size (x86-64 and most aarch64 kernels).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// An empty vector with room for `n` elements whose memory the kernel is asked to
+/// back with transparent huge pages. Recovery writes a rank's whole state into
+/// fresh memory, and with 4 KiB pages the page faults cost several times the copy
+/// itself (on a small machine, 60 ms against 10 ms for 100 MB).
+pub fn huge_vec<T: Copy>(n: usize) -> Vec<T> {
+    let v: Vec<T> = Vec::with_capacity(n);
+    advise_huge(v.as_ptr() as usize, n * std::mem::size_of::<T>());
+    v
+}
+
+/// Asks for huge pages under the whole huge pages inside `bytes` bytes at `addr`.
+fn advise_huge(addr: usize, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    if bytes >= HUGE_MIN {
+        let start = addr.next_multiple_of(HUGE_PAGE);
+        let end = (addr + bytes) / HUGE_PAGE * HUGE_PAGE;
+        if end > start {
+            // SAFETY: the range lies inside one live allocation (the caller's
+            // vector), and MADV_HUGEPAGE only changes how the kernel backs its
+            // pages, never their contents; a failure leaves ordinary pages.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (addr, bytes, HUGE_MIN, HUGE_PAGE);
+}
+
+/// A copy of `data` in memory backed by huge pages (see [`huge_vec`]).
+pub fn huge_copy<T: Copy>(data: &[T]) -> Vec<T> {
+    let mut v = huge_vec(data.len());
+    v.extend_from_slice(data);
+    v
+}
+
+/// `n` default values (zeros, for numbers) in memory backed by huge pages. The zeros cost nothing up front: a large
+/// zeroed allocation is fresh mapped memory, which the kernel zeroes as it faults
+/// each (huge) page in on first write.
+pub fn huge_zeros<T: Clone + Default>(n: usize) -> Vec<T> {
+    let v = vec![T::default(); n];
+    advise_huge(v.as_ptr() as usize, n * std::mem::size_of::<T>());
+    v
+}
+
+/// Pulls a whole copy, waiting (a while) for the source to have staged it.
+fn pull_copy(pull: &Pull) -> Result<RankCopy, String> {
+    let deadline = Instant::now() + PULL_PATIENCE;
+    let mut pause = Duration::from_millis(10);
+    let mut peer = Peer::connect(pull.from).map_err(|e| e.to_string())?;
+    loop {
+        let mut tensors = Vec::with_capacity(pull.lens.len());
+        let mut refused = None;
+        for (index, &len) in pull.lens.iter().enumerate() {
+            let mut data = huge_zeros(len);
+            match peer.rows(&pull.key, index, 0..len, &mut data) {
+                Ok(()) => tensors.push(data),
+                Err(FetchError::Refused(why)) => {
+                    refused = Some(why);
+                    break;
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        if refused.is_none() {
+            let losses = peer.losses(&pull.key).map_err(|e| e.to_string())?;
+            return Ok(RankCopy::new(pull.key.clone(), tensors, losses));
+        }
+        if Instant::now() + pause > deadline {
+            return Err(refused.unwrap_or_default());
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// The shape of one model tensor: rows (dimension 0, the one sharded) and columns.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    /// Rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub cols: usize,
+}
+
+/// A rank's state rebuilt from the copies.
+#[derive(Debug)]
+pub struct Assembled {
+    /// `KINDS` vectors per model tensor: this rank's rows in the new layout.
+    pub tensors: Vec<Vec<f32>>,
+    /// The losses up to the checkpoint.
+    pub losses: Vec<f64>,
+    /// World size of the save (of the copies used, when they agree).
+    pub saved_world: usize,
+    /// Bytes copied from this rank's own copies.
+    pub local_bytes: usize,
+    /// Bytes fetched from peers.
+    pub peer_bytes: usize,
+}
+
+/// Rebuilds rank `rank` of `world`'s rows of checkpoint `dir` from the copies that
+/// `table` (one holding per rank of this world; `table[rank]` is this rank's) says are
+/// held. Fails, without side effects, when some rows are held by nobody or a peer does
+/// not deliver; the caller then reads the store instead. `cancelled` is checked
+/// between requests.
+#[allow(clippy::too_many_arguments)]
+pub fn assemble(
+    memory: &Memory,
+    table: &[Holding],
+    rank: usize,
+    world: usize,
+    dir: &str,
+    shapes: &[Shape],
+    spare: Vec<Vec<f32>>,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<Assembled, String> {
+    // Sources in order of preference: this rank's own copies, then the peers'.
+    let mut sources: Vec<(usize, &Key)> = Vec::new();
+    for (holder, holding) in table.iter().enumerate() {
+        if holder != rank && holding.addr.is_none() {
+            continue;
+        }
+        for key in holding.held.iter().filter(|k| k.dir == dir) {
+            if key.world > 0 && key.rank < key.world {
+                sources.push((holder, key));
+            }
+        }
+    }
+    sources.sort_by_key(|(holder, _)| (*holder != rank, *holder));
+    if sources.is_empty() {
+        return Err(format!("no rank holds a copy of {dir}"));
+    }
+    // Plan every piece before fetching anything: a gap fails fast.
+    struct Piece {
+        holder: usize,
+        key: Key,
+        tensor: usize,
+        /// Rows of the tensor, absolute.
+        rows: Range<usize>,
+        /// The same rows as elements of the holder's copy.
+        elements: Range<usize>,
+    }
+    let mut pieces = Vec::new();
+    for (tensor, shape) in shapes.iter().enumerate() {
+        let need = shard_range(shape.rows, rank, world);
+        let mut at = need.start;
+        while at < need.end {
+            let (holder, key, held) = sources
+                .iter()
+                .find_map(|(holder, key)| {
+                    let held = shard_range(shape.rows, key.rank, key.world);
+                    held.contains(&at).then_some((*holder, *key, held))
+                })
+                .ok_or_else(|| format!("row {at} of tensor {tensor} of {dir} is held by nobody"))?;
+            let end = need.end.min(held.end);
+            pieces.push(Piece {
+                holder,
+                key: key.clone(),
+                tensor,
+                rows: at..end,
+                elements: (at - held.start) * shape.cols..(end - held.start) * shape.cols,
+            });
+            at = end;
+        }
+    }
+    // Destinations: the spare vectors (memory already faulted in) where given, sized
+    // anew; fresh memory otherwise.
+    let mut spare = spare.into_iter();
+    let mut tensors: Vec<Vec<f32>> = shapes
+        .iter()
+        .flat_map(|s| {
+            let n = shard_range(s.rows, rank, world).len() * s.cols;
+            [n; KINDS]
+        })
+        .map(|n| match spare.next() {
+            Some(mut v) if v.capacity() > 0 => {
+                v.clear();
+                v.reserve_exact(n);
+                v.resize(n, 0f32);
+                v
+            }
+            _ => huge_zeros(n),
+        })
+        .collect();
+    drop(spare);
+    let mut peers: Vec<Option<Peer>> = (0..table.len()).map(|_| None).collect();
+    let (mut local_bytes, mut peer_bytes) = (0, 0);
+    for piece in &pieces {
+        if cancelled() {
+            return Err("cancelled".into());
+        }
+        let cols = shapes[piece.tensor].cols;
+        let need = shard_range(shapes[piece.tensor].rows, rank, world);
+        let into = (piece.rows.start - need.start) * cols..(piece.rows.end - need.start) * cols;
+        if piece.holder == rank {
+            let copy = memory
+                .get(&piece.key)
+                .ok_or_else(|| format!("own copy {:?} is gone", piece.key))?;
+            for kind in 0..KINDS {
+                let index = piece.tensor * KINDS + kind;
+                let from = copy
+                    .tensors
+                    .get(index)
+                    .and_then(|t| t.get(piece.elements.clone()))
+                    .ok_or_else(|| format!("own copy {:?} lacks tensor {index}", piece.key))?;
+                tensors[index][into.clone()].copy_from_slice(from);
+                local_bytes += from.len() * 4;
+            }
+            continue;
+        }
+        let peer = match &mut peers[piece.holder] {
+            Some(peer) => peer,
+            slot => {
+                let addr = table[piece.holder].addr.expect("sources have an address");
+                slot.insert(Peer::connect(addr).map_err(|e| e.to_string())?)
+            }
+        };
+        for kind in 0..KINDS {
+            let index = piece.tensor * KINDS + kind;
+            peer.rows(
+                &piece.key,
+                index,
+                piece.elements.clone(),
+                &mut tensors[index][into.clone()],
+            )
+            .map_err(|e| format!("rank {}: {e}", piece.holder))?;
+            peer_bytes += into.len() * 4;
+        }
+    }
+    // The losses: from an own copy if there is one, else from the first holder.
+    let (holder, key) = sources[0];
+    let losses = if holder == rank {
+        memory
+            .get(key)
+            .map(|c| c.losses.clone())
+            .ok_or_else(|| format!("own copy {key:?} is gone"))?
+    } else {
+        let peer = match &mut peers[holder] {
+            Some(peer) => peer,
+            slot => slot.insert(
+                Peer::connect(table[holder].addr.expect("sources have an address"))
+                    .map_err(|e| e.to_string())?,
+            ),
+        };
+        peer.losses(key)
+            .map_err(|e| format!("rank {holder}: {e}"))?
+    };
+    Ok(Assembled {
+        tensors,
+        losses,
+        saved_world: sources[0].1.world,
+        local_bytes,
+        peer_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shapes() -> Vec<Shape> {
+        vec![Shape { rows: 10, cols: 3 }, Shape { rows: 3, cols: 2 }]
+    }
+
+    /// The full tensors: element value = tensor index * 1000 + position.
+    fn full(shapes: &[Shape]) -> Vec<Vec<f32>> {
+        shapes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| {
+                (0..KINDS).map(move |k| {
+                    (0..s.rows * s.cols)
+                        .map(|e| ((i * KINDS + k) * 1000 + e) as f32)
+                        .collect()
+                })
+            })
+            .collect()
+    }
+
+    fn copy_of(dir: &str, shapes: &[Shape], rank: usize, world: usize) -> RankCopy {
+        let full = full(shapes);
+        let tensors = full
+            .iter()
+            .enumerate()
+            .map(|(index, t)| {
+                let s = shapes[index / KINDS];
+                let rows = shard_range(s.rows, rank, world);
+                t[rows.start * s.cols..rows.end * s.cols].to_vec()
+            })
+            .collect();
+        RankCopy::new(
+            Key {
+                dir: dir.into(),
+                world,
+                rank,
+            },
+            tensors,
+            vec![1.0, 0.5],
+        )
+    }
+
+    fn expected(shapes: &[Shape], rank: usize, world: usize) -> Vec<Vec<f32>> {
+        copy_of("x", shapes, rank, world).tensors
+    }
+
+    #[test]
+    fn a_lost_rank_is_rebuilt_from_its_successors_replica_and_the_survivors_copies() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let shapes = shapes();
+        let dir = "step-10/g00000001-job-e1";
+        // Four ranks saved; rank 2 is lost; rank 3 pulled rank 2's copy as a replica.
+        let survivors: Vec<Arc<Memory>> = [0, 1, 3]
+            .into_iter()
+            .map(|old| {
+                let m = Memory::start(ip).unwrap();
+                m.keep_own(copy_of(dir, &shapes, old, 4));
+                m
+            })
+            .collect();
+        let lens: Vec<usize> = copy_of(dir, &shapes, 2, 4)
+            .tensors
+            .iter()
+            .map(Vec::len)
+            .collect();
+        let source = Memory::start(ip).unwrap();
+        source.keep_own(copy_of(dir, &shapes, 2, 4));
+        let key2 = Key {
+            dir: dir.into(),
+            world: 4,
+            rank: 2,
+        };
+        survivors[2].replicate(source.addr(), key2.clone(), lens);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while survivors[2].get(&key2).is_none() {
+            assert!(Instant::now() < deadline, "the replica never arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(source);
+        let table: Vec<Holding> = survivors.iter().map(|m| m.holding()).collect();
+        let table: Vec<Holding> = table.iter().map(|h| Holding::decode(&h.encode())).collect();
+        for (rank, memory) in survivors.iter().enumerate() {
+            let got =
+                assemble(memory, &table, rank, 3, dir, &shapes, Vec::new(), &|| false).unwrap();
+            assert_eq!(got.tensors, expected(&shapes, rank, 3), "rank {rank}");
+            assert_eq!(got.losses, vec![1.0, 0.5]);
+            assert_eq!(got.saved_world, 4);
+        }
+        // Rank 1 of 3 needs rows that rank 2 of 4 owned: they came from a peer.
+        let got = assemble(
+            &survivors[1],
+            &table,
+            1,
+            3,
+            dir,
+            &shapes,
+            vec![vec![7.0; 2]; 6],
+            &|| false,
+        )
+        .unwrap();
+        assert!(got.peer_bytes > 0 && got.local_bytes > 0, "{got:?}");
+        // Spare vectors (of other sizes and contents) are only memory to fill.
+        assert_eq!(got.tensors, expected(&shapes, 1, 3));
+    }
+
+    #[test]
+    fn rows_nobody_holds_fail_before_anything_is_fetched() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let shapes = shapes();
+        let dir = "step-10/g00000001-job-e1";
+        let memory = Memory::start(ip).unwrap();
+        memory.keep_own(copy_of(dir, &shapes, 0, 2));
+        let table = vec![memory.holding(), Holding::default()];
+        let err = assemble(&memory, &table, 0, 1, dir, &shapes, Vec::new(), &|| false).unwrap_err();
+        assert!(err.contains("held by nobody"), "{err}");
+        let err = assemble(
+            &memory,
+            &table,
+            0,
+            1,
+            "step-20/g1-x",
+            &shapes,
+            Vec::new(),
+            &|| false,
+        )
+        .unwrap_err();
+        assert!(err.contains("no rank holds"), "{err}");
+    }
+
+    #[test]
+    fn only_the_newest_and_the_confirmed_checkpoints_are_kept() {
+        let memory = Memory::start("127.0.0.1".parse().unwrap()).unwrap();
+        let shapes = shapes();
+        let key = |dir: &str| Key {
+            dir: dir.into(),
+            world: 1,
+            rank: 0,
+        };
+        memory.keep_own(copy_of("a", &shapes, 0, 1));
+        memory.confirm("a");
+        memory.keep_own(copy_of("b", &shapes, 0, 1));
+        assert!(memory.get(&key("a")).is_some() && memory.get(&key("b")).is_some());
+        memory.keep_own(copy_of("c", &shapes, 0, 1));
+        assert!(memory.get(&key("a")).is_some(), "confirmed: kept");
+        assert!(
+            memory.get(&key("b")).is_none(),
+            "neither newest nor confirmed"
+        );
+        memory.confirm("c");
+        assert!(memory.get(&key("a")).is_none());
+        assert_eq!(memory.holding().held, vec![key("c")]);
+    }
+
+    #[test]
+    fn a_server_answers_bad_requests_with_an_error_and_stays_up() {
+        let memory = Memory::start("127.0.0.1".parse().unwrap()).unwrap();
+        memory.keep_own(copy_of("a", &shapes(), 0, 1));
+        let mut peer = Peer::connect(memory.addr()).unwrap();
+        for bad in [
+            "rows a 1 0 0 5 1",
+            "rows a 1 0 99 0 1",
+            "rows a 1 0 0 0 100000",
+            "rows b 1 0 0 0 1",
+            "rows a x 0 0 0 1",
+            "hello",
+        ] {
+            assert!(
+                matches!(peer.ask(bad), Err(FetchError::Refused(_))),
+                "{bad}"
+            );
+        }
+        let long = "x".repeat(2000);
+        assert!(peer.ask(&long).is_err());
+        let mut peer = Peer::connect(memory.addr()).unwrap();
+        let mut out = vec![0f32; 3];
+        let key = Key {
+            dir: "a".into(),
+            world: 1,
+            rank: 0,
+        };
+        peer.rows(&key, 1, 0..3, &mut out).unwrap();
+        assert_eq!(out, vec![1000.0, 1001.0, 1002.0]);
+        assert_eq!(peer.losses(&key).unwrap(), vec![1.0, 0.5]);
+    }
+
+    #[test]
+    fn oversized_holdings_drop_copies_instead_of_failing() {
+        let held: Vec<Key> = (0..100)
+            .map(|r| Key {
+                dir: format!("step-{r}/g00000001-some-long-run-id"),
+                world: 100,
+                rank: r,
+            })
+            .collect();
+        let h = Holding {
+            addr: Some("127.0.0.1:1".parse().unwrap()),
+            held,
+        };
+        let record = h.encode();
+        assert_eq!(record.len(), Holding::SIZE);
+        let back = Holding::decode(&record);
+        assert!(!back.held.is_empty() && back.held.len() < 100);
+        assert_eq!(back.held[..], h.held[..back.held.len()]);
+        assert_eq!(Holding::decode(b"garbage"), Holding::default());
+    }
+}
