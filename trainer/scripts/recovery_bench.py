@@ -119,7 +119,7 @@ def elastic_once(fault, scratch, preset, steps):
         m = RECOVERY.search(m.string)
         detect = int(m.group(4)) - t_fault * 1e3
         abort, rendezvous, ring, load, first = (float(m.group(i)) for i in range(5, 10))
-        sources = [re.search(r"rank 0 read (.*)\)$", l) for l in job.seen if "resumed from step" in l]
+        sources = [re.search(r"; rows (.*)\)$", l) for l in job.seen if "resumed from step" in l]
         return {
             "read_from": sources[-1].group(1) if sources and sources[-1] else "?",
             "detect_ms": detect,

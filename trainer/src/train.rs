@@ -1165,7 +1165,7 @@ fn load(
             ));
         }
     };
-    let (step, saved_world, shards, source) = match found {
+    let (step, saved_world, shards, rebuilt) = match found {
         Found::Store {
             step,
             saved_world,
@@ -1175,7 +1175,7 @@ fn load(
             step,
             saved_world,
             shards_from_store(step, loaded, global, config, specs, rank, world)?,
-            "the store".to_string(),
+            [0, 0, 0],
         ),
         Found::Memory { step, assembled } => {
             let mut tensors = assembled.tensors.into_iter();
@@ -1192,12 +1192,12 @@ fn load(
                 shards.m.push(next());
                 shards.v.push(next());
             }
-            let source = format!(
-                "memory ({:.1} MB own, {:.1} MB from peers)",
-                assembled.local_bytes as f64 / 1e6,
-                assembled.peer_bytes as f64 / 1e6
-            );
-            (step, assembled.saved_world as u32, shards, source)
+            let rebuilt = [
+                1,
+                assembled.local_bytes as i64,
+                assembled.peer_bytes as i64,
+            ];
+            (step, assembled.saved_world as u32, shards, rebuilt)
         }
     };
     if shards.losses.len() as u64 != step {
@@ -1206,14 +1206,27 @@ fn load(
             shards.losses.len()
         )));
     }
-    if let Some((memory, _)) = memory
-        && let Some(dir) = &committed_dir
-    {
-        memory.confirm(dir);
+    // Where the rows came from, summed over the world, for the resume line.
+    let mut source = String::new();
+    if let Some((memory, _)) = memory {
+        let mut rebuilt = rebuilt;
+        comm.all_reduce_i64(&mut rebuilt)?;
+        source = format!(
+            "; rows rebuilt from memory on {} of {world} ranks ({:.1} MB own, {:.1} MB from peers)",
+            rebuilt[0],
+            rebuilt[1] as f64 / 1e6,
+            rebuilt[2] as f64 / 1e6
+        );
+        if rebuilt[0] < world as i64 {
+            source.push_str(", read from the store on the others");
+        }
+        if let Some(dir) = &committed_dir {
+            memory.confirm(dir);
+        }
     }
     if rank == 0 {
         say(format_args!(
-            "resumed from step {step} of {} (saved by {saved_world} ranks, resharded onto {world}; rank 0 read {source})",
+            "resumed from step {step} of {} (saved by {saved_world} ranks, resharded onto {world}{source})",
             store.url()
         ));
     }

@@ -56,7 +56,8 @@ impl Launch {
             .arg("--")
             .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
             .args(train_args)
-            .env("RUST_LOG", "warn")
+            // Replica pulls are logged: a test can wait for one before a kill.
+            .env("RUST_LOG", "warn,ckpt_trainer::memory=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -228,6 +229,21 @@ fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
     let mut launch = Launch::start(&["--nproc", "4", "--min-ranks", "2"], &as_strs(&args));
     let held = launch.expect("where a rank holds", |l| l.contains("fault: rank "));
     let victim = label_of(&held);
+    if !also_kill_during_rendezvous {
+        // The victim's successor pulls its copy of step 10 in the background; the
+        // kill comes once it has, or recovering from memory would be a race.
+        let successor = format!("[rank {}]", (victim + 1) % 4);
+        let replica = format!("rank: {victim} }}");
+        let pulled = |l: &str| {
+            l.contains(&successor)
+                && l.contains("replica pulled")
+                && l.contains("step-00000010")
+                && l.contains(&replica)
+        };
+        if !launch.seen.lines().any(pulled) {
+            launch.expect("the successor's replica of the victim's copy", pulled);
+        }
+    }
     signal(pid_of(&launch.seen, victim), libc::SIGKILL);
     let mut killed = vec![victim];
     if also_kill_during_rendezvous {
@@ -253,6 +269,24 @@ fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
         output.contains("launch: recovery: generation 1 ended, generation 2 formed with world"),
         "the launcher summarizes the recovery in one line:\n{output}"
     );
+    // Every survivor rebuilds from memory when the lost rank's rows survive in its
+    // successor's replica; two neighbours lost at once take the last rows with
+    // them, and whoever needs those reads the store.
+    let resumed = output
+        .lines()
+        .find(|l| l.contains("resumed from step"))
+        .unwrap_or_else(|| panic!("no resume:\n{output}"));
+    if also_kill_during_rendezvous {
+        assert!(
+            resumed.contains("read from the store on the others"),
+            "rows of two lost neighbours come from the store: {resumed}"
+        );
+    } else {
+        assert!(
+            resumed.contains("rows rebuilt from memory on 3 of 3 ranks"),
+            "one lost rank loses no rows from memory: {resumed}"
+        );
+    }
     for label in (0..4).filter(|l| !killed.contains(l)) {
         assert!(
             output.contains(&format!("[rank {label}] done: step 30")),
@@ -574,10 +608,23 @@ fn a_failed_rank_is_relaunched_and_the_world_grows_back_to_its_size() {
 fn a_rank_that_reports_a_device_error_is_dropped_and_the_others_go_on() {
     let _serial = one_at_a_time();
     let (reference_dir, dir, mut args) = scenario(30);
-    args.extend(["--fault-device-error".into(), "12:1".into()]);
+    // Recovery from the store, as every recovery was before in-memory copies.
+    args.extend([
+        "--fault-device-error".into(),
+        "12:1".into(),
+        "--memory-copies=false".into(),
+    ]);
     let launch = Launch::start(&["--nproc", "3", "--min-ranks", "2"], &as_strs(&args));
     let (status, output) = launch.finish();
     assert!(status.success(), "the others must finish:\n{output}");
+    let resumed = output
+        .lines()
+        .find(|l| l.contains("resumed from step"))
+        .unwrap_or_else(|| panic!("no resume:\n{output}"));
+    assert!(
+        resumed.ends_with("resharded onto 2)"),
+        "without copies the survivors read the store: {resumed}"
+    );
     let line = output
         .lines()
         .find(|l| l.contains("recovery: generation"))
