@@ -735,7 +735,8 @@ pub fn run_supervised(
         st.losses.push(loss);
         stats.steps += 1;
         supervisor.progress(st.step);
-        if rank == 0 && (st.step.is_multiple_of(config.log_every.max(1)) || st.step == config.steps) {
+        if rank == 0 && (st.step.is_multiple_of(config.log_every.max(1)) || st.step == config.steps)
+        {
             say(format_args!("step {} loss {loss:.6}", st.step));
         }
 
@@ -774,16 +775,22 @@ pub fn run_supervised(
                 }
             }
             let handle = save(runtime, checkpointer, config, &specs, &st, rank, world)?;
-            if let Some((memory, table)) = memory {
+            let copied = Instant::now();
+            let copy = memory.map(|(memory, table)| {
                 keep_copy(memory, table, &handle, &specs, &st, rank, world);
-            }
+                copied.elapsed()
+            });
             stats.ckpt_blocked += blocked.elapsed();
             stats.saves += 1;
             if rank == 0 {
                 say(format_args!(
-                    "saving step {} (stall {:.1} ms)",
+                    "saving step {} (stall {:.1} ms{})",
                     st.step,
-                    handle.stall().as_secs_f64() * 1e3
+                    handle.stall().as_secs_f64() * 1e3,
+                    copy.map_or(String::new(), |d| format!(
+                        ", in-memory copy {:.1} ms",
+                        d.as_secs_f64() * 1e3
+                    ))
                 ));
             }
             *pending = Some(handle);
@@ -1192,11 +1199,7 @@ fn load(
                 shards.m.push(next());
                 shards.v.push(next());
             }
-            let rebuilt = [
-                1,
-                assembled.local_bytes as i64,
-                assembled.peer_bytes as i64,
-            ];
+            let rebuilt = [1, assembled.local_bytes as i64, assembled.peer_bytes as i64];
             (step, assembled.saved_world as u32, shards, rebuilt)
         }
     };
