@@ -78,7 +78,7 @@ struct TrainArgs {
     log_every: u64,
     /// Elastic jobs: keep in RAM a copy of the rows each rank saves and a replica of
     /// its ring predecessor's, so that survivors recover from memory instead of the
-    /// store (about twice the checkpoint's size in RAM per rank).
+    /// store (up to about 4× the rank's share of a checkpoint in RAM).
     /// --memory-copies=false: recoveries read the store.
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     memory_copies: bool,

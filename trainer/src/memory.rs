@@ -95,6 +95,10 @@ struct Inner {
     newest: Option<String>,
     /// The newest checkpoint this rank knows to be committed.
     confirmed: Option<String>,
+    /// Vectors of evicted copies, for the next copies: memory already faulted in
+    /// fills several times faster than fresh pages, and a save's copy is made on
+    /// the training thread.
+    free: Vec<Vec<f32>>,
 }
 
 impl Inner {
@@ -104,9 +108,40 @@ impl Inner {
 
     fn evict(&mut self) {
         let (newest, confirmed) = (self.newest.clone(), self.confirmed.clone());
-        self.copies.retain(|c| {
-            Some(&c.key.dir) == newest.as_ref() || Some(&c.key.dir) == confirmed.as_ref()
-        });
+        let (kept, evicted): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.copies).into_iter().partition(|c| {
+                Some(&c.key.dir) == newest.as_ref() || Some(&c.key.dir) == confirmed.as_ref()
+            });
+        self.copies = kept;
+        let mut room = 0;
+        for copy in evicted {
+            room = room.max(2 * copy.tensors.len());
+            // A copy still being sent to a peer is simply dropped when that ends.
+            if let Ok(copy) = Arc::try_unwrap(copy) {
+                self.free
+                    .extend(copy.tensors.into_iter().filter(|t| t.capacity() > 0));
+            }
+        }
+        // At most one checkpoint's copy and replica wait for reuse (vectors that no
+        // longer fit, after the world shrank, would otherwise pile up): the largest.
+        if room > 0 && self.free.len() > room {
+            self.free.sort_by_key(|v| std::cmp::Reverse(v.capacity()));
+            self.free.truncate(room);
+        }
+    }
+
+    /// The free vector that best fits `len` elements (the smallest large enough).
+    fn reuse(&mut self, len: usize) -> Option<Vec<f32>> {
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= len)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i)?;
+        let mut v = self.free.swap_remove(best);
+        v.clear();
+        Some(v)
     }
 
     fn put(&mut self, copy: Arc<RankCopy>) {
@@ -155,7 +190,17 @@ impl Memory {
                 .spawn(move || {
                     for pull in rx {
                         let started = Instant::now();
-                        match pull_copy(&pull) {
+                        let buffer = |len: usize| {
+                            let reused = inner.lock().unwrap_or_else(|p| p.into_inner()).reuse(len);
+                            match reused {
+                                Some(mut v) => {
+                                    v.resize(len, 0f32);
+                                    v
+                                }
+                                None => huge_zeros(len),
+                            }
+                        };
+                        match pull_copy(&pull, &buffer) {
                             Ok(copy) => {
                                 let bytes = copy.bytes();
                                 let mut inner = inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -185,6 +230,18 @@ impl Memory {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A copy of `data` for a [`RankCopy`], in the memory of an evicted copy when one
+    /// fits.
+    pub fn copy_of(&self, data: &[f32]) -> Vec<f32> {
+        match self.lock().reuse(data.len()) {
+            Some(mut v) => {
+                v.extend_from_slice(data);
+                v
+            }
+            None => huge_copy(data),
+        }
     }
 
     /// Keeps `copy`, the rows this rank just staged for a save; it is now the newest.
@@ -517,7 +574,7 @@ pub fn huge_zeros<T: Clone + Default>(n: usize) -> Vec<T> {
 }
 
 /// Pulls a whole copy, waiting (a while) for the source to have staged it.
-fn pull_copy(pull: &Pull) -> Result<RankCopy, String> {
+fn pull_copy(pull: &Pull, buffer: &dyn Fn(usize) -> Vec<f32>) -> Result<RankCopy, String> {
     let deadline = Instant::now() + PULL_PATIENCE;
     let mut pause = Duration::from_millis(10);
     let mut peer = Peer::connect(pull.from).map_err(|e| e.to_string())?;
@@ -525,7 +582,7 @@ fn pull_copy(pull: &Pull) -> Result<RankCopy, String> {
         let mut tensors = Vec::with_capacity(pull.lens.len());
         let mut refused = None;
         for (index, &len) in pull.lens.iter().enumerate() {
-            let mut data = huge_zeros(len);
+            let mut data = buffer(len);
             match peer.rows(&pull.key, index, 0..len, &mut data) {
                 Ok(()) => tensors.push(data),
                 Err(FetchError::Refused(why)) => {
@@ -881,6 +938,12 @@ mod tests {
         memory.confirm("c");
         assert!(memory.get(&key("a")).is_none());
         assert_eq!(memory.holding().held, vec![key("c")]);
+        // The evicted copies' vectors are reused, contents replaced.
+        let free = memory.lock().free.len();
+        assert!(free >= 2 * shapes.len() * KINDS, "{free} free vectors");
+        let v = memory.copy_of(&[1.0, 2.0]);
+        assert_eq!(v, vec![1.0, 2.0]);
+        assert_eq!(memory.lock().free.len(), free - 1);
     }
 
     #[test]

@@ -951,9 +951,9 @@ fn keep_copy(
     let mut tensors = Vec::with_capacity(specs.len() * memory::KINDS);
     for i in 0..specs.len() {
         tensors.extend([
-            memory::huge_copy(&st.params[i]),
-            memory::huge_copy(&st.m[i]),
-            memory::huge_copy(&st.v[i]),
+            memory.copy_of(&st.params[i]),
+            memory.copy_of(&st.m[i]),
+            memory.copy_of(&st.v[i]),
         ]);
     }
     let key = memory::Key {
