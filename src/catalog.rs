@@ -57,6 +57,15 @@ impl Commit {
     pub fn manifest_key(&self) -> String {
         format!("{}/{MANIFEST}", self.dir)
     }
+
+    /// The save attempt it committed (step, generation, run), read off its
+    /// directory; `None` for a version-1 checkpoint, which has no attempt.
+    pub fn attempt(&self) -> Option<Attempt> {
+        let (step, name) = self.dir.split_once('/')?;
+        (parse_step_dir(step) == Some(self.step))
+            .then(|| Attempt::parse(self.step, name))
+            .flatten()
+    }
 }
 
 /// Removes repeated records of one attempt (a racing committer may append twice);
@@ -460,4 +469,27 @@ pub async fn list_checkpoints(store: &Store) -> Result<Vec<CheckpointInfo>> {
         lowest_later = Some(lowest_later.map_or(info.step, |l| l.min(info.step)));
     }
     Ok(all)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_names_its_attempt_and_a_v1_commit_none() {
+        let attempt = Attempt::new(10, 2, "job-e3").unwrap();
+        let logged = Commit {
+            seq: Some(4),
+            step: 10,
+            dir: attempt.dir(),
+            time: None,
+        };
+        assert_eq!(logged.attempt(), Some(attempt));
+        assert_eq!(Commit::v1(10, None).attempt(), None);
+        let elsewhere = Commit {
+            step: 11,
+            ..logged.clone()
+        };
+        assert_eq!(elsewhere.attempt(), None, "a directory of another step");
+    }
 }

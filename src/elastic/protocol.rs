@@ -177,6 +177,12 @@ impl<R: Read> LineReader<R> {
         self.inner.get_ref()
     }
 
+    /// Reads exactly `out.len()` bytes that follow the last line (a payload whose size
+    /// that line announced), through the same buffer.
+    pub fn read_exact(&mut self, out: &mut [u8]) -> io::Result<()> {
+        self.inner.read_exact(out)
+    }
+
     /// The next line without its newline; `None` at a clean end of stream. A final
     /// line without a newline is dropped: the peer died in the middle of it.
     pub fn next_line(&mut self) -> Result<Option<&[u8]>, LineError> {
@@ -312,6 +318,22 @@ mod tests {
             ClientMessage::Rendezvous { after: 1 }
         );
         assert!(reader.next_line().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_payload_after_a_line_is_read_through_the_same_buffer() {
+        let wire = b"ok 3\nabcok 1\nz";
+        let mut reader = LineReader::with_max(&wire[..], 16);
+        assert_eq!(reader.next_line().unwrap().unwrap(), b"ok 3");
+        let mut payload = [0u8; 3];
+        reader.read_exact(&mut payload).unwrap();
+        assert_eq!(&payload, b"abc");
+        assert_eq!(reader.next_line().unwrap().unwrap(), b"ok 1");
+        let mut short = [0u8; 2];
+        assert!(
+            reader.read_exact(&mut short).is_err(),
+            "one byte left, two asked"
+        );
     }
 
     #[test]

@@ -27,13 +27,14 @@
 //! `rows DIR WORLD RANK INDEX START END` answered by `ok N` and N little-endian f32
 //! values, `losses DIR WORLD RANK` by `ok N` and N f64 values, or `no REASON`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ckpt::elastic::protocol::{LineError, LineReader};
 use serde::{Deserialize, Serialize};
 
 use crate::collective::{pod_bytes, pod_bytes_mut, shard_range};
@@ -43,7 +44,7 @@ use crate::collective::{pod_bytes, pod_bytes_mut, shard_range};
 pub const KINDS: usize = 3;
 
 /// Longest request line a server reads.
-const MAX_LINE: u64 = 1024;
+const MAX_LINE: usize = 1024;
 /// Size of one rank's record in the table of holdings (JSON, padded with spaces).
 const RECORD: usize = 1024;
 /// How long a peer may take to answer one request before it is given up on.
@@ -332,20 +333,19 @@ fn serve(listener: TcpListener, inner: Arc<Mutex<Inner>>) {
 fn serve_peer(stream: TcpStream, inner: &Mutex<Inner>) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let mut out = stream.try_clone()?;
-    let mut reader = BufReader::new(stream);
-    let mut line = Vec::new();
+    let mut reader = LineReader::with_max(stream, MAX_LINE);
     loop {
-        line.clear();
-        let n = (&mut reader).take(MAX_LINE).read_until(b'\n', &mut line)?;
-        if n == 0 {
-            return Ok(());
-        }
-        if line.last() != Some(&b'\n') {
-            out.write_all(b"no request line too long\n")?;
-            return Ok(());
-        }
-        let text = String::from_utf8_lossy(&line);
-        match answer(text.trim_end(), inner) {
+        let line = match reader.next_line() {
+            Ok(Some(line)) => line,
+            Ok(None) => return Ok(()),
+            Err(LineError::TooLong { max }) => {
+                out.write_all(format!("no request line longer than {max} bytes\n").as_bytes())?;
+                return Ok(());
+            }
+            Err(LineError::Io(e)) => return Err(e),
+            Err(e) => return Err(std::io::Error::other(e.to_string())),
+        };
+        match answer(&String::from_utf8_lossy(line), inner) {
             Ok(Answer::Rows(copy, index, range)) => {
                 let data = &copy.tensors[index][range];
                 out.write_all(format!("ok {}\n", data.len()).as_bytes())?;
@@ -419,7 +419,7 @@ fn answer(request: &str, inner: &Mutex<Inner>) -> Result<Answer, String> {
 struct Peer {
     addr: SocketAddr,
     out: TcpStream,
-    reader: BufReader<TcpStream>,
+    reader: LineReader<TcpStream>,
 }
 
 /// A peer's answer that is not `ok`: the copy is not (or no longer) there.
@@ -448,7 +448,7 @@ impl Peer {
         stream
             .set_write_timeout(Some(PEER_TIMEOUT))
             .map_err(failed)?;
-        let reader = BufReader::with_capacity(1 << 20, stream.try_clone().map_err(failed)?);
+        let reader = LineReader::with_max(stream.try_clone().map_err(failed)?, MAX_LINE);
         Ok(Self {
             addr,
             out: stream,
@@ -463,13 +463,11 @@ impl Peer {
         self.out
             .write_all(format!("{request}\n").as_bytes())
             .map_err(failed)?;
-        let mut line = Vec::new();
-        (&mut self.reader)
-            .take(MAX_LINE)
-            .read_until(b'\n', &mut line)
-            .map_err(failed)?;
-        let line = String::from_utf8_lossy(&line);
-        let line = line.trim_end();
+        let line = match self.reader.next_line() {
+            Ok(Some(line)) => String::from_utf8_lossy(line).into_owned(),
+            Ok(None) => String::new(),
+            Err(e) => return Err(FetchError::Failed(format!("{addr}: {e}"))),
+        };
         if let Some(count) = line.strip_prefix("ok ") {
             return count
                 .parse()
@@ -509,7 +507,9 @@ impl Peer {
 
     fn losses(&mut self, key: &Key) -> Result<Vec<f64>, FetchError> {
         let n = self.ask(&format!("losses {} {} {}", key.dir, key.world, key.rank))?;
-        if n > 1 << 32 {
+        // One loss per step: a count beyond any run's length is a broken peer, not a
+        // reason to allocate.
+        if n > 1 << 26 {
             return Err(FetchError::Failed(format!("{}: {n} losses", self.addr)));
         }
         let mut bytes = vec![0u8; n * 8];
@@ -738,13 +738,7 @@ pub fn assemble(
             }
             continue;
         }
-        let peer = match &mut peers[piece.holder] {
-            Some(peer) => peer,
-            slot => {
-                let addr = table[piece.holder].addr.expect("sources have an address");
-                slot.insert(Peer::connect(addr).map_err(|e| e.to_string())?)
-            }
-        };
+        let peer = connected(&mut peers, table, piece.holder)?;
         for kind in 0..KINDS {
             let index = piece.tensor * KINDS + kind;
             peer.rows(
@@ -765,14 +759,8 @@ pub fn assemble(
             .map(|c| c.losses.clone())
             .ok_or_else(|| format!("own copy {key:?} is gone"))?
     } else {
-        let peer = match &mut peers[holder] {
-            Some(peer) => peer,
-            slot => slot.insert(
-                Peer::connect(table[holder].addr.expect("sources have an address"))
-                    .map_err(|e| e.to_string())?,
-            ),
-        };
-        peer.losses(key)
+        connected(&mut peers, table, holder)?
+            .losses(key)
             .map_err(|e| format!("rank {holder}: {e}"))?
     };
     Ok(Assembled {
@@ -782,6 +770,23 @@ pub fn assemble(
         local_bytes,
         peer_bytes,
     })
+}
+
+/// The connection to `holder`'s copy server, opened on first use.
+fn connected<'p>(
+    peers: &'p mut [Option<Peer>],
+    table: &[Holding],
+    holder: usize,
+) -> Result<&'p mut Peer, String> {
+    match &mut peers[holder] {
+        Some(peer) => Ok(peer),
+        slot => {
+            let addr = table[holder]
+                .addr
+                .ok_or_else(|| format!("rank {holder} has no copy server"))?;
+            Ok(slot.insert(Peer::connect(addr).map_err(|e| e.to_string())?))
+        }
+    }
 }
 
 #[cfg(test)]

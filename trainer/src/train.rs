@@ -1265,11 +1265,7 @@ fn from_memory(
     spare: Vec<Vec<f32>>,
 ) -> Option<(Found, u64)> {
     // Only a generation-stamped attempt names one commit exactly.
-    let (step_dir, name) = commit.dir.split_once('/')?;
-    let attempt = ckpt::attempt::Attempt::parse(commit.step, name)?;
-    if step_dir != ckpt::format::names::step_dir(commit.step) {
-        return None;
-    }
+    let attempt = commit.attempt()?;
     let shapes: Vec<memory::Shape> = specs
         .iter()
         .map(|s| memory::Shape {

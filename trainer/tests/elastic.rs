@@ -217,6 +217,14 @@ fn scenario(steps: u64) -> (tempfile::TempDir, tempfile::TempDir, Vec<String>) {
     (reference_dir, dir, args)
 }
 
+/// The first line of `output` that contains `needle`.
+fn line_with<'a>(output: &'a str, needle: &str) -> &'a str {
+    output
+        .lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no line with {needle:?}:\n{output}"))
+}
+
 fn as_strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -272,10 +280,7 @@ fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
     // Every survivor rebuilds from memory when the lost rank's rows survive in its
     // successor's replica; two neighbours lost at once take the last rows with
     // them, and whoever needs those reads the store.
-    let resumed = output
-        .lines()
-        .find(|l| l.contains("resumed from step"))
-        .unwrap_or_else(|| panic!("no resume:\n{output}"));
+    let resumed = line_with(&output, "resumed from step");
     if also_kill_during_rendezvous {
         assert!(
             resumed.contains("read from the store on the others"),
@@ -617,18 +622,12 @@ fn a_rank_that_reports_a_device_error_is_dropped_and_the_others_go_on() {
     let launch = Launch::start(&["--nproc", "3", "--min-ranks", "2"], &as_strs(&args));
     let (status, output) = launch.finish();
     assert!(status.success(), "the others must finish:\n{output}");
-    let resumed = output
-        .lines()
-        .find(|l| l.contains("resumed from step"))
-        .unwrap_or_else(|| panic!("no resume:\n{output}"));
+    let resumed = line_with(&output, "resumed from step");
     assert!(
         resumed.ends_with("resharded onto 2)"),
         "without copies the survivors read the store: {resumed}"
     );
-    let line = output
-        .lines()
-        .find(|l| l.contains("recovery: generation"))
-        .unwrap_or_else(|| panic!("no recovery:\n{output}"));
+    let line = line_with(&output, "recovery: generation");
     assert!(
         line.contains("world 2") && line.contains("device error"),
         "the cause names the device error: {line}"
