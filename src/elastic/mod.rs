@@ -79,6 +79,7 @@
 pub mod agent;
 mod cancel;
 pub mod coordinator;
+pub mod etcd;
 pub mod protocol;
 pub mod tcp;
 
@@ -89,6 +90,9 @@ use serde::{Deserialize, Serialize};
 pub use agent::{Agent, AgentConfig};
 pub use cancel::Cancel;
 pub use coordinator::{Coordinator, CoordinatorConfig, CoordinatorHandle, Event};
+pub use etcd::EtcdUrl;
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdControlPlane, EtcdJob, EtcdSettings};
 pub use tcp::{TcpControlPlane, TcpSettings};
 
 /// Who a member is. `job` must match the coordinator's job id (else a clear error).

@@ -74,6 +74,8 @@ pub struct ElasticLaunch {
     /// The coordinator to join; `None`: host one (at `host_at`, else on
     /// `master_addr:master_port`, a free port when none is given).
     pub rdzv: Option<SocketAddr>,
+    /// The etcd cluster that replaces the coordinator (`--rdzv etcd://…`).
+    pub etcd: Option<ckpt::elastic::EtcdUrl>,
     /// Where a hosted coordinator listens (`--rdzv` with `--host-rdzv`).
     pub host_at: Option<SocketAddr>,
     /// Fewest ranks the job trains with (a smaller world waits for members).
@@ -337,6 +339,8 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
 struct Slot {
     label: usize,
     child: Option<Child>,
+    /// The etcd lease of the process in the slot.
+    lease: Option<i64>,
     incarnation: usize,
     status: Option<ExitStatus>,
 }
@@ -346,7 +350,9 @@ struct Spawner<'a> {
     exe: std::path::PathBuf,
     config: &'a LaunchConfig,
     elastic: &'a ElasticLaunch,
-    rdzv: SocketAddr,
+    /// What the ranks get as `CKPT_RDZV`.
+    rdzv: String,
+    plane: &'a Plane,
     run_id: String,
     pgid: i32,
     pumps: Vec<std::thread::JoinHandle<()>>,
@@ -354,7 +360,7 @@ struct Spawner<'a> {
 
 impl Spawner<'_> {
     /// Starts local rank `local` (its `incarnation`-th process) and prints its line.
-    fn spawn(&mut self, local: usize, incarnation: usize) -> std::io::Result<Child> {
+    fn spawn(&mut self, local: usize, incarnation: usize) -> std::io::Result<(Child, Option<i64>)> {
         let (config, elastic) = (self.config, self.elastic);
         let label = elastic.node_id * config.nproc + local;
         let mut command = Command::new(&self.exe);
@@ -364,7 +370,7 @@ impl Spawner<'_> {
             .env_remove("WORLD_SIZE")
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
-            .env("CKPT_RDZV", self.rdzv.to_string())
+            .env("CKPT_RDZV", &self.rdzv)
             .env("CKPT_JOB_ID", &elastic.job)
             .env("CKPT_NODE_ID", elastic.node_id.to_string())
             .env(
@@ -376,11 +382,16 @@ impl Spawner<'_> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(self.pgid);
+        let lease = self.plane.grant_lease();
+        match lease {
+            Some(lease) => command.env("CKPT_ETCD_LEASE", lease.to_string()),
+            None => command.env_remove("CKPT_ETCD_LEASE"),
+        };
         let mut child = command.spawn()?;
         if self.pgid == 0 {
             self.pgid = child.id() as i32;
             say(format_args!(
-                "launch: node {} with {} ranks, coordinator {}, job {}, process group {}",
+                "launch: node {} with {} ranks, control plane {}, job {}, process group {}",
                 elastic.node_id, config.nproc, self.rdzv, elastic.job, self.pgid
             ));
         }
@@ -400,28 +411,101 @@ impl Spawner<'_> {
         ));
         self.pumps
             .push(stream(child.stderr.take().expect("piped"), prefix, true));
-        Ok(child)
+        Ok((child, lease))
+    }
+}
+
+/// The control plane a launcher uses: the coordinator it hosts or joins, or etcd.
+enum Plane {
+    Coordinator(Option<ckpt::elastic::CoordinatorHandle>),
+    #[cfg(feature = "etcd")]
+    Etcd(ckpt::elastic::EtcdJob),
+}
+
+impl Plane {
+    fn events(&self) -> Vec<Event> {
+        match self {
+            Plane::Coordinator(c) => c.as_ref().map(|c| c.events()).unwrap_or_default(),
+            #[cfg(feature = "etcd")]
+            Plane::Etcd(job) => job.events(),
+        }
+    }
+
+    /// A lease for a rank about to start (etcd only): the launcher revokes it when
+    /// the rank exits, so its membership ends at once.
+    fn grant_lease(&self) -> Option<i64> {
+        match self {
+            Plane::Coordinator(_) => None,
+            #[cfg(feature = "etcd")]
+            Plane::Etcd(job) => match job.grant_lease() {
+                Ok(lease) => Some(lease),
+                Err(e) => {
+                    say(format_args!(
+                        "launch: no lease from etcd ({e}); the rank registers under its own"
+                    ));
+                    None
+                }
+            },
+        }
+    }
+
+    fn revoke(&self, lease: Option<i64>) {
+        match (self, lease) {
+            #[cfg(feature = "etcd")]
+            (Plane::Etcd(job), Some(lease)) => job.revoke_soon(lease),
+            _ => {}
+        }
     }
 }
 
 fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
     signals::install();
-    // Host the coordinator on a listener this process keeps, or join the one named.
-    let hosted = match elastic.rdzv {
-        None => Some(Coordinator::bind(
-            elastic.host_at.unwrap_or_else(|| {
-                SocketAddr::new(config.master_addr, config.master_port.unwrap_or(0))
-            }),
-            elastic.coordinator.clone(),
-        )?),
-        Some(_) => None,
+    let (plane, rdzv) = match &elastic.etcd {
+        #[cfg(feature = "etcd")]
+        Some(url) => {
+            let job = ckpt::elastic::EtcdJob::connect(
+                url,
+                &elastic.coordinator,
+                ckpt::elastic::EtcdSettings::default(),
+            )
+            .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
+            let c = job.config();
+            if job.adopted() {
+                say(format_args!(
+                    "launch: job {} already has settings in etcd (ranks {}..={}, heartbeat timeout {} ms); using them rather than this launcher's",
+                    elastic.job, c.min_ranks, c.max_ranks, c.heartbeat_timeout_ms
+                ));
+            }
+            (Plane::Etcd(job), url.to_string())
+        }
+        #[cfg(not(feature = "etcd"))]
+        Some(url) => {
+            return Err(std::io::Error::other(format!(
+                "{url}: this ckpt-train was built without the etcd backend"
+            )));
+        }
+        None => {
+            // Host the coordinator on a listener this process keeps, or join the one named.
+            let hosted = match elastic.rdzv {
+                None => Some(Coordinator::bind(
+                    elastic.host_at.unwrap_or_else(|| {
+                        SocketAddr::new(config.master_addr, config.master_port.unwrap_or(0))
+                    }),
+                    elastic.coordinator.clone(),
+                )?),
+                Some(_) => None,
+            };
+            let rdzv = match (&hosted, elastic.rdzv) {
+                (Some(c), _) => c.local_addr(),
+                (None, Some(addr)) => addr,
+                (None, None) => unreachable!("hosted when no address is given"),
+            };
+            (
+                Plane::Coordinator(hosted.map(Coordinator::spawn)),
+                rdzv.to_string(),
+            )
+        }
     };
-    let rdzv = match (&hosted, elastic.rdzv) {
-        (Some(c), _) => c.local_addr(),
-        (None, Some(addr)) => addr,
-        (None, None) => unreachable!("hosted when no address is given"),
-    };
-    let coordinator = hosted.map(Coordinator::spawn);
     let mut events_seen = 0;
     let mut last_ended: Option<(u64, std::time::SystemTime)> = None;
     let mut spawner = Spawner {
@@ -429,16 +513,18 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         config,
         elastic,
         rdzv,
+        plane: &plane,
         run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id()),
         pgid: 0,
         pumps: Vec::new(),
     };
     let mut slots = Vec::with_capacity(config.nproc);
     for local in 0..config.nproc {
-        let child = spawner.spawn(local, 0)?;
+        let (child, lease) = spawner.spawn(local, 0)?;
         slots.push(Slot {
             label: elastic.node_id * config.nproc + local,
             child: Some(child),
+            lease,
             incarnation: 0,
             status: None,
         });
@@ -458,13 +544,11 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                 kill(child, last);
             }
         }
-        if let Some(coordinator) = &coordinator {
-            let events = coordinator.events();
-            for event in events.iter().skip(events_seen) {
-                summarize(event, &mut last_ended);
-            }
-            events_seen = events.len();
+        let events = plane.events();
+        for event in events.iter().skip(events_seen) {
+            summarize(event, &mut last_ended);
         }
+        events_seen = events.len();
         let mut stop_all = false;
         for (local, slot) in slots.iter_mut().enumerate() {
             let Some(child) = slot.child.as_mut() else {
@@ -475,6 +559,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             };
             let label = slot.label;
             slot.child = None;
+            plane.revoke(slot.lease.take());
             slot.status = Some(status);
             let code = code_of(status);
             if code == 0 || (code == EXIT_STOPPED && forwarded > 0) {
@@ -488,7 +573,9 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             if restarts < elastic.max_restarts {
                 restarts += 1;
                 let incarnation = slot.incarnation + 1;
-                slot.child = Some(spawner.spawn(local, incarnation)?);
+                let (child, lease) = spawner.spawn(local, incarnation)?;
+                slot.child = Some(child);
+                slot.lease = lease;
                 slot.incarnation = incarnation;
                 slot.status = None;
             } else if !elastic.shrink {

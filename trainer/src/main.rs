@@ -171,8 +171,10 @@ struct LaunchArgs {
     /// Elastic: MIN:MAX nodes (or N), each running its own launcher with --nproc ranks.
     #[arg(long)]
     nnodes: Option<String>,
-    /// Elastic: the coordinator to join, tcp://HOST:PORT (a `ckpt coordinator`, or the
-    /// launcher started with --host-rdzv). Default: this launcher hosts one.
+    /// Elastic: the control plane to join: a coordinator, tcp://HOST:PORT (a `ckpt
+    /// coordinator`, or the launcher started with --host-rdzv), or an etcd cluster,
+    /// etcd://HOST:PORT[,HOST:PORT…]/PREFIX (no coordinator; built with the `etcd`
+    /// feature). Default: this launcher hosts a coordinator.
     #[arg(long)]
     rdzv: Option<String>,
     /// Elastic: host the coordinator at the --rdzv address (one node does, e.g. node 0).
@@ -369,7 +371,29 @@ fn run_launch(args: LaunchArgs) -> ExitCode {
     }
 }
 
-fn parse_rdzv(text: &str) -> Result<SocketAddr, String> {
+/// Where the control plane is: a coordinator (`tcp://HOST:PORT`, or `HOST:PORT`) or
+/// an etcd cluster (`etcd://HOST:PORT[,HOST:PORT…]/PREFIX`).
+#[derive(Debug, Clone)]
+enum Rdzv {
+    Tcp(SocketAddr),
+    Etcd(ckpt::elastic::EtcdUrl),
+}
+
+fn parse_rdzv(text: &str) -> Result<Rdzv, String> {
+    if text.starts_with("etcd://") {
+        if !cfg!(feature = "etcd") {
+            return Err(format!(
+                "--rdzv {text:?}: this ckpt-train was built without the etcd backend (cargo build --features etcd)"
+            ));
+        }
+        return ckpt::elastic::EtcdUrl::parse(text)
+            .map(Rdzv::Etcd)
+            .map_err(|e| format!("--rdzv {e}"));
+    }
+    parse_tcp_rdzv(text).map(Rdzv::Tcp)
+}
+
+fn parse_tcp_rdzv(text: &str) -> Result<SocketAddr, String> {
     let hostport = text.strip_prefix("tcp://").unwrap_or(text);
     std::net::ToSocketAddrs::to_socket_addrs(hostport)
         .map_err(|e| format!("--rdzv {text:?}: {e}"))?
@@ -422,15 +446,25 @@ fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
         ));
     }
     let rdzv = args.rdzv.as_deref().map(parse_rdzv).transpose()?;
-    let job = match (&args.job_id, rdzv) {
-        (Some(job), _) => job.clone(),
-        (None, None) => format!("job-{}", ckpt::attempt::random_run_id()),
-        (None, Some(_)) => {
-            return Err("--rdzv needs --job-id (the same on every node)".into());
+    let (rdzv, etcd) = match rdzv {
+        Some(Rdzv::Etcd(_)) if args.host_rdzv => {
+            return Err(
+                "--host-rdzv hosts a coordinator; with etcd:// there is none to host".into(),
+            );
         }
+        Some(Rdzv::Etcd(url)) => (None, Some(url)),
+        Some(Rdzv::Tcp(addr)) => (Some(addr), None),
+        None => (None, None),
+    };
+    let job = match &args.job_id {
+        Some(job) => job.clone(),
+        None if rdzv.is_none() && etcd.is_none() => {
+            format!("job-{}", ckpt::attempt::random_run_id())
+        }
+        None => return Err("--rdzv needs --job-id (the same on every node)".into()),
     };
     let mut coordinator = CoordinatorConfig::new(job.clone(), min_ranks, max_ranks);
-    if rdzv.is_none() || args.host_rdzv {
+    if (rdzv.is_none() && etcd.is_none()) || args.host_rdzv {
         // A coordinator this launcher starts for its job has no running generation
         // to wait for.
         coordinator.settle = Duration::ZERO;
@@ -449,6 +483,7 @@ fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
         job,
         node_id: args.node_id,
         rdzv,
+        etcd,
         host_at,
         min_ranks,
         max_ranks,
@@ -559,6 +594,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
     };
     let rdzv = match std::env::var("CKPT_RDZV")
         .ok()
+        .filter(|r| !r.is_empty())
         .map(|r| parse_rdzv(&r))
         .transpose()
     {
@@ -658,20 +694,21 @@ fn run_train(args: TrainArgs) -> ExitCode {
 /// One rank of an elastic job (the launcher set `CKPT_RDZV`): join the coordinator
 /// and train through as many generations as it takes.
 fn run_elastic_rank(
-    rdzv: SocketAddr,
+    rdzv: Rdzv,
     runtime: &tokio::runtime::Runtime,
     store: Option<&Store>,
     config: &TrainConfig,
     args: &TrainArgs,
 ) -> ExitCode {
-    let ip = match elastic_rank::local_ip_towards(rdzv) {
+    let toward = match &rdzv {
+        Rdzv::Tcp(addr) => Ok(*addr),
+        Rdzv::Etcd(url) => parse_tcp_rdzv(url.first_host()),
+    };
+    let ip = match toward.map_err(|e| e.to_string()).and_then(|addr| {
+        elastic_rank::local_ip_towards(addr).map_err(|e| format!("no route to {addr}: {e}"))
+    }) {
         Ok(ip) => ip,
-        Err(e) => {
-            return fail(
-                EXIT_FAILED,
-                format!("no route to the coordinator {rdzv}: {e}"),
-            );
-        }
+        Err(e) => return fail(EXIT_FAILED, format!("the control plane: {e}")),
     };
     let env = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
     let member = Member {
@@ -680,16 +717,37 @@ fn run_elastic_rank(
         host: ip.to_string(),
         node: env("CKPT_NODE_ID").unwrap_or_else(|| ip.to_string()),
     };
-    let plane = match TcpControlPlane::connect(rdzv, member.clone(), TcpSettings::default()) {
-        Ok(p) => p,
-        Err(e) => {
-            return fail(
-                EXIT_FAILED,
-                format!("member {}: coordinator {rdzv}: {e}", member.id),
-            );
+    let plane: std::sync::Arc<dyn ckpt::elastic::ControlPlane> = match &rdzv {
+        Rdzv::Tcp(addr) => {
+            match TcpControlPlane::connect(*addr, member.clone(), TcpSettings::default()) {
+                Ok(p) => std::sync::Arc::new(p),
+                Err(e) => {
+                    return fail(
+                        EXIT_FAILED,
+                        format!("member {}: coordinator {addr}: {e}", member.id),
+                    );
+                }
+            }
+        }
+        #[cfg(feature = "etcd")]
+        Rdzv::Etcd(url) => {
+            let lease = env("CKPT_ETCD_LEASE").and_then(|l| l.parse().ok());
+            match ckpt::elastic::EtcdControlPlane::connect(
+                url,
+                member.clone(),
+                lease,
+                ckpt::elastic::EtcdSettings::default(),
+            ) {
+                Ok(p) => std::sync::Arc::new(p),
+                Err(e) => return fail(EXIT_FAILED, format!("member {}: {url}: {e}", member.id)),
+            }
+        }
+        #[cfg(not(feature = "etcd"))]
+        Rdzv::Etcd(url) => {
+            return fail(EXIT_USAGE, format!("{url}: built without the etcd backend"));
         }
     };
-    let agent = Agent::new(std::sync::Arc::new(plane), AgentConfig::default());
+    let agent = Agent::new(plane, AgentConfig::default());
     let tcp = TcpConfig {
         timeout: Duration::from_secs_f64(args.timeout_secs),
         ..TcpConfig::default()

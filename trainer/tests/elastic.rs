@@ -34,6 +34,48 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The control plane a test's launchers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plane {
+    /// The coordinator the launcher hosts.
+    Coordinator,
+    /// The test command's 3-member etcd cluster (`CKPT_TEST_ETCD`), no coordinator.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    Etcd,
+}
+
+impl Plane {
+    /// `launch_args` plus what selects this plane (a fresh job id named after
+    /// `name` for etcd, whose keys outlive a test).
+    fn args(self, launch_args: &[&str], name: &str) -> Vec<String> {
+        let mut v: Vec<String> = launch_args.iter().map(|s| s.to_string()).collect();
+        if self == Plane::Etcd {
+            v.extend([
+                "--rdzv".into(),
+                etcd_url(),
+                "--job-id".into(),
+                unique_job(name),
+            ]);
+        }
+        v
+    }
+}
+
+/// The test command's etcd cluster.
+fn etcd_url() -> String {
+    std::env::var("CKPT_TEST_ETCD")
+        .expect("CKPT_TEST_ETCD is not set: run the tests with scripts/test, which starts a 3-member etcd cluster")
+}
+
+/// A job id no other run used (etcd keeps a job's keys).
+fn unique_job(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{name}-{}-{nanos}", std::process::id())
+}
+
 fn signal(pid: i32, sig: i32) {
     // SAFETY: kill(2) on a process this test started (directly or through the
     // launcher, whose `launch: rank R pid P` lines name it).
@@ -231,10 +273,11 @@ fn as_strs(v: &[String]) -> Vec<&str> {
 
 /// Kills (SIGKILL) the rank that holds at `hold`, and checks that the other three
 /// finish in the same processes, on three ranks, with the reference's weights.
-fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
+fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool, plane: Plane) {
     let (reference_dir, dir, mut args) = scenario(30);
     args.extend(["--fault-hold".into(), hold.into()]);
-    let mut launch = Launch::start(&["--nproc", "4", "--min-ranks", "2"], &as_strs(&args));
+    let launch_args = plane.args(&["--nproc", "4", "--min-ranks", "2"], "kill");
+    let mut launch = Launch::start(&as_strs(&launch_args), &as_strs(&args));
     let held = launch.expect("where a rank holds", |l| l.contains("fault: rank "));
     let victim = label_of(&held);
     if !also_kill_during_rendezvous {
@@ -304,27 +347,31 @@ fn kill_one_of_four(hold: &str, also_kill_during_rendezvous: bool) {
 #[test]
 fn a_rank_killed_mid_step_leaves_three_survivors_that_finish_with_the_reference_weights() {
     let _serial = one_at_a_time();
-    kill_one_of_four("12:2:before-save", false);
+    kill_one_of_four("12:2:before-save", false, Plane::Coordinator);
 }
 
 #[test]
 fn a_rank_killed_while_its_async_save_runs_is_recovered_the_same_way() {
     let _serial = one_at_a_time();
-    kill_one_of_four("10:1:after-save", false);
+    kill_one_of_four("10:1:after-save", false, Plane::Coordinator);
 }
 
 #[test]
 fn a_second_kill_during_the_rendezvous_of_the_first_recovery_is_recovered_too() {
     let _serial = one_at_a_time();
-    kill_one_of_four("12:3:before-save", true);
+    kill_one_of_four("12:3:before-save", true, Plane::Coordinator);
 }
 
 #[test]
 fn a_stopped_rank_is_detected_by_heartbeat_and_fenced_when_it_resumes() {
     let _serial = one_at_a_time();
+    stopped_rank(Plane::Coordinator);
+}
+
+fn stopped_rank(plane: Plane) {
     let (reference_dir, dir, mut args) = scenario(30);
     args.extend(["--fault-step-pause-ms".into(), "30".into()]);
-    let mut launch = Launch::start(
+    let launch_args = plane.args(
         &[
             "--nproc",
             "4",
@@ -333,8 +380,9 @@ fn a_stopped_rank_is_detected_by_heartbeat_and_fenced_when_it_resumes() {
             "--heartbeat-timeout-secs",
             "2",
         ],
-        &as_strs(&args),
+        "stop",
     );
+    let mut launch = Launch::start(&as_strs(&launch_args), &as_strs(&args));
     launch.expect("step 12", |l| l.contains("] step 12 loss"));
     let victim = 2;
     let pid = pid_of(&launch.seen, victim);
@@ -482,12 +530,26 @@ fn hosted_coordinator(launch: &mut Launch) -> String {
 #[test]
 fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
     let _serial = one_at_a_time();
+    node_lost(Plane::Coordinator);
+}
+
+fn node_lost(plane: Plane) {
     let (reference_dir, dir, mut args) = scenario(200);
     args.extend(["--fault-step-pause-ms".into(), "40".into()]);
     let args = as_strs(&args);
-    let mut node0 = Launch::start(&as_strs(&node_args(0, "two-nodes", None)), &args);
-    let rdzv = hosted_coordinator(&mut node0);
-    let mut node1 = Launch::start(&as_strs(&node_args(1, "two-nodes", Some(&rdzv))), &args);
+    let (mut node0, rdzv, job) = match plane {
+        Plane::Coordinator => {
+            let mut node0 = Launch::start(&as_strs(&node_args(0, "two-nodes", None)), &args);
+            let rdzv = hosted_coordinator(&mut node0);
+            (node0, rdzv, "two-nodes".to_string())
+        }
+        Plane::Etcd => {
+            let (rdzv, job) = (etcd_url(), unique_job("two-nodes"));
+            let node0 = Launch::start(&as_strs(&node_args(0, &job, Some(&rdzv))), &args);
+            (node0, rdzv, job)
+        }
+    };
+    let mut node1 = Launch::start(&as_strs(&node_args(1, &job, Some(&rdzv))), &args);
     node0.expect("a world of 4", |l| l.contains("world 4"));
     // Lose node 1 whole: its launcher and every rank it started.
     node1.expect("node 1's ranks", |l| l.contains("launch: rank 3 pid"));
@@ -500,7 +562,7 @@ fn a_node_lost_whole_is_survived_and_its_relaunch_grows_the_world_back() {
         l.contains("recovery: generation") && l.contains("world 2")
     });
     // Relaunch node 1: the world grows back at a checkpoint boundary.
-    let node1 = Launch::start(&as_strs(&node_args(1, "two-nodes", Some(&rdzv))), &args);
+    let node1 = Launch::start(&as_strs(&node_args(1, &job, Some(&rdzv))), &args);
     node0.expect("the world grown back to 4", |l| {
         l.contains("generation") && l.contains("world 4") && l.contains("grow")
     });
@@ -543,11 +605,15 @@ fn sigterm_to_one_node_makes_a_final_save_and_the_other_node_goes_on() {
 #[test]
 fn a_training_loop_stuck_in_a_live_process_is_found_by_its_progress_and_dropped() {
     let _serial = one_at_a_time();
+    stuck_loop(Plane::Coordinator);
+}
+
+fn stuck_loop(plane: Plane) {
     let (reference_dir, dir, mut args) = scenario(30);
     // Rank 1's training thread parks at step 12; its process and agent stay alive
     // and keep sending heartbeats, and the other ranks wait in a collective.
     args.extend(["--fault-hold".into(), "12:1:before-save".into()]);
-    let mut launch = Launch::start(
+    let launch_args = plane.args(
         &[
             "--nproc",
             "3",
@@ -556,8 +622,9 @@ fn a_training_loop_stuck_in_a_live_process_is_found_by_its_progress_and_dropped(
             "--progress-timeout-secs",
             "3",
         ],
-        &as_strs(&args),
+        "stuck",
     );
+    let mut launch = Launch::start(&as_strs(&launch_args), &as_strs(&args));
     let held = launch.expect("where a rank holds", |l| l.contains("fault: rank 1 holds"));
     let victim = label_of(&held);
     let line = launch.expect("a recovery", |l| l.contains("recovery: generation"));
@@ -637,4 +704,41 @@ fn a_rank_that_reports_a_device_error_is_dropped_and_the_others_go_on() {
         "the rank with the failed device exits:\n{output}"
     );
     assert_identical(reference_dir.path(), dir.path());
+}
+
+/// The recovery scenarios above, on etcd instead of a coordinator: same faults, same
+/// outcomes, the same bitwise oracle.
+#[cfg(feature = "etcd")]
+mod on_etcd {
+    use super::*;
+
+    #[test]
+    fn a_rank_killed_mid_step_is_recovered_on_etcd() {
+        let _serial = one_at_a_time();
+        kill_one_of_four("12:2:before-save", false, Plane::Etcd);
+    }
+
+    #[test]
+    fn a_second_kill_during_the_rendezvous_is_recovered_on_etcd() {
+        let _serial = one_at_a_time();
+        kill_one_of_four("12:3:before-save", true, Plane::Etcd);
+    }
+
+    #[test]
+    fn a_stopped_rank_is_dropped_by_its_lease_and_fenced_on_etcd() {
+        let _serial = one_at_a_time();
+        stopped_rank(Plane::Etcd);
+    }
+
+    #[test]
+    fn a_node_lost_whole_is_survived_on_etcd() {
+        let _serial = one_at_a_time();
+        node_lost(Plane::Etcd);
+    }
+
+    #[test]
+    fn a_stuck_training_loop_is_found_by_its_own_agent_on_etcd() {
+        let _serial = one_at_a_time();
+        stuck_loop(Plane::Etcd);
+    }
 }

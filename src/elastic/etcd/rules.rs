@@ -1,0 +1,772 @@
+//! The rules of the etcd backend, as pure functions of what etcd holds.
+//!
+//! Every agent evaluates the same rules on its own mirror of the job's keys and
+//! proposes the resulting generation record in a transaction that compares the
+//! record's revision: the first proposal wins, the others fail their comparison,
+//! re-read, and find nothing left to do. Keeping the rules free of I/O is what lets
+//! them be tested without etcd, and keeps them next to the built-in coordinator's
+//! (`coordinator.rs`) for comparison: same formation windows, same preference for the
+//! survivors of the last generation, same ordering of ranks, same floors.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::elastic::{Assignment, CoordinatorConfig, Directive, Member, Report};
+
+/// The job's settings, published once under `config` (the first launcher's win).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobConfig {
+    /// Fewest members of a generation.
+    pub min_ranks: usize,
+    /// Most members of a generation.
+    pub max_ranks: usize,
+    /// Once `min_ranks` wait, how long to wait for more (ms).
+    pub last_call_ms: u64,
+    /// Lease time to live: a member silent this long is lost (ms, whole seconds).
+    pub heartbeat_timeout_ms: u64,
+    /// A training thread idle this long outside a collective is hung (ms).
+    pub progress_timeout_ms: u64,
+    /// After an abort, survivors that do not ask to rejoin by then are dropped (ms).
+    pub join_timeout_ms: u64,
+    /// Below `min_ranks` this long with no generation running: shutdown (ms).
+    pub rendezvous_timeout_ms: u64,
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl JobConfig {
+    /// The same settings as a built-in coordinator's.
+    pub fn from_coordinator(c: &CoordinatorConfig) -> JobConfig {
+        JobConfig {
+            min_ranks: c.min_ranks,
+            max_ranks: c.max_ranks,
+            last_call_ms: ms(c.last_call),
+            heartbeat_timeout_ms: ms(c.heartbeat_timeout),
+            progress_timeout_ms: ms(c.progress_timeout),
+            join_timeout_ms: ms(c.join_timeout),
+            rendezvous_timeout_ms: ms(c.rendezvous_timeout),
+        }
+    }
+
+    /// The lease time to live in whole seconds (etcd's unit), at least 2 (etcd's
+    /// floor with its default election timeout).
+    pub fn lease_ttl_secs(&self) -> i64 {
+        i64::try_from(self.heartbeat_timeout_ms.div_ceil(1000))
+            .unwrap_or(i64::MAX)
+            .max(2)
+    }
+
+    /// Checks the values, naming the bad one.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_ranks == 0 || self.max_ranks < self.min_ranks {
+            return Err(format!(
+                "ranks: min {} max {} (need 1 <= min <= max)",
+                self.min_ranks, self.max_ranks
+            ));
+        }
+        for (name, v) in [
+            ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
+            ("progress_timeout_ms", self.progress_timeout_ms),
+            ("join_timeout_ms", self.join_timeout_ms),
+            ("rendezvous_timeout_ms", self.rendezvous_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} is zero"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a member publishes about itself, under its lease (gone when it dies).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    /// Who it is.
+    pub member: Member,
+    /// Waiting for a generation newer than this one (it called `rendezvous`).
+    pub wants: Option<u64>,
+    /// The generation it runs (0: none).
+    pub generation: u64,
+    /// Highest checkpoint generation it saved with.
+    pub checkpoint_generation: u64,
+}
+
+/// The job's one generation record, advanced only by compare-and-swap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GenRecord {
+    /// Strictly increasing.
+    pub generation: u64,
+    /// Members in rank order.
+    pub members: Vec<Member>,
+    /// Checkpoint generations of this generation's saves are >= this.
+    pub floor: u64,
+    /// Why it formed.
+    pub cause: String,
+    /// Where it stands.
+    pub state: GenState,
+}
+
+/// The life of a generation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GenState {
+    /// Training. `regroup`: members wait, finish at the next checkpoint.
+    /// `at_boundary`: a member ended it at a committed checkpoint; the others come to
+    /// the rendezvous by themselves.
+    Running {
+        /// Why a regroup was asked, if it was.
+        regroup: Option<String>,
+        /// A member ended the generation at an agreed checkpoint boundary.
+        at_boundary: bool,
+    },
+    /// Over. `abort`: the members were told to restart (a failure); `expected`: who
+    /// the next generation waits for; `dropped`: who was declared lost (told stale).
+    Ended {
+        /// The survivors must abort (Restart).
+        abort: bool,
+        /// Why.
+        cause: String,
+        /// Survivors the next generation waits for (up to the join timeout).
+        expected: Vec<String>,
+        /// Members declared lost (hung, silent): stale if they come back.
+        dropped: Vec<String>,
+    },
+    /// The job cannot go on.
+    Shutdown {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl GenRecord {
+    /// The record before any generation formed.
+    pub fn none() -> GenRecord {
+        GenRecord {
+            generation: 0,
+            members: Vec::new(),
+            floor: 0,
+            cause: "initial".into(),
+            state: GenState::Ended {
+                abort: false,
+                cause: "initial".into(),
+                expected: Vec::new(),
+                dropped: Vec::new(),
+            },
+        }
+    }
+
+    /// Running with nothing pending.
+    pub fn is_running(&self) -> bool {
+        matches!(self.state, GenState::Running { .. })
+    }
+
+    /// `id`'s rank in this generation.
+    pub fn rank_of(&self, id: &str) -> Option<usize> {
+        self.members.iter().position(|m| m.id == id)
+    }
+
+    /// The assignment of `id`, when it is a member and the generation runs.
+    pub fn assignment(&self, id: &str) -> Option<Assignment> {
+        if !self.is_running() {
+            return None;
+        }
+        Some(Assignment {
+            generation: self.generation,
+            rank: self.rank_of(id)?,
+            world_size: self.members.len(),
+            members: self.members.clone(),
+            checkpoint_generation_floor: self.floor,
+            cause: self.cause.clone(),
+        })
+    }
+
+    fn ended(&self, abort: bool, cause: String, leaving: &[&str], dropped: &[&str]) -> GenRecord {
+        let expected = self
+            .members
+            .iter()
+            .map(|m| m.id.clone())
+            .filter(|id| !leaving.contains(&id.as_str()) && !dropped.contains(&id.as_str()))
+            .collect();
+        GenRecord {
+            state: GenState::Ended {
+                abort,
+                cause,
+                expected,
+                dropped: dropped.iter().map(|s| s.to_string()).collect(),
+            },
+            ..self.clone()
+        }
+    }
+}
+
+/// A live member record and the etcd revision of its last write (arrival order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Live {
+    /// The record.
+    pub record: MemberRecord,
+    /// Its `mod_revision`.
+    pub revision: i64,
+}
+
+/// Local observation times: each agent measures the formation windows from when it
+/// saw their condition start; any agent's proposal is valid, the transaction picks one.
+#[derive(Debug, Default, Clone)]
+pub struct Timers {
+    /// (record generation, when `min_ranks` members were first seen waiting).
+    min_since: Option<(u64, Instant)>,
+    /// (generation, when its end was first seen): the join deadline's start.
+    ended_seen: Option<(u64, Instant)>,
+    /// When fewer than `min_ranks` members were first seen waiting.
+    below_min_since: Option<Instant>,
+}
+
+fn rank_order(members: &mut [Member]) {
+    members.sort_by(|a, b| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
+}
+
+/// What the world's state asks for, if anything: the next generation record.
+/// `live` holds every member record present in etcd.
+pub fn next(
+    current: &GenRecord,
+    live: &BTreeMap<String, Live>,
+    config: &JobConfig,
+    timers: &mut Timers,
+    now: Instant,
+) -> Option<GenRecord> {
+    match &current.state {
+        GenState::Shutdown { .. } => None,
+        GenState::Running { .. } => {
+            timers.min_since = None;
+            timers.below_min_since = None;
+            let lost: Vec<&str> = current
+                .members
+                .iter()
+                .map(|m| m.id.as_str())
+                .filter(|id| !live.contains_key(*id))
+                .collect();
+            if lost.is_empty() {
+                return None;
+            }
+            let cause = lost
+                .iter()
+                .map(|id| format!("lost member {id}: its lease ended (process gone, or silent for the heartbeat timeout)"))
+                .collect::<Vec<_>>()
+                .join("; ");
+            Some(current.ended(true, cause, &[], &lost))
+        }
+        GenState::Ended {
+            expected, cause, ..
+        } => {
+            let waiting: Vec<&Live> = live.values().filter(|l| l.record.wants.is_some()).collect();
+            let min = config.min_ranks;
+            if waiting.len() < min {
+                timers.min_since = None;
+                let since = *timers.below_min_since.get_or_insert(now);
+                let limit = Duration::from_millis(config.rendezvous_timeout_ms);
+                if now.saturating_duration_since(since) >= limit {
+                    let reason = format!(
+                        "only {} of at least {min} members for {} s",
+                        waiting.len(),
+                        limit.as_secs_f64()
+                    );
+                    return Some(GenRecord {
+                        state: GenState::Shutdown { reason },
+                        ..current.clone()
+                    });
+                }
+                return None;
+            }
+            timers.below_min_since = None;
+            let expected: Vec<&String> = expected
+                .iter()
+                .filter(|id| live.contains_key(*id))
+                .collect();
+            let ready =
+                if current.generation == 0 || expected.is_empty() && !ended_by_failure(current) {
+                    // Nothing to wait for but late starters: the last call.
+                    let since = match timers.min_since {
+                        Some((g, at)) if g == current.generation => at,
+                        _ => {
+                            timers.min_since = Some((current.generation, now));
+                            now
+                        }
+                    };
+                    waiting.len() >= config.max_ranks
+                        || now.saturating_duration_since(since)
+                            >= Duration::from_millis(config.last_call_ms)
+                } else {
+                    let all_in = expected
+                        .iter()
+                        .all(|id| live.get(*id).is_some_and(|l| l.record.wants.is_some()));
+                    let seen = match timers.ended_seen {
+                        Some((g, at)) if g == current.generation => at,
+                        _ => {
+                            timers.ended_seen = Some((current.generation, now));
+                            now
+                        }
+                    };
+                    all_in
+                        || now.saturating_duration_since(seen)
+                            >= Duration::from_millis(config.join_timeout_ms)
+                };
+            if !ready {
+                return None;
+            }
+            // Survivors first, then arrival order (the revision of the request).
+            let mut candidates: Vec<(bool, i64, &Live)> = waiting
+                .iter()
+                .map(|l| (!expected.contains(&&l.record.member.id), l.revision, *l))
+                .collect();
+            candidates.sort_by_key(|(late, revision, _)| (*late, *revision));
+            candidates.truncate(config.max_ranks);
+            let mut members: Vec<Member> = candidates
+                .iter()
+                .map(|(_, _, l)| l.record.member.clone())
+                .collect();
+            rank_order(&mut members);
+            let newest_known = waiting
+                .iter()
+                .filter_map(|l| l.record.wants)
+                .max()
+                .unwrap_or(0)
+                .max(current.generation);
+            let floor = live
+                .values()
+                .map(|l| l.record.checkpoint_generation.saturating_add(1))
+                .fold(current.floor, u64::max);
+            Some(GenRecord {
+                generation: newest_known + 1,
+                members,
+                floor,
+                cause: if current.generation == 0 {
+                    "initial".into()
+                } else {
+                    cause.clone()
+                },
+                state: GenState::Running {
+                    regroup: None,
+                    at_boundary: false,
+                },
+            })
+        }
+    }
+}
+
+fn ended_by_failure(current: &GenRecord) -> bool {
+    matches!(current.state, GenState::Ended { abort: true, .. })
+}
+
+/// The record after `id`, a member of `generation`, reports `report`; `None`: no
+/// change. `waiting`: live members waiting to join.
+pub fn on_report(
+    current: &GenRecord,
+    id: &str,
+    generation: u64,
+    report: &Report,
+    waiting: usize,
+    config: &JobConfig,
+) -> Option<GenRecord> {
+    if generation == 0 || current.generation != generation {
+        return None;
+    }
+    let rank = current.rank_of(id)?;
+    match (&current.state, report) {
+        (
+            GenState::Running {
+                regroup,
+                at_boundary,
+            },
+            _,
+        ) => match report {
+            Report::CollectiveFailed { peer, reason } => {
+                let peer = peer.map(|p| format!(" with rank {p}")).unwrap_or_default();
+                let cause = format!("member {id} (rank {rank}): collective failed{peer}: {reason}");
+                Some(current.ended(true, cause, &[], &[]))
+            }
+            Report::Fatal { reason } => {
+                let cause = format!("member {id} (rank {rank}) failed: {reason}");
+                Some(current.ended(true, cause, &[id], &[]))
+            }
+            Report::Leaving { reason } => {
+                // Not a failure: the others rendezvous by themselves at the boundary
+                // every member agreed on.
+                let mut next = current.clone();
+                next.members.retain(|m| m.id != id);
+                next.state = if next.members.is_empty() {
+                    GenState::Ended {
+                        abort: false,
+                        cause: format!("member {id} (rank {rank}) left: {reason}"),
+                        expected: Vec::new(),
+                        dropped: Vec::new(),
+                    }
+                } else {
+                    GenState::Running {
+                        regroup: regroup.clone(),
+                        at_boundary: true,
+                    }
+                };
+                Some(next)
+            }
+            Report::Committed { step } => {
+                if waiting == 0 || regroup.is_some() || current.members.len() >= config.max_ranks {
+                    return None;
+                }
+                let plural = if waiting == 1 { "" } else { "s" };
+                let cause =
+                    format!("grow: {waiting} waiting member{plural} (after step {step} committed)");
+                Some(GenRecord {
+                    state: GenState::Running {
+                        regroup: Some(cause),
+                        at_boundary: *at_boundary,
+                    },
+                    ..current.clone()
+                })
+            }
+            Report::Ended { .. } if !at_boundary => Some(GenRecord {
+                state: GenState::Running {
+                    regroup: regroup.clone(),
+                    at_boundary: true,
+                },
+                ..current.clone()
+            }),
+            Report::Ended { .. } => None,
+        },
+        (
+            GenState::Ended {
+                abort,
+                cause,
+                expected,
+                dropped,
+            },
+            Report::Fatal { .. } | Report::Leaving { .. },
+        ) if expected.iter().any(|e| e == id) => {
+            let cause = match report {
+                // The root cause, when the peers' collective errors came first.
+                Report::Fatal { reason } => format!("member {id} failed: {reason}"),
+                _ => cause.clone(),
+            };
+            Some(GenRecord {
+                state: GenState::Ended {
+                    abort: *abort,
+                    cause,
+                    expected: expected.iter().filter(|e| *e != id).cloned().collect(),
+                    dropped: dropped.clone(),
+                },
+                ..current.clone()
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The record after `id`, running `current`, asks for a newer generation: the running
+/// one is over (without an abort at an agreed boundary, else with one).
+pub fn on_leave_running(current: &GenRecord, id: &str) -> Option<GenRecord> {
+    let GenState::Running {
+        regroup,
+        at_boundary,
+    } = &current.state
+    else {
+        return None;
+    };
+    current.rank_of(id)?;
+    Some(if regroup.is_some() || *at_boundary {
+        let cause = regroup
+            .clone()
+            .unwrap_or_else(|| format!("generation {} ended at a checkpoint", current.generation));
+        current.ended(false, cause, &[], &[])
+    } else {
+        let cause = format!(
+            "member {id} left generation {} to rendezvous again",
+            current.generation
+        );
+        current.ended(true, cause, &[id], &[])
+    })
+}
+
+/// The record after `id` found its own training thread hung.
+pub fn on_hung(current: &GenRecord, id: &str, idle_ms: u64) -> Option<GenRecord> {
+    if !current.is_running() {
+        return None;
+    }
+    current.rank_of(id)?;
+    let cause =
+        format!("lost member {id}: hung (training thread idle {idle_ms} ms outside a collective)");
+    Some(current.ended(true, cause, &[], &[id]))
+}
+
+/// What `id`, running `generation`, is told: from the newest record seen for that
+/// generation (`of_generation`) and the job's newest record (`newest`).
+/// `waiting`: it asked to rendezvous; `lost`: its lease or record is gone.
+pub fn directive(
+    id: &str,
+    generation: u64,
+    of_generation: Option<&GenRecord>,
+    newest: &GenRecord,
+    waiting: bool,
+    lost: bool,
+) -> Option<Directive> {
+    if let GenState::Shutdown { reason } = &newest.state {
+        return Some(Directive::Shutdown {
+            reason: reason.clone(),
+        });
+    }
+    if generation == 0 {
+        return None;
+    }
+    if lost {
+        return Some(Directive::Stale {
+            current: newest.generation.max(generation),
+        });
+    }
+    if let Some(record) = of_generation.filter(|r| r.generation == generation) {
+        match &record.state {
+            GenState::Running {
+                regroup: Some(cause),
+                ..
+            } if record.rank_of(id).is_some() => {
+                return Some(Directive::Regroup {
+                    generation,
+                    cause: cause.clone(),
+                });
+            }
+            GenState::Ended { dropped, .. } if dropped.iter().any(|d| d == id) => {
+                return Some(Directive::Stale {
+                    current: newest.generation,
+                });
+            }
+            GenState::Ended {
+                abort: true,
+                cause,
+                expected,
+                ..
+            } if expected.iter().any(|e| e == id) => {
+                return Some(Directive::Restart {
+                    generation,
+                    cause: cause.clone(),
+                });
+            }
+            _ => {}
+        }
+    }
+    if newest.generation > generation && newest.rank_of(id).is_none() && !waiting {
+        return Some(Directive::Stale {
+            current: newest.generation,
+        });
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(i: usize) -> Member {
+        Member {
+            job: "j".into(),
+            id: format!("m{i}"),
+            host: "127.0.0.1".into(),
+            node: format!("n{}", i / 2),
+        }
+    }
+
+    fn config(min: usize, max: usize) -> JobConfig {
+        JobConfig::from_coordinator(&CoordinatorConfig::new("j", min, max))
+    }
+
+    fn live(records: &[(usize, Option<u64>, u64)]) -> BTreeMap<String, Live> {
+        records
+            .iter()
+            .enumerate()
+            .map(|(order, &(i, wants, generation))| {
+                (
+                    format!("m{i}"),
+                    Live {
+                        record: MemberRecord {
+                            member: member(i),
+                            wants,
+                            generation,
+                            checkpoint_generation: i as u64,
+                        },
+                        revision: order as i64 + 10,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn running(generation: u64, ids: &[usize]) -> GenRecord {
+        GenRecord {
+            generation,
+            members: ids.iter().map(|&i| member(i)).collect(),
+            floor: 0,
+            cause: "initial".into(),
+            state: GenState::Running {
+                regroup: None,
+                at_boundary: false,
+            },
+        }
+    }
+
+    #[test]
+    fn the_first_generation_forms_after_the_last_call_or_at_max() {
+        let t0 = Instant::now();
+        let mut timers = Timers::default();
+        let c = config(2, 4);
+        let three = live(&[(0, Some(0), 0), (1, Some(0), 0), (2, Some(0), 0)]);
+        let none = GenRecord::none();
+        assert_eq!(next(&none, &three, &c, &mut timers, t0), None);
+        let later = t0 + Duration::from_millis(c.last_call_ms);
+        let formed =
+            next(&none, &three, &c, &mut timers, later).expect("formed after the last call");
+        assert_eq!(formed.generation, 1);
+        assert_eq!(formed.members.len(), 3);
+        // Floors stay above every checkpoint generation a member saved with.
+        assert_eq!(formed.floor, 3);
+        let four = live(&[
+            (0, Some(0), 0),
+            (1, Some(0), 0),
+            (2, Some(0), 0),
+            (3, Some(0), 0),
+        ]);
+        let mut fresh = Timers::default();
+        assert!(
+            next(&none, &four, &c, &mut fresh, t0).is_some(),
+            "max forms at once"
+        );
+    }
+
+    #[test]
+    fn a_lost_member_ends_the_generation_and_survivors_form_the_next_without_waiting() {
+        let t0 = Instant::now();
+        let mut timers = Timers::default();
+        let c = config(2, 4);
+        let current = running(3, &[0, 1, 2]);
+        let two = live(&[(0, None, 3), (1, None, 3)]);
+        let ended = next(&current, &two, &c, &mut timers, t0).expect("lost member ends it");
+        match &ended.state {
+            GenState::Ended {
+                abort,
+                expected,
+                dropped,
+                ..
+            } => {
+                assert!(abort);
+                assert_eq!(expected, &["m0", "m1"]);
+                assert_eq!(dropped, &["m2"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let d = directive("m0", 3, Some(&ended), &ended, false, false);
+        assert!(
+            matches!(d, Some(Directive::Restart { generation: 3, .. })),
+            "{d:?}"
+        );
+        // One survivor asked: wait for the other (until the join timeout).
+        let one_in = live(&[(0, Some(3), 3), (1, None, 3), (5, Some(0), 0)]);
+        assert_eq!(next(&ended, &one_in, &c, &mut timers, t0), None);
+        let both = live(&[(0, Some(3), 3), (1, Some(3), 3), (5, Some(0), 0)]);
+        let formed = next(&ended, &both, &c, &mut timers, t0).expect("all survivors in");
+        assert_eq!(formed.generation, 4);
+        assert_eq!(formed.members.len(), 3, "the newcomer joins too");
+        // After the join timeout, a survivor that did not ask is dropped.
+        let mut timers = Timers::default();
+        assert_eq!(next(&ended, &one_in, &c, &mut timers, t0), None);
+        let late = t0 + Duration::from_millis(c.join_timeout_ms);
+        let formed = next(&ended, &one_in, &c, &mut timers, late).expect("join timeout");
+        assert!(formed.rank_of("m1").is_none());
+        let d = directive("m1", 3, Some(&ended), &formed, false, false);
+        assert!(
+            matches!(d, Some(Directive::Restart { .. })),
+            "restart first: {d:?}"
+        );
+        let d = directive("m1", 3, None, &formed, false, false);
+        assert_eq!(d, Some(Directive::Stale { current: 4 }));
+    }
+
+    #[test]
+    fn survivors_are_preferred_over_newcomers_and_ranks_follow_node_then_id() {
+        let c = config(1, 2);
+        let current = running(1, &[3, 1, 0]);
+        let ended = on_report(
+            &current,
+            "m0",
+            1,
+            &Report::Fatal {
+                reason: "gpu".into(),
+            },
+            0,
+            &c,
+        )
+        .unwrap();
+        let records = live(&[(5, Some(0), 0), (3, Some(1), 1), (1, Some(1), 1)]);
+        let formed = next(&ended, &records, &c, &mut Timers::default(), Instant::now()).unwrap();
+        let ids: Vec<&str> = formed.members.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["m1", "m3"]);
+        assert!(
+            formed.cause.contains("m0") && formed.cause.contains("gpu"),
+            "{}",
+            formed.cause
+        );
+    }
+
+    #[test]
+    fn reports_regroup_leave_and_end_at_boundaries_without_aborting() {
+        let c = config(1, 4);
+        let current = running(2, &[0, 1]);
+        assert_eq!(
+            on_report(&current, "m0", 2, &Report::Committed { step: 5 }, 0, &c),
+            None
+        );
+        let regroup = on_report(&current, "m0", 2, &Report::Committed { step: 5 }, 1, &c).unwrap();
+        let d = directive("m1", 2, Some(&regroup), &regroup, false, false);
+        assert!(
+            matches!(d, Some(Directive::Regroup { generation: 2, .. })),
+            "{d:?}"
+        );
+        let ended = on_leave_running(&regroup, "m0").unwrap();
+        assert!(matches!(ended.state, GenState::Ended { abort: false, .. }));
+        assert_eq!(directive("m1", 2, Some(&ended), &ended, false, false), None);
+        // A member leaving a running generation on its own aborts the others.
+        let left = on_leave_running(&current, "m1").unwrap();
+        let d = directive("m0", 2, Some(&left), &left, false, false);
+        assert!(matches!(d, Some(Directive::Restart { .. })), "{d:?}");
+        // Reports for another generation or from a non-member change nothing.
+        assert_eq!(
+            on_report(&current, "m9", 2, &Report::Ended { step: 1 }, 0, &c),
+            None
+        );
+        assert_eq!(
+            on_report(&current, "m0", 1, &Report::Ended { step: 1 }, 0, &c),
+            None
+        );
+    }
+
+    #[test]
+    fn a_hung_member_is_stale_and_shutdown_comes_after_the_rendezvous_timeout() {
+        let current = running(4, &[0, 1]);
+        let ended = on_hung(&current, "m1", 99_000).unwrap();
+        assert_eq!(
+            directive("m1", 4, Some(&ended), &ended, false, false),
+            Some(Directive::Stale { current: 4 })
+        );
+        assert_eq!(
+            directive("m0", 4, None, &current, false, true),
+            Some(Directive::Stale { current: 4 })
+        );
+        let c = config(2, 2);
+        let t0 = Instant::now();
+        let mut timers = Timers::default();
+        let alone = live(&[(0, Some(4), 4)]);
+        assert_eq!(next(&ended, &alone, &c, &mut timers, t0), None);
+        let late = t0 + Duration::from_millis(c.rendezvous_timeout_ms);
+        let shut = next(&ended, &alone, &c, &mut timers, late).unwrap();
+        assert!(matches!(
+            directive("m0", 0, None, &shut, true, false),
+            Some(Directive::Shutdown { .. })
+        ));
+    }
+}
