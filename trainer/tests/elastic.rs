@@ -741,4 +741,150 @@ mod on_etcd {
         let _serial = one_at_a_time();
         stuck_loop(Plane::Etcd);
     }
+
+    use common::etcd::Cluster;
+
+    /// The largest gap between consecutive `step N loss` lines of rank 0 after
+    /// `from` in `output`, in lines' arrival order (timestamps are not printed, so
+    /// the test timestamps the lines it reads itself).
+    fn steps(launch: &mut Launch, count: usize) -> Duration {
+        let mut widest = Duration::ZERO;
+        let mut last = Instant::now();
+        for _ in 0..count {
+            launch.expect("a step", |l| l.starts_with("[rank 0] step "));
+            widest = widest.max(last.elapsed());
+            last = Instant::now();
+        }
+        widest
+    }
+
+    fn job_args(url: &str, name: &str) -> Vec<String> {
+        ["--nproc", "4", "--min-ranks", "2", "--rdzv", url, "--job-id"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([unique_job(name)])
+            .collect()
+    }
+
+    #[test]
+    fn killing_the_etcd_leader_mid_run_does_not_stop_training_and_it_rejoins() {
+        let _serial = one_at_a_time();
+        let mut cluster = Cluster::start();
+        let (reference_dir, dir, mut args) = scenario(150);
+        args.extend(["--fault-step-pause-ms".into(), "40".into()]);
+        let mut launch = Launch::start(
+            &as_strs(&job_args(&cluster.url("leader"), "leader")),
+            &as_strs(&args),
+        );
+        launch.expect("step 20", |l| l.contains("[rank 0] step 20 loss"));
+        let leader = cluster.leader();
+        cluster.kill(leader);
+        // Election (1 s) plus a keep-alive period is the most the job may notice.
+        let widest = steps(&mut launch, 30);
+        assert!(
+            widest < Duration::from_secs(4),
+            "training paused {widest:?} while etcd elected a new leader"
+        );
+        let new_leader = cluster.leader();
+        assert_ne!(new_leader, leader, "a new etcd leader was elected");
+        cluster.restart(leader);
+        cluster.wait_healthy(leader);
+        let (status, output) = launch.finish();
+        assert!(status.success(), "{output}");
+        assert!(
+            !output.contains("generation 2"),
+            "losing the etcd leader must not end the generation:\n{output}"
+        );
+        assert_identical(reference_dir.path(), dir.path());
+    }
+
+    #[test]
+    fn without_etcd_quorum_training_goes_on_and_a_failure_is_handled_once_it_returns() {
+        let _serial = one_at_a_time();
+        let mut cluster = Cluster::start();
+        let (reference_dir, dir, mut args) = scenario(200);
+        args.extend(["--fault-step-pause-ms".into(), "40".into()]);
+        let mut launch = Launch::start(
+            &as_strs(&job_args(&cluster.url("quorum"), "quorum")),
+            &as_strs(&args),
+        );
+        launch.expect("step 20", |l| l.contains("[rank 0] step 20 loss"));
+        cluster.kill(1);
+        cluster.kill(2);
+        // No quorum: the current generation trains on.
+        launch.expect("step 40 without quorum", |l| l.contains("[rank 0] step 40 loss"));
+        let committed = commits(dir.path()).len();
+        signal(pid_of(&launch.seen, 2), libc::SIGKILL);
+        // The survivors notice, report and ask for a new generation, which cannot
+        // form without quorum: the rank's exit is all there is to wait for.
+        launch.expect("the lost rank", |l| l.contains("launch: rank 2 failed"));
+        launch.expect("the survivors' reaction", |l| l.contains("generation failed; rejoining"));
+        std::thread::sleep(Duration::from_secs(3));
+        while let Ok(line) = launch.lines.try_recv() {
+            launch.seen.push_str(&line);
+            launch.seen.push('\n');
+        }
+        assert!(
+            !launch.seen.contains("generation 2"),
+            "no generation may form without etcd quorum:\n{}",
+            launch.seen
+        );
+        cluster.restart(1);
+        cluster.restart(2);
+        let line = launch.expect("the recovery once quorum is back", |l| {
+            l.contains("recovery: generation 2") && l.contains("world 3")
+        });
+        assert!(line.contains("world 3"), "{line}");
+        let (status, output) = launch.finish();
+        assert!(status.success(), "{output}");
+        assert!(
+            commits(dir.path()).len() >= committed,
+            "no committed checkpoint may be lost"
+        );
+        assert_identical(reference_dir.path(), dir.path());
+    }
+
+    #[test]
+    fn two_launchers_with_different_world_ideas_converge_on_one_generation() {
+        let _serial = one_at_a_time();
+        let (reference_dir, dir, args) = scenario(60);
+        let args = as_strs(&args);
+        let (url, job) = (etcd_url(), unique_job("converge"));
+        // Node 0 would train with 2 ranks; node 1 insists on 4 (two full nodes).
+        let mut a = node_args(0, &job, Some(&url));
+        a.extend(["--max-ranks".into(), "4".into()]);
+        let b: Vec<String> = ["--nproc", "2", "--nnodes", "2", "--node-id", "1", "--job-id", &job, "--rdzv", &url]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let node0 = Launch::start(&as_strs(&a), &args);
+        let node1 = Launch::start(&as_strs(&b), &args);
+        let (status0, output0) = node0.finish();
+        let (status1, output1) = node1.finish();
+        assert!(status0.success(), "node 0:\n{output0}");
+        assert!(status1.success(), "node 1:\n{output1}");
+        let adopted = [&output0, &output1]
+            .iter()
+            .filter(|o| o.contains("already has settings in etcd"))
+            .count();
+        assert_eq!(adopted, 1, "exactly one launcher adopts the other's settings:\n{output0}\n{output1}");
+        // Both launchers saw the same generations with the same worlds.
+        let formed = |o: &str| -> Vec<String> {
+            o.lines()
+                .filter(|l| l.starts_with("launch:") && l.contains("formed with world"))
+                .map(|l| {
+                    let g = l.split("generation ").last().unwrap();
+                    g.split(" (").next().unwrap().to_string()
+                })
+                .collect()
+        };
+        let (f0, f1) = (formed(&output0), formed(&output1));
+        assert!(!f0.is_empty(), "{output0}");
+        let common = f0.len().min(f1.len());
+        assert_eq!(f0[f0.len() - common..], f1[f1.len() - common..], "\n{output0}\n{output1}");
+        for output in [&output0, &output1] {
+            assert!(output.contains("done: step 60"), "{output}");
+        }
+        assert_identical(reference_dir.path(), dir.path());
+    }
 }
