@@ -15,6 +15,8 @@ from the fault to the first completed step of the restarted job.
     cargo build --release -p ckpt-trainer
     python3 trainer/scripts/recovery_bench.py [--reps 5] [--preset small] [--json out.json]
     python3 trainer/scripts/recovery_bench.py --goodput [--minutes 10 --kill-every 120]
+    cargo build --release -p ckpt-trainer --features etcd
+    python3 trainer/scripts/recovery_bench.py --etcd etcd://H:P,H:P,H:P/bench [--reps 5]
 
 Goodput: useful steps per second of an elastic job that loses one rank every two minutes
 (relaunched by the launcher, so the world grows back), relative to the same job without
@@ -107,9 +109,17 @@ def train_args(ckpt, preset, steps, resume=False):
     return args
 
 
-def elastic_once(fault, scratch, preset, steps):
+def plane_args(etcd):
+    """Launcher flags for the control plane: the hosted coordinator, or etcd."""
+    if not etcd:
+        return []
+    return ["--rdzv", etcd, "--job-id", f"bench-{os.getpid()}-{time.time_ns()}"]
+
+
+def elastic_once(fault, scratch, preset, steps, etcd=None):
     shutil.rmtree(scratch, ignore_errors=True)
-    job = Job(["--nproc", "4", "--min-ranks", "3", "--"] + train_args(scratch, preset, steps))
+    job = Job(["--nproc", "4", "--min-ranks", "3"] + plane_args(etcd) + ["--"]
+              + train_args(scratch, preset, steps))
     try:
         job.expect(r"\] step 13 loss")
         pid = job.pid(2)
@@ -244,6 +254,65 @@ def goodput(scratch, preset, minutes, every, free_secs):
     }
 
 
+def etcd_metrics(etcd):
+    """Messages every member of the etcd cluster received, per gRPC method, summed."""
+    import urllib.request
+    hosts = etcd[len("etcd://"):].split("/")[0].split(",")
+    total = {}
+    for host in hosts:
+        text = urllib.request.urlopen(f"http://{host}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            m = re.match(r'grpc_server_msg_received_total\{.*grpc_method="(\w+)".*\} (\S+)', line)
+            if m:
+                total[m.group(1)] = total.get(m.group(1), 0) + float(m.group(2))
+    return total
+
+
+def request_rate(scratch, preset, etcd, secs):
+    """Requests per second one agent sends etcd in steady state: a 4-rank job trains
+    for `secs` seconds after its first checkpoint; the cluster's received-message
+    counters before and after, over 4 agents (the launcher only watches)."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    job = Job(["--nproc", "4"] + plane_args(etcd) + ["--"]
+              + train_args(scratch, preset, 100000000))
+    try:
+        job.expect(r"\] step 13 loss")
+        before, t0 = etcd_metrics(etcd), time.time()
+        time.sleep(secs)
+        after, t1 = etcd_metrics(etcd), time.time()
+    finally:
+        job.kill()
+    per_method = {k: (after.get(k, 0) - before.get(k, 0)) / (t1 - t0) / 4 for k in after}
+    per_method = {k: v for k, v in per_method.items() if v > 0}
+    return {"per_agent_per_s": sum(per_method.values()), "by_method": per_method, "secs": t1 - t0}
+
+
+def compare_backends(a):
+    """Detection and re-formation on the hosted coordinator and on etcd, alternating
+    in one run, and the steady-state request rate one agent puts on etcd."""
+    runs = {f"{fault}_{plane}": [] for fault in ("kill", "stop") for plane in ("coordinator", "etcd")}
+    for rep in range(a.reps):
+        for fault in ("kill", "stop"):
+            for plane, etcd in (("coordinator", None), ("etcd", a.etcd)):
+                r = elastic_once(fault, a.scratch, a.preset, a.steps, etcd)
+                runs[f"{fault}_{plane}"].append(r)
+                print(f"rep {rep + 1} {fault} on {plane}: " + ", ".join(
+                    f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), file=sys.stderr)
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "read_from"}
+        for name, rs in runs.items()
+    }
+    for fault in ("kill", "stop"):
+        for key in ("detect_ms", "rendezvous_ms", "to_training_ms"):
+            med[f"{fault}_etcd_over_coordinator_{key[:-3]}"] = (
+                med[f"{fault}_etcd"][key] / max(med[f"{fault}_coordinator"][key], 1e-9))
+    rate = request_rate(a.scratch, a.preset, a.etcd, a.rate_secs)
+    print(json.dumps({"median": med, "request_rate": rate, "runs": runs}, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"median": med, "request_rate": rate, "runs": runs}, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
@@ -258,6 +327,12 @@ def main():
     ap.add_argument("--free-secs", type=float, default=120)
     ap.add_argument("--restart-stop", action="store_true",
                     help="instead: the full-restart baseline for a stopped (hung) rank")
+    ap.add_argument("--etcd", metavar="URL",
+                    help="instead: compare the hosted coordinator with etcd://HOST:PORT[,…]/PREFIX "
+                         "(binary built with --features etcd), and measure one agent's request rate")
+    ap.add_argument("--rate-secs", type=float, default=30)
+    ap.add_argument("--rate-only", action="store_true",
+                    help="with --etcd: only the steady-state request rate")
     a = ap.parse_args()
     if not os.path.exists(BIN):
         sys.exit(f"{BIN} missing: cargo build --release -p ckpt-trainer")
@@ -267,6 +342,12 @@ def main():
             print("full restart after a hang: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), file=sys.stderr)
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(json.dumps({"median": med, "runs": runs}, indent=1))
+        return
+    if a.etcd and a.rate_only:
+        print(json.dumps(request_rate(a.scratch, a.preset, a.etcd, a.rate_secs), indent=1))
+        return
+    if a.etcd:
+        compare_backends(a)
         return
     if a.goodput:
         print(json.dumps(goodput(a.scratch, a.preset, a.minutes, a.kill_every, a.free_secs), indent=1))

@@ -171,8 +171,15 @@ impl Mirror {
             if let Some(v) = parse("generation record") {
                 match serde_json::from_value::<GenRecord>(v) {
                     Ok(record) => self.set_gen(record, revision),
-                    Err(e) => warn!(key, error = %e, "unreadable generation record; ignored"),
+                    Err(e) => {
+                        warn!(key, error = %e, "unreadable generation record; ignored");
+                        self.gen_revision = self.gen_revision.max(revision);
+                    }
                 }
+            } else if value.is_some() {
+                // Not obeyed, but its revision is taken, so that the next proposal
+                // replaces it instead of failing its comparison forever.
+                self.gen_revision = self.gen_revision.max(revision);
             }
         } else if name == "config" {
             if let Some(v) = parse("job settings") {
@@ -253,7 +260,9 @@ impl Core {
         let options = ConnectOptions::new()
             .with_connect_timeout(settings.request_timeout)
             .with_timeout(settings.request_timeout)
-            .with_keep_alive(Duration::from_secs(2), settings.request_timeout)
+            // HTTP/2 pings find a dead connection; etcd closes connections that
+            // ping more often than every 5 s (--grpc-keepalive-min-time).
+            .with_keep_alive(Duration::from_secs(10), settings.request_timeout)
             .with_require_leader(true);
         let endpoints = url.endpoints.clone();
         let what = format!("connect to {url}");
@@ -352,14 +361,18 @@ impl Core {
         let mut backoff = Duration::from_millis(50);
         let mut failing = false;
         while !self.closing.load(Ordering::Relaxed) {
-            match self.follow_once().await {
-                Ok(()) => {}
-                Err(e) => {
-                    if !failing {
-                        warn!(error = %e, "etcd watch broken; re-reading and watching again");
-                    }
-                    failing = true;
+            let started = Instant::now();
+            let result = self.follow_once().await;
+            if started.elapsed() > Duration::from_secs(5) {
+                // It worked for a while: a new break is news, and retried quickly.
+                failing = false;
+                backoff = Duration::from_millis(50);
+            }
+            if let Err(e) = result {
+                if !failing {
+                    warn!(error = %e, "etcd watch broken; re-reading and watching again");
                 }
+                failing = true;
             }
             {
                 let mut mirror = self.lock();
@@ -368,9 +381,6 @@ impl Core {
             self.changed();
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
-            if !failing {
-                backoff = Duration::from_millis(50);
-            }
         }
     }
 

@@ -1,0 +1,216 @@
+//! The etcd control plane against the test command's 3-member etcd cluster
+//! (`CKPT_TEST_ETCD`): concurrent proposals converge on one generation, a member
+//! whose lease goes ends the generation for the others, bootstrap keys are scoped to
+//! their generation, and garbage in the job's keys is ignored, not obeyed.
+
+#![cfg(feature = "etcd")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ckpt::elastic::{
+    Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, EtcdControlPlane, EtcdJob,
+    EtcdSettings, EtcdUrl, Member,
+};
+
+fn url() -> EtcdUrl {
+    let text = std::env::var("CKPT_TEST_ETCD").expect(
+        "CKPT_TEST_ETCD is not set: run the tests with scripts/test, which starts a 3-member etcd cluster",
+    );
+    EtcdUrl::parse(&text).unwrap()
+}
+
+fn job(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{name}-{}-{nanos}", std::process::id())
+}
+
+fn member(job: &str, i: usize) -> Member {
+    Member {
+        job: job.into(),
+        id: format!("m{i}"),
+        host: "127.0.0.1".into(),
+        node: format!("n{}", i / 2),
+    }
+}
+
+/// Publishes the job's settings and connects `n` members.
+fn start(name: &str, n: usize, min: usize) -> (EtcdJob, Vec<Arc<EtcdControlPlane>>, String) {
+    start_with(name, n, min, Duration::from_secs(2))
+}
+
+fn start_with(
+    name: &str,
+    n: usize,
+    min: usize,
+    heartbeat_timeout: Duration,
+) -> (EtcdJob, Vec<Arc<EtcdControlPlane>>, String) {
+    let job = job(name);
+    let mut config = CoordinatorConfig::new(job.clone(), min, n);
+    config.heartbeat_timeout = heartbeat_timeout;
+    let launcher = EtcdJob::connect(&url(), &config, EtcdSettings::default()).unwrap();
+    let planes = (0..n)
+        .map(|i| {
+            Arc::new(
+                EtcdControlPlane::connect(&url(), member(&job, i), None, EtcdSettings::default())
+                    .unwrap(),
+            )
+        })
+        .collect();
+    (launcher, planes, job)
+}
+
+/// Every plane rendezvous at once (after `after`); returns the assignments.
+fn rendezvous_all(planes: &[Arc<EtcdControlPlane>], after: u64) -> Vec<ckpt::elastic::Assignment> {
+    let threads: Vec<_> = planes
+        .iter()
+        .map(|p| {
+            let p = p.clone();
+            std::thread::spawn(move || p.rendezvous(after, &Cancel::new()).unwrap())
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn concurrent_members_converge_on_one_generation_and_its_keys() {
+    let (launcher, planes, _) = start("converge", 4, 4);
+    let assignments = rendezvous_all(&planes, 0);
+    for (i, a) in assignments.iter().enumerate() {
+        assert_eq!(a.generation, assignments[0].generation);
+        assert_eq!(a.members, assignments[0].members, "one world for all");
+        assert_eq!(a.members[a.rank].id, format!("m{i}"));
+    }
+    assert_eq!(assignments[0].world_size, 4);
+    let g = assignments[0].generation;
+    planes[0].kv_set(g, "addr", "127.0.0.1:1234").unwrap();
+    let got = planes[3]
+        .kv_get(g, "addr", &Cancel::new(), Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(got, "127.0.0.1:1234");
+    // Keys of another generation are refused, not mixed in.
+    assert!(matches!(
+        planes[1].kv_set(g + 1, "addr", "x"),
+        Err(ElasticError::Rejected(_))
+    ));
+    let formed = launcher
+        .events()
+        .iter()
+        .filter(|e| matches!(e, ckpt::elastic::Event::Formed { .. }))
+        .count();
+    assert!(formed >= 1, "the launcher sees the generation form");
+}
+
+#[test]
+fn a_member_that_leaves_ends_the_generation_and_the_others_form_the_next() {
+    let (_launcher, mut planes, _) = start("leave", 3, 2);
+    let first = rendezvous_all(&planes, 0)[0].generation;
+    // Dropping a plane revokes its lease, as the launcher does when a rank dies.
+    drop(planes.pop());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let directive = loop {
+        if let Some(d) = planes[0].watch(first, Duration::from_millis(200)).unwrap() {
+            break d;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no directive after a member left"
+        );
+    };
+    assert!(
+        matches!(&directive, Directive::Restart { generation, cause } if *generation == first && cause.contains("m2")),
+        "{directive:?}"
+    );
+    let next = rendezvous_all(&planes, first);
+    assert!(next[0].generation > first);
+    assert_eq!(next[0].world_size, 2);
+    // The bootstrap keys of the ended generation are answered as over.
+    assert!(matches!(
+        planes[0].kv_get(first, "nothing", &Cancel::new(), Duration::from_secs(5)),
+        Err(ElasticError::Rejected(_))
+    ));
+}
+
+#[test]
+fn garbage_in_the_jobs_keys_is_ignored_and_a_settingsless_job_is_refused() {
+    let (_launcher, planes, name) = start("garbage", 2, 2);
+    let first = rendezvous_all(&planes, 0)[0].generation;
+    let url = url();
+    // A stranger writes nonsense over the generation record and a member key.
+    let job_root = url.root(&name).unwrap();
+    let etcdctl = std::env::var("CKPT_TEST_ETCDCTL_BIN").expect("set by scripts/test");
+    let endpoints = url.endpoints.join(",");
+    for (key, value) in [("generation", "{not json"), ("members/m9", "[1,2,3]")] {
+        let status = std::process::Command::new(&etcdctl)
+            .env("ETCDCTL_API", "3")
+            .args([
+                "--endpoints",
+                &endpoints,
+                "put",
+                &format!("{job_root}{key}"),
+                value,
+            ])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+    // Neither is obeyed: no directive, the generation stays.
+    assert_eq!(
+        planes[0].watch(first, Duration::from_millis(500)).unwrap(),
+        None
+    );
+    // And the job can still advance: the next record replaces the garbage.
+    let next = rendezvous_all(&planes, first);
+    assert!(next[0].generation > first, "{next:?}");
+    assert_eq!(next[0].members, next[1].members);
+    // A member of a job nobody configured gets a clear error, not a hang.
+    let settings = EtcdSettings {
+        connect_timeout: Duration::from_millis(500),
+        ..EtcdSettings::default()
+    };
+    let lonely = EtcdControlPlane::connect(&url, member(&job("lonely"), 0), None, settings);
+    match lonely {
+        Err(ElasticError::Rejected(e)) => assert!(e.contains("ckpt-train launch"), "{e}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("connected to a job without settings"),
+    }
+}
+
+#[test]
+fn an_idle_member_keeps_its_watch_and_sends_only_keep_alives() {
+    // The default heartbeat timeout (5 s): a keep-alive every 5/3 s.
+    let (launcher, planes, _) = start_with("idle", 2, 2, Duration::from_secs(5));
+    let generation = rendezvous_all(&planes, 0)[0].generation;
+    let progress = ckpt::elastic::Progress::default();
+    let (before, launcher_before) = (planes[0].requests(), launcher.requests());
+    // Long enough for connection-level trouble to show (etcd closes connections that
+    // ping more often than every 5 s): no re-read, no new watch, keep-alives only.
+    let window = Instant::now();
+    while window.elapsed() < Duration::from_secs(15) {
+        for plane in &planes {
+            plane.heartbeat(generation, &progress).unwrap();
+        }
+        assert_eq!(
+            planes[0]
+                .watch(generation, Duration::from_millis(500))
+                .unwrap(),
+            None
+        );
+    }
+    let sent = planes[0].requests() - before;
+    // A keep-alive is a request and its answer, every 5/3 s.
+    let most = 2 * (15 * 3 / 5 + 1);
+    assert!(
+        sent <= most,
+        "{sent} requests in 15 s of steady state; expected at most {most} keep-alive messages"
+    );
+    assert_eq!(
+        launcher.requests(),
+        launcher_before,
+        "a launcher only watches: its watch must not break and be set up again"
+    );
+}
