@@ -391,8 +391,17 @@ impl Spawner<'_> {
         if self.pgid == 0 {
             self.pgid = child.id() as i32;
             say(format_args!(
-                "launch: node {} with {} ranks, control plane {}, job {}, process group {}",
-                elastic.node_id, config.nproc, self.rdzv, elastic.job, self.pgid
+                "launch: node {} with {} ranks, {} {}, job {}, process group {}",
+                elastic.node_id,
+                config.nproc,
+                match self.plane {
+                    Plane::Coordinator(_) => "coordinator",
+                    #[cfg(feature = "etcd")]
+                    Plane::Etcd(_) => "control plane",
+                },
+                self.rdzv,
+                elastic.job,
+                self.pgid
             ));
         }
         if incarnation == 0 {
