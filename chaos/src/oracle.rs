@@ -1,0 +1,220 @@
+//! The oracle: what every run must show, whatever its faults.
+//!
+//! - every committed checkpoint verifies (`ckpt verify` on each);
+//! - no commit ever seen disappears (retention is off in chaos runs, so a commit that
+//!   goes missing was lost);
+//! - the final checkpoint equals, bitwise, the one of a failure-free run of the same
+//!   configuration (the trainer's deterministic mode makes the weights independent of
+//!   the world size and of the recovery history). The failure-free run is computed once
+//!   per configuration and cached.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ckpt::CheckpointReader;
+use ckpt::storage::Store;
+use ckpt::tools::diff::{DiffOptions, diff};
+use ckpt::tools::verify::{VerifyOptions, verify};
+
+use crate::run::train_args;
+use crate::scenario::Scenario;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+fn committed_steps(runtime: &tokio::runtime::Runtime, store: &Store) -> Result<Vec<u64>, String> {
+    runtime
+        .block_on(ckpt::catalog::commits(store))
+        .map(|c| c.iter().map(|c| c.step).collect())
+        .map_err(|e| e.to_string())
+}
+
+/// Lists the commit log every `every` while a run goes on, keeping every step ever
+/// seen committed.
+pub struct CommitWatcher {
+    seen: Arc<Mutex<BTreeSet<u64>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CommitWatcher {
+    /// Starts watching the store at `url`.
+    pub fn start(url: &str, every: Duration) -> Result<CommitWatcher, String> {
+        let store = Store::from_url(url).map_err(|e| e.to_string())?;
+        let seen = Arc::new(Mutex::new(BTreeSet::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (seen, stop) = (seen.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let runtime = runtime();
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(steps) = committed_steps(&runtime, &store) {
+                        seen.lock().unwrap_or_else(|p| p.into_inner()).extend(steps);
+                    }
+                    std::thread::sleep(every);
+                }
+            })
+        };
+        Ok(CommitWatcher {
+            seen,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops watching; returns every step seen committed.
+    pub fn finish(mut self) -> BTreeSet<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// What the oracle found.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Judgement {
+    /// Committed checkpoints at the end.
+    pub commits: usize,
+    /// Of those, how many verified.
+    pub verified: usize,
+    /// Steps seen committed during the run and missing at the end.
+    pub lost: Vec<u64>,
+    /// The final step of the run's newest commit.
+    pub final_step: Option<u64>,
+    /// Bitwise equal to the failure-free run.
+    pub identical: Option<bool>,
+    /// Everything wrong, in words.
+    pub problems: Vec<String>,
+}
+
+/// Judges the checkpoints at `url` against the failure-free `reference` directory.
+pub fn judge(url: &str, seen: &BTreeSet<u64>, reference: &Path, steps: u64) -> Judgement {
+    let mut j = Judgement::default();
+    let runtime = runtime();
+    let store = match Store::from_url(url) {
+        Ok(s) => s,
+        Err(e) => {
+            j.problems.push(format!("{url}: {e}"));
+            return j;
+        }
+    };
+    let final_steps = match committed_steps(&runtime, &store) {
+        Ok(s) => s,
+        Err(e) => {
+            j.problems
+                .push(format!("listing the commits of {url}: {e}"));
+            return j;
+        }
+    };
+    let present: BTreeSet<u64> = final_steps.iter().copied().collect();
+    j.commits = present.len();
+    j.lost = seen.difference(&present).copied().collect();
+    if !j.lost.is_empty() {
+        j.problems
+            .push(format!("committed steps lost: {:?}", j.lost));
+    }
+    for &step in &present {
+        match runtime.block_on(verify(&store, step, &VerifyOptions::default(), &|_| {})) {
+            Ok(report) if report.ok => j.verified += 1,
+            Ok(report) => j.problems.push(format!(
+                "step {step} does not verify: {}",
+                report
+                    .faults
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )),
+            Err(e) => j.problems.push(format!("step {step}: verify failed: {e}")),
+        }
+    }
+    j.final_step = present.last().copied();
+    if j.final_step != Some(steps) {
+        j.problems.push(format!(
+            "training did not commit its final step {steps} (newest commit: {:?})",
+            j.final_step
+        ));
+        return j;
+    }
+    let compared = runtime.block_on(async {
+        let reference = Store::from_url(&file_url(reference)).map_err(|e| e.to_string())?;
+        let a = CheckpointReader::open(&store, Some(steps))
+            .await
+            .map_err(|e| e.to_string())?;
+        let b = CheckpointReader::open(&reference, Some(steps))
+            .await
+            .map_err(|e| e.to_string())?;
+        diff(&a, &b, &DiffOptions::default(), &|_| {})
+            .await
+            .map_err(|e| e.to_string())
+    });
+    match compared {
+        Ok(report) => {
+            j.identical = Some(report.identical);
+            if !report.identical {
+                let differing: Vec<&str> = report
+                    .tensors
+                    .iter()
+                    .filter(|t| t.status != "identical")
+                    .map(|t| t.name.as_str())
+                    .collect();
+                j.problems.push(format!(
+                    "final weights differ from the failure-free run: {differing:?} {:?}",
+                    report.state_differences
+                ));
+            }
+        }
+        Err(e) => j
+            .problems
+            .push(format!("comparing with the failure-free run: {e}")),
+    }
+    j
+}
+
+/// `file://` URL of a directory.
+pub fn file_url(dir: &Path) -> String {
+    format!("file://{}", dir.display())
+}
+
+/// The failure-free run of `scenario`'s configuration (preset, seed, steps,
+/// interval), trained once on 2 ranks and kept under `cache`.
+pub fn reference(scenario: &Scenario, trainer: &Path, cache: &Path) -> Result<PathBuf, String> {
+    let dir = cache.join(format!(
+        "reference-{}-seed{}-steps{}-every{}",
+        scenario.preset, scenario.seed, scenario.steps, scenario.ckpt_every
+    ));
+    let done = dir.join(".complete");
+    if done.exists() {
+        return Ok(dir);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut plain = scenario.clone();
+    plain.faults.clear();
+    plain.step_pause_ms = 0;
+    let output = Command::new(trainer)
+        .args(["launch", "--nproc", "2", "--"])
+        .args(train_args(&plain, &file_url(&dir)))
+        .env("RUST_LOG", "warn")
+        .output()
+        .map_err(|e| format!("{}: {e}", trainer.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "the failure-free run failed:\n{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    std::fs::write(&done, b"").map_err(|e| format!("{}: {e}", done.display()))?;
+    Ok(dir)
+}

@@ -1,0 +1,292 @@
+//! Scenarios as TOML files: the job to run, the faults to inject, what to expect.
+//!
+//! A scenario is data, not code, so that a failure found by a seeded soak can be
+//! written out and replayed as it was, and kept as a regression case.
+//!
+//! ```toml
+//! description = "SIGKILL one of 4 ranks mid-step; the 3 survivors finish"
+//! ranks = 4          # rank processes per node
+//! nodes = 1
+//! min_ranks = 2
+//! preset = "tiny"
+//! steps = 40
+//! ckpt_every = 5
+//! step_pause_ms = 30 # slows each step, so faults land mid-run
+//!
+//! [[fault]]
+//! kind = "kill"      # kill | stop | kill-node | device-error
+//! rank = 2           # node × ranks + local rank, as the launcher labels it
+//! at_step = 12       # when rank 0 reports this step
+//!
+//! [expect]
+//! final_world = 3
+//! ```
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// One fault scenario.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// What the scenario shows, in a sentence.
+    #[serde(default)]
+    pub description: String,
+    /// Rank processes per node (per launcher).
+    pub ranks: usize,
+    /// Launchers, one per simulated node.
+    #[serde(default = "one")]
+    pub nodes: usize,
+    /// Fewest ranks the job trains with (`--min-ranks`).
+    pub min_ranks: usize,
+    /// Relaunches each launcher may make of its failed ranks (`--max-restarts`).
+    #[serde(default)]
+    pub max_restarts: usize,
+    /// The trainer's model preset.
+    #[serde(default = "tiny")]
+    pub preset: String,
+    /// Seed of the model and data.
+    #[serde(default = "seven")]
+    pub seed: u64,
+    /// Steps to train.
+    pub steps: u64,
+    /// Checkpoint interval in steps.
+    pub ckpt_every: u64,
+    /// Pause after each step (ms), so faults can land between steps.
+    #[serde(default)]
+    pub step_pause_ms: u64,
+    /// Heartbeat timeout (s) of the control plane: how soon a silent rank is lost.
+    #[serde(default = "two")]
+    pub heartbeat_timeout_secs: u64,
+    /// The faults, in any order; each fires once.
+    #[serde(default, rename = "fault")]
+    pub faults: Vec<Fault>,
+    /// What the run must show besides the oracle's invariants.
+    #[serde(default)]
+    pub expect: Expect,
+}
+
+fn one() -> usize {
+    1
+}
+fn two() -> u64 {
+    2
+}
+fn seven() -> u64 {
+    7
+}
+fn tiny() -> String {
+    "tiny".into()
+}
+
+/// What a fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultKind {
+    /// SIGKILL one rank process.
+    Kill,
+    /// SIGSTOP one rank for `duration_ms`, then SIGCONT (a hang, a paused VM).
+    Stop,
+    /// SIGKILL a whole node: its launcher and every rank it started.
+    KillNode,
+    /// The rank reports a lost device and leaves (the trainer's failpoint).
+    DeviceError,
+}
+
+/// One fault.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    /// What happens.
+    pub kind: FaultKind,
+    /// The rank hit (kill, stop, device-error), by its launcher label.
+    #[serde(default)]
+    pub rank: Option<usize>,
+    /// The node hit (kill-node).
+    #[serde(default)]
+    pub node: Option<usize>,
+    /// Fires when rank 0 reports this step (or a later one).
+    #[serde(default)]
+    pub at_step: Option<u64>,
+    /// How long a stopped rank stays stopped (stop).
+    #[serde(default)]
+    pub duration_ms: Option<u64>,
+}
+
+/// What a scenario expects of its run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// The world size of the generation that finishes.
+    #[serde(default)]
+    pub final_world: Option<usize>,
+    /// The step the first recovery resumes from.
+    #[serde(default)]
+    pub resumes_from: Option<u64>,
+    /// Recoveries (new generations after the first) at least.
+    #[serde(default)]
+    pub recoveries_at_least: Option<usize>,
+}
+
+/// A scenario that cannot be run, with the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// Unreadable file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Not TOML, or unknown or missing fields.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's message (line and column included).
+        message: String,
+    },
+    /// Well-formed but contradictory.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl Scenario {
+    /// Reads and checks a scenario file.
+    pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Io {
+            path: name.clone(),
+            source,
+        })?;
+        let scenario = Scenario::parse(&text).map_err(|message| ScenarioError::Parse {
+            path: name.clone(),
+            message,
+        })?;
+        scenario
+            .validate()
+            .map_err(|message| ScenarioError::Invalid {
+                path: name,
+                message,
+            })?;
+        Ok(scenario)
+    }
+
+    /// Parses TOML text (not yet validated).
+    pub fn parse(text: &str) -> Result<Scenario, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// The scenario as TOML (for replay files).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a scenario serializes")
+    }
+
+    /// Every rank process the job starts.
+    pub fn world(&self) -> usize {
+        self.ranks * self.nodes
+    }
+
+    /// Checks that the scenario makes sense, naming the first thing that does not.
+    pub fn validate(&self) -> Result<(), String> {
+        let world = self.world();
+        if self.ranks == 0 || self.nodes == 0 {
+            return Err("ranks and nodes must be at least 1".into());
+        }
+        if self.min_ranks == 0 || self.min_ranks > world {
+            return Err(format!("min_ranks {} must be 1..={world}", self.min_ranks));
+        }
+        if self.steps == 0 || self.ckpt_every == 0 || self.ckpt_every > self.steps {
+            return Err(format!(
+                "steps {} and ckpt_every {} must be positive, with ckpt_every <= steps",
+                self.steps, self.ckpt_every
+            ));
+        }
+        for (i, fault) in self.faults.iter().enumerate() {
+            let at = |what: String| Err(format!("fault {} ({:?}): {what}", i + 1, fault.kind));
+            match fault.at_step {
+                None => return at("needs at_step".into()),
+                Some(s) if s == 0 || s >= self.steps => {
+                    return at(format!("at_step {s} must be in 1..{}", self.steps));
+                }
+                Some(_) => {}
+            }
+            match fault.kind {
+                FaultKind::Kill | FaultKind::Stop | FaultKind::DeviceError => match fault.rank {
+                    Some(r) if r < world => {}
+                    other => return at(format!("rank {other:?} must be below {world}")),
+                },
+                FaultKind::KillNode => match fault.node {
+                    Some(n) if n < self.nodes => {}
+                    other => return at(format!("node {other:?} must be below {}", self.nodes)),
+                },
+            }
+            if fault.kind == FaultKind::Stop && fault.duration_ms.is_none() {
+                return at("a stop needs duration_ms".into());
+            }
+            if fault.kind == FaultKind::DeviceError
+                && self
+                    .faults
+                    .iter()
+                    .filter(|f| f.kind == FaultKind::DeviceError)
+                    .count()
+                    > 1
+            {
+                return at("one device-error per scenario (the trainer has one failpoint)".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KILL: &str = r#"
+        description = "kill"
+        ranks = 4
+        min_ranks = 2
+        steps = 40
+        ckpt_every = 5
+        [[fault]]
+        kind = "kill"
+        rank = 2
+        at_step = 12
+        [expect]
+        final_world = 3
+    "#;
+
+    #[test]
+    fn a_scenario_parses_round_trips_and_validates() {
+        let s = Scenario::parse(KILL).unwrap();
+        assert_eq!(s.world(), 4);
+        assert_eq!(s.faults[0].kind, FaultKind::Kill);
+        assert_eq!(s.expect.final_world, Some(3));
+        s.validate().unwrap();
+        assert_eq!(Scenario::parse(&s.to_toml()).unwrap(), s);
+    }
+
+    #[test]
+    fn bad_scenarios_are_refused_with_the_reason() {
+        let unknown = KILL.replace("min_ranks", "min_rank");
+        assert!(Scenario::parse(&unknown).unwrap_err().contains("min_rank"));
+        for (from, to, why) in [
+            ("rank = 2", "rank = 4", "below 4"),
+            ("at_step = 12", "at_step = 40", "at_step 40"),
+            ("kind = \"kill\"", "kind = \"stop\"", "duration_ms"),
+            ("min_ranks = 2", "min_ranks = 5", "min_ranks 5"),
+        ] {
+            let s = Scenario::parse(&KILL.replace(from, to)).unwrap();
+            let e = s.validate().unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+    }
+}

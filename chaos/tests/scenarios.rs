@@ -1,0 +1,159 @@
+//! The fixed scenario set (`chaos/scenarios/`, one per fault kind, tiny preset) run
+//! through the `ckpt-chaos` binary, and the oracle shown able to fail: a wrong
+//! expectation and a corrupted checkpoint are both caught.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use ckpt_chaos::scenario::Scenario;
+use ckpt_chaos::{Options, oracle, run_scenario};
+
+const CHAOS: &str = env!("CARGO_BIN_EXE_ckpt-chaos");
+
+/// One job at a time: each runs several rank processes with heartbeat deadlines, and
+/// several at once on a 2-core machine would starve them into false failures.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `ckpt-train` of this workspace: the one `cargo test --workspace` built (with the
+/// workspace's features), else built now.
+fn trainer() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = dir.join("ckpt-train");
+    if !path.exists() {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "ckpt-trainer",
+                "--bin",
+                "ckpt-train",
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building ckpt-train failed");
+    }
+    path
+}
+
+fn scenarios() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn every_scenario_in_the_set_passes() {
+    let _serial = one_at_a_time();
+    let cache = tempfile::tempdir().unwrap();
+    let files = scenarios();
+    assert!(files.len() >= 4, "one scenario per fault kind: {files:?}");
+    let output = Command::new(CHAOS)
+        .arg("run")
+        .args(&files)
+        .args(["--json", "--trainer"])
+        .arg(trainer())
+        .arg("--cache")
+        .arg(cache.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let report: serde_json::Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&output.stderr)));
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), files.len());
+    for run in runs {
+        assert_eq!(run["verdict"], "pass", "{run:#}");
+        assert!(
+            !run["observed"]["fired"].as_array().unwrap().is_empty(),
+            "{run:#}"
+        );
+        assert_eq!(run["judgement"]["identical"], true, "{run:#}");
+        assert_eq!(
+            run["judgement"]["commits"], run["judgement"]["verified"],
+            "{run:#}"
+        );
+    }
+    assert!(output.status.success());
+}
+
+#[test]
+fn a_wrong_expectation_fails_the_run_with_its_reason() {
+    let _serial = one_at_a_time();
+    let cache = tempfile::tempdir().unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/kill-one-rank.toml");
+    let mut scenario = Scenario::load(&path).unwrap();
+    scenario.expect.final_world = Some(4);
+    let options = Options {
+        trainer: trainer(),
+        cache: cache.path().into(),
+        scratch: scratch.path().join("run"),
+        timeout: Duration::from_secs(300),
+    };
+    let report = run_scenario("wrong", &scenario, &options).unwrap();
+    assert!(!report.passed(), "{}", report.summary());
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|r| r.contains("finish on 4 ranks")),
+        "{:?}",
+        report.reasons
+    );
+    // The invariants themselves held.
+    assert_eq!(report.judgement.identical, Some(true));
+}
+
+#[test]
+fn a_corrupted_checkpoint_is_caught_by_the_oracle() {
+    let _serial = one_at_a_time();
+    let cache = tempfile::tempdir().unwrap();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/kill-one-rank.toml");
+    let scenario = Scenario::load(&path).unwrap();
+    let trainer = trainer();
+    let reference = oracle::reference(&scenario, &trainer, cache.path()).unwrap();
+    // A second failure-free run, then one bit flipped in one of its data files.
+    let copy = tempfile::tempdir().unwrap();
+    let run = oracle::reference(&scenario, &trainer, copy.path()).unwrap();
+    let data = find(&run, "safetensors").expect("a data file");
+    let mut bytes = std::fs::read(&data).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x10;
+    std::fs::write(&data, bytes).unwrap();
+    let seen = Default::default();
+    let j = oracle::judge(&oracle::file_url(&run), &seen, &reference, scenario.steps);
+    assert!(j.verified < j.commits, "{j:?}");
+    assert!(
+        j.problems.iter().any(|p| p.contains("does not verify")),
+        "{:?}",
+        j.problems
+    );
+}
+
+fn find(dir: &Path, extension: &str) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()? {
+        let path = entry.ok()?.path();
+        if path.is_dir() {
+            if let Some(found) = find(&path, extension) {
+                return Some(found);
+            }
+        } else if path.extension().is_some_and(|e| e == extension) {
+            return Some(path);
+        }
+    }
+    None
+}
