@@ -10,6 +10,7 @@
 pub mod oracle;
 pub mod run;
 pub mod scenario;
+pub mod soak;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -37,16 +37,161 @@ enum Commands {
         #[arg(long, default_value_t = 300)]
         timeout_secs: u64,
     },
+    /// Runs N scenarios drawn from a seed; a failure is written out as a scenario file
+    /// that replays it (exit 1 when any run fails).
+    Soak {
+        /// The seed runs are drawn from.
+        #[arg(long)]
+        seed: u64,
+        /// How many runs.
+        #[arg(long, default_value_t = 10)]
+        runs: u64,
+        /// One JSON report on stdout instead of a line per run.
+        #[arg(long)]
+        json: bool,
+        /// Where replay files of failed runs go.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+        /// The `ckpt-train` binary (default: next to this one, or $CKPT_TRAIN).
+        #[arg(long)]
+        trainer: Option<PathBuf>,
+        /// Where failure-free reference runs are cached.
+        #[arg(long)]
+        cache: Option<PathBuf>,
+        /// Bound on each run, in seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout_secs: u64,
+    },
 }
 
 fn main() -> ExitCode {
-    let Commands::Run {
-        scenarios,
-        json,
+    match Cli::parse().command {
+        Commands::Run {
+            scenarios,
+            json,
+            trainer,
+            cache,
+            timeout_secs,
+        } => run(scenarios, json, trainer, cache, timeout_secs),
+        Commands::Soak {
+            seed,
+            runs,
+            json,
+            out,
+            trainer,
+            cache,
+            timeout_secs,
+        } => soak(seed, runs, json, &out, trainer, cache, timeout_secs),
+    }
+}
+
+fn options(
+    trainer: Option<PathBuf>,
+    cache: Option<PathBuf>,
+    timeout_secs: u64,
+) -> Result<Options, String> {
+    let trainer = find_trainer(trainer.as_deref())?;
+    let scratch = tempfile_dir().map_err(|e| format!("scratch directory: {e}"))?;
+    Ok(Options {
         trainer,
-        cache,
-        timeout_secs,
-    } = Cli::parse().command;
+        cache: cache.unwrap_or_else(default_cache),
+        scratch,
+        timeout: Duration::from_secs(timeout_secs),
+    })
+}
+
+fn soak(
+    seed: u64,
+    runs: u64,
+    json: bool,
+    out: &std::path::Path,
+    trainer: Option<PathBuf>,
+    cache: Option<PathBuf>,
+    timeout_secs: u64,
+) -> ExitCode {
+    let options = match options(trainer, cache, timeout_secs) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut reports = Vec::new();
+    let mut failed = 0;
+    for run in 0..runs {
+        let scenario = ckpt_chaos::soak::draw(seed, run);
+        let name = format!("seed {seed} run {run}");
+        let outcome = run_scenario(&name, &scenario, &options);
+        let (verdict, reasons, value) = match outcome {
+            Ok(report) => (
+                report.verdict,
+                report.reasons.clone(),
+                serde_json::to_value(&report).unwrap_or_default(),
+            ),
+            Err(e) => ("fail", vec![e.clone()], serde_json::json!({"reasons": [e]})),
+        };
+        let mut value = value;
+        value["run"] = run.into();
+        value["seed"] = seed.into();
+        value["verdict"] = verdict.into();
+        value["scenario_toml"] = scenario.to_toml().into();
+        if verdict != "pass" {
+            failed += 1;
+            let file = out.join(format!("chaos-replay-seed{seed}-run{run}.toml"));
+            let text = format!(
+                "# replay: ckpt-chaos run {}\n{}",
+                file.display(),
+                scenario.to_toml()
+            );
+            match std::fs::write(&file, text) {
+                Ok(()) => eprintln!(
+                    "FAIL seed {seed} run {run}: {}\n  replay: ckpt-chaos run {}",
+                    reasons.join("; "),
+                    file.display()
+                ),
+                Err(e) => eprintln!(
+                    "FAIL seed {seed} run {run}: {} (replay file: {e})",
+                    reasons.join("; ")
+                ),
+            }
+            value["replay"] = file.display().to_string().into();
+        } else if !json {
+            let faults: Vec<String> = scenario
+                .faults
+                .iter()
+                .map(|f| format!("{:?}@{}", f.kind, f.at_step.unwrap_or(0)))
+                .collect();
+            println!(
+                "pass seed {seed} run {run}: {} ranks, {}",
+                scenario.world(),
+                faults.join(" ")
+            );
+        }
+        reports.push(value);
+    }
+    let _ = std::fs::remove_dir_all(&options.scratch);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"seed": seed, "runs": reports, "failed": failed})
+        );
+    } else {
+        println!("{} of {runs} runs passed", runs - failed);
+    }
+    if failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn run(
+    scenarios: Vec<PathBuf>,
+    json: bool,
+    trainer: Option<PathBuf>,
+    cache: Option<PathBuf>,
+    timeout_secs: u64,
+) -> ExitCode {
     let trainer = match find_trainer(trainer.as_deref()) {
         Ok(t) => t,
         Err(e) => {

@@ -241,7 +241,13 @@ impl Watch {
         {
             self.coordinator = rest.split(',').next().map(|a| format!("tcp://{a}"));
         }
-        let Some(rest) = text.strip_prefix("[rank 0] ") else {
+        // Steps, starts, resumes and recoveries are printed by rank 0 of the running
+        // generation, whichever launcher slot (the `[rank L]` label) that is.
+        let Some(rest) = text
+            .strip_prefix("[rank ")
+            .and_then(|r| r.split_once("] "))
+            .map(|(_, rest)| rest)
+        else {
             return;
         };
         if let Some(step) = rest

@@ -157,3 +157,45 @@ fn find(dir: &Path, extension: &str) -> Option<PathBuf> {
     }
     None
 }
+
+#[test]
+fn a_seeded_soak_reports_every_run_and_replays_failures() {
+    let _serial = one_at_a_time();
+    let cache = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let soak = |trainer: &Path| {
+        Command::new(CHAOS)
+            .args(["soak", "--seed", "7", "--runs", "3", "--json", "--trainer"])
+            .arg(trainer)
+            .arg("--cache")
+            .arg(cache.path())
+            .arg("--out")
+            .arg(out.path())
+            .output()
+            .unwrap()
+    };
+    let output = soak(&trainer());
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    for run in runs {
+        assert_eq!(run["verdict"], "pass", "{run:#}");
+        let scenario = Scenario::parse(run["scenario_toml"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            scenario,
+            ckpt_chaos::soak::draw(7, run["run"].as_u64().unwrap())
+        );
+    }
+    assert!(output.status.success());
+    // A run that cannot pass (here: no trainer at all) fails, says why, and leaves a
+    // scenario file that replays it.
+    let output = soak(Path::new("/nonexistent/ckpt-train"));
+    assert!(!output.status.success());
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let first = &report["runs"][0];
+    assert_eq!(first["verdict"], "fail");
+    let replay = PathBuf::from(first["replay"].as_str().unwrap());
+    let replayed = Scenario::load(&replay).unwrap();
+    assert_eq!(replayed, ckpt_chaos::soak::draw(7, 0));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("replay: ckpt-chaos run"));
+}
