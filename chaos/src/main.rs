@@ -17,6 +17,20 @@ struct Cli {
     command: Commands,
 }
 
+/// What every subcommand needs.
+#[derive(clap::Args)]
+struct Common {
+    /// The `ckpt-train` binary (default: next to this one, or $CKPT_TRAIN).
+    #[arg(long)]
+    trainer: Option<PathBuf>,
+    /// Where failure-free reference runs are cached.
+    #[arg(long)]
+    cache: Option<PathBuf>,
+    /// Bound on each run, in seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
 #[derive(Subcommand)]
 enum Commands {
     /// Runs scenario files and gives a verdict for each (exit 1 when any fails).
@@ -27,15 +41,8 @@ enum Commands {
         /// One JSON report on stdout instead of the summary.
         #[arg(long)]
         json: bool,
-        /// The `ckpt-train` binary (default: next to this one, or $CKPT_TRAIN).
-        #[arg(long)]
-        trainer: Option<PathBuf>,
-        /// Where failure-free reference runs are cached.
-        #[arg(long)]
-        cache: Option<PathBuf>,
-        /// Bound on each run, in seconds.
-        #[arg(long, default_value_t = 300)]
-        timeout_secs: u64,
+        #[command(flatten)]
+        common: Common,
     },
     /// Runs N scenarios drawn from a seed; a failure is written out as a scenario file
     /// that replays it (exit 1 when any run fails).
@@ -52,15 +59,8 @@ enum Commands {
         /// Where replay files of failed runs go.
         #[arg(long, default_value = ".")]
         out: PathBuf,
-        /// The `ckpt-train` binary (default: next to this one, or $CKPT_TRAIN).
-        #[arg(long)]
-        trainer: Option<PathBuf>,
-        /// Where failure-free reference runs are cached.
-        #[arg(long)]
-        cache: Option<PathBuf>,
-        /// Bound on each run, in seconds.
-        #[arg(long, default_value_t = 300)]
-        timeout_secs: u64,
+        #[command(flatten)]
+        common: Common,
     },
 }
 
@@ -69,47 +69,31 @@ fn main() -> ExitCode {
         Commands::Run {
             scenarios,
             json,
-            trainer,
-            cache,
-            timeout_secs,
-        } => run(scenarios, json, trainer, cache, timeout_secs),
+            common,
+        } => run(scenarios, json, common),
         Commands::Soak {
             seed,
             runs,
             json,
             out,
-            trainer,
-            cache,
-            timeout_secs,
-        } => soak(seed, runs, json, &out, trainer, cache, timeout_secs),
+            common,
+        } => soak(seed, runs, json, &out, common),
     }
 }
 
-fn options(
-    trainer: Option<PathBuf>,
-    cache: Option<PathBuf>,
-    timeout_secs: u64,
-) -> Result<Options, String> {
-    let trainer = find_trainer(trainer.as_deref())?;
+fn options(common: Common) -> Result<Options, String> {
+    let trainer = find_trainer(common.trainer.as_deref())?;
     let scratch = tempfile_dir().map_err(|e| format!("scratch directory: {e}"))?;
     Ok(Options {
         trainer,
-        cache: cache.unwrap_or_else(default_cache),
+        cache: common.cache.unwrap_or_else(default_cache),
         scratch,
-        timeout: Duration::from_secs(timeout_secs),
+        timeout: Duration::from_secs(common.timeout_secs),
     })
 }
 
-fn soak(
-    seed: u64,
-    runs: u64,
-    json: bool,
-    out: &std::path::Path,
-    trainer: Option<PathBuf>,
-    cache: Option<PathBuf>,
-    timeout_secs: u64,
-) -> ExitCode {
-    let options = match options(trainer, cache, timeout_secs) {
+fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, common: Common) -> ExitCode {
+    let options = match options(common) {
         Ok(o) => o,
         Err(e) => {
             eprintln!("error: {e}");
@@ -185,32 +169,13 @@ fn soak(
     }
 }
 
-fn run(
-    scenarios: Vec<PathBuf>,
-    json: bool,
-    trainer: Option<PathBuf>,
-    cache: Option<PathBuf>,
-    timeout_secs: u64,
-) -> ExitCode {
-    let trainer = match find_trainer(trainer.as_deref()) {
-        Ok(t) => t,
+fn run(scenarios: Vec<PathBuf>, json: bool, common: Common) -> ExitCode {
+    let options = match options(common) {
+        Ok(o) => o,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
-    };
-    let scratch = match tempfile_dir() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("error: scratch directory: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let options = Options {
-        trainer,
-        cache: cache.unwrap_or_else(default_cache),
-        scratch: scratch.clone(),
-        timeout: Duration::from_secs(timeout_secs),
     };
     let mut reports = Vec::new();
     let mut failed = false;
@@ -235,7 +200,7 @@ fn run(
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&scratch);
+    let _ = std::fs::remove_dir_all(&options.scratch);
     if json {
         println!("{}", serde_json::json!({ "runs": reports }));
     }
