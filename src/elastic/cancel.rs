@@ -12,8 +12,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use super::ElasticError;
+
 /// A callback run once when the token is cancelled (see [`Cancel::on_cancel`]).
-type Waker = Box<dyn FnOnce() + Send>;
+pub(crate) type Waker = Box<dyn FnOnce() + Send>;
 
 /// A cancellation token. Clones share the same state: cancelling one cancels all.
 ///
@@ -36,6 +38,46 @@ struct State {
     cancelled: bool,
     next_waker: u64,
     wakers: BTreeMap<u64, Waker>,
+}
+
+/// Waits on `state` (whose changes `changed` signals) until `done` gives a result,
+/// `cancel` fires, or `deadline` passes (then `on_timeout`). `done` also sees the time:
+/// the wait wakes at least every `recheck` for conditions that depend on it. `wake`
+/// runs on the cancelling thread: it must lock `state` and notify `changed`, so that a
+/// cancellation ends the wait without polling.
+pub(crate) fn wait_on<S, T>(
+    state: &Mutex<S>,
+    changed: &Condvar,
+    cancel: Option<(&Cancel, Waker)>,
+    deadline: Option<Instant>,
+    recheck: Duration,
+    mut done: impl FnMut(&mut S, Instant) -> Option<Result<T, ElasticError>>,
+    on_timeout: impl FnOnce() -> Result<T, ElasticError>,
+) -> Result<T, ElasticError> {
+    let token = cancel.as_ref().map(|(token, _)| *token);
+    let _guard = cancel.map(|(token, wake)| token.on_cancel(wake));
+    let mut guard = state.lock().unwrap_or_else(PoisonError::into_inner);
+    loop {
+        if token.is_some_and(Cancel::is_cancelled) {
+            return Err(ElasticError::Cancelled);
+        }
+        let now = Instant::now();
+        if let Some(result) = done(&mut guard, now) {
+            return result;
+        }
+        let mut pause = recheck;
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(now);
+            if left.is_zero() {
+                return on_timeout();
+            }
+            pause = pause.min(left);
+        }
+        guard = changed
+            .wait_timeout(guard, pause)
+            .unwrap_or_else(PoisonError::into_inner)
+            .0;
+    }
 }
 
 impl std::fmt::Debug for Cancel {

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use super::protocol::{self, ClientMessage, LineReader, ServerMessage};
+use super::cancel::{Waker, wait_on};
 use super::{Assignment, Cancel, ControlPlane, Directive, ElasticError, Member, Progress, Report};
 
 /// Directives kept until watched; older ones are dropped first.
@@ -343,42 +344,28 @@ impl Inner {
     }
 
     /// Waits on the state until `done` returns a result, `cancel` fires, or
-    /// `deadline` passes (then `on_timeout`).
+    /// `deadline` passes (then `on_timeout`); wakes now and then to notice the
+    /// unreachable timeout.
     fn wait<T>(
         self: &Arc<Self>,
         cancel: Option<&Cancel>,
         deadline: Option<Instant>,
-        mut done: impl FnMut(&mut State, Instant) -> Option<Result<T, ElasticError>>,
+        done: impl FnMut(&mut State, Instant) -> Option<Result<T, ElasticError>>,
         on_timeout: impl FnOnce() -> Result<T, ElasticError>,
     ) -> Result<T, ElasticError> {
-        let _guard = cancel.map(|cancel| {
+        let cancel = cancel.map(|cancel| {
             let inner = self.clone();
-            cancel.on_cancel(move || inner.notify())
+            (cancel, Box::new(move || inner.notify()) as Waker)
         });
-        let mut state = self.lock();
-        loop {
-            if cancel.is_some_and(Cancel::is_cancelled) {
-                return Err(ElasticError::Cancelled);
-            }
-            let now = Instant::now();
-            if let Some(result) = done(&mut state, now) {
-                return result;
-            }
-            // Wake up now and then to notice the unreachable timeout.
-            let mut pause = Duration::from_millis(500);
-            if let Some(deadline) = deadline {
-                let left = deadline.saturating_duration_since(now);
-                if left.is_zero() {
-                    return on_timeout();
-                }
-                pause = pause.min(left);
-            }
-            state = self
-                .changed
-                .wait_timeout(state, pause)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
+        wait_on(
+            &self.state,
+            &self.changed,
+            cancel,
+            deadline,
+            Duration::from_millis(500),
+            done,
+            on_timeout,
+        )
     }
 
     fn unreachable(&self, state: &State, now: Instant) -> Option<ElasticError> {

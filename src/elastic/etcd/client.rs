@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 
 use super::EtcdUrl;
 use super::rules::{self, GenRecord, GenState, JobConfig, Live, MemberRecord, Timers};
+use crate::elastic::cancel::{Waker, wait_on};
 use crate::elastic::{
     Assignment, Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, Event, Member,
     Progress, Report,
@@ -438,35 +439,23 @@ impl Core {
         mut done: impl FnMut(&Mirror) -> Option<Result<T, ElasticError>>,
         on_timeout: impl FnOnce() -> Result<T, ElasticError>,
     ) -> Result<T, ElasticError> {
-        let _guard = cancel.map(|cancel| {
+        let cancel = cancel.map(|cancel| {
             let core = self.clone();
-            cancel.on_cancel(move || {
+            let wake: Waker = Box::new(move || {
                 let _lock = core.lock();
                 core.changed.notify_all();
-            })
+            });
+            (cancel, wake)
         });
-        let mut mirror = self.lock();
-        loop {
-            if cancel.is_some_and(Cancel::is_cancelled) {
-                return Err(ElasticError::Cancelled);
-            }
-            if let Some(result) = done(&mirror) {
-                return result;
-            }
-            let mut pause = Duration::from_millis(500);
-            if let Some(deadline) = deadline {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return on_timeout();
-                }
-                pause = pause.min(left);
-            }
-            mirror = self
-                .changed
-                .wait_timeout(mirror, pause)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
+        wait_on(
+            &self.mirror,
+            &self.changed,
+            cancel,
+            deadline,
+            Duration::from_millis(500),
+            |mirror, _| done(mirror),
+            on_timeout,
+        )
     }
 
     /// Writes `next` as the generation record if the record is still at `revision`
