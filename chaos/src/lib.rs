@@ -30,6 +30,8 @@ pub struct Options {
     pub scratch: PathBuf,
     /// Bound on the run.
     pub timeout: Duration,
+    /// Where to write each run's log (every line its launchers printed).
+    pub logs: Option<PathBuf>,
 }
 
 /// The verdict on one run.
@@ -107,12 +109,29 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
     let watcher = oracle::CommitWatcher::start(&url, Duration::from_millis(200))?;
     let setup = run::Setup {
         trainer: options.trainer.clone(),
+        ckpt: run::find_ckpt(&options.trainer),
         ckpt_url: url.clone(),
         timeout: options.timeout,
     };
     let observed = run::run(scenario, &setup);
     let seen = watcher.finish();
     let observed = observed.map_err(|e| format!("running {name}: {e}"))?;
+    if let Some(dir) = &options.logs {
+        let file: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let path = dir.join(format!("{file}.log"));
+        std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&path, observed.log.join("\n") + "\n"))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let judgement = oracle::judge(&url, &seen, &reference, scenario.steps);
     let mut reasons = judgement.problems.clone();
     for (node, code) in &observed.exit_codes {
@@ -143,6 +162,22 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
         reasons.push(format!(
             "expected at least {n} recoveries, saw {}",
             observed.recoveries.len()
+        ));
+    }
+    if let Some(words) = &expect.first_cause_contains {
+        let cause = observed.recoveries.first().map(|r| r.cause.as_str());
+        if !cause.is_some_and(|c| c.contains(words.as_str())) {
+            reasons.push(format!(
+                "expected the first recovery's cause to contain {words:?}; it was {cause:?}"
+            ));
+        }
+    }
+    if let Some(limit) = expect.ends_within_secs
+        && observed.wall_s > limit as f64
+    {
+        reasons.push(format!(
+            "the run took {:.1} s; expected to end within {limit} s",
+            observed.wall_s
         ));
     }
     let fired = observed.fired.len();

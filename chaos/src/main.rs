@@ -29,6 +29,9 @@ struct Common {
     /// Bound on each run, in seconds.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    /// Also write every line the launchers printed to DIR/RUN.log.
+    #[arg(long, value_name = "DIR")]
+    logs: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -89,6 +92,7 @@ fn options(common: Common) -> Result<Options, String> {
         cache: common.cache.unwrap_or_else(default_cache),
         scratch,
         timeout: Duration::from_secs(common.timeout_secs),
+        logs: common.logs,
     })
 }
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use crate::scenario::{FaultKind, Scenario};
+use crate::scenario::{CoordinatorKind, FaultKind, Scenario};
 
 /// A line a launcher printed, with the node and when it arrived.
 struct Line {
@@ -76,7 +76,7 @@ pub struct Observed {
     pub worlds: Vec<usize>,
     /// Wall time of the run (s).
     pub wall_s: f64,
-    /// Every line, prefixed with its node (kept for the failure report).
+    /// Every line the launchers printed, prefixed with their node.
     #[serde(skip)]
     pub log: Vec<String>,
 }
@@ -86,6 +86,8 @@ pub struct Observed {
 pub struct Setup {
     /// `ckpt-train`.
     pub trainer: PathBuf,
+    /// `ckpt` (for a standalone coordinator).
+    pub ckpt: PathBuf,
     /// Checkpoint URL of the run.
     pub ckpt_url: String,
     /// Bound on the whole run.
@@ -186,12 +188,13 @@ fn start_node(
             &format!("1:{}", scenario.nodes),
             "--node-id",
             &node.to_string(),
-            "--job-id",
-            job,
         ]);
-        if let Some(rdzv) = rdzv {
-            command.args(["--rdzv", rdzv]);
-        }
+    }
+    if scenario.nodes > 1 || rdzv.is_some() {
+        command.args(["--job-id", job]);
+    }
+    if let Some(rdzv) = rdzv {
+        command.args(["--rdzv", rdzv]);
     }
     command
         .arg("--")
@@ -207,6 +210,37 @@ fn start_node(
         child,
         killed: false,
     })
+}
+
+/// Starts `ckpt coordinator` for the job on `listen`; returns it and its address.
+fn start_coordinator(
+    setup: &Setup,
+    scenario: &Scenario,
+    job: &str,
+    listen: &str,
+) -> std::io::Result<(Child, String)> {
+    let mut child = Command::new(&setup.ckpt)
+        .args(["coordinator", "--listen", listen, "--job", job])
+        .args(["--min-ranks", &scenario.min_ranks.to_string()])
+        .args(["--max-ranks", &scenario.world().to_string()])
+        .args([
+            "--heartbeat-timeout-secs",
+            &scenario.heartbeat_timeout_secs.to_string(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| std::io::Error::other(format!("{}: {e}", setup.ckpt.display())))?;
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut first)?;
+    let addr = first
+        .trim()
+        .strip_prefix("coordinator: listening on ")
+        .ok_or_else(|| std::io::Error::other(format!("ckpt coordinator said {first:?}")))?
+        .to_string();
+    Ok((child, addr))
 }
 
 /// What the run has seen so far, for triggers.
@@ -320,7 +354,23 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
         observed: Observed::default(),
         noticed: Vec::new(),
     };
-    let mut nodes = vec![start_node(setup, scenario, 0, &job, None, &tx)?];
+    let mut coordinator = match scenario.coordinator {
+        CoordinatorKind::Standalone => {
+            let (child, addr) = start_coordinator(setup, scenario, &job, "127.0.0.1:0")?;
+            watch.coordinator = Some(format!("tcp://{addr}"));
+            Some((child, addr))
+        }
+        CoordinatorKind::Hosted => None,
+    };
+    let joined = watch.coordinator.clone();
+    let mut nodes = vec![start_node(
+        setup,
+        scenario,
+        0,
+        &job,
+        joined.as_deref(),
+        &tx,
+    )?];
     let deadline = Instant::now() + setup.timeout;
     // Node 0 hosts the coordinator; the others join it once it has said where.
     while scenario.nodes > nodes.len() {
@@ -337,6 +387,7 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
     drop(tx);
     let mut pending: Vec<usize> = (0..scenario.faults.len()).collect();
     let mut resume: Vec<(Instant, i32)> = Vec::new();
+    let mut restart_coordinator: Option<Instant> = None;
     loop {
         let wait = deadline
             .saturating_duration_since(Instant::now())
@@ -354,6 +405,14 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
+        }
+        if let Some(at) = restart_coordinator
+            && Instant::now() >= at
+            && let Some((_, addr)) = &coordinator
+        {
+            restart_coordinator = None;
+            let addr = addr.clone();
+            coordinator = Some((start_coordinator(setup, scenario, &job, &addr)?.0, addr));
         }
         resume.retain(|&(at, pid)| {
             let due = Instant::now() >= at;
@@ -375,6 +434,7 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
             let fault = &scenario.faults[i];
             let target = match fault.kind {
                 FaultKind::KillNode => format!("node {}", fault.node.unwrap_or(0)),
+                FaultKind::KillCoordinator => "the coordinator".to_string(),
                 _ => format!("rank {}", fault.rank.unwrap_or(0)),
             };
             match fault.kind {
@@ -404,6 +464,14 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
                 }
                 // Fired by the trainer itself at that step.
                 FaultKind::DeviceError => {}
+                FaultKind::KillCoordinator => {
+                    if let Some((child, _)) = coordinator.as_mut() {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        let pause = Duration::from_millis(fault.duration_ms.unwrap_or(0));
+                        restart_coordinator = Some(Instant::now() + pause);
+                    }
+                }
             }
             watch.observed.fired.push(Fired {
                 kind: serde_json::to_value(fault.kind)
@@ -419,6 +487,10 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
     }
     for (_, pid) in resume {
         signal(pid, libc::SIGCONT);
+    }
+    if let Some((mut child, _)) = coordinator {
+        let _ = child.kill();
+        let _ = child.wait();
     }
     for (i, node) in nodes.iter_mut().enumerate() {
         let status = node.child.wait()?;
@@ -440,6 +512,13 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
     }
     watch.observed.wall_s = watch.started.elapsed().as_secs_f64();
     Ok(watch.observed)
+}
+
+/// The `ckpt` command line next to `trainer` (its build directory), or on `CKPT_BIN`.
+pub fn find_ckpt(trainer: &Path) -> PathBuf {
+    std::env::var_os("CKPT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| trainer.with_file_name("ckpt"))
 }
 
 /// The `ckpt-train` next to this executable, or on `CKPT_TRAIN`.

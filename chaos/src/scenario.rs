@@ -59,6 +59,11 @@ pub struct Scenario {
     /// Heartbeat timeout (s) of the control plane: how soon a silent rank is lost.
     #[serde(default = "two")]
     pub heartbeat_timeout_secs: u64,
+    /// The control plane: the coordinator node 0's launcher hosts (`hosted`), or a
+    /// standalone `ckpt coordinator` process the harness starts (`standalone`, which
+    /// `kill-coordinator` faults need).
+    #[serde(default)]
+    pub coordinator: CoordinatorKind,
     /// The faults, in any order; each fires once.
     #[serde(default, rename = "fault")]
     pub faults: Vec<Fault>,
@@ -80,6 +85,17 @@ fn tiny() -> String {
     "tiny".into()
 }
 
+/// Where the coordinator runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CoordinatorKind {
+    /// Hosted by node 0's launcher.
+    #[default]
+    Hosted,
+    /// A `ckpt coordinator` process of its own.
+    Standalone,
+}
+
 /// What a fault does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -92,6 +108,9 @@ pub enum FaultKind {
     KillNode,
     /// The rank reports a lost device and leaves (the trainer's failpoint).
     DeviceError,
+    /// SIGKILL the standalone coordinator, and start it again on the same address
+    /// after `duration_ms`.
+    KillCoordinator,
 }
 
 /// One fault.
@@ -127,6 +146,13 @@ pub struct Expect {
     /// Recoveries (new generations after the first) at least.
     #[serde(default)]
     pub recoveries_at_least: Option<usize>,
+    /// Words the first recovery's cause must contain.
+    #[serde(default)]
+    pub first_cause_contains: Option<String>,
+    /// The whole run (every launcher) ends within this many seconds: a liveness bound,
+    /// generous, that catches processes left waiting on a timeout after the job ended.
+    #[serde(default)]
+    pub ends_within_secs: Option<u64>,
 }
 
 /// A scenario that cannot be run, with the reason.
@@ -227,9 +253,15 @@ impl Scenario {
                     Some(n) if n < self.nodes => {}
                     other => return at(format!("node {other:?} must be below {}", self.nodes)),
                 },
+                FaultKind::KillCoordinator if self.coordinator != CoordinatorKind::Standalone => {
+                    return at("needs coordinator = \"standalone\"".into());
+                }
+                FaultKind::KillCoordinator => {}
             }
-            if fault.kind == FaultKind::Stop && fault.duration_ms.is_none() {
-                return at("a stop needs duration_ms".into());
+            if matches!(fault.kind, FaultKind::Stop | FaultKind::KillCoordinator)
+                && fault.duration_ms.is_none()
+            {
+                return at("needs duration_ms".into());
             }
             if fault.kind == FaultKind::DeviceError
                 && self
@@ -282,6 +314,11 @@ mod tests {
             ("rank = 2", "rank = 4", "below 4"),
             ("at_step = 12", "at_step = 40", "at_step 40"),
             ("kind = \"kill\"", "kind = \"stop\"", "duration_ms"),
+            (
+                "kind = \"kill\"",
+                "kind = \"kill-coordinator\"",
+                "standalone",
+            ),
             ("min_ranks = 2", "min_ranks = 5", "min_ranks 5"),
         ] {
             let s = Scenario::parse(&KILL.replace(from, to)).unwrap();

@@ -4,7 +4,7 @@
 //! can be drawn again alone, and a failure is written out as a scenario file that
 //! replays it with `ckpt-chaos run`.
 
-use crate::scenario::{Expect, Fault, FaultKind, Scenario};
+use crate::scenario::{CoordinatorKind, Expect, Fault, FaultKind, Scenario};
 
 /// SplitMix64: small, fast, and good enough to draw fault plans from.
 #[derive(Debug, Clone)]
@@ -50,6 +50,13 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
     let mut at_steps: Vec<u64> = Vec::new();
     let mut faults = Vec::new();
     let mut node_lost = false;
+    // One run in four has a standalone coordinator, which a fault may kill.
+    let coordinator = if rng.range(0, 3) == 0 {
+        CoordinatorKind::Standalone
+    } else {
+        CoordinatorKind::Hosted
+    };
+    let mut coordinator_killed = false;
     for i in 0..count {
         let mut at_step = rng.range(6, steps - 10);
         while at_steps.contains(&at_step) {
@@ -69,6 +76,10 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             (_, 2, false) => &[FaultKind::Kill, FaultKind::Stop, FaultKind::KillNode],
             _ => &[FaultKind::Kill, FaultKind::Stop],
         };
+        let mut kinds = kinds.to_vec();
+        if coordinator == CoordinatorKind::Standalone && !coordinator_killed {
+            kinds.push(FaultKind::KillCoordinator);
+        }
         let kind = kinds[rng.range(0, kinds.len() as u64 - 1) as usize];
         let mut fault = Fault {
             kind,
@@ -77,7 +88,10 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             at_step: Some(at_step),
             duration_ms: None,
         };
-        if kind == FaultKind::KillNode {
+        if kind == FaultKind::KillCoordinator {
+            coordinator_killed = true;
+            fault.duration_ms = Some(rng.range(200, 2000));
+        } else if kind == FaultKind::KillNode {
             let node = rng.range(0, 1) as usize;
             node_lost = true;
             targets.retain(|r| r / ranks != node);
@@ -112,6 +126,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         ckpt_every: 5,
         step_pause_ms: 40,
         heartbeat_timeout_secs: 2,
+        coordinator,
         faults,
         expect: Expect {
             recoveries_at_least: Some(1),
@@ -135,7 +150,7 @@ mod tests {
             assert!(!s.faults.is_empty() && s.faults.len() <= 3);
             kinds.extend(s.faults.iter().map(|f| format!("{:?}", f.kind)));
         }
-        assert_eq!(kinds.len(), 4, "every fault kind is drawn: {kinds:?}");
+        assert_eq!(kinds.len(), 5, "every fault kind is drawn: {kinds:?}");
         assert_ne!(draw(42, 0), draw(43, 0));
     }
 }

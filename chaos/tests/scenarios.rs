@@ -19,29 +19,24 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `ckpt-train` of this workspace: the one `cargo test --workspace` built (with the
-/// workspace's features), else built now.
+/// `ckpt-train` of this workspace (and `ckpt` beside it): the ones `cargo test
+/// --workspace` built (with the workspace's features), else built now.
 fn trainer() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = dir.join("ckpt-train");
-    if !path.exists() {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "ckpt-trainer",
-                "--bin",
-                "ckpt-train",
-            ])
-            .status()
-            .unwrap();
-        assert!(status.success(), "building ckpt-train failed");
+    // `ckpt coordinator` too, for the scenarios with a standalone coordinator.
+    for (package, bin) in [("ckpt-trainer", "ckpt-train"), ("ckpt", "ckpt")] {
+        if !dir.join(bin).exists() {
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let status = Command::new(cargo)
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .args(["build", "--quiet", "-p", package, "--bin", bin])
+                .status()
+                .unwrap();
+            assert!(status.success(), "building {bin} failed");
+        }
     }
-    path
+    dir.join("ckpt-train")
 }
 
 fn scenarios() -> Vec<PathBuf> {
@@ -103,6 +98,7 @@ fn a_wrong_expectation_fails_the_run_with_its_reason() {
         cache: cache.path().into(),
         scratch: scratch.path().join("run"),
         timeout: Duration::from_secs(300),
+        logs: None,
     };
     let report = run_scenario("wrong", &scenario, &options).unwrap();
     assert!(!report.passed(), "{}", report.summary());

@@ -560,6 +560,9 @@ struct Core {
     next_arrival: u64,
     /// Newest generation number issued, adopted or announced by any member.
     newest: u64,
+    /// This coordinator formed or adopted a generation (else, after a restart, it
+    /// knows nothing of how the members' last one ended).
+    formed_any: bool,
     /// Max checkpoint generation reported + 1.
     floor: u64,
     /// The running generation's key-value space.
@@ -569,6 +572,9 @@ struct Core {
     below_min_since: Option<Instant>,
     members_seen: bool,
     shutdown: Option<String>,
+    /// The job finished (a member reported its final step): who asks to join now is
+    /// told to shut down.
+    finished: Option<String>,
     events: Vec<Event>,
     event_count: u64,
 }
@@ -584,6 +590,8 @@ impl Core {
             next_conn: 0,
             next_arrival: 0,
             newest: 0,
+            formed_any: false,
+            finished: None,
             floor: 0,
             kv: HashMap::new(),
             cause: "initial".into(),
@@ -911,7 +919,7 @@ impl Core {
     }
 
     fn rendezvous(&mut self, c: ConnId, after: u64, now: Instant) {
-        if let Some(reason) = self.shutdown.clone() {
+        if let Some(reason) = self.shutdown.clone().or_else(|| self.finished.clone()) {
             self.directive(c, Directive::Shutdown { reason });
             return;
         }
@@ -933,6 +941,12 @@ impl Core {
             self.leave_running(&id, now);
         }
         // Numbers stay above whatever the member knew (also from before a restart).
+        if after > 0 && !self.formed_any && self.cause == "initial" {
+            // A generation this coordinator never saw ended while it was down.
+            self.cause = format!(
+                "members of generation {after} rejoined a restarted coordinator (what ended generation {after} happened while it was down)"
+            );
+        }
         self.newest = self.newest.max(after);
         let arrival = self.next_arrival;
         self.next_arrival += 1;
@@ -1044,6 +1058,14 @@ impl Core {
             conn.wants = None;
         }
         let in_it = generation != 0 && conn.generation == Some(generation);
+        if let Report::Finished { step } = report {
+            if in_it {
+                self.finish(format!(
+                    "the job finished: member {id} trained to step {step}"
+                ));
+            }
+            return;
+        }
         match &mut self.phase {
             Phase::Running(running) if in_it && running.generation == generation => {
                 let rank = running.members.iter().position(|m| *m == id).unwrap_or(0);
@@ -1078,6 +1100,7 @@ impl Core {
                         }
                     }
                     Report::Committed { step } => self.maybe_regroup(step),
+                    Report::Finished { .. } => {}
                     Report::Ended { step } => {
                         info!(
                             generation,
@@ -1106,6 +1129,33 @@ impl Core {
             }
             _ if generation == 0 || in_it => {}
             _ => self.not_in_generation(c, generation, "report"),
+        }
+    }
+
+    /// The job is done: members waiting to join (and any that ask later) are told
+    /// to shut down; the running generation's members leave by themselves.
+    fn finish(&mut self, reason: String) {
+        if self.finished.is_some() {
+            return;
+        }
+        info!("{reason}");
+        self.finished = Some(reason.clone());
+        let waiting: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, conn)| conn.wants.is_some())
+            .map(|(&c, _)| c)
+            .collect();
+        for c in waiting {
+            if let Some(conn) = self.conns.get_mut(&c) {
+                conn.wants = None;
+            }
+            self.directive(
+                c,
+                Directive::Shutdown {
+                    reason: reason.clone(),
+                },
+            );
         }
     }
 
@@ -1335,6 +1385,7 @@ impl Core {
         chosen.sort_by(|(a, _), (b, _)| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
         let generation = self.newest + 1;
         self.newest = generation;
+        self.formed_any = true;
         let cause = std::mem::replace(&mut self.cause, "initial".into());
         let members: Vec<Member> = chosen.iter().map(|(m, _)| m.clone()).collect();
         for (rank, (_, c)) in chosen.iter().enumerate() {
@@ -1425,6 +1476,7 @@ impl Core {
             }
         }
         self.newest = self.newest.max(newest_claim);
+        self.formed_any = true;
         let cause = "adopted after a coordinator restart".to_owned();
         info!(generation = newest_claim, members = ?ids, "generation {cause}");
         self.event(Event::Formed {
@@ -1719,6 +1771,64 @@ mod tests {
 
     fn restart(generation: u64) -> impl Fn(&ServerMessage) -> bool {
         move |m| matches!(m, ServerMessage::Directive { directive: Directive::Restart { generation: g, .. } } if *g == generation)
+    }
+
+    #[test]
+    fn a_finished_job_sends_waiting_members_away_and_leaves_running_ones_alone() {
+        // Found by the chaos harness: a member that rejoined as a newcomer just before
+        // the others finished waited out the whole rendezvous timeout.
+        let mut h = Harness::new(2, 2);
+        let a = h.hello(0, 0, None, 0);
+        let b = h.hello(1, 0, None, 0);
+        h.send(a, ClientMessage::Rendezvous { after: 0 }, 0);
+        h.send(b, ClientMessage::Rendezvous { after: 0 }, 0);
+        h.core.tick(h.at(1000));
+        let generation = h.assigned(a).unwrap().generation;
+        let late = h.hello(2, 0, None, 1100);
+        h.send(late, ClientMessage::Rendezvous { after: 0 }, 1100);
+        assert!(
+            h.received(late).is_empty(),
+            "waits while the generation runs"
+        );
+        let finished = ClientMessage::Report {
+            generation,
+            report: Report::Finished { step: 60 },
+        };
+        h.send(a, finished, 1200);
+        let shutdown = |m: &ServerMessage| matches!(m, ServerMessage::Directive { directive: Directive::Shutdown { reason } } if reason.contains("finished"));
+        assert!(
+            h.received(late).iter().any(shutdown),
+            "{:?}",
+            h.received(late)
+        );
+        assert!(
+            !h.received(b).iter().any(shutdown),
+            "running members are not interrupted"
+        );
+        // A member asking later is sent away too.
+        let later = h.hello(3, 0, None, 1300);
+        h.send(later, ClientMessage::Rendezvous { after: 0 }, 1300);
+        assert!(h.received(later).iter().any(shutdown));
+    }
+
+    #[test]
+    fn a_generation_formed_by_a_restarted_coordinator_for_members_of_an_older_one_says_so() {
+        // The members lost generation 3 while the coordinator was down (found by the
+        // chaos harness: the new generation's cause read "initial").
+        let mut h = Harness::new(2, 4);
+        let a = h.hello(0, 3, None, 0);
+        let b = h.hello(1, 3, None, 0);
+        h.send(a, ClientMessage::Rendezvous { after: 3 }, 0);
+        h.send(b, ClientMessage::Rendezvous { after: 3 }, 0);
+        h.core.tick(h.at(1000));
+        h.core.tick(h.at(1300));
+        let assigned = h.assigned(a).unwrap();
+        assert_eq!(assigned.generation, 4);
+        assert!(
+            assigned.cause.contains("generation 3") && assigned.cause.contains("restarted"),
+            "{}",
+            assigned.cause
+        );
     }
 
     #[test]

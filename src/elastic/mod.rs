@@ -210,6 +210,14 @@ pub enum Report {
         /// The step committed at the boundary.
         step: u64,
     },
+    /// The job trained to its last step and committed it (sent before `Leaving` by
+    /// every member that finished): members still waiting to join are told
+    /// [`Directive::Shutdown`] at once rather than waiting out the rendezvous timeout,
+    /// and later ones too. Members of the running generation are not interrupted.
+    Finished {
+        /// The final step.
+        step: u64,
+    },
     /// Leaving on purpose (preempted after its final save, finished): not a failure.
     Leaving {
         /// Why.

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-use super::protocol::{self, ClientMessage, LineReader, ServerMessage};
 use super::cancel::{Waker, wait_on};
+use super::protocol::{self, ClientMessage, LineReader, ServerMessage};
 use super::{Assignment, Cancel, ControlPlane, Directive, ElasticError, Member, Progress, Report};
 
 /// Directives kept until watched; older ones are dropped first.

@@ -324,6 +324,9 @@ pub fn run(
         });
         match outcome {
             Ok(Outcome::Finished { step, loss }) => {
+                // Members still waiting to join need not wait out the rendezvous
+                // timeout: the job is done.
+                let _ = agent.report(Report::Finished { step });
                 let _ = agent.report(Report::Leaving {
                     reason: format!("finished at step {step}"),
                 });

@@ -1164,10 +1164,13 @@ impl ControlPlane for EtcdControlPlane {
                 if let GenState::Shutdown { reason } = &current.state {
                     return Some(Err(ElasticError::Shutdown(reason.clone())));
                 }
-                current
-                    .assignment(&id)
-                    .filter(|a| a.generation > after)
-                    .map(Ok)
+                let assigned = current.assignment(&id).filter(|a| a.generation > after);
+                if assigned.is_none()
+                    && let Some(reason) = &current.finished
+                {
+                    return Some(Err(ElasticError::Shutdown(reason.clone())));
+                }
+                assigned.map(Ok)
             },
             || Err(ElasticError::Timeout("rendezvous".into())),
         )?;

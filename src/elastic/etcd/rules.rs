@@ -108,6 +108,10 @@ pub struct GenRecord {
     pub cause: String,
     /// Where it stands.
     pub state: GenState,
+    /// The job finished (a member trained to the last step): no generation forms any
+    /// more, and members waiting to join are told to shut down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished: Option<String>,
 }
 
 /// The life of a generation.
@@ -155,6 +159,7 @@ impl GenRecord {
                 expected: Vec::new(),
                 dropped: Vec::new(),
             },
+            finished: None,
         }
     }
 
@@ -236,6 +241,9 @@ pub fn next(
     timers: &mut Timers,
     now: Instant,
 ) -> Option<GenRecord> {
+    if current.finished.is_some() {
+        return None;
+    }
     match &current.state {
         GenState::Shutdown { .. } => None,
         GenState::Running { .. } => {
@@ -350,6 +358,7 @@ pub fn next(
                     regroup: None,
                     at_boundary: false,
                 },
+                finished: None,
             })
         }
     }
@@ -373,6 +382,14 @@ pub fn on_report(
         return None;
     }
     let rank = current.rank_of(id)?;
+    if let Report::Finished { step } = report {
+        return (current.finished.is_none() && current.is_running()).then(|| GenRecord {
+            finished: Some(format!(
+                "the job finished: member {id} trained to step {step}"
+            )),
+            ..current.clone()
+        });
+    }
     match (&current.state, report) {
         (
             GenState::Running {
@@ -432,7 +449,7 @@ pub fn on_report(
                 },
                 ..current.clone()
             }),
-            Report::Ended { .. } => None,
+            Report::Ended { .. } | Report::Finished { .. } => None,
         },
         (
             GenState::Ended {
@@ -510,6 +527,14 @@ pub fn directive(
     lost: bool,
 ) -> Option<Directive> {
     if let GenState::Shutdown { reason } = &newest.state {
+        return Some(Directive::Shutdown {
+            reason: reason.clone(),
+        });
+    }
+    if let Some(reason) = &newest.finished
+        && newest.rank_of(id).is_none()
+        && (waiting || generation == 0)
+    {
         return Some(Directive::Shutdown {
             reason: reason.clone(),
         });
@@ -608,6 +633,7 @@ mod tests {
                 regroup: None,
                 at_boundary: false,
             },
+            finished: None,
         }
     }
 
@@ -741,6 +767,43 @@ mod tests {
         );
         assert_eq!(
             on_report(&current, "m0", 1, &Report::Ended { step: 1 }, 0, &c),
+            None
+        );
+    }
+
+    #[test]
+    fn a_finished_job_sends_waiting_members_away_and_forms_nothing_more() {
+        let c = config(1, 4);
+        let current = running(5, &[0, 1]);
+        let done = on_report(&current, "m0", 5, &Report::Finished { step: 60 }, 1, &c).unwrap();
+        assert!(done.finished.is_some());
+        let d = directive("m7", 0, None, &done, true, false);
+        assert!(matches!(d, Some(Directive::Shutdown { .. })), "{d:?}");
+        assert_eq!(directive("m1", 5, Some(&done), &done, false, false), None);
+        let waiting = live(&[(7, Some(0), 0)]);
+        let ended = on_report(
+            &done,
+            "m1",
+            5,
+            &Report::Leaving {
+                reason: "done".into(),
+            },
+            1,
+            &c,
+        );
+        let ended = on_report(
+            &ended.unwrap(),
+            "m0",
+            5,
+            &Report::Leaving {
+                reason: "done".into(),
+            },
+            1,
+            &c,
+        )
+        .unwrap();
+        assert_eq!(
+            next(&ended, &waiting, &c, &mut Timers::default(), Instant::now()),
             None
         );
     }
