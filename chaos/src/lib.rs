@@ -134,10 +134,18 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
     }
     let judgement = oracle::judge(&url, &seen, &reference, scenario.steps);
     let mut reasons = judgement.problems.clone();
+    // A launcher whose every rank was hit by a fault has nothing left to finish: its
+    // exit code reports those failures. Any other launcher must finish cleanly.
+    let hit: Vec<usize> = scenario.faults.iter().filter_map(|f| f.rank).collect();
     for (node, code) in &observed.exit_codes {
-        if *code != 0 {
+        let all_hit =
+            (0..scenario.ranks).all(|local| hit.contains(&(node * scenario.ranks + local)));
+        if *code != 0 && !all_hit {
             reasons.push(format!("the launcher of node {node} exited with {code}"));
         }
+    }
+    if !observed.exit_codes.values().any(|c| *c == 0) {
+        reasons.push("no launcher finished cleanly".into());
     }
     let expect = &scenario.expect;
     if let Some(world) = expect.final_world

@@ -103,7 +103,9 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             let rank = targets.remove(rng.range(0, targets.len() as u64 - 1) as usize);
             fault.rank = Some(rank);
             if kind == FaultKind::Stop {
-                fault.duration_ms = Some(rng.range(1000, 4000));
+                // Longer than the heartbeat timeout (2 s) by a margin: a hang the
+                // control plane must find.
+                fault.duration_ms = Some(rng.range(3000, 4000));
             }
         }
         faults.push(fault);
@@ -127,11 +129,15 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         step_pause_ms: 40,
         heartbeat_timeout_secs: 2,
         coordinator,
-        faults,
         expect: Expect {
-            recoveries_at_least: Some(1),
+            // A coordinator that dies and comes back alone changes no generation.
+            recoveries_at_least: faults
+                .iter()
+                .any(|f| f.kind != FaultKind::KillCoordinator)
+                .then_some(1),
             ..Expect::default()
         },
+        faults,
     }
 }
 
