@@ -68,35 +68,10 @@ enum Commands {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
-        Commands::Run {
-            scenarios,
-            json,
-            common,
-        } => run(scenarios, json, common),
-        Commands::Soak {
-            seed,
-            runs,
-            json,
-            out,
-            common,
-        } => soak(seed, runs, json, &out, common),
-    }
-}
-
-fn options(common: Common) -> Result<Options, String> {
-    let trainer = find_trainer(common.trainer.as_deref())?;
-    let scratch = tempfile_dir().map_err(|e| format!("scratch directory: {e}"))?;
-    Ok(Options {
-        trainer,
-        cache: common.cache.unwrap_or_else(default_cache),
-        scratch,
-        timeout: Duration::from_secs(common.timeout_secs),
-        logs: common.logs,
-    })
-}
-
-fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, common: Common) -> ExitCode {
+    let command = Cli::parse().command;
+    let common = match &command {
+        Commands::Run { common, .. } | Commands::Soak { common, .. } => common,
+    };
     let options = match options(common) {
         Ok(o) => o,
         Err(e) => {
@@ -104,6 +79,33 @@ fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, common: Common)
             return ExitCode::from(2);
         }
     };
+    match command {
+        Commands::Run {
+            scenarios, json, ..
+        } => run(scenarios, json, options),
+        Commands::Soak {
+            seed,
+            runs,
+            json,
+            out,
+            ..
+        } => soak(seed, runs, json, &out, options),
+    }
+}
+
+fn options(common: &Common) -> Result<Options, String> {
+    let trainer = find_trainer(common.trainer.as_deref())?;
+    let scratch = tempfile_dir().map_err(|e| format!("scratch directory: {e}"))?;
+    Ok(Options {
+        trainer,
+        cache: common.cache.clone().unwrap_or_else(default_cache),
+        scratch,
+        timeout: Duration::from_secs(common.timeout_secs),
+        logs: common.logs.clone(),
+    })
+}
+
+fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, options: Options) -> ExitCode {
     let mut reports = Vec::new();
     let mut failed = 0;
     for run in 0..runs {
@@ -173,14 +175,7 @@ fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, common: Common)
     }
 }
 
-fn run(scenarios: Vec<PathBuf>, json: bool, common: Common) -> ExitCode {
-    let options = match options(common) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+fn run(scenarios: Vec<PathBuf>, json: bool, options: Options) -> ExitCode {
     let mut reports = Vec::new();
     let mut failed = false;
     for path in &scenarios {

@@ -276,3 +276,20 @@ pub enum ElasticError {
     #[error("job shut down: {0}")]
     Shutdown(String),
 }
+
+impl ElasticError {
+    /// `key` will never be set in `generation`: that generation is over.
+    pub(crate) fn generation_over(generation: u64, key: &str) -> ElasticError {
+        ElasticError::Rejected(format!(
+            "generation {generation} is over; key {key:?} will not be set in it"
+        ))
+    }
+
+    /// `key` was not set in `generation` within `timeout`.
+    pub(crate) fn key_timeout(generation: u64, key: &str, timeout: Duration) -> ElasticError {
+        ElasticError::Timeout(format!(
+            "key {key:?} not set in generation {generation} within {} ms",
+            timeout.as_millis()
+        ))
+    }
+}

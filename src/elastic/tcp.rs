@@ -579,18 +579,10 @@ impl ControlPlane for TcpControlPlane {
                     .assignment
                     .as_ref()
                     .is_some_and(|a| a.generation > generation);
-                (state.over >= generation || newer).then(|| {
-                    Err(ElasticError::Rejected(format!(
-                        "generation {generation} is over; key {key:?} will not be set in it"
-                    )))
-                })
+                (state.over >= generation || newer)
+                    .then(|| Err(ElasticError::generation_over(generation, key)))
             },
-            || {
-                Err(ElasticError::Timeout(format!(
-                    "key {key:?} not set in generation {generation} within {} ms",
-                    timeout.as_millis()
-                )))
-            },
+            || Err(ElasticError::key_timeout(generation, key, timeout)),
         )
     }
 }

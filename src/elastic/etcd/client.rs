@@ -1324,18 +1324,9 @@ impl ControlPlane for EtcdControlPlane {
                 }
                 (current.generation > generation
                     || current.generation == generation && !current.is_running())
-                .then(|| {
-                    Err(ElasticError::Rejected(format!(
-                        "generation {generation} is over; key {key:?} will not be set in it"
-                    )))
-                })
+                .then(|| Err(ElasticError::generation_over(generation, key)))
             },
-            || {
-                Err(ElasticError::Timeout(format!(
-                    "key {key:?} not set in generation {generation} within {} ms",
-                    timeout.as_millis()
-                )))
-            },
+            || Err(ElasticError::key_timeout(generation, key, timeout)),
         )
     }
 }
