@@ -92,7 +92,12 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             coordinator_killed = true;
             fault.duration_ms = Some(rng.range(200, 2000));
         } else if kind == FaultKind::KillNode {
-            let node = rng.range(0, 1) as usize;
+            // A hosted coordinator lives in node 0's launcher: losing that node ends
+            // the job by design (docs/RELIABILITY.md), so only node 1 is lost whole.
+            let node = match coordinator {
+                CoordinatorKind::Hosted => 1,
+                CoordinatorKind::Standalone => rng.range(0, 1) as usize,
+            };
             node_lost = true;
             targets.retain(|r| r / ranks != node);
             fault.node = Some(node);

@@ -278,6 +278,25 @@ impl CoordinatorHandle {
         self.shared.lock().waiting()
     }
 
+    /// Why the job is over, once it is: it trained to its last step, or it was shut
+    /// down (too few members for too long, a fatal report). `None` while it may
+    /// still train.
+    pub fn job_over(&self) -> Option<String> {
+        let core = self.shared.lock();
+        core.finished.clone().or_else(|| core.shutdown.clone())
+    }
+
+    /// Members connected now (training, waiting or between generations), from every
+    /// node.
+    pub fn members(&self) -> usize {
+        self.shared
+            .lock()
+            .conns
+            .values()
+            .filter(|c| c.member.is_some())
+            .count()
+    }
+
     /// Every event so far (the newest 4096), oldest first.
     pub fn events(&self) -> Vec<Event> {
         self.shared.lock().events.clone()

@@ -467,6 +467,53 @@ impl Plane {
     }
 }
 
+/// Every rank of this node has exited, but a coordinator this launcher hosts serves
+/// the whole job: the other nodes' ranks may still be training, and they would lose
+/// their control plane with this process. It keeps serving until the job is over
+/// (finished or shut down), until no member of any node is connected any more, or
+/// until this launcher is told to stop.
+fn serve_until_the_job_ends(
+    plane: &Plane,
+    events_seen: &mut usize,
+    last_ended: &mut Option<(u64, std::time::SystemTime)>,
+    forwarded: i32,
+) {
+    let Plane::Coordinator(Some(coordinator)) = plane else {
+        return;
+    };
+    if forwarded > 0 || coordinator.job_over().is_some() || coordinator.members() == 0 {
+        return;
+    }
+    say(format_args!(
+        "launch: every rank of this node has exited; serving the job's coordinator until the job ends ({} members of other nodes connected)",
+        coordinator.members()
+    ));
+    loop {
+        let events = plane.events();
+        for event in events.iter().skip(*events_seen) {
+            summarize(event, last_ended);
+        }
+        *events_seen = events.len();
+        if let Some(reason) = coordinator.job_over() {
+            say(format_args!(
+                "launch: the job is over ({reason}); coordinator stops"
+            ));
+            return;
+        }
+        if coordinator.members() == 0 {
+            say(format_args!(
+                "launch: no member of any node is connected any more; coordinator stops"
+            ));
+            return;
+        }
+        if signals::received().0 > forwarded {
+            say(format_args!("launch: signalled; coordinator stops"));
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
     signals::install();
     let (plane, rdzv) = match &elastic.etcd {
@@ -614,6 +661,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    serve_until_the_job_ends(&plane, &mut events_seen, &mut last_ended, forwarded);
     for pump in spawner.pumps {
         let _ = pump.join();
     }
