@@ -69,7 +69,7 @@ mod direct;
 pub mod dtype;
 pub mod elastic;
 mod error;
-mod failpoint;
+pub mod failpoint;
 pub mod format;
 pub mod load;
 pub mod probe;

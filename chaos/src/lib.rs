@@ -7,10 +7,13 @@
 //! and the final weights equal a failure-free run's bitwise. A [`scenario`] is a TOML
 //! file; [`run`] executes it; [`Report`] is the verdict, for people and for scripts.
 
+pub mod netns;
 pub mod oracle;
+pub mod plot;
 pub mod run;
 pub mod scenario;
 pub mod soak;
+pub mod storage_proxy;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -98,6 +98,12 @@ struct TrainArgs {
     /// that step (what a lost GPU does), which it cannot recover from.
     #[arg(long, hide = true)]
     fault_device_error: Option<String>,
+    /// Fault injection for tests: FAILPOINT@STEP:RANK arms that failpoint of the
+    /// save protocol (`ckpt::failpoint::NAMES`) on that rank before its first save at
+    /// or after that step; the rank announces it and stops there, for a test to kill
+    /// it. Needs a build with the `ckpt/failpoints` feature.
+    #[arg(long, hide = true)]
+    fault_save_stage: Option<String>,
 }
 
 /// Measure the TCP backend: all-reduce and all-gather bus bandwidth against one raw
@@ -295,6 +301,26 @@ fn parse_pair(text: &str, what: &str) -> Result<(u64, usize), String> {
         a.parse().map_err(|e| format!("{what} {text:?}: {e}"))?,
         b.parse().map_err(|e| format!("{what} {text:?}: {e}"))?,
     ))
+}
+
+/// `FAILPOINT@STEP:RANK` of `--fault-save-stage`.
+fn parse_save_stage(text: &str) -> Result<(String, u64, usize), String> {
+    let (name, at) = text
+        .split_once('@')
+        .ok_or_else(|| format!("--fault-save-stage {text:?} is not FAILPOINT@STEP:RANK"))?;
+    if !ckpt::failpoint::available() {
+        return Err(format!(
+            "--fault-save-stage {text:?}: this ckpt-train has no failpoints (build it with --features ckpt/failpoints)"
+        ));
+    }
+    if !ckpt::failpoint::NAMES.contains(&name) {
+        return Err(format!(
+            "--fault-save-stage {text:?}: unknown failpoint {name:?}; known: {}",
+            ckpt::failpoint::NAMES.join(", ")
+        ));
+    }
+    let (step, rank) = parse_pair(at, "--fault-save-stage")?;
+    Ok((name.to_string(), step, rank))
 }
 
 fn ms(total: Duration, steps: u64) -> f64 {
@@ -588,6 +614,15 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(d) => d,
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    let save_stage = match args
+        .fault_save_stage
+        .as_deref()
+        .map(parse_save_stage)
+        .transpose()
+    {
+        Ok(f) => f,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
     let store = match args.ckpt.as_deref().map(Store::from_url).transpose() {
         Ok(s) => s,
         Err(e) => return fail(EXIT_USAGE, e),
@@ -633,6 +668,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         hold,
         step_pause: Duration::from_millis(args.fault_step_pause_ms),
         device_error,
+        save_stage,
         memory_copies: args.memory_copies,
     };
     let world = match (world, rdzv) {

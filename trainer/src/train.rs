@@ -79,6 +79,9 @@ pub struct TrainConfig {
     /// Fault injection for tests: (step, rank) at which that rank reports a device
     /// error, as a CUDA error would surface on a GPU.
     pub device_error: Option<(u64, usize)>,
+    /// Fault injection for tests: (failpoint, step, rank): that rank arms the
+    /// failpoint of the save protocol before its first save at or after that step.
+    pub save_stage: Option<(String, u64, usize)>,
     /// Elastic ranks: keep in-memory copies of the newest checkpoints (see
     /// [`crate::memory`]), so that a recovery rebuilds from RAM where it can.
     pub memory_copies: bool,
@@ -773,6 +776,12 @@ pub fn run_supervised(
                 if rank == 0 {
                     supervisor.committed(step);
                 }
+            }
+            if let Some((name, step, at_rank)) = &config.save_stage
+                && st.step >= *step
+                && rank == *at_rank
+            {
+                ckpt::failpoint::arm(name).map_err(TrainError::Invalid)?;
             }
             let handle = save(runtime, checkpointer, config, &specs, &st, rank, world)?;
             let copied = Instant::now();
