@@ -7,6 +7,8 @@
 //! and the final weights equal a failure-free run's bitwise. A [`scenario`] is a TOML
 //! file; [`run`] executes it; [`Report`] is the verdict, for people and for scripts.
 
+pub mod env;
+pub mod etcd;
 pub mod netns;
 pub mod oracle;
 pub mod plot;
@@ -20,7 +22,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use scenario::Scenario;
+use scenario::{FaultKind, Scenario};
 
 /// Where a run finds its tools and keeps its files.
 #[derive(Debug, Clone)]
@@ -35,6 +37,8 @@ pub struct Options {
     pub timeout: Duration,
     /// Where to write each run's log (every line its launchers printed).
     pub logs: Option<PathBuf>,
+    /// Where to draw the run (SVG: world size, steps per second and loss over time).
+    pub plot: Option<PathBuf>,
 }
 
 /// The verdict on one run.
@@ -42,9 +46,9 @@ pub struct Options {
 pub struct Report {
     /// The scenario file (or `-`).
     pub scenario: String,
-    /// `pass` or `fail`.
+    /// `pass`, `fail`, or `skip` (the machine lacks what the scenario needs).
     pub verdict: &'static str,
-    /// Why it failed (empty on a pass).
+    /// Why it failed or was skipped (empty on a pass).
     pub reasons: Vec<String>,
     /// What the run showed.
     pub observed: run::Observed,
@@ -58,8 +62,26 @@ impl Report {
         self.verdict == "pass"
     }
 
+    /// True when the scenario could not run here.
+    pub fn skipped(&self) -> bool {
+        self.verdict == "skip"
+    }
+
+    fn skipped_because(name: &str, why: String) -> Report {
+        Report {
+            scenario: name.to_string(),
+            verdict: "skip",
+            reasons: vec![why],
+            observed: Default::default(),
+            judgement: Default::default(),
+        }
+    }
+
     /// A few lines for a person.
     pub fn summary(&self) -> String {
+        if self.skipped() {
+            return format!("{}: SKIPPED: {}", self.scenario, self.reasons.join("; "));
+        }
         let mut out = format!(
             "{}: {} in {:.1} s",
             self.scenario,
@@ -82,7 +104,22 @@ impl Report {
                 r.generation, r.world, r.abort_ms, r.reform_ms, r.load_ms, r.first_step_ms, r.cause
             );
         }
+        if let Some(g) = self.observed.goodput {
+            out += &format!("\n  goodput: {:.0} %", g * 100.0);
+        }
+        if let Some(s) = &self.observed.storage {
+            out += &format!(
+                "\n  storage proxy: {} requests, {} answered with errors, {} delayed, {} reset mid-body, {} parts lost",
+                s.requests, s.errors, s.delayed, s.resets, s.lost_parts
+            );
+        }
         let j = &self.judgement;
+        if j.corrupted > 0 {
+            out += &format!(
+                "\n  corrupted on purpose: {}; found by verify: {}; replaced by a later save: {}",
+                j.corrupted, j.detected, j.superseded
+            );
+        }
         out += &format!(
             "\n  checkpoints: {} committed, {} verified, {} lost; final weights {}",
             j.commits,
@@ -101,24 +138,29 @@ impl Report {
     }
 }
 
-/// Runs `scenario` and judges it.
+/// Runs `scenario` and judges it. A scenario the machine cannot run (no S3 server,
+/// not root for namespaces or a tmpfs, no etcd) is reported as skipped, with why.
 pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Result<Report, String> {
     scenario.validate()?;
     let reference = oracle::reference(scenario, &options.trainer, &options.cache)?;
-    let _ = std::fs::remove_dir_all(&options.scratch);
-    std::fs::create_dir_all(&options.scratch)
-        .map_err(|e| format!("{}: {e}", options.scratch.display()))?;
-    let url = oracle::file_url(&options.scratch);
-    let watcher = oracle::CommitWatcher::start(&url, Duration::from_millis(200))?;
+    let mut env = match env::Environment::prepare(scenario, &options.scratch) {
+        Ok(env) => env,
+        Err(env::Unavailable::Skip(why)) => return Ok(Report::skipped_because(name, why)),
+        Err(env::Unavailable::Error(e)) => return Err(format!("{name}: {e}")),
+    };
+    let store = env.store()?;
+    let watcher = oracle::CommitWatcher::start(store.clone(), Duration::from_millis(200))?;
     let setup = run::Setup {
         trainer: options.trainer.clone(),
         ckpt: run::find_ckpt(&options.trainer),
-        ckpt_url: url.clone(),
         timeout: options.timeout,
     };
-    let observed = run::run(scenario, &setup);
+    let observed = run::run(scenario, &setup, &mut env);
     let seen = watcher.finish();
     let observed = observed.map_err(|e| format!("running {name}: {e}"))?;
+    if let Some(path) = &options.plot {
+        plot::draw(&observed.timeline, name, path)?;
+    }
     if let Some(dir) = &options.logs {
         let file: String = name
             .chars()
@@ -135,11 +177,31 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
             .and_then(|()| std::fs::write(&path, observed.log.join("\n") + "\n"))
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    let judgement = oracle::judge(&url, &seen, &reference, scenario.steps);
+    let judgement = oracle::judge(&store, &seen, &observed.damaged, &reference, scenario.steps);
+    drop(env);
     let mut reasons = judgement.problems.clone();
     // A launcher whose every rank was hit by a fault has nothing left to finish: its
     // exit code reports those failures. Any other launcher must finish cleanly.
-    let hit: Vec<usize> = scenario.faults.iter().filter_map(|f| f.rank).collect();
+    let hit: Vec<usize> = scenario
+        .faults
+        .iter()
+        .filter(|f| {
+            matches!(
+                f.kind,
+                FaultKind::Kill | FaultKind::Stop | FaultKind::DeviceError | FaultKind::KillInSave
+            )
+        })
+        .filter_map(|f| f.rank)
+        .chain(
+            // A partitioned node's ranks are cut off: they may fail.
+            scenario
+                .faults
+                .iter()
+                .filter(|f| f.kind == FaultKind::Partition)
+                .filter_map(|f| f.node)
+                .flat_map(|n| n * scenario.ranks..(n + 1) * scenario.ranks),
+        )
+        .collect();
     for (node, code) in &observed.exit_codes {
         let all_hit =
             (0..scenario.ranks).all(|local| hit.contains(&(node * scenario.ranks + local)));

@@ -44,6 +44,11 @@ enum Commands {
         /// One JSON report on stdout instead of the summary.
         #[arg(long)]
         json: bool,
+        /// Draw each run as an SVG: world size, steps per second and loss over wall
+        /// time, each fault and recovery marked (with several scenarios, `-N` is added
+        /// to the name of each file after the first).
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<PathBuf>,
         #[command(flatten)]
         common: Common,
     },
@@ -62,6 +67,10 @@ enum Commands {
         /// Where replay files of failed runs go.
         #[arg(long, default_value = ".")]
         out: PathBuf,
+        /// Shrink each failed run: drop its faults one at a time while it still
+        /// fails, and write the smallest failing scenario beside the replay file.
+        #[arg(long)]
+        shrink: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -81,15 +90,19 @@ fn main() -> ExitCode {
     };
     match command {
         Commands::Run {
-            scenarios, json, ..
-        } => run(scenarios, json, options),
+            scenarios,
+            json,
+            plot,
+            ..
+        } => run(scenarios, json, plot, options),
         Commands::Soak {
             seed,
             runs,
             json,
             out,
+            shrink,
             ..
-        } => soak(seed, runs, json, &out, options),
+        } => soak(seed, runs, json, &out, shrink, options),
     }
 }
 
@@ -102,10 +115,52 @@ fn options(common: &Common) -> Result<Options, String> {
         scratch,
         timeout: Duration::from_secs(common.timeout_secs),
         logs: common.logs.clone(),
+        plot: None,
     })
 }
 
-fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, options: Options) -> ExitCode {
+/// The smallest failing variant of `scenario`: faults dropped one at a time (latest
+/// first) as long as the run without it still fails.
+fn shrink(name: &str, scenario: &Scenario, options: &Options) -> Option<Scenario> {
+    let mut smallest = scenario.clone();
+    let mut shrunk = false;
+    let mut i = smallest.faults.len();
+    while i > 0 && smallest.faults.len() > 1 {
+        i -= 1;
+        let mut candidate = smallest.clone();
+        candidate.faults.remove(i);
+        // Fewer faults may mean fewer recoveries: only the oracle's invariants and
+        // the other expectations still hold the candidate to account.
+        candidate.expect.recoveries_at_least = None;
+        if candidate.validate().is_err() {
+            continue;
+        }
+        let failed = match run_scenario(&format!("{name} shrinking"), &candidate, options) {
+            Ok(report) => !report.passed() && !report.skipped(),
+            Err(_) => true,
+        };
+        eprintln!(
+            "  shrink: without fault {} ({}): {}",
+            i + 1,
+            scenario.faults[i].kind.name(),
+            if failed { "still fails" } else { "passes" }
+        );
+        if failed {
+            smallest = candidate;
+            shrunk = true;
+        }
+    }
+    shrunk.then_some(smallest)
+}
+
+fn soak(
+    seed: u64,
+    runs: u64,
+    json: bool,
+    out: &std::path::Path,
+    shrink_failures: bool,
+    options: Options,
+) -> ExitCode {
     let mut reports = Vec::new();
     let mut failed = 0;
     for run in 0..runs {
@@ -125,7 +180,9 @@ fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, options: Option
         value["seed"] = seed.into();
         value["verdict"] = verdict.into();
         value["scenario_toml"] = scenario.to_toml().into();
-        if verdict != "pass" {
+        if verdict == "skip" {
+            eprintln!("SKIPPED seed {seed} run {run}: {}", reasons.join("; "));
+        } else if verdict != "pass" {
             failed += 1;
             let file = out.join(format!("chaos-replay-seed{seed}-run{run}.toml"));
             let text = format!(
@@ -145,11 +202,25 @@ fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, options: Option
                 ),
             }
             value["replay"] = file.display().to_string().into();
+            if shrink_failures && let Some(small) = shrink(&name, &scenario, &options) {
+                let file = out.join(format!("chaos-replay-seed{seed}-run{run}-shrunk.toml"));
+                let text = format!(
+                    "# replay: ckpt-chaos run {}\n# (seed {seed} run {run} with {} of its {} faults)\n{}",
+                    file.display(),
+                    small.faults.len(),
+                    scenario.faults.len(),
+                    small.to_toml()
+                );
+                if std::fs::write(&file, text).is_ok() {
+                    eprintln!("  shrunk replay: ckpt-chaos run {}", file.display());
+                    value["shrunk_replay"] = file.display().to_string().into();
+                }
+            }
         } else if !json {
             let faults: Vec<String> = scenario
                 .faults
                 .iter()
-                .map(|f| format!("{:?}@{}", f.kind, f.at_step.unwrap_or(0)))
+                .map(|f| format!("{}@{}", f.kind.name(), f.at_step.unwrap_or(0)))
                 .collect();
             println!(
                 "pass seed {seed} run {run}: {} ranks, {}",
@@ -175,19 +246,29 @@ fn soak(seed: u64, runs: u64, json: bool, out: &std::path::Path, options: Option
     }
 }
 
-fn run(scenarios: Vec<PathBuf>, json: bool, options: Options) -> ExitCode {
+fn run(scenarios: Vec<PathBuf>, json: bool, plot: Option<PathBuf>, options: Options) -> ExitCode {
     let mut reports = Vec::new();
     let mut failed = false;
-    for path in &scenarios {
+    for (i, path) in scenarios.iter().enumerate() {
         let name = path.display().to_string();
+        let mut options = options.clone();
+        options.plot = plot.as_ref().map(|p| numbered(p, i));
         let outcome = Scenario::load(path)
             .map_err(|e| e.to_string())
             .and_then(|s| run_scenario(&name, &s, &options));
         match outcome {
             Ok(report) => {
-                failed |= !report.passed();
+                failed |= !report.passed() && !report.skipped();
+                if report.skipped() {
+                    eprintln!("SKIPPED {name}: {}", report.reasons.join("; "));
+                }
                 if !json {
                     println!("{}", report.summary());
+                }
+                if let Some(p) = &options.plot
+                    && !report.skipped()
+                {
+                    eprintln!("plot: {}", p.display());
                 }
                 reports.push(serde_json::to_value(&report).unwrap_or_default());
             }
@@ -208,6 +289,19 @@ fn run(scenarios: Vec<PathBuf>, json: bool, options: Options) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// `path` for the first scenario, `path` with `-N` before its extension after.
+fn numbered(path: &std::path::Path, i: usize) -> PathBuf {
+    if i == 0 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}-{i}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-{i}"),
+    };
+    path.with_file_name(name)
 }
 
 fn tempfile_dir() -> std::io::Result<PathBuf> {

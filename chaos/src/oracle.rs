@@ -46,9 +46,8 @@ pub struct CommitWatcher {
 }
 
 impl CommitWatcher {
-    /// Starts watching the store at `url`.
-    pub fn start(url: &str, every: Duration) -> Result<CommitWatcher, String> {
-        let store = Store::from_url(url).map_err(|e| e.to_string())?;
+    /// Starts watching `store`.
+    pub fn start(store: Store, every: Duration) -> Result<CommitWatcher, String> {
         let seen = Arc::new(Mutex::new(BTreeSet::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -91,40 +90,77 @@ pub struct Judgement {
     pub lost: Vec<u64>,
     /// The final step of the run's newest commit.
     pub final_step: Option<u64>,
+    /// Commits the scenario damaged on purpose (`corrupt` faults).
+    pub corrupted: usize,
+    /// Of those, how many `verify` found damaged (the goal: all of them).
+    pub detected: usize,
+    /// Damaged commits that a later save of the same step replaced.
+    pub superseded: usize,
     /// Bitwise equal to the failure-free run.
     pub identical: Option<bool>,
     /// Everything wrong, in words.
     pub problems: Vec<String>,
 }
 
-/// Judges the checkpoints at `url` against the failure-free `reference` directory.
-pub fn judge(url: &str, seen: &BTreeSet<u64>, reference: &Path, steps: u64) -> Judgement {
+/// A commit damaged on purpose: its step and directory.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct Damaged {
+    /// The step.
+    pub step: u64,
+    /// The commit's directory (`step-N/gG-RUN`).
+    pub dir: String,
+}
+
+/// Judges the checkpoints in `store` against the failure-free `reference` directory.
+/// `damaged` are the commits the scenario corrupted on purpose: each must fail
+/// verification (unless a later save of its step replaced it), and no other may.
+pub fn judge(
+    store: &Store,
+    seen: &BTreeSet<u64>,
+    damaged: &[Damaged],
+    reference: &Path,
+    steps: u64,
+) -> Judgement {
     let mut j = Judgement::default();
     let runtime = runtime();
-    let store = match Store::from_url(url) {
-        Ok(s) => s,
-        Err(e) => {
-            j.problems.push(format!("{url}: {e}"));
-            return j;
-        }
-    };
-    let final_steps = match committed_steps(&runtime, &store) {
-        Ok(s) => s,
+    let url = store.url().to_string();
+    let commits = match runtime.block_on(ckpt::catalog::commits(store)) {
+        Ok(c) => c,
         Err(e) => {
             j.problems
                 .push(format!("listing the commits of {url}: {e}"));
             return j;
         }
     };
-    let present: BTreeSet<u64> = final_steps.iter().copied().collect();
+    // The commit that counts for each step is its newest.
+    let mut newest: std::collections::BTreeMap<u64, &str> = Default::default();
+    for c in &commits {
+        newest.insert(c.step, c.dir.as_str());
+    }
+    let present: BTreeSet<u64> = newest.keys().copied().collect();
     j.commits = present.len();
     j.lost = seen.difference(&present).copied().collect();
     if !j.lost.is_empty() {
         j.problems
             .push(format!("committed steps lost: {:?}", j.lost));
     }
+    j.corrupted = damaged.len();
     for &step in &present {
-        match runtime.block_on(verify(&store, step, &VerifyOptions::default(), &|_| {})) {
+        let on_purpose = damaged
+            .iter()
+            .any(|d| d.step == step && newest.get(&step) == Some(&d.dir.as_str()));
+        let verdict = runtime.block_on(verify(store, step, &VerifyOptions::default(), &|_| {}));
+        if on_purpose {
+            match verdict {
+                Ok(report) if report.ok => j.problems.push(format!(
+                    "step {step} was corrupted on purpose and verify did not notice"
+                )),
+                Ok(_) => j.detected += 1,
+                Err(e) => j.problems.push(format!("step {step}: verify failed: {e}")),
+            }
+            continue;
+        }
+        match verdict {
             Ok(report) if report.ok => j.verified += 1,
             Ok(report) => j.problems.push(format!(
                 "step {step} does not verify: {}",
@@ -138,6 +174,10 @@ pub fn judge(url: &str, seen: &BTreeSet<u64>, reference: &Path, steps: u64) -> J
             Err(e) => j.problems.push(format!("step {step}: verify failed: {e}")),
         }
     }
+    j.superseded = damaged
+        .iter()
+        .filter(|d| newest.get(&d.step) != Some(&d.dir.as_str()))
+        .count();
     j.final_step = present.last().copied();
     if j.final_step != Some(steps) {
         j.problems.push(format!(
@@ -148,7 +188,7 @@ pub fn judge(url: &str, seen: &BTreeSet<u64>, reference: &Path, steps: u64) -> J
     }
     let compared = runtime.block_on(async {
         let reference = Store::from_url(&file_url(reference)).map_err(|e| e.to_string())?;
-        let a = CheckpointReader::open(&store, Some(steps))
+        let a = CheckpointReader::open(store, Some(steps))
             .await
             .map_err(|e| e.to_string())?;
         let b = CheckpointReader::open(&reference, Some(steps))

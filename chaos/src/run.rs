@@ -3,9 +3,11 @@
 //!
 //! The harness wraps the system from outside: it reads the lines the launchers and
 //! ranks print (`launch: rank R pid P`, `[rank 0] step N loss …`, the recovery line)
-//! and acts on real pids. The trainer runs the same with or without it; the one
-//! fault it cannot inject from outside, a lost device, goes through the trainer's
-//! own failpoint (`--fault-device-error`), as its tests do.
+//! and acts on real pids, real mounts, real namespaces and the storage proxy. The
+//! trainer runs the same with or without it; what cannot be injected from outside (a
+//! lost device, a stop at a given stage of a save) goes through the failpoints
+//! compiled into test builds (`--fault-device-error`, `--fault-save-stage`), as the
+//! crash tests do.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -16,7 +18,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use crate::scenario::{CoordinatorKind, FaultKind, Scenario};
+use crate::env::Environment;
+use crate::oracle::Damaged;
+use crate::plot::{FaultMark, RecoverySpan, Sample, Timeline};
+use crate::scenario::{CoordinatorKind, Fault, FaultKind, Scenario};
 
 /// A line a launcher printed, with the node and when it arrived.
 struct Line {
@@ -27,7 +32,7 @@ struct Line {
 /// A fault as it was fired.
 #[derive(Debug, Clone, Serialize)]
 pub struct Fired {
-    /// `kill`, `stop`, `kill-node`, `device-error`.
+    /// The fault kind (`kill`, `stop`, `kill-node`, …).
     pub kind: String,
     /// What was hit (`rank 2`, `node 1`).
     pub target: String,
@@ -59,6 +64,11 @@ pub struct Recovery {
     pub load_ms: u64,
     /// The first step of the new generation.
     pub first_step_ms: u64,
+    /// From the failure noticed to training again.
+    pub back_ms: u64,
+    /// When the failure was noticed (unix ms).
+    #[serde(skip)]
+    pub noticed_unix_ms: u64,
 }
 
 /// Everything a run showed.
@@ -76,6 +86,17 @@ pub struct Observed {
     pub worlds: Vec<usize>,
     /// Wall time of the run (s).
     pub wall_s: f64,
+    /// Commits damaged on purpose (`corrupt` faults).
+    pub damaged: Vec<Damaged>,
+    /// Training time a failure-free run at this run's own pace would have needed,
+    /// over the time this one took from its first step to its last (1: no time lost
+    /// to faults). The pace is the median time between two steps.
+    pub goodput: Option<f64>,
+    /// Requests the storage proxy saw and faulted.
+    pub storage: Option<crate::storage_proxy::ProxyStats>,
+    /// What rank 0 reported over time, for `--plot`.
+    #[serde(skip)]
+    pub timeline: Timeline,
     /// Every line the launchers printed, prefixed with their node.
     #[serde(skip)]
     pub log: Vec<String>,
@@ -88,13 +109,12 @@ pub struct Setup {
     pub trainer: PathBuf,
     /// `ckpt` (for a standalone coordinator).
     pub ckpt: PathBuf,
-    /// Checkpoint URL of the run.
-    pub ckpt_url: String,
     /// Bound on the whole run.
     pub timeout: Duration,
 }
 
-fn unix_ms() -> u64 {
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -155,6 +175,21 @@ pub fn train_args(scenario: &Scenario, ckpt_url: &str) -> Vec<String> {
         let (step, rank) = (f.at_step.unwrap_or(1), f.rank.unwrap_or(0));
         args.extend(["--fault-device-error".into(), format!("{step}:{rank}")]);
     }
+    if let Some(f) = scenario
+        .faults
+        .iter()
+        .find(|f| f.kind == FaultKind::KillInSave)
+    {
+        args.extend([
+            "--fault-save-stage".into(),
+            format!(
+                "{}@{}:{}",
+                f.stage.as_deref().unwrap_or_default(),
+                f.at_step.unwrap_or(1),
+                f.rank.unwrap_or(0)
+            ),
+        ]);
+    }
     args
 }
 
@@ -163,15 +198,23 @@ struct Node {
     killed: bool,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn start_node(
     setup: &Setup,
+    env: &Environment,
     scenario: &Scenario,
     node: usize,
     job: &str,
     rdzv: Option<&str>,
     tx: &Sender<Line>,
 ) -> std::io::Result<Node> {
-    let mut command = Command::new(&setup.trainer);
+    // In a network namespace of its own when the scenario partitions nodes: the
+    // launcher's children (the ranks) inherit it.
+    let mut command = match &env.network {
+        Some(network) => network.command(node, &setup.trainer),
+        None => Command::new(&setup.trainer),
+    };
+    command.envs(env.launcher_env.iter().map(|(k, v)| (k, v)));
     command.arg("launch").args([
         "--nproc",
         &scenario.ranks.to_string(),
@@ -198,7 +241,7 @@ fn start_node(
     }
     command
         .arg("--")
-        .args(train_args(scenario, &setup.ckpt_url))
+        .args(train_args(scenario, &env.url))
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -247,14 +290,19 @@ fn start_coordinator(
 struct Watch {
     started: Instant,
     step: u64,
-    /// Newest pid per rank label, per node.
+    /// Newest pid per rank label, with its node.
     pids: BTreeMap<usize, (usize, i32)>,
     coordinator: Option<String>,
     observed: Observed,
-    noticed: Vec<u64>,
+    /// Ranks (by label) that announced reaching the armed failpoint.
+    at_failpoint: Vec<usize>,
 }
 
 impl Watch {
+    fn seconds(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
     fn take(&mut self, line: &Line) {
         let text = &line.text;
         self.observed
@@ -275,21 +323,37 @@ impl Watch {
         {
             self.coordinator = rest.split(',').next().map(|a| format!("tcp://{a}"));
         }
-        // Steps, starts, resumes and recoveries are printed by rank 0 of the running
-        // generation, whichever launcher slot (the `[rank L]` label) that is.
-        let Some(rest) = text
-            .strip_prefix("[rank ")
-            .and_then(|r| r.split_once("] "))
-            .map(|(_, rest)| rest)
+        let Some((label, rest)) = text.strip_prefix("[rank ").and_then(|r| r.split_once("] "))
         else {
             return;
         };
-        if let Some(step) = rest
-            .strip_prefix("step ")
-            .and_then(|r| r.split_whitespace().next())
-            .and_then(|s| s.parse::<u64>().ok())
+        // Any rank may stop at the armed failpoint; the harness kills it there.
+        if rest.starts_with("ckpt failpoint reached: ")
+            && let Ok(label) = label.parse::<usize>()
         {
+            self.at_failpoint.push(label);
+            return;
+        }
+        // Steps, starts, resumes and recoveries are printed by rank 0 of the running
+        // generation, whichever launcher slot (the `[rank L]` label) that is.
+        if let Some((step, loss)) = rest.strip_prefix("step ").and_then(|r| {
+            let mut words = r.split_whitespace();
+            let step = words.next()?.parse::<u64>().ok()?;
+            let loss = (words.next() == Some("loss"))
+                .then(|| words.next().and_then(|l| l.parse::<f64>().ok()))
+                .flatten()
+                .unwrap_or(f64::NAN);
+            Some((step, loss))
+        }) {
             self.step = self.step.max(step);
+            let world = self.observed.worlds.last().copied().unwrap_or(0);
+            let t_s = self.seconds();
+            self.observed.timeline.samples.push(Sample {
+                t_s,
+                step,
+                loss,
+                world,
+            });
         } else if let Some(world) = rest
             .strip_prefix("start: ")
             .and_then(|r| r.split(", world ").nth(1))
@@ -304,7 +368,7 @@ impl Watch {
         {
             self.observed.resumed_from.push(step);
         } else if rest.starts_with("recovery: generation ")
-            && let Some(r) = parse_recovery(rest, &mut self.noticed)
+            && let Some(r) = parse_recovery(rest)
         {
             self.observed.recoveries.push(r);
         }
@@ -312,8 +376,8 @@ impl Watch {
 }
 
 /// Parses `recovery: generation G world W (CAUSE): noticed at T ms, aborted +A ms,
-/// rendezvous R ms, ring B ms, load L ms, first step F ms; …`.
-fn parse_recovery(line: &str, noticed: &mut Vec<u64>) -> Option<Recovery> {
+/// rendezvous R ms, ring B ms, load L ms, first step F ms; back to training N ms …`.
+fn parse_recovery(line: &str) -> Option<Recovery> {
     let rest = line.strip_prefix("recovery: generation ")?;
     let (generation, rest) = rest.split_once(" world ")?;
     let (world, rest) = rest.split_once(" (")?;
@@ -329,7 +393,6 @@ fn parse_recovery(line: &str, noticed: &mut Vec<u64>) -> Option<Recovery> {
             .ok()
     };
     let at: u64 = numbers.split(" ms").next()?.trim().parse().ok()?;
-    noticed.push(at);
     Some(Recovery {
         generation: generation.parse().ok()?,
         world: world.parse().ok()?,
@@ -339,11 +402,73 @@ fn parse_recovery(line: &str, noticed: &mut Vec<u64>) -> Option<Recovery> {
         reform_ms: number("rendezvous ")? + number("ring ")?,
         load_ms: number("load ")?,
         first_step_ms: number("first step ")?,
+        back_ms: number("back to training ").unwrap_or(0),
+        noticed_unix_ms: at,
     })
 }
 
-/// Runs `scenario` to its end (or `setup.timeout`) and reports what happened.
-pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
+/// Something a fault set to happen later: its end.
+enum Later {
+    Resume(i32),
+    RestartCoordinator,
+    Heal(usize),
+    FreeDisk(PathBuf),
+    RestartEtcd(usize),
+    Relaunch(usize),
+}
+
+/// Damages a data file of the newest commit in `store` (a local directory at `dir`).
+fn corrupt(store: &ckpt::storage::Store, dir: &Path, how: &str) -> Result<Damaged, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let commits = runtime
+        .block_on(ckpt::catalog::commits(store))
+        .map_err(|e| e.to_string())?;
+    let newest = commits.last().ok_or("no commit yet to corrupt")?;
+    let commit_dir = dir.join(&newest.dir);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&commit_dir)
+        .map_err(|e| format!("{}: {e}", commit_dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let file = files
+        .first()
+        .ok_or_else(|| format!("{}: no data file", commit_dir.display()))?;
+    let mut bytes = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let len = bytes.len();
+    if how == "truncate" {
+        bytes.truncate(len / 2);
+    } else {
+        // A bit in the last quarter: tensor data, past the header.
+        bytes[len * 3 / 4] ^= 0x10;
+    }
+    std::fs::write(file, bytes).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok(Damaged {
+        step: newest.step,
+        dir: newest.dir.clone(),
+    })
+}
+
+/// Fills the file system of `dir` with a file until it is full; returns the file.
+fn fill_disk(dir: &Path) -> PathBuf {
+    use std::io::Write;
+    let path = dir.join(".chaos-disk-filler");
+    if let Ok(mut file) = std::fs::File::create(&path) {
+        let block = vec![0u8; 1 << 20];
+        while file.write_all(&block).is_ok() {}
+        // Whatever is left below a block.
+        while file.write_all(&block[..4096]).is_ok() {}
+        let _ = file.flush();
+    }
+    path
+}
+
+/// Runs `scenario` to its end (or `setup.timeout`) in `env` and reports what
+/// happened.
+pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io::Result<Observed> {
     let (tx, rx): (Sender<Line>, Receiver<Line>) = channel();
     let job = format!("chaos-{}-{}", std::process::id(), unix_ms());
     let mut watch = Watch {
@@ -352,19 +477,31 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
         pids: BTreeMap::new(),
         coordinator: None,
         observed: Observed::default(),
-        noticed: Vec::new(),
+        at_failpoint: Vec::new(),
+    };
+    let store = env.store().map_err(std::io::Error::other)?;
+    // The coordinator listens where every node reaches it: on the bridge when the
+    // nodes live in namespaces.
+    let listen = match &env.network {
+        Some(network) => format!("{}:0", network.host_ip()),
+        None => "127.0.0.1:0".into(),
     };
     let mut coordinator = match scenario.coordinator {
         CoordinatorKind::Standalone => {
-            let (child, addr) = start_coordinator(setup, scenario, &job, "127.0.0.1:0")?;
+            let (child, addr) = start_coordinator(setup, scenario, &job, &listen)?;
             watch.coordinator = Some(format!("tcp://{addr}"));
             Some((child, addr))
         }
         CoordinatorKind::Hosted => None,
+        CoordinatorKind::Etcd => {
+            watch.coordinator = env.etcd.as_ref().map(|c| c.url("chaos"));
+            None
+        }
     };
     let joined = watch.coordinator.clone();
     let mut nodes = vec![start_node(
         setup,
+        env,
         scenario,
         0,
         &job,
@@ -380,14 +517,24 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
         }
         if let Some(rdzv) = watch.coordinator.clone() {
             for node in 1..scenario.nodes {
-                nodes.push(start_node(setup, scenario, node, &job, Some(&rdzv), &tx)?);
+                nodes.push(start_node(
+                    setup,
+                    env,
+                    scenario,
+                    node,
+                    &job,
+                    Some(&rdzv),
+                    &tx,
+                )?);
             }
         }
     }
-    drop(tx);
+    // Relaunched nodes need a sender; the loop ends when every launcher is gone and
+    // no relaunch is pending.
+    let relaunch_tx = tx;
     let mut pending: Vec<usize> = (0..scenario.faults.len()).collect();
-    let mut resume: Vec<(Instant, i32)> = Vec::new();
-    let mut restart_coordinator: Option<Instant> = None;
+    let mut later: Vec<(Instant, Later)> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
     loop {
         let wait = deadline
             .saturating_duration_since(Instant::now())
@@ -406,25 +553,77 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
         }
-        if let Some(at) = restart_coordinator
-            && Instant::now() >= at
-            && let Some((_, addr)) = &coordinator
-        {
-            restart_coordinator = None;
-            let addr = addr.clone();
-            coordinator = Some((start_coordinator(setup, scenario, &job, &addr)?.0, addr));
-        }
-        resume.retain(|&(at, pid)| {
-            let due = Instant::now() >= at;
-            if due {
-                signal(pid, libc::SIGCONT);
+        // Launchers all gone and nothing left to relaunch: the run is over (the
+        // harness's own sender keeps the channel open).
+        let running = nodes
+            .iter_mut()
+            .any(|n| matches!(n.child.try_wait(), Ok(None)));
+        let relaunching = later.iter().any(|(_, l)| matches!(l, Later::Relaunch(_)));
+        if !running && !relaunching {
+            // Drain what the pumps still hold.
+            while let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+                watch.take(&line);
             }
-            !due
-        });
+            break;
+        }
+        let now = Instant::now();
+        let (due, not_yet): (Vec<_>, Vec<_>) = later.drain(..).partition(|(at, _)| now >= *at);
+        later = not_yet;
+        for (_, action) in due {
+            match action {
+                Later::Resume(pid) => signal(pid, libc::SIGCONT),
+                Later::RestartCoordinator => {
+                    if let Some((_, addr)) = &coordinator {
+                        let addr = addr.clone();
+                        coordinator =
+                            Some((start_coordinator(setup, scenario, &job, &addr)?.0, addr));
+                    }
+                }
+                Later::Heal(node) => {
+                    if let Some(network) = &env.network
+                        && let Err(e) = network.heal(node)
+                    {
+                        notes.push(format!("healing node {node}: {e}"));
+                    }
+                }
+                Later::FreeDisk(filler) => {
+                    let _ = std::fs::remove_file(filler);
+                }
+                Later::RestartEtcd(member) => {
+                    if let Some(cluster) = env.etcd.as_mut()
+                        && let Err(e) = cluster.restart(member)
+                    {
+                        notes.push(format!("restarting etcd member {member}: {e}"));
+                    }
+                }
+                Later::Relaunch(node) => {
+                    let rdzv = watch.coordinator.clone();
+                    let fresh = start_node(
+                        setup,
+                        env,
+                        scenario,
+                        node,
+                        &job,
+                        rdzv.as_deref(),
+                        &relaunch_tx,
+                    )?;
+                    nodes[node] = fresh;
+                }
+            }
+        }
         let step = watch.step;
+        let elapsed_ms = watch.started.elapsed().as_millis() as u64;
         let mut fire = Vec::new();
         pending.retain(|&i| {
-            let due = scenario.faults[i].at_step.is_some_and(|s| step >= s);
+            let fault = &scenario.faults[i];
+            let due = match fault.kind {
+                // Set off by the rank itself, reaching the armed failpoint.
+                FaultKind::KillInSave => !watch.at_failpoint.is_empty(),
+                _ => {
+                    fault.at_step.is_some_and(|s| step >= s)
+                        || fault.at_ms.is_some_and(|ms| elapsed_ms >= ms)
+                }
+            };
             if due {
                 fire.push(i);
             }
@@ -432,22 +631,30 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
         });
         for i in fire {
             let fault = &scenario.faults[i];
-            let target = match fault.kind {
-                FaultKind::KillNode => format!("node {}", fault.node.unwrap_or(0)),
-                FaultKind::KillCoordinator => "the coordinator".to_string(),
-                _ => format!("rank {}", fault.rank.unwrap_or(0)),
-            };
+            let pause = Duration::from_millis(fault.duration_ms.unwrap_or(0));
+            let rank_pid = |rank: Option<usize>| watch.pids.get(&rank.unwrap_or(0)).map(|p| p.1);
+            let mut target = fault.target();
             match fault.kind {
                 FaultKind::Kill => {
-                    if let Some(&(_, pid)) = watch.pids.get(&fault.rank.unwrap_or(0)) {
+                    if let Some(pid) = rank_pid(fault.rank) {
                         signal(pid, libc::SIGKILL);
                     }
                 }
+                FaultKind::KillInSave => {
+                    for label in std::mem::take(&mut watch.at_failpoint) {
+                        if let Some(pid) = rank_pid(Some(label)) {
+                            signal(pid, libc::SIGKILL);
+                        }
+                        target = format!(
+                            "rank {label} at {}",
+                            fault.stage.as_deref().unwrap_or_default()
+                        );
+                    }
+                }
                 FaultKind::Stop => {
-                    if let Some(&(_, pid)) = watch.pids.get(&fault.rank.unwrap_or(0)) {
+                    if let Some(pid) = rank_pid(fault.rank) {
                         signal(pid, libc::SIGSTOP);
-                        let pause = Duration::from_millis(fault.duration_ms.unwrap_or(0));
-                        resume.push((Instant::now() + pause, pid));
+                        later.push((Instant::now() + pause, Later::Resume(pid)));
                     }
                 }
                 FaultKind::KillNode => {
@@ -460,6 +667,10 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
                     if let Some(n) = nodes.get_mut(node) {
                         n.killed = true;
                         let _ = n.child.kill();
+                        let _ = n.child.wait();
+                    }
+                    if fault.duration_ms.is_some() {
+                        later.push((Instant::now() + pause, Later::Relaunch(node)));
                     }
                 }
                 // Fired by the trainer itself at that step.
@@ -468,16 +679,60 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
                     if let Some((child, _)) = coordinator.as_mut() {
                         let _ = child.kill();
                         let _ = child.wait();
-                        let pause = Duration::from_millis(fault.duration_ms.unwrap_or(0));
-                        restart_coordinator = Some(Instant::now() + pause);
+                        later.push((Instant::now() + pause, Later::RestartCoordinator));
+                    }
+                }
+                FaultKind::Partition => {
+                    let node = fault.node.unwrap_or(0);
+                    if let Some(network) = &env.network {
+                        match network.partition(node) {
+                            Ok(()) => later.push((Instant::now() + pause, Later::Heal(node))),
+                            Err(e) => notes.push(format!("partitioning node {node}: {e}")),
+                        }
+                    }
+                }
+                FaultKind::StorageErrors
+                | FaultKind::StorageLatency
+                | FaultKind::StorageReset
+                | FaultKind::StorageLosePart => {
+                    if let Some(proxy) = &env.proxy {
+                        proxy.inject(storage_fault(fault));
+                    }
+                }
+                FaultKind::DiskFull => {
+                    if let Some(dir) = &env.local_dir {
+                        let filler = fill_disk(dir);
+                        later.push((Instant::now() + pause, Later::FreeDisk(filler)));
+                    }
+                }
+                FaultKind::Corrupt => {
+                    if let Some(dir) = &env.local_dir {
+                        match corrupt(&store, dir, fault.how.as_deref().unwrap_or("bit-flip")) {
+                            Ok(damaged) => {
+                                target = format!("step {} ({})", damaged.step, damaged.dir);
+                                watch.observed.damaged.push(damaged);
+                            }
+                            Err(e) => notes.push(format!("corrupting: {e}")),
+                        }
+                    }
+                }
+                FaultKind::KillEtcdMember => {
+                    let member = fault.member.unwrap_or(0);
+                    if let Some(cluster) = env.etcd.as_mut() {
+                        cluster.kill(member);
+                        later.push((Instant::now() + pause, Later::RestartEtcd(member)));
                     }
                 }
             }
+            let at_s = watch.seconds();
+            let label = format!("{} {target}", fault.kind.name());
+            watch
+                .observed
+                .timeline
+                .faults
+                .push(FaultMark { t_s: at_s, label });
             watch.observed.fired.push(Fired {
-                kind: serde_json::to_value(fault.kind)
-                    .ok()
-                    .and_then(|v| v.as_str().map(String::from))
-                    .unwrap_or_default(),
+                kind: fault.kind.name(),
                 target,
                 at_step: step,
                 at_ms: watch.started.elapsed().as_millis() as u64,
@@ -485,8 +740,14 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
             });
         }
     }
-    for (_, pid) in resume {
-        signal(pid, libc::SIGCONT);
+    for (_, action) in later {
+        match action {
+            Later::Resume(pid) => signal(pid, libc::SIGCONT),
+            Later::FreeDisk(filler) => {
+                let _ = std::fs::remove_file(filler);
+            }
+            _ => {}
+        }
     }
     if let Some((mut child, _)) = coordinator {
         let _ = child.kill();
@@ -501,17 +762,81 @@ pub fn run(scenario: &Scenario, setup: &Setup) -> std::io::Result<Observed> {
                 .insert(i, status.code().unwrap_or(128));
         }
     }
-    // Detection: from the latest fault before each recovery's "noticed" time.
+    finish(&mut watch, scenario);
+    watch
+        .observed
+        .log
+        .extend(notes.iter().map(|n| format!("[harness] {n}")));
+    watch.observed.storage = env.proxy.as_ref().map(|p| p.stats());
+    Ok(watch.observed)
+}
+
+/// The proxy's fault for a storage fault of a scenario.
+fn storage_fault(fault: &Fault) -> crate::storage_proxy::StorageFault {
+    use crate::storage_proxy::StorageFault;
+    let count = fault.count.unwrap_or(1);
+    match fault.kind {
+        FaultKind::StorageLatency => StorageFault::Latency {
+            ms: fault.duration_ms.unwrap_or(0),
+            count,
+        },
+        FaultKind::StorageReset => StorageFault::ResetMidBody { count },
+        FaultKind::StorageLosePart => StorageFault::LosePart { count },
+        _ => StorageFault::Errors {
+            status: fault.status.unwrap_or(503),
+            count,
+        },
+    }
+}
+
+/// Detection times, recovery spans, goodput and the end of the timeline.
+fn finish(watch: &mut Watch, _scenario: &Scenario) {
+    let started_unix = unix_ms().saturating_sub(watch.started.elapsed().as_millis() as u64);
     let fired: Vec<u64> = watch.observed.fired.iter().map(|f| f.unix_ms).collect();
-    for (recovery, noticed) in watch.observed.recoveries.iter_mut().zip(&watch.noticed) {
+    for recovery in watch.observed.recoveries.iter_mut() {
+        let noticed = recovery.noticed_unix_ms;
         recovery.detect_ms = fired
             .iter()
-            .filter(|&&f| f <= *noticed)
+            .filter(|&&f| f <= noticed)
             .max()
             .map(|f| noticed - f);
+        // From the fault (when one preceded it) to training again.
+        let cost_ms = recovery.detect_ms.unwrap_or(0) + recovery.back_ms;
+        let to_s = (noticed + recovery.back_ms).saturating_sub(started_unix) as f64 / 1e3;
+        watch.observed.timeline.recoveries.push(RecoverySpan {
+            from_s: to_s - cost_ms as f64 / 1e3,
+            to_s,
+            label: format!(
+                "gen {}: {} ranks, {:.1} s",
+                recovery.generation,
+                recovery.world,
+                cost_ms as f64 / 1e3
+            ),
+        });
     }
     watch.observed.wall_s = watch.started.elapsed().as_secs_f64();
-    Ok(watch.observed)
+    watch.observed.timeline.end_s = watch.observed.wall_s;
+    watch.observed.goodput = goodput(&watch.observed.timeline.samples);
+}
+
+/// Goodput from rank 0's step reports: steps × the median time between two
+/// consecutive steps, over the time from the first report to the last (see
+/// [`Observed::goodput`]).
+pub fn goodput(samples: &[Sample]) -> Option<f64> {
+    let (first, last) = (samples.first()?, samples.last()?);
+    let mut gaps: Vec<f64> = samples
+        .windows(2)
+        .filter(|w| w[1].step == w[0].step + 1)
+        .map(|w| w[1].t_s - w[0].t_s)
+        .collect();
+    if gaps.is_empty() {
+        return None;
+    }
+    gaps.sort_by(f64::total_cmp);
+    let pace = gaps[gaps.len() / 2];
+    let needed = pace * (last.step.saturating_sub(first.step)) as f64;
+    let took = last.t_s - first.t_s;
+    (took > 0.0).then(|| (needed / took).min(1.0))
 }
 
 /// The `ckpt` command line next to `trainer` (its build directory), or on `CKPT_BIN`.
@@ -547,14 +872,36 @@ mod tests {
     #[test]
     fn a_recovery_line_is_parsed() {
         let line = "recovery: generation 2 world 3 (lost member n0-l2-i0: connection closed): noticed at 1795491906789 ms, aborted +4 ms, rendezvous 6 ms, ring 4 ms, load 7 ms, first step 1 ms; back to training 28 ms after the failure was noticed";
-        let mut noticed = Vec::new();
-        let r = parse_recovery(line, &mut noticed).unwrap();
+        let r = parse_recovery(line).unwrap();
         assert_eq!((r.generation, r.world), (2, 3));
         assert_eq!(r.cause, "lost member n0-l2-i0: connection closed");
         assert_eq!(
             (r.abort_ms, r.reform_ms, r.load_ms, r.first_step_ms),
             (4, 10, 7, 1)
         );
-        assert_eq!(noticed, [1795491906789]);
+        assert_eq!((r.noticed_unix_ms, r.back_ms), (1795491906789, 28));
+    }
+
+    fn sample(t_s: f64, step: u64) -> Sample {
+        Sample {
+            t_s,
+            step,
+            loss: 1.0,
+            world: 4,
+        }
+    }
+
+    #[test]
+    fn goodput_is_the_share_of_time_a_failure_free_run_would_have_needed() {
+        // Ten steps at 0.1 s: nothing lost.
+        let steady: Vec<Sample> = (0..10).map(|i| sample(i as f64 * 0.1, i + 1)).collect();
+        assert!((goodput(&steady).unwrap() - 1.0).abs() < 1e-9);
+        // A 0.9 s outage between steps 5 and 6, then steps 4..=5 done again: the
+        // run advanced 9 steps (0.9 s of work) in 2.0 s.
+        let mut hurt: Vec<Sample> = (0..5).map(|i| sample(i as f64 * 0.1, i + 1)).collect();
+        hurt.extend((0..7).map(|i| sample(1.3 + i as f64 * 0.1, i + 4)));
+        let g = goodput(&hurt).unwrap();
+        assert!((g - 0.9 / 1.9).abs() < 1e-9, "{g}");
+        assert_eq!(goodput(&[]), None);
     }
 }

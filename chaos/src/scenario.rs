@@ -14,9 +14,9 @@
 //! step_pause_ms = 30 # slows each step, so faults land mid-run
 //!
 //! [[fault]]
-//! kind = "kill"      # kill | stop | kill-node | device-error
+//! kind = "kill"      # see FaultKind: process, save-stage, network, storage, control plane
 //! rank = 2           # node × ranks + local rank, as the launcher labels it
-//! at_step = 12       # when rank 0 reports this step
+//! at_step = 12       # when rank 0 reports this step (or at_ms: after the start)
 //!
 //! [expect]
 //! final_world = 3
@@ -64,6 +64,13 @@ pub struct Scenario {
     /// `kill-coordinator` faults need).
     #[serde(default)]
     pub coordinator: CoordinatorKind,
+    /// Where checkpoints go: local disk (`file`), a small tmpfs (`tmpfs`, for
+    /// `disk-full`), or the S3-compatible server behind the fault proxy (`s3`).
+    #[serde(default)]
+    pub storage: StorageKind,
+    /// Size of the tmpfs (`storage = "tmpfs"`), MiB.
+    #[serde(default)]
+    pub disk_mib: Option<u64>,
     /// The faults, in any order; each fires once.
     #[serde(default, rename = "fault")]
     pub faults: Vec<Fault>,
@@ -94,6 +101,24 @@ pub enum CoordinatorKind {
     Hosted,
     /// A `ckpt coordinator` process of its own.
     Standalone,
+    /// No coordinator: a 3-member etcd cluster the harness starts (`--rdzv etcd://`),
+    /// whose members `kill-etcd-member` faults kill.
+    Etcd,
+}
+
+/// Where a scenario's checkpoints go.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StorageKind {
+    /// A local directory.
+    #[default]
+    File,
+    /// A tmpfs of `disk_mib` MiB mounted for the run (root only), which `disk-full`
+    /// fills.
+    Tmpfs,
+    /// The S3-compatible test server (`CKPT_CHAOS_S3_ENDPOINT` or
+    /// `CKPT_TEST_S3_ENDPOINT`), reached through the fault-injecting proxy.
+    S3,
 }
 
 /// What a fault does.
@@ -111,7 +136,47 @@ pub enum FaultKind {
     /// SIGKILL the standalone coordinator, and start it again on the same address
     /// after `duration_ms`.
     KillCoordinator,
+    /// SIGKILL a rank at a `stage` of its first save at or after `at_step`: the rank
+    /// stops at that failpoint of the save protocol (the trainer's
+    /// `--fault-save-stage`, a build with `ckpt/failpoints`), and the harness kills
+    /// it as soon as it says it got there.
+    KillInSave,
+    /// Drop every packet between a node and the rest (nodes run in network
+    /// namespaces; nftables), and heal after `duration_ms`.
+    Partition,
+    /// The storage proxy answers the next `count` requests with HTTP `status`.
+    StorageErrors,
+    /// The storage proxy delays the next `count` requests by `duration_ms`.
+    StorageLatency,
+    /// The storage proxy resets the next `count` connections mid-body.
+    StorageReset,
+    /// The storage proxy swallows the next `count` multipart parts (answered 200,
+    /// never stored).
+    StorageLosePart,
+    /// Fill the tmpfs (`storage = "tmpfs"`) and free it again after `duration_ms`.
+    DiskFull,
+    /// Damage the newest committed checkpoint at rest: flip a bit of a data file
+    /// (`how = "bit-flip"`) or cut it short (`how = "truncate"`). The oracle must find
+    /// it, and a recovery must never load it.
+    Corrupt,
+    /// SIGKILL an etcd member (`member` 0..3) and restart it after `duration_ms`.
+    KillEtcdMember,
 }
+
+impl FaultKind {
+    /// The name scenario files use.
+    pub fn name(self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default()
+    }
+}
+
+/// The stages of a save `kill-in-save` can stop a rank at (the failpoints of
+/// `ckpt::failpoint::NAMES`). `before-commit` and `after-commit` happen on the
+/// committing rank, rank 0.
+pub const SAVE_STAGES: &[&str] = ckpt::failpoint::NAMES;
 
 /// One fault.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,9 +193,73 @@ pub struct Fault {
     /// Fires when rank 0 reports this step (or a later one).
     #[serde(default)]
     pub at_step: Option<u64>,
-    /// How long a stopped rank stays stopped (stop).
+    /// Fires this many milliseconds after the run started (instead of `at_step`).
+    #[serde(default)]
+    pub at_ms: Option<u64>,
+    /// How long the fault lasts: a stop, a partition, a full disk, a coordinator or
+    /// etcd member down, a storage delay; for `kill-node`, when set, the node is
+    /// started again after it (and the world can grow back).
     #[serde(default)]
     pub duration_ms: Option<u64>,
+    /// The save stage (`kill-in-save`).
+    #[serde(default)]
+    pub stage: Option<String>,
+    /// Requests hit (storage faults; default 1).
+    #[serde(default)]
+    pub count: Option<usize>,
+    /// The HTTP status answered (`storage-errors`; default 503).
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// How a checkpoint is damaged (`corrupt`): `bit-flip` or `truncate`.
+    #[serde(default)]
+    pub how: Option<String>,
+    /// The etcd member killed (`kill-etcd-member`), 0..3.
+    #[serde(default)]
+    pub member: Option<usize>,
+}
+
+impl Fault {
+    /// A fault of `kind` at `at_step`, every other field unset.
+    pub fn at(kind: FaultKind, at_step: u64) -> Fault {
+        Fault {
+            kind,
+            rank: None,
+            node: None,
+            at_step: Some(at_step),
+            at_ms: None,
+            duration_ms: None,
+            stage: None,
+            count: None,
+            status: None,
+            how: None,
+            member: None,
+        }
+    }
+
+    /// What it hits, in words (`rank 2`, `node 1`, `storage`).
+    pub fn target(&self) -> String {
+        match self.kind {
+            FaultKind::KillNode | FaultKind::Partition => {
+                format!("node {}", self.node.unwrap_or(0))
+            }
+            FaultKind::KillCoordinator => "the coordinator".into(),
+            FaultKind::KillEtcdMember => format!("etcd member {}", self.member.unwrap_or(0)),
+            FaultKind::StorageErrors
+            | FaultKind::StorageLatency
+            | FaultKind::StorageReset
+            | FaultKind::StorageLosePart => format!("{} storage requests", self.count.unwrap_or(1)),
+            FaultKind::DiskFull => "the disk".into(),
+            FaultKind::Corrupt => "the newest commit".into(),
+            FaultKind::KillInSave => format!(
+                "rank {} at {}",
+                self.rank.unwrap_or(0),
+                self.stage.as_deref().unwrap_or("?")
+            ),
+            FaultKind::Kill | FaultKind::Stop | FaultKind::DeviceError => {
+                format!("rank {}", self.rank.unwrap_or(0))
+            }
+        }
+    }
 }
 
 /// What a scenario expects of its run.
@@ -235,42 +364,124 @@ impl Scenario {
                 self.steps, self.ckpt_every
             ));
         }
+        if self.storage == StorageKind::Tmpfs && self.disk_mib.unwrap_or(0) == 0 {
+            return Err("storage = \"tmpfs\" needs disk_mib".into());
+        }
         for (i, fault) in self.faults.iter().enumerate() {
-            let at = |what: String| Err(format!("fault {} ({:?}): {what}", i + 1, fault.kind));
-            match fault.at_step {
-                None => return at("needs at_step".into()),
-                Some(s) if s == 0 || s >= self.steps => {
+            let at = |what: String| Err(format!("fault {} ({}): {what}", i + 1, fault.kind.name()));
+            match (fault.at_step, fault.at_ms) {
+                (None, None) => return at("needs at_step or at_ms".into()),
+                (Some(_), Some(_)) => return at("at_step or at_ms, not both".into()),
+                (Some(s), None) if s == 0 || s >= self.steps => {
                     return at(format!("at_step {s} must be in 1..{}", self.steps));
                 }
-                Some(_) => {}
+                (None, Some(_))
+                    if matches!(fault.kind, FaultKind::DeviceError | FaultKind::KillInSave) =>
+                {
+                    return at("is set off by the trainer at a step: needs at_step".into());
+                }
+                _ => {}
             }
+            let once = |kind: FaultKind| self.faults.iter().filter(|f| f.kind == kind).count() == 1;
+            let needs = |what: &str| at(format!("needs {what}"));
             match fault.kind {
                 FaultKind::Kill | FaultKind::Stop | FaultKind::DeviceError => match fault.rank {
                     Some(r) if r < world => {}
                     other => return at(format!("rank {other:?} must be below {world}")),
                 },
-                FaultKind::KillNode => match fault.node {
+                FaultKind::KillInSave => {
+                    match fault.rank {
+                        Some(r) if r < world => {}
+                        other => return at(format!("rank {other:?} must be below {world}")),
+                    }
+                    match fault.stage.as_deref() {
+                        Some(stage) if SAVE_STAGES.contains(&stage) => {
+                            if stage.contains("commit") && fault.rank != Some(0) {
+                                return at(format!(
+                                    "{stage} happens on the committing rank: rank 0"
+                                ));
+                            }
+                        }
+                        other => {
+                            return at(format!(
+                                "stage {other:?} must be one of {}",
+                                SAVE_STAGES.join(", ")
+                            ));
+                        }
+                    }
+                    if !once(FaultKind::KillInSave) {
+                        return at("one kill-in-save per scenario (one armed failpoint)".into());
+                    }
+                }
+                FaultKind::KillNode | FaultKind::Partition => match fault.node {
                     Some(n) if n < self.nodes => {}
                     other => return at(format!("node {other:?} must be below {}", self.nodes)),
                 },
                 FaultKind::KillCoordinator if self.coordinator != CoordinatorKind::Standalone => {
-                    return at("needs coordinator = \"standalone\"".into());
+                    return needs("coordinator = \"standalone\"");
                 }
-                FaultKind::KillCoordinator => {}
+                FaultKind::KillEtcdMember => {
+                    if self.coordinator != CoordinatorKind::Etcd {
+                        return needs("coordinator = \"etcd\"");
+                    }
+                    if fault.member.is_none_or(|m| m >= 3) {
+                        return needs("member 0, 1 or 2");
+                    }
+                }
+                FaultKind::StorageErrors
+                | FaultKind::StorageLatency
+                | FaultKind::StorageReset
+                | FaultKind::StorageLosePart
+                    if self.storage != StorageKind::S3 =>
+                {
+                    return needs("storage = \"s3\" (the proxy)");
+                }
+                FaultKind::DiskFull if self.storage != StorageKind::Tmpfs => {
+                    return needs("storage = \"tmpfs\"");
+                }
+                FaultKind::Corrupt => {
+                    if self.storage == StorageKind::S3 {
+                        return needs("storage on local disk (file or tmpfs)");
+                    }
+                    if !matches!(fault.how.as_deref(), Some("bit-flip" | "truncate")) {
+                        return needs("how = \"bit-flip\" or \"truncate\"");
+                    }
+                }
+                _ => {}
             }
-            if matches!(fault.kind, FaultKind::Stop | FaultKind::KillCoordinator)
-                && fault.duration_ms.is_none()
-            {
-                return at("needs duration_ms".into());
+            if fault.kind == FaultKind::Partition {
+                if self.nodes < 2 {
+                    return needs("two nodes or more");
+                }
+                if self.coordinator != CoordinatorKind::Standalone {
+                    return needs(
+                        "coordinator = \"standalone\" (it listens on the host side of the bridge)",
+                    );
+                }
             }
-            if fault.kind == FaultKind::DeviceError
-                && self
-                    .faults
-                    .iter()
-                    .filter(|f| f.kind == FaultKind::DeviceError)
-                    .count()
-                    > 1
+            if fault.kind == FaultKind::KillNode
+                && fault.duration_ms.is_some()
+                && fault.node == Some(0)
+                && self.coordinator == CoordinatorKind::Hosted
             {
+                return at(
+                    "node 0 hosts the coordinator: it cannot be started again into the same job"
+                        .into(),
+                );
+            }
+            if matches!(
+                fault.kind,
+                FaultKind::Stop
+                    | FaultKind::KillCoordinator
+                    | FaultKind::Partition
+                    | FaultKind::StorageLatency
+                    | FaultKind::DiskFull
+                    | FaultKind::KillEtcdMember
+            ) && fault.duration_ms.is_none()
+            {
+                return needs("duration_ms");
+            }
+            if fault.kind == FaultKind::DeviceError && !once(FaultKind::DeviceError) {
                 return at("one device-error per scenario (the trainer has one failpoint)".into());
             }
         }

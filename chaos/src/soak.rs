@@ -4,7 +4,7 @@
 //! can be drawn again alone, and a failure is written out as a scenario file that
 //! replays it with `ckpt-chaos run`.
 
-use crate::scenario::{CoordinatorKind, Expect, Fault, FaultKind, Scenario};
+use crate::scenario::{CoordinatorKind, Expect, Fault, FaultKind, Scenario, StorageKind};
 
 /// SplitMix64: small, fast, and good enough to draw fault plans from.
 #[derive(Debug, Clone)]
@@ -81,13 +81,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             kinds.push(FaultKind::KillCoordinator);
         }
         let kind = kinds[rng.range(0, kinds.len() as u64 - 1) as usize];
-        let mut fault = Fault {
-            kind,
-            rank: None,
-            node: None,
-            at_step: Some(at_step),
-            duration_ms: None,
-        };
+        let mut fault = Fault::at(kind, at_step);
         if kind == FaultKind::KillCoordinator {
             coordinator_killed = true;
             fault.duration_ms = Some(rng.range(200, 2000));
@@ -96,7 +90,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             // the job by design (docs/RELIABILITY.md), so only node 1 is lost whole.
             let node = match coordinator {
                 CoordinatorKind::Hosted => 1,
-                CoordinatorKind::Standalone => rng.range(0, 1) as usize,
+                CoordinatorKind::Standalone | CoordinatorKind::Etcd => rng.range(0, 1) as usize,
             };
             node_lost = true;
             targets.retain(|r| r / ranks != node);
@@ -134,6 +128,8 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         step_pause_ms: 40,
         heartbeat_timeout_secs: 2,
         coordinator,
+        storage: StorageKind::File,
+        disk_mib: None,
         expect: Expect {
             // A coordinator that dies and comes back alone changes no generation.
             recoveries_at_least: faults

@@ -1,0 +1,183 @@
+//! A private 3-member etcd cluster for scenarios on the etcd backend
+//! (`coordinator = "etcd"`), whose members `kill-etcd-member` faults kill and start
+//! again.
+//!
+//! Private because the faults hurt it: a cluster shared with other jobs would carry
+//! one run's damage into the next. Data lives on tmpfs where there is one (etcd syncs
+//! every write, and a run measures the protocol, not the disk).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One member: its ports, data directory and process (`None` while killed).
+struct Member {
+    name: String,
+    client: u16,
+    peer: u16,
+    data: PathBuf,
+    child: Option<Child>,
+}
+
+/// Three etcd processes forming one cluster; killed and removed on drop.
+pub struct Cluster {
+    bin: PathBuf,
+    members: Vec<Member>,
+    initial: String,
+    dir: PathBuf,
+}
+
+/// The `etcd` program: `CKPT_TEST_ETCD_BIN`, else `etcd` on the `PATH`.
+pub fn find_etcd() -> Result<PathBuf, String> {
+    if let Some(bin) = std::env::var_os("CKPT_TEST_ETCD_BIN") {
+        return Ok(bin.into());
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join("etcd"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            "etcd is not installed (Debian: etcd-server; or set CKPT_TEST_ETCD_BIN)".to_string()
+        })
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl Cluster {
+    /// Starts three members and waits until each answers its health check.
+    pub fn start(bin: &Path) -> Result<Cluster, String> {
+        let base = if Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let dir = base.join(format!(
+            "ckpt-chaos-etcd-{}-{}",
+            std::process::id(),
+            crate::run::unix_ms()
+        ));
+        let mut members = Vec::new();
+        for i in 0..3 {
+            members.push(Member {
+                name: format!("e{i}"),
+                client: free_port().map_err(|e| e.to_string())?,
+                peer: free_port().map_err(|e| e.to_string())?,
+                data: dir.join(format!("e{i}")),
+                child: None,
+            });
+        }
+        let initial = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Cluster {
+            bin: bin.to_path_buf(),
+            members: Vec::new(),
+            initial,
+            dir,
+        };
+        for m in &mut members {
+            m.child = Some(cluster.spawn(m, "new")?);
+        }
+        cluster.members = members;
+        for i in 0..3 {
+            cluster.wait_healthy(i)?;
+        }
+        Ok(cluster)
+    }
+
+    fn spawn(&self, m: &Member, state: &str) -> Result<Child, String> {
+        let client = format!("http://127.0.0.1:{}", m.client);
+        let peer = format!("http://127.0.0.1:{}", m.peer);
+        Command::new(&self.bin)
+            .args(["--name", &m.name, "--data-dir"])
+            .arg(&m.data)
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &self.initial])
+            .args(["--initial-cluster-state", state])
+            .args(["--initial-cluster-token", "ckpt-chaos"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{}: {e}", self.bin.display()))
+    }
+
+    /// Waits (30 s at most) until member `i` reports itself healthy.
+    fn wait_healthy(&self, i: usize) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = format!("127.0.0.1:{}", self.members[i].client);
+        while Instant::now() < deadline {
+            if health(&addr) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(format!("etcd member {i} at {addr} not healthy within 30 s"))
+    }
+
+    /// `etcd://…/PREFIX` for `--rdzv`.
+    pub fn url(&self, prefix: &str) -> String {
+        let hosts: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client))
+            .collect();
+        format!("etcd://{}/{prefix}", hosts.join(","))
+    }
+
+    /// SIGKILLs member `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.members[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts member `i` again on its data (it rejoins the cluster as it was).
+    pub fn restart(&mut self, i: usize) -> Result<(), String> {
+        if self.members[i].child.is_none() {
+            let child = self.spawn(&self.members[i], "existing")?;
+            self.members[i].child = Some(child);
+        }
+        Ok(())
+    }
+}
+
+/// `GET /health` answers `"health":"true"`.
+fn health(addr: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(socket) = addr.parse() else {
+        return false;
+    };
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&socket, Duration::from_secs(1))
+    else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let request = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer.contains("\"health\":\"true\"")
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
