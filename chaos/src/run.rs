@@ -161,6 +161,9 @@ pub fn train_args(scenario: &Scenario, ckpt_url: &str) -> Vec<String> {
         "--timeout-secs".into(),
         "30".into(),
     ];
+    if !scenario.memory_copies {
+        args.push("--memory-copies=false".into());
+    }
     if scenario.step_pause_ms > 0 {
         args.extend([
             "--fault-step-pause-ms".into(),

@@ -71,6 +71,11 @@ pub struct Scenario {
     /// Size of the tmpfs (`storage = "tmpfs"`), MiB.
     #[serde(default)]
     pub disk_mib: Option<u64>,
+    /// Ranks keep in-memory copies of the newest checkpoints and recover from them
+    /// (the trainer's default). `false`: every recovery reads the store, so a
+    /// `corrupt` fault meets the loader.
+    #[serde(default = "yes")]
+    pub memory_copies: bool,
     /// The faults, in any order; each fires once.
     #[serde(default, rename = "fault")]
     pub faults: Vec<Fault>,
@@ -84,6 +89,9 @@ fn one() -> usize {
 }
 fn two() -> u64 {
     2
+}
+fn yes() -> bool {
+    true
 }
 fn seven() -> u64 {
     7

@@ -130,6 +130,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         coordinator,
         storage: StorageKind::File,
         disk_mib: None,
+        memory_copies: true,
         expect: Expect {
             // A coordinator that dies and comes back alone changes no generation.
             recoveries_at_least: faults

@@ -70,6 +70,11 @@ struct TrainArgs {
     /// Keep the K newest checkpoints.
     #[arg(long, default_value_t = 3)]
     keep: usize,
+    /// Saves in a row that may fail (storage errors past retries, a full disk) while
+    /// training goes on; one more stops the job with the error. The final save must
+    /// commit.
+    #[arg(long, default_value_t = 3)]
+    max_failed_saves: u32,
     /// Seconds a superseded checkpoint stays for readers before retention removes it.
     #[arg(long, default_value_t = 600)]
     keep_grace_secs: u64,
@@ -660,6 +665,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         deterministic: args.deterministic,
         ckpt_every: args.ckpt_every,
         keep: args.keep,
+        max_failed_saves: args.max_failed_saves,
         retention_grace: std::time::Duration::from_secs(args.keep_grace_secs),
         resume: args.resume,
         log_every: args.log_every,

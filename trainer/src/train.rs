@@ -56,6 +56,9 @@ pub struct TrainConfig {
     pub ckpt_every: u64,
     /// Keep this many newest checkpoints.
     pub keep: usize,
+    /// Saves in a row that may fail (a storage outage, a full disk) while training
+    /// goes on; one more stops the rank with the error. The final save must commit.
+    pub max_failed_saves: u32,
     /// How long a superseded checkpoint stays for readers before retention removes
     /// it.
     pub retention_grace: Duration,
@@ -185,6 +188,9 @@ impl Supervisor for Unsupervised {
 #[derive(Debug, Default)]
 pub struct Checkpointing {
     pending: Option<SaveHandle>,
+    /// Saves in a row that failed (storage errors past retries, a full disk); reset
+    /// by a commit.
+    failed_in_a_row: u32,
     /// In-memory copies of the newest checkpoints (elastic ranks): a recovery
     /// rebuilds from them instead of the store where it can. Used only when every
     /// rank of the world has them.
@@ -633,6 +639,7 @@ pub fn run_supervised(
     let mut grad_shard: Vec<f32> = Vec::new();
     let mut grad_shard_i64: Vec<i64> = Vec::new();
     let pending = &mut checkpointing.pending;
+    let failed_in_a_row = &mut checkpointing.failed_in_a_row;
     let started = Instant::now();
     let first_step = st.step;
     let mut loss = f64::NAN;
@@ -764,17 +771,34 @@ pub fn run_supervised(
             let blocked = Instant::now();
             if let Some(previous) = pending.take() {
                 let step = previous.step();
-                unless_cancelled(
+                // A save that failed (its commit is buried as failed, on every rank
+                // alike) costs a checkpoint, not the job: training goes on and the
+                // next save tries again, up to `max_failed_saves` in a row.
+                match or_cancelled(
                     runtime,
                     supervisor,
                     "waiting for the previous commit",
                     previous.committed(),
-                )?;
-                if let Some((memory, _)) = memory {
-                    memory.confirm(&previous.attempt().dir());
-                }
-                if rank == 0 {
-                    supervisor.committed(step);
+                )? {
+                    Ok(_) => {
+                        *failed_in_a_row = 0;
+                        if let Some((memory, _)) = memory {
+                            memory.confirm(&previous.attempt().dir());
+                        }
+                        if rank == 0 {
+                            supervisor.committed(step);
+                        }
+                    }
+                    Err(e) if *failed_in_a_row < config.max_failed_saves => {
+                        *failed_in_a_row += 1;
+                        if rank == 0 {
+                            say(format_args!(
+                                "checkpoint of step {step} failed ({e}); training goes on ({} of {} failed saves in a row allowed)",
+                                failed_in_a_row, config.max_failed_saves
+                            ));
+                        }
+                    }
+                    Err(e) => return Err(e.into()),
                 }
             }
             if let Some((name, step, at_rank)) = &config.save_stage

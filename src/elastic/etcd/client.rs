@@ -239,6 +239,16 @@ struct Core {
     requests: AtomicU64,
 }
 
+/// The request did not reach a serving member: the endpoint refused the connection
+/// or answered `Unavailable` (gRPC code 14).
+fn unreachable_endpoint(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) => true,
+        etcd_client::Error::GRpcStatus(status) => i32::from(status.code()) == 14,
+        _ => false,
+    }
+}
+
 fn io(what: &str, e: impl std::fmt::Display) -> ElasticError {
     ElasticError::Io(format!("etcd {what}: {e}"))
 }
@@ -323,15 +333,61 @@ impl Core {
         }
     }
 
+    /// One request, retried on another endpoint while the one it reached is down.
+    ///
+    /// The client balances requests over every endpoint of the URL but keeps a dead
+    /// member's endpoint in its rotation, so a request can land on a member that is
+    /// down (connection refused, `Unavailable`) while the other two serve a quorum.
+    /// Such a request never reached etcd: it is sent again, within the request
+    /// timeout. Every request retried here is safe to repeat: reads, puts of the
+    /// same value, and transactions guarded by a comparison (a repeat of one that
+    /// took effect fails its comparison, which callers treat as a lost race).
+    async fn request_any<T, F, Fut>(&self, what: &str, mut make: F) -> Result<T, ElasticError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.settings.request_timeout;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let attempt = tokio::time::timeout_at(deadline, make(self.client.clone())).await;
+            match attempt {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(e)) if unreachable_endpoint(&e) => {
+                    if tokio::time::Instant::now() + pause >= deadline {
+                        return Err(io(what, e));
+                    }
+                    debug!(error = %e, "etcd {what}: endpoint unreachable; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                Ok(Err(e)) => return Err(io(what, e)),
+                Err(_) => {
+                    return Err(io(
+                        what,
+                        format!(
+                            "no answer within {} ms",
+                            self.settings.request_timeout.as_millis()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
     /// Reads every key of the job and replaces the mirror; returns the revision.
     async fn resync(&self) -> Result<i64, ElasticError> {
-        let mut client = self.client.clone();
         let root = self.keys.root.clone();
         let response = self
-            .request(
-                "read",
-                client.get(root, Some(GetOptions::new().with_prefix())),
-            )
+            .request_any("read", |mut client| {
+                let root = root.clone();
+                async move {
+                    client
+                        .get(root, Some(GetOptions::new().with_prefix()))
+                        .await
+                }
+            })
             .await?;
         let revision = response.header().map(|h| h.revision()).unwrap_or(0);
         let mut mirror = self.lock();
@@ -476,12 +532,12 @@ impl Core {
                 Some(DeleteOptions::new().with_range(self.keys.kv_of(next.generation - 1))),
             ));
         }
-        let mut client = self.client.clone();
+        let txn = Txn::new().when(vec![compare]).and_then(ops);
         let response = self
-            .request(
-                "transaction",
-                client.txn(Txn::new().when(vec![compare]).and_then(ops)),
-            )
+            .request_any("transaction", |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
             .await?;
         if response.succeeded() {
             let at = response.header().map(|h| h.revision()).unwrap_or(0);
@@ -496,9 +552,12 @@ impl Core {
 
     /// Re-reads the generation record alone (after a lost comparison).
     async fn reread_generation(&self) -> Result<(), ElasticError> {
-        let mut client = self.client.clone();
+        let key = self.keys.generation();
         let response = self
-            .request("read", client.get(self.keys.generation(), None))
+            .request_any("read", |mut client| {
+                let key = key.clone();
+                async move { client.get(key, None).await }
+            })
             .await?;
         let mut mirror = self.lock();
         for kv in response.kvs() {
@@ -590,7 +649,6 @@ async fn settings_of(
     let key = core.keys.config();
     let mut last_error = None;
     while Instant::now() < deadline {
-        let mut client = core.client.clone();
         let attempt = async {
             if let Some(config) = publish {
                 let value = serde_json::to_vec(config).map_err(|e| io("encode", e))?;
@@ -602,14 +660,22 @@ async fn settings_of(
                     )])
                     .and_then(vec![TxnOp::put(key.clone(), value, None)]);
                 if core
-                    .request("transaction", client.txn(txn))
+                    .request_any("transaction", |mut client| {
+                        let txn = txn.clone();
+                        async move { client.txn(txn).await }
+                    })
                     .await?
                     .succeeded()
                 {
                     return Ok(Some((config.clone(), false)));
                 }
             }
-            let response = core.request("read", client.get(key.clone(), None)).await?;
+            let response = core
+                .request_any("read", |mut client| {
+                    let key = key.clone();
+                    async move { client.get(key, None).await }
+                })
+                .await?;
             match response.kvs().first() {
                 None => Ok(None),
                 Some(kv) => {
@@ -695,9 +761,10 @@ impl EtcdJob {
         let core = self.core.clone();
         let ttl = self.config.lease_ttl_secs();
         self.core.call(async move {
-            let mut client = core.client.clone();
             Ok(core
-                .request("lease grant", client.lease_grant(ttl, None))
+                .request_any("lease grant", |mut client| async move {
+                    client.lease_grant(ttl, None).await
+                })
                 .await?
                 .id())
         })
@@ -792,11 +859,12 @@ impl Plane {
         let value = serde_json::to_vec(&record).map_err(|e| io("encode", e))?;
         let key = self.core.keys.member(&self.me.id);
         if self.lease_lost.load(Ordering::SeqCst) {
-            let mut client = self.core.client.clone();
             let ttl = self.config.lease_ttl_secs();
             let lease = self
                 .core
-                .request("lease grant", client.lease_grant(ttl, None))
+                .request_any("lease grant", |mut client| async move {
+                    client.lease_grant(ttl, None).await
+                })
                 .await?
                 .id();
             info!(member = %self.me.id, lease, "lease lost; registering again under a new one");
@@ -805,9 +873,15 @@ impl Plane {
             self.lease_lost.store(false, Ordering::SeqCst);
         }
         let lease = self.lease.load(Ordering::SeqCst);
-        let mut client = self.core.client.clone();
-        let put = client.put(key, value, Some(PutOptions::new().with_lease(lease)));
-        match self.core.request("put", put).await {
+        let put = self.core.request_any("put", |mut client| {
+            let (key, value) = (key.clone(), value.clone());
+            async move {
+                client
+                    .put(key, value, Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
+        });
+        match put.await {
             Ok(response) => {
                 let revision = response.header().map(|h| h.revision()).unwrap_or(0);
                 let mut mine = self.record();
@@ -1296,10 +1370,12 @@ impl ControlPlane for EtcdControlPlane {
         let full = format!("{}{key}", core.keys.kv_of(generation));
         let value = value.to_owned();
         self.inner.core.call(async move {
-            let mut client = core.client.clone();
-            core.request("put", client.put(full, value, None))
-                .await
-                .map(|_| ())
+            core.request_any("put", |mut client| {
+                let (full, value) = (full.clone(), value.clone());
+                async move { client.put(full, value, None).await }
+            })
+            .await
+            .map(|_| ())
         })
     }
 
