@@ -4,7 +4,9 @@
 //! can be drawn again alone, and a failure is written out as a scenario file that
 //! replays it with `ckpt-chaos run`.
 
-use crate::scenario::{CoordinatorKind, Expect, Fault, FaultKind, Scenario, StorageKind};
+use crate::scenario::{
+    CoordinatorKind, Expect, Fault, FaultKind, SAVE_STAGES, Scenario, StorageKind,
+};
 
 /// SplitMix64: small, fast, and good enough to draw fault plans from.
 #[derive(Debug, Clone)]
@@ -33,8 +35,10 @@ impl Rng {
     }
 }
 
-/// Draws run `run` of `seed`: tiny preset, one or two nodes, one to three faults on
-/// distinct ranks (or a node), at distinct steps.
+/// Draws run `run` of `seed`: tiny preset, one or two nodes, a control plane (the
+/// hosted or a standalone coordinator, or etcd), a store (local disk, a small tmpfs,
+/// or S3 through the fault proxy), and one to three faults of the kinds that setup
+/// allows, on distinct ranks (or a node), at distinct steps.
 pub fn draw(seed: u64, run: u64) -> Scenario {
     let mut rng = Rng::for_run(seed, run);
     let nodes = rng.range(1, 2) as usize;
@@ -45,76 +49,167 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
     };
     let world = ranks * nodes;
     let steps = 40;
+    let coordinator = match rng.range(0, 7) {
+        0 | 1 => CoordinatorKind::Standalone,
+        2 => CoordinatorKind::Etcd,
+        _ => CoordinatorKind::Hosted,
+    };
+    let storage = match rng.range(0, 7) {
+        0 => StorageKind::Tmpfs,
+        1 => StorageKind::S3,
+        _ => StorageKind::File,
+    };
+    // One run in three recovers from the store rather than from memory.
+    let memory_copies = rng.range(0, 2) != 0;
     let count = rng.range(1, 3.min(world as u64 - 1)) as usize;
     let mut targets: Vec<usize> = (0..world).collect();
     let mut at_steps: Vec<u64> = Vec::new();
     let mut faults = Vec::new();
     let mut node_lost = false;
-    // One run in four has a standalone coordinator, which a fault may kill.
-    let coordinator = if rng.range(0, 3) == 0 {
-        CoordinatorKind::Standalone
-    } else {
-        CoordinatorKind::Hosted
-    };
-    let mut coordinator_killed = false;
+    let mut once: Vec<FaultKind> = Vec::new();
     for i in 0..count {
         let mut at_step = rng.range(6, steps - 10);
         while at_steps.contains(&at_step) {
             at_step = rng.range(6, steps - 10);
         }
         at_steps.push(at_step);
-        // The trainer's device-error failpoint acts in the first generation only:
-        // drawn only as the first fault.
-        let kinds: &[FaultKind] = match (i, nodes, node_lost) {
-            (0, 2, _) => &[
-                FaultKind::Kill,
-                FaultKind::Stop,
-                FaultKind::KillNode,
-                FaultKind::DeviceError,
-            ],
-            (0, _, _) => &[FaultKind::Kill, FaultKind::Stop, FaultKind::DeviceError],
-            (_, 2, false) => &[FaultKind::Kill, FaultKind::Stop, FaultKind::KillNode],
-            _ => &[FaultKind::Kill, FaultKind::Stop],
-        };
-        let mut kinds = kinds.to_vec();
-        if coordinator == CoordinatorKind::Standalone && !coordinator_killed {
-            kinds.push(FaultKind::KillCoordinator);
+        let mut kinds = vec![FaultKind::Kill, FaultKind::Stop];
+        // Set off by the trainer in the first generation only: the first fault.
+        if i == 0 {
+            kinds.extend([FaultKind::DeviceError, FaultKind::KillInSave]);
         }
+        if nodes == 2 && !node_lost {
+            kinds.push(FaultKind::KillNode);
+            if coordinator == CoordinatorKind::Standalone {
+                kinds.push(FaultKind::Partition);
+            }
+        }
+        match coordinator {
+            CoordinatorKind::Standalone => kinds.push(FaultKind::KillCoordinator),
+            CoordinatorKind::Etcd => kinds.push(FaultKind::KillEtcdMember),
+            CoordinatorKind::Hosted => {}
+        }
+        match storage {
+            StorageKind::File => kinds.push(FaultKind::Corrupt),
+            StorageKind::Tmpfs => kinds.extend([FaultKind::Corrupt, FaultKind::DiskFull]),
+            StorageKind::S3 => kinds.extend([
+                FaultKind::StorageErrors,
+                FaultKind::StorageLatency,
+                FaultKind::StorageReset,
+            ]),
+        }
+        kinds.retain(|k| !once.contains(k));
         let kind = kinds[rng.range(0, kinds.len() as u64 - 1) as usize];
         let mut fault = Fault::at(kind, at_step);
-        if kind == FaultKind::KillCoordinator {
-            coordinator_killed = true;
-            fault.duration_ms = Some(rng.range(200, 2000));
-        } else if kind == FaultKind::KillNode {
-            // A hosted coordinator lives in node 0's launcher: losing that node ends
-            // the job by design (docs/RELIABILITY.md), so only node 1 is lost whole.
-            let node = match coordinator {
-                CoordinatorKind::Hosted => 1,
-                CoordinatorKind::Standalone | CoordinatorKind::Etcd => rng.range(0, 1) as usize,
-            };
-            node_lost = true;
-            targets.retain(|r| r / ranks != node);
-            fault.node = Some(node);
-        } else {
-            if targets.len() <= 1 {
-                break;
+        match kind {
+            FaultKind::KillCoordinator | FaultKind::KillEtcdMember => {
+                once.push(kind);
+                fault.duration_ms = Some(rng.range(200, 2000));
+                if kind == FaultKind::KillEtcdMember {
+                    fault.member = Some(rng.range(0, 2) as usize);
+                }
             }
-            let rank = targets.remove(rng.range(0, targets.len() as u64 - 1) as usize);
-            fault.rank = Some(rank);
-            if kind == FaultKind::Stop {
-                // Longer than the heartbeat timeout (2 s) by a margin: a hang the
-                // control plane must find.
-                fault.duration_ms = Some(rng.range(3000, 4000));
+            FaultKind::KillNode | FaultKind::Partition => {
+                // A hosted coordinator lives in node 0's launcher: losing that node
+                // ends the job by design (docs/RELIABILITY.md), so only node 1 is
+                // lost whole there.
+                let node = match coordinator {
+                    CoordinatorKind::Hosted => 1,
+                    _ => rng.range(0, 1) as usize,
+                };
+                node_lost = true;
+                targets.retain(|r| r / ranks != node);
+                fault.node = Some(node);
+                if kind == FaultKind::Partition {
+                    // Longer than the heartbeat timeout: the control plane must notice.
+                    fault.duration_ms = Some(rng.range(3000, 4000));
+                } else if rng.range(0, 1) == 0 {
+                    // Half the lost nodes come back, and the world grows again.
+                    fault.duration_ms = Some(rng.range(500, 2000));
+                }
+            }
+            FaultKind::StorageErrors | FaultKind::StorageLatency | FaultKind::StorageReset => {
+                fault.count = Some(rng.range(1, 4) as usize);
+                if kind == FaultKind::StorageErrors {
+                    fault.status = Some(if rng.range(0, 1) == 0 { 500 } else { 503 });
+                }
+                if kind == FaultKind::StorageLatency {
+                    fault.duration_ms = Some(rng.range(100, 1000));
+                }
+            }
+            FaultKind::DiskFull => {
+                once.push(kind);
+                // Shorter than --max-failed-saves (3) checkpoint intervals.
+                fault.duration_ms = Some(rng.range(100, 250));
+            }
+            FaultKind::Corrupt => {
+                once.push(kind);
+                fault.how = Some(
+                    if rng.range(0, 1) == 0 {
+                        "bit-flip"
+                    } else {
+                        "truncate"
+                    }
+                    .into(),
+                );
+            }
+            _ => {
+                if targets.len() <= 1 {
+                    break;
+                }
+                let rank = targets.remove(rng.range(0, targets.len() as u64 - 1) as usize);
+                fault.rank = Some(rank);
+                if kind == FaultKind::Stop {
+                    // Longer than the heartbeat timeout (2 s) by a margin: a hang the
+                    // control plane must find.
+                    fault.duration_ms = Some(rng.range(3000, 4000));
+                }
+                if kind == FaultKind::KillInSave {
+                    let stage = SAVE_STAGES[rng.range(0, SAVE_STAGES.len() as u64 - 1) as usize];
+                    fault.stage = Some(stage.into());
+                    if stage.contains("commit") {
+                        // The committing rank: put the drawn rank back, hit rank 0.
+                        targets.push(rank);
+                        targets.retain(|&r| r != 0);
+                        fault.rank = Some(0);
+                    }
+                }
             }
         }
         faults.push(fault);
     }
-    // Device errors come first (the failpoint's generation).
-    faults.sort_by_key(|f| (f.kind != FaultKind::DeviceError, f.at_step));
-    if let Some(pos) = faults.iter().position(|f| f.kind == FaultKind::DeviceError) {
-        let earliest = faults.iter().filter_map(|f| f.at_step).min().unwrap_or(6);
-        faults[pos].at_step = Some(earliest.saturating_sub(1).max(5));
+    // Faults the trainer sets off come first, before any other changes the
+    // generation: a device error just before the earliest other fault, a save-stage
+    // kill armed so that the save it stops (a multiple of 5) comes before it.
+    faults.sort_by_key(|f| {
+        (
+            !matches!(f.kind, FaultKind::DeviceError | FaultKind::KillInSave),
+            f.at_step,
+        )
+    });
+    let earliest = faults
+        .iter()
+        .filter(|f| !matches!(f.kind, FaultKind::DeviceError | FaultKind::KillInSave))
+        .filter_map(|f| f.at_step)
+        .min();
+    if let Some(first) = faults.first_mut() {
+        match (first.kind, earliest) {
+            (FaultKind::DeviceError, Some(e)) => first.at_step = Some(e.saturating_sub(1).max(5)),
+            (FaultKind::KillInSave, Some(e)) => first.at_step = Some(e.saturating_sub(5).max(1)),
+            _ => {}
+        }
     }
+    let recovers = faults.iter().any(|f| {
+        matches!(
+            f.kind,
+            FaultKind::Kill
+                | FaultKind::Stop
+                | FaultKind::KillNode
+                | FaultKind::DeviceError
+                | FaultKind::KillInSave
+                | FaultKind::Partition
+        )
+    });
     Scenario {
         description: format!("soak seed {seed} run {run}"),
         ranks,
@@ -128,15 +223,12 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         step_pause_ms: 40,
         heartbeat_timeout_secs: 2,
         coordinator,
-        storage: StorageKind::File,
-        disk_mib: None,
-        memory_copies: true,
+        storage,
+        disk_mib: (storage == StorageKind::Tmpfs).then_some(16),
+        memory_copies,
         expect: Expect {
-            // A coordinator that dies and comes back alone changes no generation.
-            recoveries_at_least: faults
-                .iter()
-                .any(|f| f.kind != FaultKind::KillCoordinator)
-                .then_some(1),
+            // Storage, corruption and control-plane faults alone change no generation.
+            recoveries_at_least: recovers.then_some(1),
             ..Expect::default()
         },
         faults,
@@ -158,7 +250,11 @@ mod tests {
             assert!(!s.faults.is_empty() && s.faults.len() <= 3);
             kinds.extend(s.faults.iter().map(|f| format!("{:?}", f.kind)));
         }
-        assert_eq!(kinds.len(), 5, "every fault kind is drawn: {kinds:?}");
+        assert_eq!(
+            kinds.len(),
+            13,
+            "every fault kind but a lost part is drawn: {kinds:?}"
+        );
         assert_ne!(draw(42, 0), draw(43, 0));
     }
 }

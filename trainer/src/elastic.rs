@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ckpt::elastic::{Agent, Assignment, Cancel, Directive, Report};
+use ckpt::elastic::{Agent, Assignment, Cancel, Directive, ElasticError, Report};
 use ckpt::storage::Store;
 
 use crate::collective::{Collective, TcpCollective, TcpConfig};
@@ -49,6 +49,14 @@ pub enum Exit {
     Stopped {
         /// The step saved.
         step: u64,
+    },
+    /// The job trained to its last step without this member (which was still
+    /// waiting to join when the others committed it): nothing is left to do.
+    Over {
+        /// The job's final step, committed.
+        step: u64,
+        /// What the control plane said.
+        reason: String,
     },
     /// The control plane dropped this member (stale) or shut the job down.
     Left(String),
@@ -174,6 +182,22 @@ fn bootstrap(
     .map_err(|e| e.to_string())
 }
 
+/// True when the store's newest checkpoint is the job's final step: whatever the
+/// control plane said, the job is done (the store is the record of what was trained).
+fn final_step_committed(
+    runtime: &tokio::runtime::Handle,
+    store: Option<&Store>,
+    steps: u64,
+) -> bool {
+    let Some(store) = store else {
+        return false;
+    };
+    matches!(
+        runtime.block_on(ckpt::catalog::latest(store)),
+        Ok(Some(manifest)) if manifest.step == steps
+    )
+}
+
 /// What happened to the previous generation, for the recovery line.
 struct Previous {
     /// When the failure reached this rank (the directive, or its own collective
@@ -209,6 +233,14 @@ pub fn run(
         let rendezvous_started = Instant::now();
         let assignment = match agent.rendezvous() {
             Ok(a) => a,
+            Err(ElasticError::Shutdown(reason))
+                if final_step_committed(runtime, store, config.steps) =>
+            {
+                return Exit::Over {
+                    step: config.steps,
+                    reason,
+                };
+            }
             Err(e) => return Exit::Left(format!("rendezvous: {e}")),
         };
         let rendezvous = rendezvous_started.elapsed();

@@ -814,6 +814,13 @@ fn run_elastic_rank(
             );
             ExitCode::from(EXIT_STOPPED as u8)
         }
+        Exit::Over { step, reason } => {
+            println!(
+                "done: the job finished at step {step} without this member ({reason}; member {})",
+                member.id
+            );
+            ExitCode::SUCCESS
+        }
         Exit::Left(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
         Exit::Failed(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
     }
