@@ -100,9 +100,13 @@ impl Report {
                 .map(|d| format!("{d} ms"))
                 .unwrap_or_else(|| "-".into());
             out += &format!(
-                "\n  recovery: generation {} on {} ranks: detect {detect}, abort {} ms, re-form {} ms, load {} ms, first step {} ms ({})",
+                "\n  recovery: generation {} on {} rank(s): detect {detect}, abort {} ms, re-form {} ms, load {} ms, first step {} ms ({})",
                 r.generation, r.world, r.abort_ms, r.reform_ms, r.load_ms, r.first_step_ms, r.cause
             );
+        }
+        if !self.observed.worlds.is_empty() {
+            let worlds: Vec<String> = self.observed.worlds.iter().map(|w| w.to_string()).collect();
+            out += &format!("\n  ranks training: {}", worlds.join(" → "));
         }
         if let Some(g) = self.observed.goodput {
             out += &format!("\n  goodput: {:.0} %", g * 100.0);

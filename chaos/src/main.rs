@@ -52,6 +52,15 @@ enum Commands {
         #[command(flatten)]
         common: Common,
     },
+    /// The demo: 4 ranks on 2 nodes on local disk lose a rank, then a node; the node
+    /// comes back; the final weights are compared with a failure-free run, bit for bit.
+    Demo {
+        /// Also draw the run (SVG).
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<PathBuf>,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Runs N scenarios drawn from a seed; a failure is written out as a scenario file
     /// that replays it (exit 1 when any run fails).
     Soak {
@@ -79,7 +88,9 @@ enum Commands {
 fn main() -> ExitCode {
     let command = Cli::parse().command;
     let common = match &command {
-        Commands::Run { common, .. } | Commands::Soak { common, .. } => common,
+        Commands::Run { common, .. }
+        | Commands::Soak { common, .. }
+        | Commands::Demo { common, .. } => common,
     };
     let options = match options(common) {
         Ok(o) => o,
@@ -103,6 +114,7 @@ fn main() -> ExitCode {
             shrink,
             ..
         } => soak(seed, runs, json, &out, shrink, options),
+        Commands::Demo { plot, .. } => demo(plot, options),
     }
 }
 
@@ -231,13 +243,15 @@ fn soak(
         reports.push(value);
     }
     let _ = std::fs::remove_dir_all(&options.scratch);
+    let totals = totals(&reports);
     if json {
         println!(
             "{}",
-            serde_json::json!({"seed": seed, "runs": reports, "failed": failed})
+            serde_json::json!({"seed": seed, "runs": reports, "failed": failed, "totals": totals})
         );
     } else {
         println!("{} of {runs} runs passed", runs - failed);
+        println!("{}", describe_totals(&totals));
     }
     if failed > 0 {
         ExitCode::from(1)
@@ -288,6 +302,178 @@ fn run(scenarios: Vec<PathBuf>, json: bool, plot: Option<PathBuf>, options: Opti
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// Sorted `values`' median, 95th percentile and maximum.
+fn spread(mut values: Vec<f64>) -> serde_json::Value {
+    if values.is_empty() {
+        return serde_json::Value::Null;
+    }
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| values[((values.len() - 1) as f64 * q).round() as usize];
+    serde_json::json!({"count": values.len(), "median": at(0.5), "p95": at(0.95), "max": at(1.0), "min": at(0.0)})
+}
+
+/// What a soak's runs add up to: faults by kind, recoveries and their times,
+/// checkpoints, lost commits, corruption found and missed, goodput.
+fn totals(reports: &[serde_json::Value]) -> serde_json::Value {
+    let mut by_kind = std::collections::BTreeMap::<String, u64>::new();
+    let (mut passed, mut failed, mut skipped) = (0u64, 0u64, 0u64);
+    let (mut commits, mut verified, mut lost) = (0u64, 0u64, 0u64);
+    let (mut corrupted, mut detected, mut superseded, mut undetected) = (0u64, 0u64, 0u64, 0u64);
+    let (mut recovery_ms, mut back_ms, mut goodput) = (Vec::new(), Vec::new(), Vec::new());
+    let u = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    for run in reports {
+        match run["verdict"].as_str() {
+            Some("pass") => passed += 1,
+            Some("skip") => {
+                skipped += 1;
+                continue;
+            }
+            _ => failed += 1,
+        }
+        let observed = &run["observed"];
+        for fault in observed["fired"].as_array().into_iter().flatten() {
+            *by_kind
+                .entry(fault["kind"].as_str().unwrap_or("?").to_string())
+                .or_default() += 1;
+        }
+        for r in observed["recoveries"].as_array().into_iter().flatten() {
+            let back = u(&r["back_ms"]) as f64;
+            back_ms.push(back);
+            if let Some(detect) = r["detect_ms"].as_u64() {
+                recovery_ms.push(detect as f64 + back);
+            }
+        }
+        if let Some(g) = observed["goodput"].as_f64() {
+            goodput.push(g);
+        }
+        let j = &run["judgement"];
+        commits += u(&j["commits"]);
+        verified += u(&j["verified"]);
+        lost += j["lost"].as_array().map_or(0, |l| l.len() as u64);
+        corrupted += u(&j["corrupted"]);
+        detected += u(&j["detected"]);
+        superseded += u(&j["superseded"]);
+        undetected += j["problems"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p.as_str().is_some_and(|p| p.contains("did not notice")))
+            .count() as u64;
+    }
+    serde_json::json!({
+        "runs": reports.len(),
+        "passed": passed,
+        "failed": failed,
+        "skipped": skipped,
+        "faults": by_kind.values().sum::<u64>(),
+        "faults_by_kind": by_kind,
+        "recoveries": back_ms.len(),
+        "recovery_ms": spread(recovery_ms),
+        "back_to_training_ms": spread(back_ms),
+        "commits": commits,
+        "verified": verified,
+        "lost_commits": lost,
+        "corrupted": corrupted,
+        "corruption_detected": detected,
+        "corruption_superseded": superseded,
+        "corruption_undetected": undetected,
+        "goodput": spread(goodput),
+    })
+}
+
+fn describe_totals(t: &serde_json::Value) -> String {
+    let ms = |v: &serde_json::Value| {
+        if v.is_null() {
+            "-".to_string()
+        } else {
+            format!(
+                "median {:.0} ms, p95 {:.0} ms, max {:.0} ms",
+                v["median"].as_f64().unwrap_or(0.0),
+                v["p95"].as_f64().unwrap_or(0.0),
+                v["max"].as_f64().unwrap_or(0.0)
+            )
+        }
+    };
+    let kinds: Vec<String> = t["faults_by_kind"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    format!(
+        "runs: {} ({} passed, {} failed, {} skipped)\nfaults: {} ({})\nrecoveries: {}; fault to training again: {}; noticed to training again: {}\ncheckpoints: {} committed, {} verified, {} lost\ncorrupted on purpose: {}; found by verify {}, replaced by a later save {}, missed {}\ngoodput: {}",
+        t["runs"],
+        t["passed"],
+        t["failed"],
+        t["skipped"],
+        t["faults"],
+        kinds.join(", "),
+        t["recoveries"],
+        ms(&t["recovery_ms"]),
+        ms(&t["back_to_training_ms"]),
+        t["commits"],
+        t["verified"],
+        t["lost_commits"],
+        t["corrupted"],
+        t["corruption_detected"],
+        t["corruption_superseded"],
+        t["corruption_undetected"],
+        if t["goodput"].is_null() {
+            "-".to_string()
+        } else {
+            format!(
+                "median {:.0} %, min {:.0} %",
+                t["goodput"]["median"].as_f64().unwrap_or(0.0) * 100.0,
+                t["goodput"]["min"].as_f64().unwrap_or(0.0) * 100.0
+            )
+        }
+    )
+}
+
+/// The demo scenario, built in (the same file as `chaos/scenarios/demo.toml`).
+const DEMO: &str = include_str!("../scenarios/demo.toml");
+
+fn demo(plot: Option<PathBuf>, mut options: Options) -> ExitCode {
+    let scenario = match Scenario::parse(DEMO) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: the built-in demo scenario: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    println!(
+        "ckpt demo: {} ranks on {} nodes train a tiny model for {} steps, checkpointing every {} steps to local disk.",
+        scenario.world(),
+        scenario.nodes,
+        scenario.steps,
+        scenario.ckpt_every
+    );
+    println!(
+        "The harness kills rank 1 at step 15, then node 1 (its launcher and both ranks) at step 30, and starts node 1 again a second later."
+    );
+    println!(
+        "Then it checks every checkpoint and compares the final weights with a failure-free run of the same job.\n"
+    );
+    options.plot = plot;
+    let report = match run_scenario("demo", &scenario, &options) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let _ = std::fs::remove_dir_all(&options.scratch);
+    println!("{}", report.summary());
+    if let Some(p) = &options.plot {
+        println!("\nThe run, drawn: {}", p.display());
+    }
+    if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
     }
 }
 

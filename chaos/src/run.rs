@@ -611,6 +611,15 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                         &relaunch_tx,
                     )?;
                     nodes[node] = fresh;
+                    let t_s = watch.seconds();
+                    watch.observed.timeline.faults.push(FaultMark {
+                        t_s,
+                        label: format!("node {node} started again"),
+                    });
+                    watch
+                        .observed
+                        .log
+                        .push(format!("[harness] node {node} started again"));
                 }
             }
         }
@@ -810,9 +819,10 @@ fn finish(watch: &mut Watch, _scenario: &Scenario) {
             from_s: to_s - cost_ms as f64 / 1e3,
             to_s,
             label: format!(
-                "gen {}: {} ranks, {:.1} s",
+                "gen {}: {} rank{}, {:.1} s",
                 recovery.generation,
                 recovery.world,
+                if recovery.world == 1 { "" } else { "s" },
                 cost_ms as f64 / 1e3
             ),
         });
