@@ -54,6 +54,10 @@ pub struct Report {
     pub observed: run::Observed,
     /// What the oracle found.
     pub judgement: oracle::Judgement,
+    /// The last lines the launchers printed, when the run failed (all of them are
+    /// kept with `--logs`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub log_tail: Vec<String>,
 }
 
 impl Report {
@@ -74,6 +78,7 @@ impl Report {
             reasons: vec![why],
             observed: Default::default(),
             judgement: Default::default(),
+            log_tail: Vec::new(),
         }
     }
 
@@ -264,12 +269,19 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
             scenario.faults.len()
         ));
     }
+    let log_tail = if reasons.is_empty() {
+        Vec::new()
+    } else {
+        let skip = observed.log.len().saturating_sub(120);
+        observed.log[skip..].to_vec()
+    };
     Ok(Report {
         scenario: name.to_string(),
         verdict: if reasons.is_empty() { "pass" } else { "fail" },
         reasons,
         observed,
         judgement,
+        log_tail,
     })
 }
 

@@ -245,7 +245,10 @@ fn start_node(
     command
         .arg("--")
         .args(train_args(scenario, &env.url))
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("CKPT_CHAOS_RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -273,7 +276,10 @@ fn start_coordinator(
             "--heartbeat-timeout-secs",
             &scenario.heartbeat_timeout_secs.to_string(),
         ])
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("CKPT_CHAOS_RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -545,8 +551,18 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
         match rx.recv_timeout(wait) {
             Ok(line) => watch.take(&line),
             Err(RecvTimeoutError::Timeout) if Instant::now() >= deadline => {
+                let stacks = stacks_of(watch.pids.values().map(|&(_, pid)| pid));
                 for node in &mut nodes {
                     let _ = node.child.kill();
+                }
+                for (_, &(_, pid)) in watch.pids.iter() {
+                    signal(pid, libc::SIGKILL);
+                }
+                if let Ok(dir) = std::env::var("CKPT_CHAOS_STACKS") {
+                    let _ = std::fs::write(
+                        Path::new(&dir).join(format!("stacks-{}.txt", std::process::id())),
+                        format!("{}\n{}", watch.observed.log.join("\n"), stacks.join("\n")),
+                    );
                 }
                 return Err(std::io::Error::other(format!(
                     "the run did not end within {:?}",
@@ -781,6 +797,34 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
         .extend(notes.iter().map(|n| format!("[harness] {n}")));
     watch.observed.storage = env.proxy.as_ref().map(|p| p.stats());
     Ok(watch.observed)
+}
+
+/// Every thread's stack of each live process in `pids` (gdb, when installed): what a
+/// run that hangs was waiting for.
+fn stacks_of(pids: impl Iterator<Item = i32>) -> Vec<String> {
+    let mut out = Vec::new();
+    for pid in pids {
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        if let Ok(o) = Command::new("gdb")
+            .args([
+                "-p",
+                &pid.to_string(),
+                "-batch",
+                "-ex",
+                "thread apply all bt 30",
+            ])
+            .stdin(Stdio::null())
+            .output()
+        {
+            out.push(format!(
+                "== pid {pid}\n{}",
+                String::from_utf8_lossy(&o.stdout)
+            ));
+        }
+    }
+    out
 }
 
 /// The proxy's fault for a storage fault of a scenario.

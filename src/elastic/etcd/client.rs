@@ -347,32 +347,31 @@ impl Core {
         F: FnMut(Client) -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
-        let deadline = tokio::time::Instant::now() + self.settings.request_timeout;
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.settings.request_timeout;
+        // A request routed to a member that just died can also hang rather than
+        // fail (its connection is not known dead yet): each attempt gets a third of
+        // the budget, so that two more can go elsewhere.
+        let attempt_limit = (self.settings.request_timeout / 3).max(Duration::from_millis(300));
         let mut pause = Duration::from_millis(20);
         loop {
             self.requests.fetch_add(1, Ordering::Relaxed);
-            let attempt = tokio::time::timeout_at(deadline, make(self.client.clone())).await;
-            match attempt {
+            let limit = deadline.min(tokio::time::Instant::now() + attempt_limit);
+            let error = match tokio::time::timeout_at(limit, make(self.client.clone())).await {
                 Ok(Ok(v)) => return Ok(v),
-                Ok(Err(e)) if unreachable_endpoint(&e) => {
-                    if tokio::time::Instant::now() + pause >= deadline {
-                        return Err(io(what, e));
-                    }
-                    debug!(error = %e, "etcd {what}: endpoint unreachable; trying again");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(200));
-                }
+                Ok(Err(e)) if unreachable_endpoint(&e) => e.to_string(),
                 Ok(Err(e)) => return Err(io(what, e)),
-                Err(_) => {
-                    return Err(io(
-                        what,
-                        format!(
-                            "no answer within {} ms",
-                            self.settings.request_timeout.as_millis()
-                        ),
-                    ));
-                }
+                Err(_) => format!(
+                    "no answer within {} ms",
+                    limit.duration_since(started).as_millis()
+                ),
+            };
+            if tokio::time::Instant::now() + pause >= deadline {
+                return Err(io(what, error));
             }
+            debug!(error = %error, "etcd {what}: no answer from the endpoint reached; trying again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(200));
         }
     }
 
@@ -829,6 +828,11 @@ struct Plane {
     /// and the revision of its last write (0: none).
     record: Mutex<(MemberRecord, bool, i64)>,
     keeper: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
+    /// Held across one write of this member's record, from taking its snapshot to
+    /// etcd's answer: two writes (the heartbeat's and the rendezvous') never overlap,
+    /// so an older snapshot, delayed by retries, cannot land after a newer one and
+    /// undo it (a lost `wants` left a rendezvous waiting forever).
+    publishing: tokio::sync::Mutex<()>,
     next_keepalive: Mutex<Instant>,
     /// Reports etcd did not take yet, oldest first.
     pending: Mutex<VecDeque<(u64, Report)>>,
@@ -855,6 +859,7 @@ impl Plane {
     /// Writes this member's record under its lease (a fresh own lease when the
     /// given one is gone).
     async fn publish(&self) -> Result<(), ElasticError> {
+        let _one_at_a_time = self.publishing.lock().await;
         let (record, _, _) = self.record().clone();
         let value = serde_json::to_vec(&record).map_err(|e| io("encode", e))?;
         let key = self.core.keys.member(&self.me.id);
@@ -1003,6 +1008,7 @@ impl Plane {
     async fn decide(self: Arc<Self>) {
         let mut timers = Timers::default();
         let mut last_try: Option<(i64, u64, Instant)> = None;
+        let mut last_quiet: Option<Instant> = None;
         while !self.core.closing.load(Ordering::Relaxed) {
             let notified = self.core.notify.notified();
             let proposal = {
@@ -1012,14 +1018,28 @@ impl Plane {
                     None
                 } else {
                     let current = mirror.current();
-                    rules::next(
+                    let next = rules::next(
                         &current,
                         &mirror.members,
                         &self.config,
                         &mut timers,
                         Instant::now(),
-                    )
-                    .map(|next| (next, mirror.gen_revision))
+                    );
+                    if next.is_none()
+                        && !current.is_running()
+                        && last_quiet
+                            .is_none_or(|at: Instant| at.elapsed() > Duration::from_secs(1))
+                    {
+                        last_quiet = Some(Instant::now());
+                        debug!(
+                            generation = current.generation,
+                            state = ?current.state,
+                            revision = mirror.revision,
+                            live = ?mirror.members.iter().map(|(id, l)| (id.clone(), l.record.wants)).collect::<Vec<_>>(),
+                            "between generations; nothing to propose yet"
+                        );
+                    }
+                    next.map(|next| (next, mirror.gen_revision))
                 }
             };
             if let Some((next, revision)) = proposal {
@@ -1089,6 +1109,7 @@ impl EtcdControlPlane {
                 0,
             )),
             keeper: tokio::sync::Mutex::new(None),
+            publishing: tokio::sync::Mutex::new(()),
             next_keepalive: Mutex::new(Instant::now()),
             pending: Mutex::new(VecDeque::new()),
             delivered: Mutex::new(None),
