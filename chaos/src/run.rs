@@ -790,7 +790,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                 .insert(i, status.code().unwrap_or(128));
         }
     }
-    finish(&mut watch, scenario);
+    finish(&mut watch);
     watch
         .observed
         .log
@@ -846,7 +846,7 @@ fn storage_fault(fault: &Fault) -> crate::storage_proxy::StorageFault {
 }
 
 /// Detection times, recovery spans, goodput and the end of the timeline.
-fn finish(watch: &mut Watch, _scenario: &Scenario) {
+fn finish(watch: &mut Watch) {
     let started_unix = unix_ms().saturating_sub(watch.started.elapsed().as_millis() as u64);
     let fired: Vec<u64> = watch.observed.fired.iter().map(|f| f.unix_ms).collect();
     for recovery in watch.observed.recoveries.iter_mut() {

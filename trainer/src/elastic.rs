@@ -184,7 +184,7 @@ fn bootstrap(
 
 /// True when the store's newest checkpoint is the job's final step: whatever the
 /// control plane said, the job is done (the store is the record of what was trained).
-fn final_step_committed(
+pub fn final_step_committed(
     runtime: &tokio::runtime::Handle,
     store: Option<&Store>,
     steps: u64,

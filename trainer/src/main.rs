@@ -763,6 +763,21 @@ fn run_elastic_rank(
         Rdzv::Tcp(addr) => {
             match TcpControlPlane::connect(*addr, member.clone(), TcpSettings::default()) {
                 Ok(p) => std::sync::Arc::new(p),
+                // A node started after the job ended finds its coordinator gone
+                // with it; the store says whether there is anything left to do.
+                Err(e)
+                    if elastic_rank::final_step_committed(
+                        runtime.handle(),
+                        store,
+                        config.steps,
+                    ) =>
+                {
+                    println!(
+                        "done: the job finished at step {} before this member joined (coordinator {addr}: {e}; member {})",
+                        config.steps, member.id
+                    );
+                    return ExitCode::SUCCESS;
+                }
                 Err(e) => {
                     return fail(
                         EXIT_FAILED,
