@@ -466,6 +466,11 @@ impl Scenario {
                         "coordinator = \"standalone\" (it listens on the host side of the bridge)",
                     );
                 }
+                if self.storage == StorageKind::S3 {
+                    return needs(
+                        "storage on local disk (the S3 server listens on the host's loopback, out of the nodes' namespaces)",
+                    );
+                }
             }
             if fault.kind == FaultKind::KillNode
                 && fault.duration_ms.is_some()

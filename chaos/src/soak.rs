@@ -80,7 +80,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         }
         if nodes == 2 && !node_lost {
             kinds.push(FaultKind::KillNode);
-            if coordinator == CoordinatorKind::Standalone {
+            if coordinator == CoordinatorKind::Standalone && storage != StorageKind::S3 {
                 kinds.push(FaultKind::Partition);
             }
         }

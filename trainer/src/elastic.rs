@@ -244,6 +244,23 @@ pub fn run(
             Err(e) => return Exit::Left(format!("rendezvous: {e}")),
         };
         let rendezvous = rendezvous_started.elapsed();
+        // The store is the record of what was trained: a generation formed after the
+        // final step was committed (by a control plane that restarted and forgot the
+        // job had finished) has nothing to train, and must not start over.
+        if final_step_committed(runtime, store, config.steps) {
+            let step = config.steps;
+            let _ = agent.report(Report::Finished { step });
+            let _ = agent.report(Report::Leaving {
+                reason: format!("the job had already finished at step {step}"),
+            });
+            return Exit::Over {
+                step,
+                reason: format!(
+                    "generation {} formed after the final commit",
+                    assignment.generation
+                ),
+            };
+        }
         let (rank, world, generation) = (
             assignment.rank,
             assignment.world_size,
