@@ -1,6 +1,6 @@
 //! A private 3-member etcd cluster for scenarios on the etcd backend
 //! (`coordinator = "etcd"`), whose members `kill-etcd-member` faults kill and start
-//! again.
+//! again; the trainer's tests that kill etcd members use it too.
 //!
 //! Private because the faults hurt it: a cluster shared with other jobs would carry
 //! one run's damage into the next. Data lives on tmpfs where there is one (etcd syncs
@@ -112,17 +112,55 @@ impl Cluster {
             .map_err(|e| format!("{}: {e}", self.bin.display()))
     }
 
-    /// Waits (30 s at most) until member `i` reports itself healthy.
-    fn wait_healthy(&self, i: usize) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let addr = format!("127.0.0.1:{}", self.members[i].client);
+    /// Waits (60 s at most) until member `i` answers with a leader: it is part of a
+    /// cluster that has a quorum.
+    pub fn wait_healthy(&self, i: usize) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
-            if health(&addr) {
+            if self.status(i).is_some_and(|(_, leader)| leader != 0) {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        Err(format!("etcd member {i} at {addr} not healthy within 30 s"))
+        Err(format!(
+            "etcd member {i} at 127.0.0.1:{} not healthy within 60 s",
+            self.members[i].client
+        ))
+    }
+
+    /// Member `i`'s id and its leader's id (0: none), if it answers.
+    fn status(&self, i: usize) -> Option<(u64, u64)> {
+        let answer = post(
+            &format!("127.0.0.1:{}", self.members[i].client),
+            "/v3/maintenance/status",
+            "{}",
+        )?;
+        let json: serde_json::Value = serde_json::from_str(&answer).ok()?;
+        // The JSON gateway writes 64-bit integers as strings.
+        let id = |v: &serde_json::Value| v.as_str().and_then(|s| s.parse::<u64>().ok());
+        Some((
+            id(&json["header"]["member_id"])?,
+            id(&json["leader"]).unwrap_or(0),
+        ))
+    }
+
+    /// The index of the member that leads now (30 s at most to find one).
+    pub fn leader(&self) -> Result<usize, String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            for i in 0..self.members.len() {
+                if self.members[i].child.is_none() {
+                    continue;
+                }
+                if let Some((me, leader)) = self.status(i)
+                    && me == leader
+                {
+                    return Ok(i);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err("no etcd leader within 30 s".into())
     }
 
     /// `etcd://…/PREFIX` for `--rdzv`.
@@ -143,7 +181,8 @@ impl Cluster {
         }
     }
 
-    /// Starts member `i` again on its data (it rejoins the cluster as it was).
+    /// Starts member `i` again on its data (it rejoins the cluster as it was); a
+    /// member that runs is left alone.
     pub fn restart(&mut self, i: usize) -> Result<(), String> {
         if self.members[i].child.is_none() {
             let child = self.spawn(&self.members[i], "existing")?;
@@ -153,24 +192,24 @@ impl Cluster {
     }
 }
 
-/// `GET /health` answers `"health":"true"`.
-fn health(addr: &str) -> bool {
+/// The body of etcd's answer to `POST path` with a JSON `body` (its HTTP gateway),
+/// if it answers within 2 s.
+fn post(addr: &str, path: &str, body: &str) -> Option<String> {
     use std::io::{Read, Write};
-    let Ok(socket) = addr.parse() else {
-        return false;
-    };
-    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&socket, Duration::from_secs(1))
-    else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    let request = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).is_err() {
-        return false;
-    }
+    let socket = addr.parse().ok()?;
+    let mut stream = std::net::TcpStream::connect_timeout(&socket, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).ok()?;
     let mut answer = String::new();
     let _ = stream.read_to_string(&mut answer);
-    answer.contains("\"health\":\"true\"")
+    let (head, body) = answer.split_once("\r\n\r\n")?;
+    // The JSON object, whether the body came whole or in chunks.
+    let json = body.get(body.find('{')?..=body.rfind('}')?)?;
+    head.starts_with("HTTP/1.1 200").then(|| json.to_string())
 }
 
 impl Drop for Cluster {

@@ -742,7 +742,13 @@ mod on_etcd {
         stuck_loop(Plane::Etcd);
     }
 
-    use common::etcd::Cluster;
+    use ckpt_chaos::etcd::{Cluster, find_etcd};
+
+    /// A private 3-member cluster (these tests kill its members; the test command's
+    /// shared one must stay whole).
+    fn private_cluster() -> Cluster {
+        Cluster::start(&find_etcd().unwrap()).unwrap()
+    }
 
     /// Reads `count` more step lines of rank 0 and returns the largest gap between
     /// two of them (the lines carry no timestamps: the test times their arrival).
@@ -776,7 +782,7 @@ mod on_etcd {
     #[test]
     fn killing_the_etcd_leader_mid_run_does_not_stop_training_and_it_rejoins() {
         let _serial = one_at_a_time();
-        let mut cluster = Cluster::start();
+        let mut cluster = private_cluster();
         let (reference_dir, dir, mut args) = scenario(150);
         args.extend(["--fault-step-pause-ms".into(), "40".into()]);
         let mut launch = Launch::start(
@@ -784,7 +790,7 @@ mod on_etcd {
             &as_strs(&args),
         );
         launch.expect("step 20", |l| l.contains("[rank 0] step 20 loss"));
-        let leader = cluster.leader();
+        let leader = cluster.leader().unwrap();
         cluster.kill(leader);
         // Election (1 s) plus a keep-alive period is the most the job may notice.
         let widest = steps(&mut launch, 30);
@@ -792,10 +798,10 @@ mod on_etcd {
             widest < Duration::from_secs(4),
             "training paused {widest:?} while etcd elected a new leader"
         );
-        let new_leader = cluster.leader();
+        let new_leader = cluster.leader().unwrap();
         assert_ne!(new_leader, leader, "a new etcd leader was elected");
-        cluster.restart(leader);
-        cluster.wait_healthy(leader);
+        cluster.restart(leader).unwrap();
+        cluster.wait_healthy(leader).unwrap();
         let (status, output) = launch.finish();
         assert!(status.success(), "{output}");
         assert!(
@@ -808,7 +814,7 @@ mod on_etcd {
     #[test]
     fn without_etcd_quorum_training_goes_on_and_a_failure_is_handled_once_it_returns() {
         let _serial = one_at_a_time();
-        let mut cluster = Cluster::start();
+        let mut cluster = private_cluster();
         let (reference_dir, dir, mut args) = scenario(200);
         args.extend(["--fault-step-pause-ms".into(), "40".into()]);
         let mut launch = Launch::start(
@@ -838,8 +844,8 @@ mod on_etcd {
             "no generation may form without etcd quorum:\n{}",
             launch.seen
         );
-        cluster.restart(1);
-        cluster.restart(2);
+        cluster.restart(1).unwrap();
+        cluster.restart(2).unwrap();
         let line = launch.expect("the recovery once quorum is back", |l| {
             l.contains("recovery: generation 2") && l.contains("world 3")
         });

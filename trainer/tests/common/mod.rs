@@ -97,6 +97,3 @@ pub fn assert_identical(a: &Path, b: &Path) {
         assert!(report.only_in_a.is_empty() && report.only_in_b.is_empty());
     });
 }
-
-#[cfg(feature = "etcd")]
-pub mod etcd;
