@@ -23,7 +23,8 @@ use ckpt::tools::verify::{VerifyOptions, verify};
 use crate::run::train_args;
 use crate::scenario::Scenario;
 
-fn runtime() -> tokio::runtime::Runtime {
+/// A runtime for the harness's own store calls (it is otherwise synchronous).
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

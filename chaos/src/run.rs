@@ -428,11 +428,7 @@ enum Later {
 
 /// Damages a data file of the newest commit in `store` (a local directory at `dir`).
 fn corrupt(store: &ckpt::storage::Store, dir: &Path, how: &str) -> Result<Damaged, String> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let commits = runtime
+    let commits = crate::oracle::runtime()
         .block_on(ckpt::catalog::commits(store))
         .map_err(|e| e.to_string())?;
     let newest = commits.last().ok_or("no commit yet to corrupt")?;
