@@ -120,7 +120,7 @@ mod tests {
             let mut buffer = StagingBuffer::new();
             buffer.reset(len);
             let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-            buffer.extend_from_slice(&data);
+            buffer.fill(len).copy_from_slice(&data);
             let path = dir.path().join(format!("step/rank-{len}.safetensors"));
             let calls = std::cell::Cell::new(0);
             write_file(&path, &buffer, true, || calls.set(calls.get() + 1)).unwrap();
@@ -147,7 +147,7 @@ mod tests {
         std::fs::write(&path, vec![9u8; 100_000]).unwrap();
         let mut buffer = StagingBuffer::new();
         buffer.reset(10);
-        buffer.extend_from_slice(b"0123456789");
+        buffer.fill(10).copy_from_slice(b"0123456789");
         write_file(&path, &buffer, false, || {}).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"0123456789");
     }

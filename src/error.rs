@@ -33,6 +33,11 @@ pub enum Error {
     /// referenced by any commit; retrying the same attempt cannot succeed.
     #[error("{0}")]
     Fenced(String),
+    /// An overlapped save's tensor was changed before its staging copy read it (the
+    /// caller broke `Checkpointer::save_overlapped`'s contract). Names the tensor. The
+    /// save is abandoned.
+    #[error("{0}")]
+    Mutated(String),
 }
 
 impl Error {
@@ -72,6 +77,7 @@ impl Error {
             Error::Timeout(m) => Error::Timeout(m.clone()),
             Error::Failed(m) => Error::Failed(m.clone()),
             Error::Fenced(m) => Error::Fenced(m.clone()),
+            Error::Mutated(m) => Error::Mutated(m.clone()),
         }
     }
 }

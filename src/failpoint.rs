@@ -50,10 +50,83 @@ pub fn arm(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Stops here forever when `name` is armed (feature `failpoints`).
+/// Failpoints held by [`hold`], and whether a thread has reached each.
+static HELD: Mutex<Vec<(String, bool)>> = Mutex::new(Vec::new());
+/// Signals a thread reaching a held failpoint, and a release.
+static HELD_CHANGED: std::sync::Condvar = std::sync::Condvar::new();
+
+/// A failpoint held with [`hold`]: threads that reach it wait there until this is
+/// released (or dropped). For tests that need a save paused at a precise point, e.g.
+/// an overlapped save's staging copy after its first tensor.
+#[derive(Debug)]
+pub struct Hold {
+    name: String,
+}
+
+/// Makes threads that reach failpoint `name` wait there, until the returned
+/// [`Hold`] is released. Process-wide: every save of the process is affected.
+pub fn hold(name: &str) -> Result<Hold, String> {
+    if !available() {
+        return Err(
+            "this build has no failpoints (build with the `ckpt/failpoints` feature)".into(),
+        );
+    }
+    if !NAMES.contains(&name) {
+        return Err(format!("unknown failpoint {name:?}"));
+    }
+    HELD.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((name.to_string(), false));
+    Ok(Hold {
+        name: name.to_string(),
+    })
+}
+
+impl Hold {
+    /// Waits until some thread has reached the failpoint (true), or `limit` passed.
+    pub fn wait_reached(&self, limit: std::time::Duration) -> bool {
+        let held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+        let (held, _) = HELD_CHANGED
+            .wait_timeout_while(held, limit, |held| {
+                !held.iter().any(|(n, reached)| *n == self.name && *reached)
+            })
+            .unwrap_or_else(|p| p.into_inner());
+        held.iter().any(|(n, reached)| *n == self.name && *reached)
+    }
+
+    /// Lets the waiting threads go on.
+    pub fn release(self) {}
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = held.iter().position(|(n, _)| *n == self.name) {
+            held.remove(i);
+        }
+        HELD_CHANGED.notify_all();
+    }
+}
+
+/// Waits while `name` is held by [`hold`].
+#[cfg(feature = "failpoints")]
+fn wait_if_held(name: &str) {
+    let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(entry) = held.iter_mut().find(|(n, _)| n == name) {
+        entry.1 = true;
+        HELD_CHANGED.notify_all();
+        let _released = HELD_CHANGED
+            .wait_while(held, |held| held.iter().any(|(n, _)| n == name))
+            .unwrap_or_else(|p| p.into_inner());
+    }
+}
+
+/// Stops here forever when `name` is armed, and waits here while it is held
+/// (feature `failpoints`).
 #[cfg(feature = "failpoints")]
 pub(crate) fn hit(name: &str) {
     use std::io::Write;
+    wait_if_held(name);
     let armed = {
         let mut armed = ARMED.lock().unwrap_or_else(|p| p.into_inner());
         armed

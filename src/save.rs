@@ -36,7 +36,7 @@ use crate::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
     rank_part_name,
 };
-use crate::staging::StagingBuffer;
+use crate::staging::{Source, StagingBuffer, copy_sources};
 use crate::writer::{PlannedBox, rank_file_header};
 
 /// What `save` does when `max_in_flight` saves are already running.
@@ -95,6 +95,16 @@ pub struct CheckpointConfig {
     /// page-aligned staging buffer (file systems that refuse it get buffered writes).
     /// Default true; false writes through the page cache like other objects.
     pub direct_io: bool,
+    /// Threads that copy an overlapped save into its staging buffer
+    /// ([`Checkpointer::save_overlapped`]). Default: the cores divided among the
+    /// node's ranks (`LOCAL_WORLD_SIZE`), 1 to 4.
+    pub copy_threads: usize,
+    /// Overlapped saves check that no tensor changed between `save_overlapped` and the
+    /// end of its copy: a CRC32 of each tensor is taken when the save is registered
+    /// (a read of the state, on the caller's thread) and compared with the staged
+    /// bytes. A mismatch fails the save with [`Error::Mutated`], naming the tensor.
+    /// Default: on in debug builds, off in release builds.
+    pub check_staging: bool,
 }
 
 impl CheckpointConfig {
@@ -113,6 +123,8 @@ impl CheckpointConfig {
             commit_takeover: Duration::from_secs(2),
             retention_grace: crate::retention::DEFAULT_GRACE,
             direct_io: true,
+            copy_threads: (encode_threads()).clamp(1, 4),
+            check_staging: cfg!(debug_assertions),
             run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| {
                 if world_size == 1 {
                     crate::attempt::random_run_id()
@@ -153,6 +165,9 @@ impl CheckpointConfig {
         crate::attempt::check_run_id(&self.run_id)?;
         if self.max_in_flight == 0 {
             return Err(Error::invalid("max_in_flight must be at least 1, got 0"));
+        }
+        if self.copy_threads == 0 {
+            return Err(Error::invalid("copy_threads must be at least 1, got 0"));
         }
         if self.keep_last == Some(0) {
             return Err(Error::invalid(
@@ -223,10 +238,35 @@ pub struct SaveHandle {
     attempt: Attempt,
     store: Store,
     status: watch::Receiver<Status>,
+    staging: watch::Receiver<Staging>,
     role: Role,
     world_size: usize,
     commit_timeout: Duration,
     stall: Duration,
+}
+
+/// Where the copy of the caller's tensors into the staging buffer stands.
+#[derive(Debug, Clone)]
+enum Staging {
+    /// Copying on background threads (an overlapped save).
+    Copying,
+    /// The copy is complete, this long after `save` was called: the caller's tensors
+    /// are free again.
+    Done(Duration),
+    /// The copy ended, but a tensor changed before it was copied (or the copy
+    /// failed): the save is abandoned.
+    Failed(Arc<Error>),
+}
+
+impl Drop for SaveHandle {
+    /// An overlapped save may still be reading the caller's tensors: dropping its
+    /// handle waits for the copy to end, so that memory the handle was keeping
+    /// borrowed (by contract) is not freed under the copy.
+    fn drop(&mut self) {
+        if matches!(*self.staging.borrow(), Staging::Copying) {
+            let _ = self.wait_staged();
+        }
+    }
 }
 
 impl SaveHandle {
@@ -240,9 +280,53 @@ impl SaveHandle {
         &self.attempt
     }
 
-    /// How long `save` blocked the caller (staging copy included).
+    /// How long `save` blocked the caller (for a blocking save, the staging copy
+    /// included; for an overlapped one, only the registration).
     pub fn stall(&self) -> Duration {
         self.stall
+    }
+
+    /// Waits until the caller's tensors have been copied into the staging buffer:
+    /// from then on the caller may change or free them. For a blocking
+    /// [`Checkpointer::save`] this is ready at once.
+    ///
+    /// Errors: [`Error::Mutated`] when a tensor was changed before the copy read it
+    /// (with [`CheckpointConfig::check_staging`]); the save is then abandoned on this
+    /// rank and its checkpoint does not commit.
+    pub async fn staged(&self) -> Result<Duration> {
+        let mut staging = self.staging.clone();
+        loop {
+            match &*staging.borrow_and_update() {
+                Staging::Done(after) => return Ok(*after),
+                Staging::Failed(e) => return Err(e.duplicate()),
+                Staging::Copying => {}
+            }
+            if staging.changed().await.is_err() {
+                return match &*staging.borrow() {
+                    Staging::Done(after) => Ok(*after),
+                    Staging::Failed(e) => Err(e.duplicate()),
+                    Staging::Copying => Err(Error::Failed(format!(
+                        "the staging copy of step {} ended without reporting",
+                        self.attempt.step
+                    ))),
+                };
+            }
+        }
+    }
+
+    /// [`SaveHandle::staged`] for synchronous code: blocks the calling thread (the
+    /// copy runs on threads of its own, so this may be called anywhere, a runtime's
+    /// worker included). Returns how long after `save` was called the copy ended.
+    pub fn wait_staged(&self) -> Result<Duration> {
+        if let Staging::Done(after) = &*self.staging.borrow() {
+            return Ok(*after);
+        }
+        futures::executor::block_on(self.staged())
+    }
+
+    /// True once the staging copy has ended (successfully or not).
+    pub fn is_staged(&self) -> bool {
+        !matches!(*self.staging.borrow(), Staging::Copying)
     }
 
     /// Waits until this rank's part is durable: its data file and manifest part are
@@ -416,13 +500,75 @@ impl Checkpointer {
         &self.config
     }
 
-    /// Saves this rank's `state` as part of checkpoint `step`.
+    /// Saves this rank's `state` as part of checkpoint `step`, copying it before
+    /// returning (a *blocking* save).
     ///
-    /// Blocks only while the state is copied into a staging buffer (and, with
+    /// Blocks while the state is copied into a staging buffer (and, with
     /// [`WhenBusy::Wait`], while `max_in_flight` earlier saves are still uploading).
     /// The returned handle tells when this rank's part is durable and when the whole
     /// checkpoint is committed. Must be called within a tokio runtime.
+    ///
+    /// [`Checkpointer::save_overlapped`] returns before the copy instead, so that it
+    /// runs while the caller computes.
     pub async fn save(&self, step: u64, state: &crate::State<'_>) -> Result<SaveOutcome> {
+        self.start(step, state, false).await
+    }
+
+    /// Saves this rank's `state` as part of checkpoint `step`, returning as soon as
+    /// the save is registered: the copy into the staging buffer runs on background
+    /// threads ([`CheckpointConfig::copy_threads`]) while the caller goes on (the next
+    /// forward and backward passes only read the parameters). The handle's
+    /// [`SaveHandle::staged`] (or [`SaveHandle::wait_staged`]) says when the copy is
+    /// complete; a trainer waits for it right before its optimizer step overwrites
+    /// the saved parameters and moments.
+    ///
+    /// Changing a saved tensor before `staged()` returns is a bug: the checkpoint
+    /// would hold a mix of two steps. With [`CheckpointConfig::check_staging`] (on in
+    /// debug builds) such a change is detected and the save fails with
+    /// [`Error::Mutated`] naming the tensor; without it, it goes unnoticed.
+    ///
+    /// # Safety
+    /// Every tensor's memory in `state` must stay allocated, and must not be written,
+    /// until [`SaveHandle::staged`] (or [`SaveHandle::wait_staged`]) has returned or
+    /// the handle has been dropped (dropping it waits for the copy). The borrow
+    /// checker cannot see this: `state`'s borrows end when this call returns, while
+    /// the copy reads the memory after that. A skipped save
+    /// ([`SaveOutcome::Skipped`]) reads nothing after returning.
+    pub async unsafe fn save_overlapped(
+        &self,
+        step: u64,
+        state: &crate::State<'_>,
+    ) -> Result<SaveOutcome> {
+        self.start(step, state, true).await
+    }
+
+    /// Allocates the staging pool for saves of `state`'s size (its shape, not its
+    /// values, matters) and faults every page in now, so that the first save of a
+    /// job is not its slowest: `max_in_flight` buffers, each the size of this rank's
+    /// data file. Returns how long that took. Later saves of a larger state grow the
+    /// buffers again.
+    pub fn warm_up(&self, state: &crate::State<'_>) -> Result<Duration> {
+        let started = Instant::now();
+        let total = self.plan(0, state).total;
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        while pool.len() < self.config.max_in_flight {
+            pool.push(StagingBuffer::new());
+        }
+        for buffer in pool.iter_mut() {
+            if buffer.capacity() < total {
+                buffer.reset(total);
+                buffer.prefault();
+            }
+        }
+        Ok(started.elapsed())
+    }
+
+    async fn start(
+        &self,
+        step: u64,
+        state: &crate::State<'_>,
+        overlapped: bool,
+    ) -> Result<SaveOutcome> {
         let permit = match self.config.when_busy {
             WhenBusy::Wait => self
                 .slots
@@ -439,14 +585,70 @@ impl Checkpointer {
             },
         };
         let started = Instant::now();
-        let (buffer, chunks) = self.stage(step, state)?;
+        let mut plan = self.plan(step, state);
+        let chunks = std::mem::take(&mut plan.chunks);
+        let mut buffer = self
+            .pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_else(StagingBuffer::new);
+        buffer.reset(plan.total);
+        let (staging_tx, staging_rx) = watch::channel(Staging::Copying);
+        let filled = if overlapped {
+            let checksums = self.config.check_staging.then(|| {
+                plan.sources
+                    .iter()
+                    // SAFETY: the caller's borrows of `state` are live during this call.
+                    .map(|s| crc32fast::hash(unsafe { s.bytes() }))
+                    .collect::<Vec<u32>>()
+            });
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let threads = self.config.copy_threads;
+            let spawned = std::thread::Builder::new()
+                .name("ckpt-stage".into())
+                .spawn(move || {
+                    let StagePlan {
+                        header,
+                        sources,
+                        names,
+                        total,
+                        ..
+                    } = plan;
+                    // SAFETY: `save_overlapped`'s contract keeps every source live and
+                    // unwritten until `staging_tx` reports the copy done, below.
+                    unsafe { fill(&mut buffer, &header, &sources, total, threads) };
+                    let result = match checksums {
+                        Some(expected) => {
+                            check_staged(&buffer, header.len(), &sources, &names, &expected, step)
+                        }
+                        None => Ok(()),
+                    };
+                    let _ = staging_tx.send(match &result {
+                        Ok(()) => Staging::Done(started.elapsed()),
+                        Err(e) => Staging::Failed(Arc::new(e.duplicate())),
+                    });
+                    let _ = tx.send((buffer, result));
+                });
+            if let Err(e) = spawned {
+                return Err(Error::Failed(format!(
+                    "cannot start the staging thread: {e}"
+                )));
+            }
+            Filled::Copying(rx)
+        } else {
+            // SAFETY: the caller's borrows of `state` are live during this call.
+            unsafe { fill(&mut buffer, &plan.header, &plan.sources, plan.total, 1) };
+            let _ = staging_tx.send(Staging::Done(started.elapsed()));
+            Filled::Ready(buffer)
+        };
         let stall = started.elapsed();
         debug!(
             step,
             rank = self.config.rank,
-            bytes = buffer.len(),
+            overlapped,
             ?stall,
-            "staged"
+            "save registered"
         );
 
         let rank = self.config.rank as u32;
@@ -468,7 +670,7 @@ impl Checkpointer {
             config: self.config.clone(),
             attempt: attempt.clone(),
             role,
-            buffer: Arc::new(buffer),
+            buffer: Arc::new(StagingBuffer::new()),
             chunks,
             // Global state is identical on every rank: rank 0's copy is stored.
             global: (self.config.rank == 0
@@ -479,11 +681,12 @@ impl Checkpointer {
         };
         let pool = self.pool.clone();
         let span = info_span!("ckpt_save", step, rank);
-        tokio::spawn(run_job(job, pool, permit, tx).instrument(span));
+        tokio::spawn(run_job(job, filled, pool, permit, tx).instrument(span));
         Ok(SaveOutcome::Started(SaveHandle {
             attempt,
             store: self.store.clone(),
             status: rx,
+            staging: staging_rx,
             role,
             world_size: self.config.world_size,
             commit_timeout: self.config.commit_timeout,
@@ -491,8 +694,8 @@ impl Checkpointer {
         }))
     }
 
-    /// Copies the state into a pooled buffer laid out as the final safetensors file.
-    fn stage(&self, step: u64, state: &crate::State<'_>) -> Result<(StagingBuffer, Vec<Chunk>)> {
+    /// Lays the rank's data file out: its header, and the tensors that follow it.
+    fn plan(&self, step: u64, state: &crate::State<'_>) -> StagePlan {
         let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
         let planned: Vec<PlannedBox> = written
             .iter()
@@ -510,42 +713,146 @@ impl Checkpointer {
             &planned,
         );
         let total = header.len() + written.iter().map(|t| t.data.len()).sum::<usize>();
-
-        let mut buffer = self
-            .pool
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_else(StagingBuffer::new);
-        buffer.reset(total);
-        buffer.extend_from_slice(&header);
-        let mut chunks = Vec::with_capacity(written.len());
-        for (i, t) in written.iter().enumerate() {
-            if i == 1 {
-                crate::failpoint::hit("during-staging");
-            }
-            let begin = buffer.len() as u64;
-            buffer.extend_from_slice(t.data);
-            chunks.push(Chunk {
-                tensor: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                offsets: t.region.offsets.clone(),
-                lengths: t.region.lengths.clone(),
-                bytes: [begin, buffer.len() as u64],
-            });
+        let mut at = header.len() as u64;
+        let chunks = written
+            .iter()
+            .map(|t| {
+                let begin = at;
+                at += t.data.len() as u64;
+                Chunk {
+                    tensor: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    offsets: t.region.offsets.clone(),
+                    lengths: t.region.lengths.clone(),
+                    bytes: [begin, at],
+                }
+            })
+            .collect();
+        StagePlan {
+            total,
+            chunks,
+            sources: written.iter().map(|t| Source::new(t.data)).collect(),
+            names: written.iter().map(|t| t.name.clone()).collect(),
+            header,
         }
-        Ok((buffer, chunks))
     }
 }
 
+/// A rank's data file, laid out.
+struct StagePlan {
+    /// The safetensors header.
+    header: Vec<u8>,
+    /// The written tensors' bytes, in file order.
+    sources: Vec<Source>,
+    /// Their names.
+    names: Vec<String>,
+    /// Header plus data.
+    total: usize,
+    /// The manifest's records of the written tensors (file offsets).
+    chunks: Vec<Chunk>,
+}
+
+/// The staging buffer, filled or being filled.
+enum Filled {
+    /// A blocking save's, filled.
+    Ready(StagingBuffer),
+    /// An overlapped save's: the staging thread hands it over when the copy ends.
+    Copying(tokio::sync::oneshot::Receiver<(StagingBuffer, Result<()>)>),
+}
+
+/// Writes `header` then `sources` into `buffer` (`total` bytes in all), copying on
+/// `threads` threads. The `during-staging` failpoint sits after the first tensor.
+///
+/// # Safety
+/// Every source must stay allocated and unwritten until this returns.
+unsafe fn fill(
+    buffer: &mut StagingBuffer,
+    header: &[u8],
+    sources: &[Source],
+    total: usize,
+    threads: usize,
+) {
+    let out = buffer.fill(total);
+    let (head, mut data) = out.split_at_mut(header.len());
+    head.copy_from_slice(header);
+    // The first tensor, then the failpoint (with two tensors or more), then the rest.
+    let split = sources.len().min(1);
+    for (i, group) in [&sources[..split], &sources[split..]]
+        .into_iter()
+        .enumerate()
+    {
+        if i == 1 && !group.is_empty() {
+            crate::failpoint::hit("during-staging");
+        }
+        let n: usize = group.iter().map(Source::len).sum();
+        let (now, rest) = data.split_at_mut(n);
+        // SAFETY: forwarded from the caller.
+        unsafe { copy_sources(now, group, threads) };
+        data = rest;
+    }
+}
+
+/// Compares each staged tensor's CRC32 with the one taken when the save was
+/// registered: a difference means the caller changed the tensor before the copy read
+/// it, so the staged file mixes two states. The error names the first such tensor.
+fn check_staged(
+    buffer: &StagingBuffer,
+    header_len: usize,
+    sources: &[Source],
+    names: &[String],
+    expected: &[u32],
+    step: u64,
+) -> Result<()> {
+    let mut at = header_len;
+    for ((source, name), &before) in sources.iter().zip(names).zip(expected) {
+        let staged = crc32fast::hash(&buffer[at..at + source.len()]);
+        at += source.len();
+        if staged != before {
+            let e = Error::Mutated(format!(
+                "tensor {name:?} changed while step {step} was being staged (crc32 \
+                 {before:08x} when save_overlapped was called, {staged:08x} copied): it \
+                 was written before SaveHandle::staged() returned; this save is abandoned"
+            ));
+            tracing::error!(step, tensor = %name, "{e}");
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 async fn run_job(
-    job: Job,
+    mut job: Job,
+    filled: Filled,
     pool: Arc<Mutex<Vec<StagingBuffer>>>,
     permit: OwnedSemaphorePermit,
     status: watch::Sender<Status>,
 ) {
     let step = job.attempt.step;
+    job.buffer = Arc::new(match filled {
+        Filled::Ready(buffer) => buffer,
+        Filled::Copying(copy) => {
+            let failed = match copy.await {
+                Ok((buffer, Ok(()))) => Ok(buffer),
+                Ok((buffer, Err(e))) => {
+                    pool.lock().unwrap_or_else(|p| p.into_inner()).push(buffer);
+                    Err(e)
+                }
+                Err(_) => Err(Error::Failed(format!(
+                    "the staging copy of step {step} ended without reporting (its thread died)"
+                ))),
+            };
+            match failed {
+                Ok(buffer) => buffer,
+                Err(e) => {
+                    drop(permit);
+                    warn!(step, error = %e, "checkpoint save failed while staging");
+                    let _ = status.send(Status::Failed(Arc::new(e)));
+                    return;
+                }
+            }
+        }
+    });
     let written = write_rank(&job).await;
     let Job {
         buffer,

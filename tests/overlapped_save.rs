@@ -1,0 +1,183 @@
+//! Overlapped saves (`Checkpointer::save_overlapped`): the copy into the staging
+//! buffer runs after `save_overlapped` returns, the handle says when the caller's
+//! tensors are free again, and a tensor changed before its copy is caught.
+
+use std::time::Duration;
+
+use ckpt::storage::Store;
+use ckpt::{
+    CheckpointConfig, CheckpointReader, Checkpointer, DType, Error, LoadRequest, Region, State,
+    as_bytes,
+};
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as u32).wrapping_mul(2654435761) ^ seed) as f32 / 1e9)
+        .collect()
+}
+
+fn file_store(dir: &tempfile::TempDir) -> Store {
+    Store::from_url(&format!("file://{}", dir.path().display())).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlapped_save_stages_after_returning_and_round_trips_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir);
+    let world = 2;
+    // Several tensors of a few MiB, so that the copy is split over threads.
+    let tensors: Vec<Vec<Vec<f32>>> = (0..world)
+        .map(|rank| {
+            (0..5)
+                .map(|t| values(3 << 20, (rank * 10 + t) as u32))
+                .collect()
+        })
+        .collect();
+    let mut handles = Vec::new();
+    for (rank, own) in tensors.iter().enumerate() {
+        let mut config = CheckpointConfig::new(rank, world);
+        config.run_id = "overlap".into();
+        config.copy_threads = 3;
+        config.check_staging = true;
+        let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
+        let warm = {
+            let mut state = State::new();
+            for (t, data) in own.iter().enumerate() {
+                state
+                    .add_dim0_shard(
+                        format!("t{t}"),
+                        DType::F32,
+                        &[(world * (3 << 20)) as u64],
+                        rank,
+                        world,
+                        as_bytes(data),
+                    )
+                    .unwrap();
+            }
+            checkpointer.warm_up(&state).unwrap()
+        };
+        assert!(warm > Duration::ZERO);
+        let mut state = State::new();
+        for (t, data) in own.iter().enumerate() {
+            state
+                .add_dim0_shard(
+                    format!("t{t}"),
+                    DType::F32,
+                    &[(world * (3 << 20)) as u64],
+                    rank,
+                    world,
+                    as_bytes(data),
+                )
+                .unwrap();
+        }
+        // SAFETY: `tensors` outlives the handles and is not written until staged().
+        let handle = unsafe { checkpointer.save_overlapped(7, &state) }
+            .await
+            .unwrap()
+            .handle()
+            .unwrap();
+        let staged_after = handle.staged().await.unwrap();
+        assert!(handle.is_staged());
+        assert!(staged_after >= handle.stall());
+        assert_eq!(handle.wait_staged().unwrap(), staged_after);
+        handles.push((checkpointer, handle));
+    }
+    for (_, handle) in &handles {
+        handle.committed().await.unwrap();
+    }
+    let reader = CheckpointReader::open(&store, Some(7)).await.unwrap();
+    let n = (world * (3 << 20)) as u64;
+    for t in 0..5 {
+        let loaded = reader
+            .load(&LoadRequest::new().tensor(format!("t{t}"), Region::full(&[n])))
+            .await
+            .unwrap();
+        let expected: Vec<u8> = tensors
+            .iter()
+            .flat_map(|own| as_bytes(&own[t]).to_vec())
+            .collect();
+        assert!(loaded.tensors[0].data == expected, "tensor t{t}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_save_is_staged_when_it_returns() {
+    let store = Store::from_url("memory://blocking-staged").unwrap();
+    let checkpointer = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 1)).unwrap();
+    let data = values(1000, 3);
+    let mut state = State::new();
+    state
+        .add_dim0_shard("w", DType::F32, &[1000], 0, 1, as_bytes(&data))
+        .unwrap();
+    let handle = checkpointer
+        .save(1, &state)
+        .await
+        .unwrap()
+        .handle()
+        .unwrap();
+    assert!(handle.is_staged());
+    assert!(handle.wait_staged().unwrap() <= handle.stall());
+    handle.committed().await.unwrap();
+}
+
+/// The copy is held after its first tensor, the caller writes the second one (a
+/// contract violation), and the save must fail naming it, and commit nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_written_before_it_was_staged_fails_the_save_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir);
+    let mut config = CheckpointConfig::new(0, 1);
+    config.check_staging = true;
+    config.commit_timeout = Duration::from_secs(5);
+    let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
+    let first = values(4096, 1);
+    let mut second = values(4096, 2);
+    let ptr = second.as_mut_ptr();
+    let handle = {
+        let mut state = State::new();
+        state
+            .add_dim0_shard(
+                "layers.0.weight",
+                DType::F32,
+                &[4096],
+                0,
+                1,
+                as_bytes(&first),
+            )
+            .unwrap()
+            .add_dim0_shard(
+                "layers.1.weight",
+                DType::F32,
+                &[4096],
+                0,
+                1,
+                as_bytes(&second),
+            )
+            .unwrap();
+        let hold = ckpt::failpoint::hold("during-staging").unwrap();
+        // SAFETY: the test breaks the contract on purpose, but only by writing
+        // through `ptr` while the staging thread is held, not reading: no data race.
+        let handle = unsafe { checkpointer.save_overlapped(1, &state) }
+            .await
+            .unwrap()
+            .handle()
+            .unwrap();
+        assert!(
+            hold.wait_reached(Duration::from_secs(30)),
+            "the staging copy never reached its failpoint"
+        );
+        assert!(!handle.is_staged());
+        // SAFETY: `ptr` points into `second`, alive; the copy thread is parked.
+        unsafe { *ptr.add(100) += 1.0 };
+        hold.release();
+        handle
+    };
+    let error = handle.staged().await.unwrap_err();
+    assert!(matches!(error, Error::Mutated(_)), "{error}");
+    let message = error.to_string();
+    assert!(message.contains("layers.1.weight"), "{message}");
+    assert!(!message.contains("layers.0.weight"), "{message}");
+    assert!(matches!(handle.committed().await, Err(Error::Mutated(_))));
+    assert!(ckpt::latest(&store).await.unwrap().is_none());
+    drop(second);
+}
