@@ -40,36 +40,21 @@ async fn an_overlapped_save_stages_after_returning_and_round_trips_bitwise() {
         config.copy_threads = 3;
         config.check_staging = true;
         let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
-        let warm = {
-            let mut state = State::new();
-            for (t, data) in own.iter().enumerate() {
-                state
-                    .add_dim0_shard(
-                        format!("t{t}"),
-                        DType::F32,
-                        &[(world * (3 << 20)) as u64],
-                        rank,
-                        world,
-                        as_bytes(data),
-                    )
-                    .unwrap();
-            }
-            checkpointer.warm_up(&state).unwrap()
-        };
-        assert!(warm > Duration::ZERO);
         let mut state = State::new();
         for (t, data) in own.iter().enumerate() {
+            let shape = [(world * (3 << 20)) as u64];
             state
                 .add_dim0_shard(
                     format!("t{t}"),
                     DType::F32,
-                    &[(world * (3 << 20)) as u64],
+                    &shape,
                     rank,
                     world,
                     as_bytes(data),
                 )
                 .unwrap();
         }
+        assert!(checkpointer.warm_up(&state).unwrap() > Duration::ZERO);
         // SAFETY: `tensors` outlives the handles and is not written until staged().
         let handle = unsafe { checkpointer.save_overlapped(7, &state) }
             .await
