@@ -38,6 +38,15 @@ Other commands:
 Exit codes: 0 finished; 1 failed (a collective, a checkpoint, a rank); 2 usage;
 75 stopped by SIGTERM/SIGINT after committing a final checkpoint (resume later).";
 
+/// How saves stage the rank's state (`--staging`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Staging {
+    /// Copy in the background; wait before the optimizer step.
+    Overlapped,
+    /// Copy inside `save`.
+    Blocking,
+}
+
 /// Train one rank of a sharded data-parallel MLP on a seeded synthetic task,
 /// checkpointing through ckpt.
 #[derive(Parser, Debug)]
@@ -87,6 +96,17 @@ struct TrainArgs {
     /// --memory-copies=false: recoveries read the store.
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     memory_copies: bool,
+    /// How a save copies the rank's state into its staging buffer: `overlapped`
+    /// returns at once and copies while the next step gathers and computes (the rank
+    /// waits for the copy only before its optimizer step); `blocking` copies inside
+    /// the step that saves.
+    #[arg(long, value_enum, default_value_t = Staging::Overlapped)]
+    staging: Staging,
+    /// Check that no saved tensor changes before its staging copy ends (a CRC32 of
+    /// every tensor when the save starts; costs one read of the state per save).
+    /// Default: on in debug builds.
+    #[arg(long, default_value_t = cfg!(debug_assertions), num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    check_staging: bool,
     /// A collective fails when a peer makes no progress for this many seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout_secs: f64,
@@ -676,6 +696,8 @@ fn run_train(args: TrainArgs) -> ExitCode {
         device_error,
         save_stage,
         memory_copies: args.memory_copies,
+        overlapped_staging: args.staging == Staging::Overlapped,
+        check_staging: args.check_staging,
     };
     let world = match (world, rdzv) {
         (Some(world), _) => world,

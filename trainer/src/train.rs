@@ -88,6 +88,14 @@ pub struct TrainConfig {
     /// Elastic ranks: keep in-memory copies of the newest checkpoints (see
     /// [`crate::memory`]), so that a recovery rebuilds from RAM where it can.
     pub memory_copies: bool,
+    /// Overlapped saves ([`Checkpointer::save_overlapped`]): the copy into the staging
+    /// buffer runs while the next step gathers and computes, and the rank waits for
+    /// it only right before its optimizer step overwrites the saved rows. False:
+    /// blocking saves, the copy inside the step that saves.
+    pub overlapped_staging: bool,
+    /// Check that no saved tensor changes before its staging copy (a CRC32 of every
+    /// tensor at save time; see `CheckpointConfig::check_staging`).
+    pub check_staging: bool,
 }
 
 /// Where a rank holds (parks its training thread forever); see
@@ -432,7 +440,9 @@ pub struct Stats {
     pub steps: u64,
     /// Wall time of those steps (checkpoint stalls included).
     pub elapsed: Duration,
-    /// Time blocked in `save` (staging) and waiting for the previous commit.
+    /// Time blocked in `save` (staging, or registering an overlapped save), waiting
+    /// for the previous commit, and waiting for an overlapped save's copy before the
+    /// optimizer step.
     pub ckpt_blocked: Duration,
     /// Time in parameter all-gathers.
     pub gather: Duration,
@@ -444,6 +454,9 @@ pub struct Stats {
     pub update: Duration,
     /// Checkpoints saved.
     pub saves: u64,
+    /// Optimizer steps that had to wait for an overlapped save's copy (its time is
+    /// in `ckpt_blocked`).
+    pub staging_waits: u64,
     /// Time since the generation's first step at the end of each step (its save
     /// call included).
     pub marks: Vec<Duration>,
@@ -579,6 +592,11 @@ pub fn run_supervised(
     let memory = memory
         .as_ref()
         .map(|(m, table)| (m.as_ref(), table.as_slice()));
+    // An overlapped save of the previous generation may still read the vectors
+    // about to be recycled as this load's destination.
+    if let Some(handle) = &checkpointing.pending {
+        let _ = handle.wait_staged();
+    }
     let resumed = match (store, resume) {
         (Some(store), true) => {
             let spare = std::mem::take(&mut checkpointing.spare);
@@ -610,7 +628,12 @@ pub fn run_supervised(
             if let Some(run_id) = &config.run_id {
                 c.run_id = run_id.clone();
             }
-            Some(Checkpointer::new(store.clone(), c)?)
+            c.check_staging = config.check_staging;
+            let checkpointer = Checkpointer::new(store.clone(), c)?;
+            // The staging pool, allocated and faulted in now: the first checkpoint
+            // of the generation is not its slowest save.
+            checkpointer.warm_up(&state_of(config, &specs, &st, rank, world)?)?;
+            Some(checkpointer)
         }
         None => None,
     };
@@ -730,6 +753,18 @@ pub fn run_supervised(
                 comm.reduce_scatter_f32(&mut acc_f32[range], &counts, &mut grad_shard)?;
             }
             stats.reduce += lap(&mut clock);
+            // The optimizer step overwrites the rows an overlapped save may still be
+            // copying: the only point where the copy must be over.
+            if i == 0
+                && let Some(handle) = pending.as_ref()
+                && !handle.is_staged()
+            {
+                let waited = Instant::now();
+                handle.wait_staged()?;
+                stats.ckpt_blocked += waited.elapsed();
+                stats.staging_waits += 1;
+                clock = Instant::now();
+            }
             let st = &mut *st;
             model::adam(
                 preset.lr,
@@ -1025,6 +1060,31 @@ fn save(
     rank: usize,
     world: usize,
 ) -> Result<SaveHandle, TrainError> {
+    let state = state_of(config, specs, st, rank, world)?;
+    let outcome = if config.overlapped_staging {
+        // SAFETY: the saved rows (`st.params`, `st.m`, `st.v`) are written only by
+        // the optimizer step, which waits for `wait_staged()` on the pending handle
+        // first (in `run_generation`); a new generation waits for it before it loads
+        // into recycled vectors, and `Checkpointing` drops the pending handle (which
+        // waits) before the spare vectors.
+        runtime.block_on(unsafe { checkpointer.save_overlapped(st.step, &state) })?
+    } else {
+        runtime.block_on(checkpointer.save(st.step, &state))?
+    };
+    outcome
+        .handle()
+        .ok_or_else(|| TrainError::Invalid("save skipped although the policy is to wait".into()))
+}
+
+/// What a rank saves: its rows of every parameter and both Adam moments, and the
+/// trainer's global state.
+fn state_of<'a>(
+    config: &TrainConfig,
+    specs: &[TensorSpec],
+    st: &'a Shards,
+    rank: usize,
+    world: usize,
+) -> Result<State<'a>, TrainError> {
     let mut state = State::new();
     for (i, spec) in specs.iter().enumerate() {
         let shape = spec.shape();
@@ -1063,10 +1123,7 @@ fn save(
         "optimizer",
         json!({ "kind": "adam", "lr": config.preset.lr, "beta1": model::BETA1, "beta2": model::BETA2, "eps": model::EPS, "t": st.step }),
     );
-    let outcome = runtime.block_on(checkpointer.save(st.step, &state))?;
-    outcome
-        .handle()
-        .ok_or_else(|| TrainError::Invalid("save skipped although the policy is to wait".into()))
+    Ok(state)
 }
 
 /// What a rank reports after trying to load the proposed checkpoint.

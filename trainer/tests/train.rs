@@ -134,6 +134,24 @@ fn world_sizes_one_to_four_end_with_bitwise_identical_weights() {
     assert!(text.contains("identical"), "{text}");
 }
 
+/// Overlapped saves copy the state while the next step computes: they must save
+/// exactly what blocking saves save. Debug builds check every overlapped copy against
+/// a checksum taken at save time, so a rank that wrote its rows too early would fail.
+#[test]
+fn overlapped_and_blocking_saves_hold_bitwise_identical_weights() {
+    let (blocking, overlapped) = (tempdir(), tempdir());
+    train(3, blocking.path(), 30, &["--staging", "blocking"]);
+    let out = train(
+        3,
+        overlapped.path(),
+        30,
+        &["--staging", "overlapped", "--check-staging"],
+    );
+    assert!(out.contains("done: step 30"), "{out}");
+    assert_eq!(latest_step(overlapped.path()), Some(30));
+    assert_identical(blocking.path(), overlapped.path());
+}
+
 #[test]
 fn the_fast_mode_also_trains_but_sums_gradients_in_f32() {
     let (a, b) = (tempdir(), tempdir());
