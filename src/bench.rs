@@ -270,9 +270,21 @@ pub struct BenchReport {
     pub stall_ms: f64,
     /// Each rank's stall, ms (median over reps).
     pub stall_ms_per_rank: Vec<f64>,
-    /// The first (cold) save's worst stall, ms: staging buffers are allocated and
-    /// faulted in once.
+    /// The first save's worst stall, ms (blocking, right after
+    /// `Checkpointer::warm_up`).
     pub cold_stall_ms: f64,
+    /// `cold_stall_ms / stall_ms`: how much slower the first save of a job is.
+    pub cold_ratio: f64,
+    /// `Checkpointer::warm_up` (staging pool allocated and faulted in), worst rank, ms.
+    pub warm_up_ms: f64,
+    /// Worst rank's stall of an overlapped save (`save_overlapped`: registration
+    /// only), ms (median over reps).
+    pub overlap_stall_ms: f64,
+    /// Worst rank's time from `save_overlapped` until its copy ended
+    /// (`SaveHandle::staged`), ms (median over reps).
+    pub overlap_staged_ms: f64,
+    /// `overlap_stall_ms / memcpy_ms`.
+    pub overlap_ratio: f64,
     /// Worst rank's memcpy of the same bytes, same threads, ms (median).
     pub memcpy_ms: f64,
     /// Each rank's memcpy, ms (median).
@@ -367,8 +379,16 @@ pub fn run(
 
     let checkpointers = make_checkpointers(store, config, Codec::None)?;
     let root = store.url().to_string();
-    progress("warm-up save (allocates staging)");
-    let cold = save_once(rt, &checkpointers, &data, config, 1)?;
+    progress("staging pool warm-up, then the first save");
+    let warm_ups = on_ranks(config.ranks, |rank, _| -> Result<f64> {
+        let state = state_of(rank, config, &data[rank])?;
+        Ok(ms(checkpointers[rank].warm_up(&state)?))
+    });
+    report.warm_up_ms = warm_ups
+        .into_iter()
+        .collect::<Result<Vec<f64>>>()
+        .map(|w| max(&w))?;
+    let cold = save_once(rt, &checkpointers, &data, config, 1, false)?;
     report.cold_stall_ms = max(&cold.stalls);
     let mut step = 1u64;
     // RSS first, before any load: freed load buffers that the allocator keeps
@@ -380,7 +400,7 @@ pub fn run(
             let previous = step;
             step += 1;
             rt.block_on(store.delete_prefix(&step_dir(previous)))?;
-            save_once(rt, &checkpointers, &data, config, step)?;
+            save_once(rt, &checkpointers, &data, config, step, false)?;
             rss.push(rss_mib());
         }
         let second = rss.get(1).copied().unwrap_or(rss[0]);
@@ -402,13 +422,26 @@ pub fn run(
         step += 1;
         rt.block_on(store.delete_prefix(&step_dir(previous)))?;
         progress(&format!("rep {}/{}: ckpt save", rep + 1, config.reps));
-        let saved = save_once(rt, &checkpointers, &data, config, step)?;
+        let saved = save_once(rt, &checkpointers, &data, config, step, false)?;
         for (r, s) in saved.stalls.iter().enumerate() {
             stall_per_rank[r].push(*s);
         }
         push("stall_ms", max(&saved.stalls));
         push("commit_ms", saved.commit_ms);
         push("write_gbps", gbps(saved.file_bytes, saved.commit_ms / 1e3));
+        // The same save overlapped: it returns once registered, the copy runs on.
+        let previous = step;
+        step += 1;
+        rt.block_on(store.delete_prefix(&step_dir(previous)))?;
+        progress(&format!(
+            "rep {}/{}: ckpt save, overlapped",
+            rep + 1,
+            config.reps
+        ));
+        let overlapped = save_once(rt, &checkpointers, &data, config, step, true)?;
+        push("overlap_stall_ms", max(&overlapped.stalls));
+        push("overlap_staged_ms", max(&overlapped.staged));
+        push("overlap_commit_ms", overlapped.commit_ms);
 
         progress(&format!("rep {}/{}: raw read", rep + 1, config.reps));
         push(
@@ -454,14 +487,14 @@ pub fn run(
             progress(&format!("{label} level {level}: warm-up save"));
             let checkpointers = make_checkpointers(store, config, codec)?;
             step += 1;
-            let first = save_once(rt, &checkpointers, &data, config, step)?;
+            let first = save_once(rt, &checkpointers, &data, config, step, false)?;
             let (mut commit, mut load) = (Vec::new(), Vec::new());
             for rep in 0..config.reps {
                 progress(&format!("{label}: rep {}/{}", rep + 1, config.reps));
                 let previous = step;
                 step += 1;
                 rt.block_on(store.delete_prefix(&step_dir(previous)))?;
-                let saved = save_once(rt, &checkpointers, &data, config, step)?;
+                let saved = save_once(rt, &checkpointers, &data, config, step, false)?;
                 commit.push(saved.commit_ms);
                 evict_step(&root, step, config.warm);
                 let loaded = load_once(rt, store, step, config.ranks, &data, config, rep == 0)?;
@@ -496,6 +529,10 @@ pub fn run(
     report.stall_ms_per_rank = stall_per_rank.iter().map(|v| median(v)).collect();
     report.memcpy_ms_per_rank = per_rank_memcpy.per_rank;
     report.stall_ratio = report.stall_ms / report.memcpy_ms.max(1e-9);
+    report.overlap_stall_ms = med("overlap_stall_ms");
+    report.overlap_staged_ms = med("overlap_staged_ms");
+    report.overlap_ratio = report.overlap_stall_ms / report.memcpy_ms.max(1e-9);
+    report.cold_ratio = report.cold_stall_ms / report.stall_ms.max(1e-9);
     report.commit_ms = med("commit_ms");
     report.write_gbps = gbps(file_bytes, report.commit_ms / 1e3);
     report.raw_write_gbps = med("raw_write_gbps");
@@ -526,6 +563,11 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         total_bytes: config.total_bytes(),
         file_bytes: 0,
         stall_ms: 0.0,
+        cold_ratio: 0.0,
+        warm_up_ms: 0.0,
+        overlap_stall_ms: 0.0,
+        overlap_staged_ms: 0.0,
+        overlap_ratio: 0.0,
         stall_ms_per_rank: Vec::new(),
         cold_stall_ms: 0.0,
         memcpy_ms: 0.0,
@@ -573,6 +615,8 @@ fn targets(r: &BenchReport) -> Vec<Target> {
     let mut out = Vec::new();
     if !r.config.metadata_only {
         out.push(le("stall / memcpy", r.stall_ratio, 1.5));
+        out.push(le("overlapped stall / memcpy", r.overlap_ratio, 0.1));
+        out.push(le("first save's stall / stall", r.cold_ratio, 2.0));
         out.push(ge("committed save / raw write", r.write_ratio, 0.7));
         if let Some(direct) = r.write_ratio_direct {
             out.push(ge("committed save / raw O_DIRECT write", direct, 0.7));
@@ -785,7 +829,10 @@ fn make_checkpointers(
 }
 
 struct Saved {
+    /// What `save` blocked each rank for, ms.
     stalls: Vec<f64>,
+    /// When each rank's copy ended, ms after its `save` call.
+    staged: Vec<f64>,
     commit_ms: f64,
     file_bytes: u64,
     stored_bytes: u64,
@@ -797,28 +844,38 @@ fn save_once(
     data: &Workload,
     config: &BenchConfig,
     step: u64,
+    overlapped: bool,
 ) -> Result<Saved> {
     let results = on_ranks(
         checkpointers.len(),
-        |rank, barrier| -> Result<(f64, Instant, Instant)> {
+        |rank, barrier| -> Result<(f64, f64, Instant, Instant)> {
             let state = state_of(rank, config, &data[rank])?;
             barrier.wait();
             let started = Instant::now();
-            let handle = rt
-                .block_on(checkpointers[rank].save(step, &state))?
+            let outcome = if overlapped {
+                // SAFETY: the workload is neither written nor freed before this
+                // thread has waited for `wait_staged` below.
+                rt.block_on(unsafe { checkpointers[rank].save_overlapped(step, &state) })?
+            } else {
+                rt.block_on(checkpointers[rank].save(step, &state))?
+            };
+            let handle = outcome
                 .handle()
                 .ok_or_else(|| Error::Failed("save was skipped".into()))?;
             let stall = ms(handle.stall());
+            let staged = ms(handle.wait_staged()?);
             rt.block_on(handle.committed())?;
-            Ok((stall, started, Instant::now()))
+            Ok((stall, staged, started, Instant::now()))
         },
     );
     let mut stalls = Vec::new();
+    let mut staged = Vec::new();
     let mut first_start: Option<Instant> = None;
     let mut first_commit: Option<Instant> = None;
     for result in results {
-        let (stall, started, committed) = result?;
+        let (stall, staged_after, started, committed) = result?;
         stalls.push(stall);
+        staged.push(staged_after);
         first_start = Some(first_start.map_or(started, |s| s.min(started)));
         // The committing rank learns of the commit at once; the others poll for it,
         // so the earliest rank to see it marks the commit.
@@ -832,6 +889,7 @@ fn save_once(
     let manifest = rt.block_on(crate::catalog::read_manifest(store, step))?;
     Ok(Saved {
         stalls,
+        staged,
         commit_ms,
         file_bytes: manifest.ranks.iter().map(|r| r.raw_bytes).sum(),
         stored_bytes: manifest.ranks.iter().map(|r| r.stored_bytes).sum(),
@@ -1382,11 +1440,31 @@ pub fn render(r: &BenchReport) -> String {
             format!("{:.1} ms", r.memcpy_ms),
             r.stall_ratio,
         );
+        row(
+            &mut s,
+            "overlapped stall vs memcpy",
+            format!("{:.2} ms", r.overlap_stall_ms),
+            format!("{:.1} ms", r.memcpy_ms),
+            r.overlap_ratio,
+        );
         let _ = writeln!(
             s,
             "{:<34} {:>12}",
-            "  first (cold) save stall",
-            format!("{:.1} ms", r.cold_stall_ms)
+            "  overlapped copy done after",
+            format!("{:.1} ms", r.overlap_staged_ms)
+        );
+        row(
+            &mut s,
+            "first save's stall vs stall",
+            format!("{:.1} ms", r.cold_stall_ms),
+            format!("{:.1} ms", r.stall_ms),
+            r.cold_ratio,
+        );
+        let _ = writeln!(
+            s,
+            "{:<34} {:>12}",
+            "  staging warm-up (before it)",
+            format!("{:.1} ms", r.warm_up_ms)
         );
         row(
             &mut s,

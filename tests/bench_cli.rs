@@ -51,6 +51,10 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
     for key in [
         "stall_ms",
         "memcpy_ms",
+        "overlap_stall_ms",
+        "overlap_staged_ms",
+        "cold_stall_ms",
+        "warm_up_ms",
         "write_ratio",
         "read_ratio",
         "reshard_ratio",
