@@ -32,7 +32,10 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use ckpt_storage::{Backend, Store};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+mod processes;
+pub use processes::{ProcessesReport, rank_main};
 
 use crate::error::{Error, Result};
 use crate::format::{
@@ -47,7 +50,7 @@ use crate::{DType, codec};
 
 /// What to run. [`BenchConfig::default`] is workload W1: 4 ranks, 64 fp32 tensors of
 /// 8192×1024 sharded on dim 0 (512 MiB per rank, 2 GiB in all), 5 repetitions.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchConfig {
     /// Ranks (threads) that save.
     pub ranks: usize,
@@ -85,6 +88,13 @@ pub struct BenchConfig {
     pub rss_saves: usize,
     /// Bytes of rank 0's data compressed block by block in the codec comparison.
     pub codec_sample_bytes: u64,
+    /// Also run the core (memcpy, saves, loads) with every rank in a process of its
+    /// own ([`ProcessesReport`]), besides threads of this process.
+    pub processes: bool,
+    /// Store options (`KEY=VALUE`) the rank processes open the store with. Not
+    /// reported (they may hold credentials).
+    #[serde(skip)]
+    pub store_options: Vec<String>,
 }
 
 impl Default for BenchConfig {
@@ -108,6 +118,8 @@ impl Default for BenchConfig {
             commit_ranks: 0,
             rss_saves: 0,
             codec_sample_bytes: 64 << 20,
+            processes: true,
+            store_options: Vec::new(),
         }
     }
 }
@@ -330,6 +342,8 @@ pub struct BenchReport {
     pub commit_scale: Option<CommitScaleReport>,
     /// RSS over consecutive saves.
     pub rss: Option<RssReport>,
+    /// The core figures again with one process per rank (`BenchConfig::processes`).
+    pub processes: Option<ProcessesReport>,
     /// The targets.
     pub targets: Vec<Target>,
     /// Every repetition's figures, for the curious.
@@ -520,6 +534,11 @@ pub fn run(
         progress("codec samples (fp32, bf16; with and without shuffle)");
         report.codec_samples = codec_samples(&data, config, level)?;
     }
+    if config.processes {
+        // The rank processes hold their own copies of the values.
+        drop(data);
+        report.processes = Some(processes::run(store, rt, config, &raw, step + 1, progress)?);
+    }
     raw.cleanup();
 
     report.memcpy_ms = median(&per_rank_memcpy.worst);
@@ -592,6 +611,7 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         metadata: None,
         commit_scale: None,
         rss: None,
+        processes: None,
         targets: Vec::new(),
         samples: BTreeMap::new(),
     }
@@ -621,12 +641,35 @@ fn targets(r: &BenchReport) -> Vec<Target> {
         if let Some(direct) = r.write_ratio_direct {
             out.push(ge("committed save / raw O_DIRECT write", direct, 0.7));
         }
-        out.push(ge("same-size load / raw read", r.read_ratio, 0.7));
-        out.push(le("resharded / same-size load", r.reshard_ratio, 1.25));
+        out.push(ge("same-size load / raw read", r.read_ratio, 0.9));
+        out.push(le("resharded / same-size load", r.reshard_ratio, 1.1));
         out.push(le(
             "reshard bytes read / requested",
             r.reshard_read_amplification,
             1.05,
+        ));
+    }
+    if let Some(p) = &r.processes {
+        out.push(le("processes: stall / memcpy", p.stall_ratio, 1.5));
+        out.push(le(
+            "processes: overlapped stall / memcpy",
+            p.overlap_ratio,
+            0.1,
+        ));
+        out.push(le(
+            "processes: first save's stall / stall",
+            p.cold_ratio,
+            2.0,
+        ));
+        out.push(ge(
+            "processes: same-size load / raw read",
+            p.read_ratio,
+            0.9,
+        ));
+        out.push(le(
+            "processes: resharded / same-size load",
+            p.reshard_ratio,
+            1.1,
         ));
     }
     if let Some(m) = &r.metadata {
@@ -703,39 +746,37 @@ impl SplitMix {
 fn generate(config: &BenchConfig) -> Workload {
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..config.ranks)
-            .map(|rank| {
-                scope.spawn(move || {
-                    let region =
-                        Region::dim0_shard(&[config.rows, config.cols], rank, config.ranks);
-                    let n = region.volume().unwrap_or(0) as usize;
-                    (0..config.tensors)
-                        .map(|t| {
-                            let mut rng = SplitMix(
-                                config.seed
-                                    ^ ((rank as u64) << 32)
-                                    ^ (t as u64).wrapping_mul(0x1000_0001),
-                            );
-                            let mut v = Vec::with_capacity(n);
-                            while v.len() < n {
-                                let (u1, u2) = (rng.unit(), rng.unit());
-                                let r = (-2.0 * u1.ln()).sqrt() * 0.02;
-                                let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
-                                v.push((r * c) as f32);
-                                if v.len() < n {
-                                    v.push((r * s) as f32);
-                                }
-                            }
-                            v
-                        })
-                        .collect()
-                })
-            })
+            .map(|rank| scope.spawn(move || generate_rank(config, rank)))
             .collect();
         handles
             .into_iter()
             .map(|h| h.join().expect("generator thread panicked"))
             .collect()
     })
+}
+
+/// Rank `rank`'s tensors: its dim-0 shard of each, seeded per (rank, tensor).
+fn generate_rank(config: &BenchConfig, rank: usize) -> Vec<Vec<f32>> {
+    let region = Region::dim0_shard(&[config.rows, config.cols], rank, config.ranks);
+    let n = region.volume().unwrap_or(0) as usize;
+    (0..config.tensors)
+        .map(|t| {
+            let mut rng = SplitMix(
+                config.seed ^ ((rank as u64) << 32) ^ (t as u64).wrapping_mul(0x1000_0001),
+            );
+            let mut v = Vec::with_capacity(n);
+            while v.len() < n {
+                let (u1, u2) = (rng.unit(), rng.unit());
+                let r = (-2.0 * u1.ln()).sqrt() * 0.02;
+                let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
+                v.push((r * c) as f32);
+                if v.len() < n {
+                    v.push((r * s) as f32);
+                }
+            }
+            v
+        })
+        .collect()
 }
 
 fn state_of<'a>(rank: usize, config: &BenchConfig, data: &'a [Vec<f32>]) -> Result<State<'a>> {
@@ -1546,6 +1587,58 @@ pub fn render(r: &BenchReport) -> String {
                     z.data, z.shuffle, z.ratio, z.compress_gbps, z.decompress_gbps
                 );
             }
+        }
+        if let Some(p) = &r.processes {
+            let _ = writeln!(s);
+            let _ = writeln!(s, "one process per rank ({} processes):", p.ranks);
+            row(
+                &mut s,
+                "stall per rank (worst) vs memcpy",
+                format!("{:.1} ms", p.stall_ms),
+                format!("{:.1} ms", p.memcpy_ms),
+                p.stall_ratio,
+            );
+            row(
+                &mut s,
+                "overlapped stall vs memcpy",
+                format!("{:.2} ms", p.overlap_stall_ms),
+                format!("{:.1} ms", p.memcpy_ms),
+                p.overlap_ratio,
+            );
+            let _ = writeln!(
+                s,
+                "{:<34} {:>12}",
+                "  overlapped copy done after",
+                format!("{:.1} ms", p.overlap_staged_ms)
+            );
+            row(
+                &mut s,
+                "first save's stall vs stall",
+                format!("{:.1} ms", p.cold_stall_ms),
+                format!("{:.1} ms", p.stall_ms),
+                p.cold_ratio,
+            );
+            row(
+                &mut s,
+                "save until committed vs raw write",
+                format!("{:.2} GB/s", p.write_gbps),
+                format!("{:.2} GB/s", p.raw_write_gbps),
+                p.write_ratio,
+            );
+            row(
+                &mut s,
+                "load, same world vs raw read",
+                format!("{:.2} GB/s", p.read_gbps),
+                format!("{:.2} GB/s", p.raw_read_gbps),
+                p.read_ratio,
+            );
+            row(
+                &mut s,
+                &format!("load onto {} ranks vs same world", c.reshard_ranks),
+                format!("{:.0} ms", p.reshard_load_ms),
+                format!("{:.0} ms", p.load_ms),
+                p.reshard_ratio,
+            );
         }
         if let Some(rss) = &r.rss {
             let _ = writeln!(s);

@@ -52,6 +52,9 @@ enum Command {
         after_help = "Examples:\n  ckpt bench file:///tmp/ckpt-bench\n  ckpt bench --url file:///tmp/ckpt-bench --rss-saves 20 --json > bench.json\n  ckpt bench file:///tmp/b --ranks 2 --tensors 4 --rows 256 --cols 256 --reps 1 --raw-mib 1"
     )]
     Bench(Box<BenchArgs>),
+    /// One rank process of `ckpt bench`, driven over stdin and stdout.
+    #[command(hide = true)]
+    BenchRank(BenchRankArgs),
     /// Run the elastic control plane's coordinator for one job: it forms generations
     /// of ranks, detects lost and hung ranks and tells survivors to restart. Prints
     /// `coordinator: listening on ADDR`, then serves until killed; generation changes
@@ -138,6 +141,27 @@ struct BenchArgs {
     /// Data (MiB) of the per-block codec comparison.
     #[arg(long, default_value_t = 64)]
     codec_sample_mib: u64,
+    /// Skip the second run of the core figures with one process per rank (ranks
+    /// are then threads of this process only).
+    #[arg(long)]
+    no_processes: bool,
+}
+
+/// Flags of the hidden `ckpt bench-rank` (one rank process of `ckpt bench`).
+#[derive(clap::Args)]
+struct BenchRankArgs {
+    /// Store URL.
+    #[arg(long)]
+    url: String,
+    /// Backend option KEY=VALUE; repeatable.
+    #[arg(long = "option", short = 'o', value_name = "KEY=VALUE")]
+    options: Vec<String>,
+    /// This rank.
+    #[arg(long)]
+    rank: usize,
+    /// The bench configuration, as JSON.
+    #[arg(long)]
+    config: String,
 }
 
 /// Flags of `ckpt coordinator`.
@@ -215,6 +239,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Probe { url, options, json } => runtime.block_on(run_probe(&url, &options, json)),
         Command::Bench(args) => run_bench(&runtime, *args),
+        Command::BenchRank(args) => run_bench_rank(runtime, args),
         Command::Tool(tool) => runtime.block_on(cli::run(tool)),
         Command::Coordinator(args) => run_coordinator(args),
     }
@@ -296,6 +321,8 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
         commit_ranks: args.commit_ranks,
         rss_saves: args.rss_saves,
         codec_sample_bytes: args.codec_sample_mib << 20,
+        processes: !args.no_processes,
+        store_options: args.options.clone(),
     };
     let started = std::time::Instant::now();
     let progress = |line: &str| {
@@ -320,6 +347,34 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
         print!("{}", bench::render(&report));
     }
     ExitCode::from(EXIT_OK)
+}
+
+fn run_bench_rank(runtime: tokio::runtime::Runtime, args: BenchRankArgs) -> ExitCode {
+    // The rank makes its own runtime, as a trainer's rank does.
+    drop(runtime);
+    let config: BenchConfig = match serde_json::from_str(&args.config) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("error: bench-rank: bad --config: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let store = match store_config(&args.options)
+        .and_then(|c| Store::open(&args.url, c).map_err(|e| e.to_string()))
+    {
+        Ok(store) => store,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    match bench::rank_main(store, args.rank, config) {
+        Ok(()) => ExitCode::from(EXIT_OK),
+        Err(e) => {
+            eprintln!("error: bench rank {}: {e}", args.rank);
+            ExitCode::from(EXIT_CHECK_FAILED)
+        }
+    }
 }
 
 fn store_config(options: &[String]) -> Result<StoreConfig, String> {

@@ -20,6 +20,37 @@ fn bench_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).unwrap()
 }
 
+/// Keys of the core figures, at the top (ranks as threads) and under `processes`.
+const CORE_KEYS: [&str; 13] = [
+    "stall_ms",
+    "memcpy_ms",
+    "overlap_stall_ms",
+    "overlap_staged_ms",
+    "cold_stall_ms",
+    "warm_up_ms",
+    "commit_ms",
+    "raw_write_gbps",
+    "raw_read_gbps",
+    "load_ms",
+    "read_ratio",
+    "reshard_load_ms",
+    "reshard_ratio",
+];
+
+/// Each key of `report` is a positive finite number.
+fn assert_positive<'a>(
+    report: &serde_json::Value,
+    prefix: &str,
+    keys: impl Iterator<Item = &'a &'a str>,
+) {
+    for key in keys {
+        let value = report[*key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{prefix}{key} missing: {report}"));
+        assert!(value > 0.0 && value.is_finite(), "{prefix}{key} = {value}");
+    }
+}
+
 #[test]
 fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
     let report = bench_json(&[
@@ -48,28 +79,8 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
         "--rss-saves",
         "2",
     ]);
-    for key in [
-        "stall_ms",
-        "memcpy_ms",
-        "overlap_stall_ms",
-        "overlap_staged_ms",
-        "cold_stall_ms",
-        "warm_up_ms",
-        "write_ratio",
-        "read_ratio",
-        "reshard_ratio",
-        "commit_ms",
-        "raw_write_gbps",
-        "raw_read_gbps",
-        "load_ms",
-        "reshard_load_ms",
-        "reshard_read_amplification",
-    ] {
-        let value = report[key]
-            .as_f64()
-            .unwrap_or_else(|| panic!("{key} missing: {report}"));
-        assert!(value > 0.0 && value.is_finite(), "{key} = {value}");
-    }
+    let extra = ["reshard_read_amplification", "write_ratio"];
+    assert_positive(&report, "", CORE_KEYS.iter().chain(&extra));
     // Every saved byte was read at least once, and no more than the blocks touched.
     assert!(report["reshard_read_amplification"].as_f64().unwrap() >= 1.0);
     let zstd = report["zstd"].as_array().unwrap();
@@ -90,6 +101,10 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
     assert!(metadata["plan_bytes_read"].as_u64().unwrap() > 0);
     assert_eq!(report["rss"]["rss_mib"].as_array().unwrap().len(), 2);
     assert!(!report["targets"].as_array().unwrap().is_empty());
+    // The core again, one process per rank.
+    let processes = &report["processes"];
+    assert_eq!(processes["ranks"].as_u64(), Some(2), "{processes}");
+    assert_positive(processes, "processes.", CORE_KEYS.iter());
 }
 
 #[test]

@@ -1,0 +1,559 @@
+//! `ckpt bench` with every rank in a process of its own, as trainers and PyTorch DCP
+//! run them.
+//!
+//! Threads of one process share an allocator, a page table and a runtime; processes
+//! do not, and that changes the figures that matter (the cost of faulting pages in,
+//! the contention of the copy and of the reads). So the bench runs the core of W1
+//! both ways. The parent starts one `ckpt bench-rank` child per rank and drives them
+//! in lock step over their stdin and stdout, one JSON line per command and per reply:
+//! a command is written to every child before any reply is read, so the ranks start
+//! together (within the microseconds of a few pipe writes), like the threads behind a
+//! barrier. Children report times on the monotonic clock, which every process of the
+//! machine shares, so the parent can take the first start and the last end across
+//! them. Each child generates its own rank's values from the seed, as the threads do.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    BenchConfig, MemcpyFigures, RawTarget, evict_step, gbps, generate_rank, max, median, ms,
+    state_of,
+};
+use crate::error::{Error, Result};
+use crate::format::step_dir;
+use crate::load::{CheckpointReader, LoadRequest};
+use crate::save::{CheckpointConfig, Checkpointer};
+use ckpt_storage::Store;
+
+/// The core of W1 with one process per rank.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ProcessesReport {
+    /// Rank processes.
+    pub ranks: usize,
+    /// Worst rank's blocking `save` stall, ms (median over reps).
+    pub stall_ms: f64,
+    /// Worst rank's memcpy of the same bytes in the same processes, ms (median).
+    pub memcpy_ms: f64,
+    /// `stall_ms / memcpy_ms`.
+    pub stall_ratio: f64,
+    /// Worst rank's `save_overlapped` stall, ms (median).
+    pub overlap_stall_ms: f64,
+    /// Worst rank's time until its overlapped copy ended, ms (median).
+    pub overlap_staged_ms: f64,
+    /// `overlap_stall_ms / memcpy_ms`.
+    pub overlap_ratio: f64,
+    /// The first save's worst stall after `warm_up`, ms.
+    pub cold_stall_ms: f64,
+    /// `cold_stall_ms / stall_ms`.
+    pub cold_ratio: f64,
+    /// `Checkpointer::warm_up`, worst rank, ms.
+    pub warm_up_ms: f64,
+    /// First `save` call until the first rank sees the commit, ms (median).
+    pub commit_ms: f64,
+    /// Data-file bytes ÷ `commit_ms`.
+    pub write_gbps: f64,
+    /// Raw sequential write (+ fsync) in the same reps, GB/s (median).
+    pub raw_write_gbps: f64,
+    /// `write_gbps / raw_write_gbps`.
+    pub write_ratio: f64,
+    /// Same-size load, ms (median).
+    pub load_ms: f64,
+    /// Tensor bytes ÷ `load_ms`.
+    pub read_gbps: f64,
+    /// Raw sequential read in the same reps, GB/s (median).
+    pub raw_read_gbps: f64,
+    /// `read_gbps / raw_read_gbps`.
+    pub read_ratio: f64,
+    /// Load onto `reshard_ranks` processes, ms (median).
+    pub reshard_load_ms: f64,
+    /// `reshard_load_ms / load_ms`.
+    pub reshard_ratio: f64,
+    /// Every repetition's figures.
+    pub samples: std::collections::BTreeMap<String, Vec<f64>>,
+}
+
+/// What the parent asks a rank process to do.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+enum Order {
+    /// Allocate and fault in the staging pool.
+    WarmUp,
+    /// Copy the rank's bytes once into a pre-faulted buffer.
+    Memcpy,
+    /// Save `step`, blocking or overlapped, and wait for the commit.
+    Save { step: u64, overlapped: bool },
+    /// Load rank's dim-0 shard of every tensor of `step` for a world of `world`
+    /// (ranks at or above it do nothing); with `verify`, compare with the values.
+    Load {
+        step: u64,
+        world: usize,
+        verify: bool,
+    },
+    /// Exit.
+    Exit,
+}
+
+/// A rank process's answer: the fields its order fills, or `error`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Answer {
+    error: Option<String>,
+    ms: f64,
+    stall_ms: f64,
+    staged_ms: f64,
+    start_ns: u64,
+    end_ns: u64,
+    requested: u64,
+    read: u64,
+    file_bytes: u64,
+    skipped: bool,
+}
+
+/// Nanoseconds on the monotonic clock that every process of the machine shares
+/// (`Instant` cannot be sent to another process).
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The run id of the processes' saves: apart from the threads' saves of the same run.
+const RUN_ID: &str = "bench-processes";
+
+/// `ckpt bench-rank`: one rank process, driven by the parent over stdin and stdout.
+pub fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Failed(format!("rank {rank}: tokio runtime: {e}")))?;
+    let rt = runtime.handle();
+    // Ranks past the saving world only take part in the resharded load.
+    let saver = rank < config.ranks;
+    let data = if saver {
+        generate_rank(&config, rank)
+    } else {
+        Vec::new()
+    };
+    let checkpointer = if saver {
+        let mut c = CheckpointConfig::new(rank, config.ranks);
+        c.block_size = config.block_size;
+        c.run_id = RUN_ID.into();
+        Some(Checkpointer::new(store.clone(), c)?)
+    } else {
+        None
+    };
+    let bytes: usize = data.iter().map(|t| t.len() * 4).sum();
+    let mut memcpy_dst: Vec<u8> = Vec::new();
+    let stdin = std::io::stdin().lock();
+    let mut stdout = std::io::stdout().lock();
+    for line in stdin.lines() {
+        let line = line.map_err(|e| Error::Failed(format!("rank {rank}: stdin: {e}")))?;
+        let order: Order = serde_json::from_str(&line)
+            .map_err(|e| Error::invalid(format!("rank {rank}: bad order {line:?}: {e}")))?;
+        if matches!(order, Order::Exit) {
+            break;
+        }
+        let answer = obey(
+            rt,
+            &store,
+            checkpointer.as_ref(),
+            &config,
+            rank,
+            &data,
+            bytes,
+            &mut memcpy_dst,
+            order,
+        )
+        .unwrap_or_else(|e| Answer {
+            error: Some(e.to_string()),
+            ..Answer::default()
+        });
+        let text = serde_json::to_string(&answer).expect("answers serialize");
+        writeln!(stdout, "{text}")
+            .and_then(|()| stdout.flush())
+            .map_err(|e| Error::Failed(format!("rank {rank}: stdout: {e}")))?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn obey(
+    rt: &tokio::runtime::Handle,
+    store: &Store,
+    checkpointer: Option<&Checkpointer>,
+    config: &BenchConfig,
+    rank: usize,
+    data: &[Vec<f32>],
+    bytes: usize,
+    memcpy_dst: &mut Vec<u8>,
+    order: Order,
+) -> Result<Answer> {
+    let Some(checkpointer) = checkpointer else {
+        // Not a saving rank: only loads concern it.
+        if !matches!(order, Order::Load { .. }) {
+            return Ok(Answer {
+                skipped: true,
+                ..Answer::default()
+            });
+        }
+        return obey_load(rt, store, config, rank, data, order);
+    };
+    if let Order::Load { .. } = order {
+        return obey_load(rt, store, config, rank, data, order);
+    }
+    Ok(match order {
+        Order::WarmUp => Answer {
+            ms: super::ms(checkpointer.warm_up(&state_of(rank, config, data)?)?),
+            ..Answer::default()
+        },
+        Order::Memcpy => {
+            if memcpy_dst.len() != bytes {
+                // Pre-faulted, as the staging pool is after `warm_up`.
+                *memcpy_dst = vec![1u8; bytes];
+            }
+            let started = Instant::now();
+            let mut offset = 0;
+            for t in data {
+                let src = crate::as_bytes(t);
+                memcpy_dst[offset..offset + src.len()].copy_from_slice(src);
+                offset += src.len();
+            }
+            std::hint::black_box(&mut *memcpy_dst);
+            Answer {
+                ms: ms(started.elapsed()),
+                ..Answer::default()
+            }
+        }
+        Order::Save { step, overlapped } => {
+            let state = state_of(rank, config, data)?;
+            let start_ns = now_ns();
+            let outcome = if overlapped {
+                // SAFETY: `data` lives as long as this process and is never written;
+                // the copy is waited for below.
+                rt.block_on(unsafe { checkpointer.save_overlapped(step, &state) })?
+            } else {
+                rt.block_on(checkpointer.save(step, &state))?
+            };
+            let handle = outcome
+                .handle()
+                .ok_or_else(|| Error::Failed("save was skipped".into()))?;
+            let staged = handle.wait_staged()?;
+            rt.block_on(handle.committed())?;
+            let end_ns = now_ns();
+            let file_bytes = if rank == 0 {
+                let manifest = rt.block_on(crate::catalog::read_manifest(store, step))?;
+                manifest.ranks.iter().map(|r| r.raw_bytes).sum()
+            } else {
+                0
+            };
+            Answer {
+                stall_ms: ms(handle.stall()),
+                staged_ms: ms(staged),
+                start_ns,
+                end_ns,
+                file_bytes,
+                ..Answer::default()
+            }
+        }
+        Order::Load { .. } | Order::Exit => Answer::default(),
+    })
+}
+
+/// A rank's load of its dim-0 shards of every tensor for a world of `world`.
+fn obey_load(
+    rt: &tokio::runtime::Handle,
+    store: &Store,
+    config: &BenchConfig,
+    rank: usize,
+    data: &[Vec<f32>],
+    order: Order,
+) -> Result<Answer> {
+    let Order::Load {
+        step,
+        world,
+        verify,
+    } = order
+    else {
+        return Err(Error::invalid("not a load"));
+    };
+    if rank >= world {
+        return Ok(Answer {
+            skipped: true,
+            ..Answer::default()
+        });
+    }
+    let start_ns = now_ns();
+    let loaded = rt.block_on(async {
+        let reader = CheckpointReader::open(store, Some(step)).await?;
+        let request = LoadRequest::dim0_shards(reader.manifest(), rank, world);
+        reader.load(&request).await
+    })?;
+    let end_ns = now_ns();
+    if verify && world == config.ranks {
+        for (t, (loaded, own)) in loaded.tensors.iter().zip(data).enumerate() {
+            if loaded.data != crate::as_bytes(own) {
+                return Err(Error::Failed(format!(
+                    "bench: rank {rank} loaded tensor {t} wrong"
+                )));
+            }
+        }
+    }
+    Ok(Answer {
+        start_ns,
+        end_ns,
+        requested: loaded.stats.bytes_requested,
+        read: loaded.stats.bytes_read,
+        ..Answer::default()
+    })
+}
+
+/// One rank process and its pipes.
+struct RankProcess {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+/// The rank processes of one bench run; they exit when this is dropped.
+struct Ranks {
+    ranks: Vec<RankProcess>,
+}
+
+impl Ranks {
+    /// Starts `config.ranks` processes of `exe bench-rank` on `store`.
+    fn spawn(exe: &std::path::Path, store: &Store, config: &BenchConfig) -> Result<Self> {
+        let json = serde_json::to_string(config).expect("the config serializes");
+        let processes = config.ranks.max(config.reshard_ranks);
+        let mut ranks = Vec::with_capacity(processes);
+        for rank in 0..processes {
+            let mut command = Command::new(exe);
+            command.args(["bench-rank", "--url", store.url()]).args([
+                "--rank",
+                &rank.to_string(),
+                "--config",
+                &json,
+            ]);
+            for option in &config.store_options {
+                command.args(["-o", option]);
+            }
+            let mut child = command
+                // As a launcher sets it: the encode threads share the cores.
+                .env("LOCAL_WORLD_SIZE", processes.to_string())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|e| {
+                    Error::Failed(format!(
+                        "cannot start rank process {} bench-rank: {e}",
+                        exe.display()
+                    ))
+                })?;
+            let stdin = child.stdin.take().expect("piped");
+            let stdout = BufReader::new(child.stdout.take().expect("piped"));
+            ranks.push(RankProcess {
+                child,
+                stdin,
+                stdout,
+            });
+        }
+        Ok(Self { ranks })
+    }
+
+    /// Sends `order` to every rank, then collects their answers in rank order.
+    fn all(&mut self, order: &Order) -> Result<Vec<Answer>> {
+        let line = serde_json::to_string(order).expect("orders serialize") + "\n";
+        for (rank, p) in self.ranks.iter_mut().enumerate() {
+            p.stdin
+                .write_all(line.as_bytes())
+                .and_then(|()| p.stdin.flush())
+                .map_err(|e| Error::Failed(format!("rank process {rank} is gone: {e}")))?;
+        }
+        let mut answers = Vec::with_capacity(self.ranks.len());
+        for (rank, p) in self.ranks.iter_mut().enumerate() {
+            let mut text = String::new();
+            let n = p
+                .stdout
+                .read_line(&mut text)
+                .map_err(|e| Error::Failed(format!("rank process {rank}: {e}")))?;
+            if n == 0 {
+                return Err(Error::Failed(format!(
+                    "rank process {rank} exited during {order:?} (its stderr is above)"
+                )));
+            }
+            let answer: Answer = serde_json::from_str(&text).map_err(|e| {
+                Error::Failed(format!("rank process {rank} answered {text:?}: {e}"))
+            })?;
+            if let Some(error) = answer.error {
+                return Err(Error::Failed(format!("rank process {rank}: {error}")));
+            }
+            answers.push(answer);
+        }
+        Ok(answers)
+    }
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        let line = serde_json::to_string(&Order::Exit).expect("orders serialize") + "\n";
+        for p in &mut self.ranks {
+            let _ = p.stdin.write_all(line.as_bytes());
+            let _ = p.stdin.flush();
+        }
+        for p in &mut self.ranks {
+            let _ = p.child.wait();
+        }
+    }
+}
+
+/// The executable that serves `bench-rank`: `CKPT_BENCH_EXE`, or this program.
+fn rank_executable() -> Result<std::path::PathBuf> {
+    match std::env::var_os("CKPT_BENCH_EXE") {
+        Some(exe) => Ok(exe.into()),
+        None => std::env::current_exe()
+            .map_err(|e| Error::Failed(format!("cannot find this executable: {e}"))),
+    }
+}
+
+/// Runs the core of the bench with one process per rank, from step `first_step` on.
+pub(crate) fn run(
+    store: &Store,
+    rt: &tokio::runtime::Handle,
+    config: &BenchConfig,
+    raw: &RawTarget,
+    first_step: u64,
+    progress: &dyn Fn(&str),
+) -> Result<ProcessesReport> {
+    progress(&format!(
+        "processes: starting {} rank processes (each generates its values)",
+        config.ranks
+    ));
+    let mut ranks = Ranks::spawn(&rank_executable()?, store, config)?;
+    let root = store.url().to_string();
+    let mut report = ProcessesReport {
+        ranks: config.ranks,
+        ..ProcessesReport::default()
+    };
+    let mut samples: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    let mut push = |key: &str, value: f64| samples.entry(key.to_string()).or_default().push(value);
+
+    let worst = |answers: &[Answer], f: fn(&Answer) -> f64| {
+        max(&answers
+            .iter()
+            .filter(|a| !a.skipped)
+            .map(f)
+            .collect::<Vec<_>>())
+    };
+    let span_ms = |answers: &[Answer]| {
+        let live: Vec<&Answer> = answers.iter().filter(|a| !a.skipped).collect();
+        let start = live.iter().map(|a| a.start_ns).min().unwrap_or(0);
+        let end = live.iter().map(|a| a.end_ns).max().unwrap_or(0);
+        end.saturating_sub(start) as f64 / 1e6
+    };
+    let first_commit_ms = |answers: &[Answer]| {
+        let live = || answers.iter().filter(|a| !a.skipped);
+        let start = live().map(|a| a.start_ns).min().unwrap_or(0);
+        let end = live().map(|a| a.end_ns).min().unwrap_or(0);
+        end.saturating_sub(start) as f64 / 1e6
+    };
+
+    progress("processes: memcpy baseline");
+    let mut memcpy = MemcpyFigures {
+        worst: Vec::new(),
+        per_rank: Vec::new(),
+    };
+    for _ in 0..config.reps {
+        memcpy
+            .worst
+            .push(worst(&ranks.all(&Order::Memcpy)?, |a| a.ms));
+    }
+    progress("processes: staging warm-up, then the first save");
+    report.warm_up_ms = worst(&ranks.all(&Order::WarmUp)?, |a| a.ms);
+    let mut step = first_step;
+    let cold = ranks.all(&Order::Save {
+        step,
+        overlapped: false,
+    })?;
+    report.cold_stall_ms = worst(&cold, |a| a.stall_ms);
+    let file_bytes = cold[0].file_bytes;
+    for rep in 0..config.reps {
+        let tag = format!("processes: rep {}/{}", rep + 1, config.reps);
+        progress(&format!("{tag}: raw write"));
+        push("raw_write_gbps", raw.write(rt, config.raw_bytes, false)?);
+        let previous = step;
+        step += 1;
+        rt.block_on(store.delete_prefix(&step_dir(previous)))?;
+        progress(&format!("{tag}: ckpt save"));
+        let saved = ranks.all(&Order::Save {
+            step,
+            overlapped: false,
+        })?;
+        push("stall_ms", worst(&saved, |a| a.stall_ms));
+        let commit_ms = first_commit_ms(&saved);
+        push("commit_ms", commit_ms);
+        let previous = step;
+        step += 1;
+        rt.block_on(store.delete_prefix(&step_dir(previous)))?;
+        progress(&format!("{tag}: ckpt save, overlapped"));
+        let overlapped = ranks.all(&Order::Save {
+            step,
+            overlapped: true,
+        })?;
+        push("overlap_stall_ms", worst(&overlapped, |a| a.stall_ms));
+        push("overlap_staged_ms", worst(&overlapped, |a| a.staged_ms));
+        progress(&format!("{tag}: raw read"));
+        push(
+            "raw_read_gbps",
+            raw.read(rt, config.raw_bytes, config.warm)?,
+        );
+        progress(&format!("{tag}: ckpt load"));
+        evict_step(&root, step, config.warm);
+        let loaded = ranks.all(&Order::Load {
+            step,
+            world: config.ranks,
+            verify: rep == 0,
+        })?;
+        push("load_ms", span_ms(&loaded));
+        progress(&format!(
+            "{tag}: ckpt load onto {} processes",
+            config.reshard_ranks
+        ));
+        evict_step(&root, step, config.warm);
+        let resharded = ranks.all(&Order::Load {
+            step,
+            world: config.reshard_ranks,
+            verify: false,
+        })?;
+        push("reshard_load_ms", span_ms(&resharded));
+    }
+    drop(ranks);
+    rt.block_on(store.delete_prefix(&step_dir(step)))?;
+
+    report.memcpy_ms = median(&memcpy.worst);
+    samples.insert("memcpy_ms".into(), memcpy.worst);
+    let med = |key: &str| samples.get(key).map_or(0.0, |v| median(v));
+    report.stall_ms = med("stall_ms");
+    report.stall_ratio = report.stall_ms / report.memcpy_ms.max(1e-9);
+    report.overlap_stall_ms = med("overlap_stall_ms");
+    report.overlap_staged_ms = med("overlap_staged_ms");
+    report.overlap_ratio = report.overlap_stall_ms / report.memcpy_ms.max(1e-9);
+    report.cold_ratio = report.cold_stall_ms / report.stall_ms.max(1e-9);
+    report.commit_ms = med("commit_ms");
+    report.write_gbps = gbps(file_bytes, report.commit_ms / 1e3);
+    report.raw_write_gbps = med("raw_write_gbps");
+    report.write_ratio = report.write_gbps / report.raw_write_gbps.max(1e-9);
+    report.load_ms = med("load_ms");
+    report.read_gbps = gbps(config.total_bytes(), report.load_ms / 1e3);
+    report.raw_read_gbps = med("raw_read_gbps");
+    report.read_ratio = report.read_gbps / report.raw_read_gbps.max(1e-9);
+    report.reshard_load_ms = med("reshard_load_ms");
+    report.reshard_ratio = report.reshard_load_ms / report.load_ms.max(1e-9);
+    report.samples = samples;
+    Ok(report)
+}
