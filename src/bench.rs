@@ -88,8 +88,10 @@ pub struct BenchConfig {
     pub rss_saves: usize,
     /// Bytes of rank 0's data compressed block by block in the codec comparison.
     pub codec_sample_bytes: u64,
-    /// Also run the core (memcpy, saves, loads) with every rank in a process of its
-    /// own ([`ProcessesReport`]), besides threads of this process.
+    /// Run the core (memcpy, saves, loads), the compressed runs and RSS with every
+    /// rank a thread of this process (the top-level figures of [`BenchReport`]).
+    pub threads: bool,
+    /// Run the core with every rank in a process of its own ([`ProcessesReport`]).
     pub processes: bool,
     /// Store options (`KEY=VALUE`) the rank processes open the store with. Not
     /// reported (they may hold credentials).
@@ -118,6 +120,7 @@ impl Default for BenchConfig {
             commit_ranks: 0,
             rss_saves: 0,
             codec_sample_bytes: 64 << 20,
+            threads: true,
             processes: true,
             store_options: Vec::new(),
         }
@@ -376,13 +379,40 @@ pub fn run(
         return Ok(report);
     }
 
-    progress(&format!(
-        "generating {:.2} GiB of normal(0, 0.02) fp32 on {} ranks",
-        config.total_bytes() as f64 / (1u64 << 30) as f64,
-        config.ranks
-    ));
-    let data = generate(config);
+    if config.threads {
+        progress(&format!(
+            "generating {:.2} GiB of normal(0, 0.02) fp32 on {} ranks",
+            config.total_bytes() as f64 / (1u64 << 30) as f64,
+            config.ranks
+        ));
+    }
     let raw = RawTarget::new(store, config)?;
+    let mut step = 0u64;
+    if config.threads {
+        let data = generate(config);
+        step = threads_core(store, rt, config, &data, &raw, &mut report, progress)?;
+    }
+    if config.processes {
+        // The rank processes generate their own values.
+        report.processes = Some(processes::run(store, rt, config, &raw, step + 1, progress)?);
+    }
+    raw.cleanup();
+    report.cold_reads = raw.is_local() && !config.warm;
+    report.targets = targets(&report);
+    Ok(report)
+}
+
+/// The core figures and the compressed runs with every rank a thread of this process;
+/// fills `report` and returns the last step used.
+fn threads_core(
+    store: &Store,
+    rt: &tokio::runtime::Handle,
+    config: &BenchConfig,
+    data: &Workload,
+    raw: &RawTarget,
+    report: &mut BenchReport,
+    progress: &dyn Fn(&str),
+) -> Result<u64> {
     let mut samples: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut push = |key: &str, value: f64| samples.entry(key.to_string()).or_default().push(value);
 
@@ -534,13 +564,6 @@ pub fn run(
         progress("codec samples (fp32, bf16; with and without shuffle)");
         report.codec_samples = codec_samples(&data, config, level)?;
     }
-    if config.processes {
-        // The rank processes hold their own copies of the values.
-        drop(data);
-        report.processes = Some(processes::run(store, rt, config, &raw, step + 1, progress)?);
-    }
-    raw.cleanup();
-
     report.memcpy_ms = median(&per_rank_memcpy.worst);
     samples.insert("memcpy_ms".into(), per_rank_memcpy.worst);
     let med = |key: &str| samples.get(key).map_or(0.0, |v| median(v));
@@ -567,11 +590,9 @@ pub fn run(
     report.reshard_load_ms = med("reshard_load_ms");
     report.reshard_ratio = report.reshard_load_ms / report.load_ms.max(1e-9);
     report.reshard_read_amplification = med("reshard_read_amplification");
-    report.cold_reads = raw.is_local() && !config.warm;
     report.file_bytes = file_bytes;
     report.samples = samples;
-    report.targets = targets(&report);
-    Ok(report)
+    Ok(step)
 }
 
 fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
@@ -633,7 +654,7 @@ fn targets(r: &BenchReport) -> Vec<Target> {
         met: value >= bound,
     };
     let mut out = Vec::new();
-    if !r.config.metadata_only {
+    if !r.config.metadata_only && r.config.threads {
         out.push(le("stall / memcpy", r.stall_ratio, 1.5));
         out.push(le("overlapped stall / memcpy", r.overlap_ratio, 0.1));
         out.push(le("first save's stall / stall", r.cold_ratio, 2.0));

@@ -141,10 +141,22 @@ struct BenchArgs {
     /// Data (MiB) of the per-block codec comparison.
     #[arg(long, default_value_t = 64)]
     codec_sample_mib: u64,
-    /// Skip the second run of the core figures with one process per rank (ranks
-    /// are then threads of this process only).
-    #[arg(long)]
-    no_processes: bool,
+    /// Run the ranks as threads of this process (the top-level figures, with the
+    /// compressed runs and RSS), as one process each (the `processes` figures), or
+    /// both.
+    #[arg(long, value_enum, default_value_t = RanksAs::Both)]
+    ranks_as: RanksAs,
+}
+
+/// How `ckpt bench` runs its ranks (`--ranks-as`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RanksAs {
+    /// Threads of one process, then one process per rank.
+    Both,
+    /// Threads of one process only.
+    Threads,
+    /// One process per rank only.
+    Processes,
 }
 
 /// Flags of the hidden `ckpt bench-rank` (one rank process of `ckpt bench`).
@@ -321,7 +333,8 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
         commit_ranks: args.commit_ranks,
         rss_saves: args.rss_saves,
         codec_sample_bytes: args.codec_sample_mib << 20,
-        processes: !args.no_processes,
+        threads: args.ranks_as != RanksAs::Processes,
+        processes: args.ranks_as != RanksAs::Threads,
         store_options: args.options.clone(),
     };
     let started = std::time::Instant::now();

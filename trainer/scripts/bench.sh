@@ -2,11 +2,12 @@
 # Reproduces the trainer figures of docs/BENCHMARKS.md (section "Trainer"):
 # TCP collective bandwidth against raw loopback TCP, and the checkpoint overhead on
 # training throughput (preset small, 2 and 4 ranks, no checkpoints / every 10 steps /
-# every step), plus the cost of deterministic mode.
+# every step, blocking and overlapped staging), plus the cost of deterministic mode.
 #
 #   trainer/scripts/bench.sh [SCRATCH_DIR]     (default /tmp/ckpt-train-bench)
 #   STEPS=40 REPS=2 trainer/scripts/bench.sh
 #   MODES="none 10" COLLECTIVES=0 FAST=0 REPS=3 trainer/scripts/bench.sh   # A/B only
+#   NPROCS=4 STAGINGS="blocking overlapped" COLLECTIVES=0 FAST=0 trainer/scripts/bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p ckpt-trainer --quiet
@@ -17,19 +18,27 @@ REPS=${REPS:-2}
 MODES=${MODES:-none 10 1}
 COLLECTIVES=${COLLECTIVES:-1}
 FAST=${FAST:-1}
+NPROCS=${NPROCS:-2 4}
+STAGINGS=${STAGINGS:-overlapped blocking}
 echo "load before: $(uptime)"
 for n in 2 4; do
   [ "$COLLECTIVES" = 1 ] || break
   "$BIN" launch --nproc "$n" -- bench-collectives --size 67108864 --iters 5 | grep -v '^launch:'
 done
 for rep in $(seq "$REPS"); do
-  for n in 2 4; do
+  for n in $NPROCS; do
     for every in $MODES; do
-      rm -rf "$DIR"
-      args=(--preset small --steps "$STEPS" --log-every 1000)
-      if [ "$every" != none ]; then args+=(--ckpt "file://$DIR" --ckpt-every "$every"); fi
-      echo "== rep $rep nproc $n ckpt-every $every"
-      "$BIN" launch --nproc "$n" -- "${args[@]}" | grep -E 'done:|time per step'
+      for staging in $STAGINGS; do
+        rm -rf "$DIR"
+        args=(--preset small --steps "$STEPS" --log-every 1000)
+        if [ "$every" != none ]; then
+          args+=(--ckpt "file://$DIR" --ckpt-every "$every" --staging "$staging")
+        fi
+        echo "== rep $rep nproc $n ckpt-every $every staging $staging"
+        "$BIN" launch --nproc "$n" -- "${args[@]}" | grep -E 'done:|time per step'
+        # Without checkpoints the staging mode does not matter: run it once.
+        [ "$every" != none ] || break
+      done
     done
   done
   rm -rf "$DIR"
