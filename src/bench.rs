@@ -268,6 +268,96 @@ pub struct RssReport {
     pub growth_after_first_mib: f64,
 }
 
+/// The core figures of one way of running the ranks (threads of one process, or a
+/// process each): the stall against memcpy, overlapped and first saves, the time
+/// until committed against a raw write, and loads against a raw read. Medians over
+/// the repetitions.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CoreFigures {
+    /// Worst rank's stall of a blocking `save`, ms.
+    pub stall_ms: f64,
+    /// Worst rank's memcpy of the same bytes, by the same ranks at the same time, into
+    /// a pre-faulted buffer, ms.
+    pub memcpy_ms: f64,
+    /// `stall_ms / memcpy_ms`.
+    pub stall_ratio: f64,
+    /// Worst rank's stall of `save_overlapped` (registration only), ms.
+    pub overlap_stall_ms: f64,
+    /// Worst rank's time from `save_overlapped` until its copy ended
+    /// (`SaveHandle::staged`), ms.
+    pub overlap_staged_ms: f64,
+    /// `overlap_stall_ms / memcpy_ms`.
+    pub overlap_ratio: f64,
+    /// The first save's worst stall (blocking, right after `Checkpointer::warm_up`), ms.
+    pub cold_stall_ms: f64,
+    /// `cold_stall_ms / stall_ms`: how much slower the first save of a job is.
+    pub cold_ratio: f64,
+    /// `Checkpointer::warm_up` (staging pool allocated and faulted in), worst rank, ms.
+    pub warm_up_ms: f64,
+    /// From the first `save` call until the first rank sees the commit, ms.
+    pub commit_ms: f64,
+    /// Data-file bytes ÷ `commit_ms`, GB/s.
+    pub write_gbps: f64,
+    /// Raw sequential write (+ fsync) in the same repetitions, GB/s.
+    pub raw_write_gbps: f64,
+    /// `write_gbps / raw_write_gbps`.
+    pub write_ratio: f64,
+    /// Same-size load, ms.
+    pub load_ms: f64,
+    /// Tensor bytes ÷ `load_ms`, GB/s.
+    pub read_gbps: f64,
+    /// Raw sequential read in the same repetitions, GB/s.
+    pub raw_read_gbps: f64,
+    /// `read_gbps / raw_read_gbps`.
+    pub read_ratio: f64,
+    /// Load onto `reshard_ranks` ranks, ms.
+    pub reshard_load_ms: f64,
+    /// `reshard_load_ms / load_ms`.
+    pub reshard_ratio: f64,
+}
+
+impl CoreFigures {
+    /// Medians and ratios of the samples, by key (a missing key counts as 0).
+    fn from_samples(
+        samples: &BTreeMap<String, Vec<f64>>,
+        file_bytes: u64,
+        total_bytes: u64,
+    ) -> Self {
+        let med = |key: &str| samples.get(key).map_or(0.0, |v| median(v));
+        let ratio = |a: f64, b: f64| a / b.max(1e-9);
+        let (stall_ms, memcpy_ms) = (med("stall_ms"), med("memcpy_ms"));
+        let (overlap_stall_ms, cold_stall_ms) = (med("overlap_stall_ms"), med("cold_stall_ms"));
+        let commit_ms = med("commit_ms");
+        let write_gbps = gbps(file_bytes, commit_ms / 1e3);
+        let raw_write_gbps = med("raw_write_gbps");
+        let load_ms = med("load_ms");
+        let read_gbps = gbps(total_bytes, load_ms / 1e3);
+        let raw_read_gbps = med("raw_read_gbps");
+        let reshard_load_ms = med("reshard_load_ms");
+        Self {
+            stall_ms,
+            memcpy_ms,
+            stall_ratio: ratio(stall_ms, memcpy_ms),
+            overlap_stall_ms,
+            overlap_staged_ms: med("overlap_staged_ms"),
+            overlap_ratio: ratio(overlap_stall_ms, memcpy_ms),
+            cold_stall_ms,
+            cold_ratio: ratio(cold_stall_ms, stall_ms),
+            warm_up_ms: med("warm_up_ms"),
+            commit_ms,
+            write_gbps,
+            raw_write_gbps,
+            write_ratio: ratio(write_gbps, raw_write_gbps),
+            load_ms,
+            read_gbps,
+            raw_read_gbps,
+            read_ratio: ratio(read_gbps, raw_read_gbps),
+            reshard_load_ms,
+            reshard_ratio: ratio(reshard_load_ms, load_ms),
+        }
+    }
+}
+
 /// Everything `ckpt bench` measured. The top-level ratios are the ones scripts track.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
@@ -281,56 +371,18 @@ pub struct BenchReport {
     pub total_bytes: u64,
     /// Bytes of all data files (safetensors headers included).
     pub file_bytes: u64,
-    /// Worst rank's stall per save, ms (median over reps).
-    pub stall_ms: f64,
+    /// The core figures with ranks as threads of this process (their keys are at the
+    /// top level of the JSON report).
+    #[serde(flatten)]
+    pub core: CoreFigures,
     /// Each rank's stall, ms (median over reps).
     pub stall_ms_per_rank: Vec<f64>,
-    /// The first save's worst stall, ms (blocking, right after
-    /// `Checkpointer::warm_up`).
-    pub cold_stall_ms: f64,
-    /// `cold_stall_ms / stall_ms`: how much slower the first save of a job is.
-    pub cold_ratio: f64,
-    /// `Checkpointer::warm_up` (staging pool allocated and faulted in), worst rank, ms.
-    pub warm_up_ms: f64,
-    /// Worst rank's stall of an overlapped save (`save_overlapped`: registration
-    /// only), ms (median over reps).
-    pub overlap_stall_ms: f64,
-    /// Worst rank's time from `save_overlapped` until its copy ended
-    /// (`SaveHandle::staged`), ms (median over reps).
-    pub overlap_staged_ms: f64,
-    /// `overlap_stall_ms / memcpy_ms`.
-    pub overlap_ratio: f64,
-    /// Worst rank's memcpy of the same bytes, same threads, ms (median).
-    pub memcpy_ms: f64,
     /// Each rank's memcpy, ms (median).
     pub memcpy_ms_per_rank: Vec<f64>,
-    /// stall ÷ memcpy.
-    pub stall_ratio: f64,
-    /// From the first `save` call until the checkpoint is committed, ms (median).
-    pub commit_ms: f64,
-    /// Data-file bytes ÷ commit time.
-    pub write_gbps: f64,
-    /// Raw sequential write (+ fsync), GB/s (median).
-    pub raw_write_gbps: f64,
     /// Raw sequential write with `O_DIRECT`, GB/s (median), when measured.
     pub raw_write_direct_gbps: Option<f64>,
-    /// Committed-save GB/s ÷ raw write GB/s (buffered, then fsync: the write path
-    /// of ckpt's local store and of any plain safetensors writer).
-    pub write_ratio: f64,
     /// Committed-save GB/s ÷ raw `O_DIRECT` write GB/s, when measured.
     pub write_ratio_direct: Option<f64>,
-    /// Same-size load, ms (median).
-    pub load_ms: f64,
-    /// Tensor bytes ÷ load time.
-    pub read_gbps: f64,
-    /// Raw sequential read, GB/s (median).
-    pub raw_read_gbps: f64,
-    /// Same-size load GB/s ÷ raw read GB/s.
-    pub read_ratio: f64,
-    /// Load onto `reshard_ranks` ranks, ms (median).
-    pub reshard_load_ms: f64,
-    /// Resharded load time ÷ same-size load time.
-    pub reshard_ratio: f64,
     /// Bytes read ÷ bytes requested in the resharded load.
     pub reshard_read_amplification: f64,
     /// Whether reads found the page cache emptied first.
@@ -428,12 +480,13 @@ fn threads_core(
         let state = state_of(rank, config, &data[rank])?;
         Ok(ms(checkpointers[rank].warm_up(&state)?))
     });
-    report.warm_up_ms = warm_ups
+    let warm_up_ms = warm_ups
         .into_iter()
         .collect::<Result<Vec<f64>>>()
         .map(|w| max(&w))?;
     let cold = save_once(rt, &checkpointers, &data, config, 1, false)?;
-    report.cold_stall_ms = max(&cold.stalls);
+    push("warm_up_ms", warm_up_ms);
+    push("cold_stall_ms", max(&cold.stalls));
     let mut step = 1u64;
     // RSS first, before any load: freed load buffers that the allocator keeps
     // would otherwise hide what staging does.
@@ -564,32 +617,17 @@ fn threads_core(
         progress("codec samples (fp32, bf16; with and without shuffle)");
         report.codec_samples = codec_samples(&data, config, level)?;
     }
-    report.memcpy_ms = median(&per_rank_memcpy.worst);
     samples.insert("memcpy_ms".into(), per_rank_memcpy.worst);
-    let med = |key: &str| samples.get(key).map_or(0.0, |v| median(v));
-    report.stall_ms = med("stall_ms");
+    report.core = CoreFigures::from_samples(&samples, file_bytes, config.total_bytes());
     report.stall_ms_per_rank = stall_per_rank.iter().map(|v| median(v)).collect();
     report.memcpy_ms_per_rank = per_rank_memcpy.per_rank;
-    report.stall_ratio = report.stall_ms / report.memcpy_ms.max(1e-9);
-    report.overlap_stall_ms = med("overlap_stall_ms");
-    report.overlap_staged_ms = med("overlap_staged_ms");
-    report.overlap_ratio = report.overlap_stall_ms / report.memcpy_ms.max(1e-9);
-    report.cold_ratio = report.cold_stall_ms / report.stall_ms.max(1e-9);
-    report.commit_ms = med("commit_ms");
-    report.write_gbps = gbps(file_bytes, report.commit_ms / 1e3);
-    report.raw_write_gbps = med("raw_write_gbps");
     report.raw_write_direct_gbps = samples.get("raw_write_direct_gbps").map(|v| median(v));
-    report.write_ratio = report.write_gbps / report.raw_write_gbps.max(1e-9);
     report.write_ratio_direct = report
         .raw_write_direct_gbps
-        .map(|direct| report.write_gbps / direct.max(1e-9));
-    report.load_ms = med("load_ms");
-    report.read_gbps = gbps(config.total_bytes(), report.load_ms / 1e3);
-    report.raw_read_gbps = med("raw_read_gbps");
-    report.read_ratio = report.read_gbps / report.raw_read_gbps.max(1e-9);
-    report.reshard_load_ms = med("reshard_load_ms");
-    report.reshard_ratio = report.reshard_load_ms / report.load_ms.max(1e-9);
-    report.reshard_read_amplification = med("reshard_read_amplification");
+        .map(|direct| report.core.write_gbps / direct.max(1e-9));
+    report.reshard_read_amplification = samples
+        .get("reshard_read_amplification")
+        .map_or(0.0, |v| median(v));
     report.file_bytes = file_bytes;
     report.samples = samples;
     Ok(step)
@@ -602,29 +640,11 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         bytes_per_rank: config.bytes_per_rank(0),
         total_bytes: config.total_bytes(),
         file_bytes: 0,
-        stall_ms: 0.0,
-        cold_ratio: 0.0,
-        warm_up_ms: 0.0,
-        overlap_stall_ms: 0.0,
-        overlap_staged_ms: 0.0,
-        overlap_ratio: 0.0,
+        core: CoreFigures::default(),
         stall_ms_per_rank: Vec::new(),
-        cold_stall_ms: 0.0,
-        memcpy_ms: 0.0,
         memcpy_ms_per_rank: Vec::new(),
-        stall_ratio: 0.0,
-        commit_ms: 0.0,
-        write_gbps: 0.0,
-        raw_write_gbps: 0.0,
         raw_write_direct_gbps: None,
-        write_ratio: 0.0,
         write_ratio_direct: None,
-        load_ms: 0.0,
-        read_gbps: 0.0,
-        raw_read_gbps: 0.0,
-        read_ratio: 0.0,
-        reshard_load_ms: 0.0,
-        reshard_ratio: 0.0,
         reshard_read_amplification: 0.0,
         cold_reads: false,
         zstd: Vec::new(),
@@ -655,15 +675,15 @@ fn targets(r: &BenchReport) -> Vec<Target> {
     };
     let mut out = Vec::new();
     if !r.config.metadata_only && r.config.threads {
-        out.push(le("stall / memcpy", r.stall_ratio, 1.5));
-        out.push(le("overlapped stall / memcpy", r.overlap_ratio, 0.1));
-        out.push(le("first save's stall / stall", r.cold_ratio, 2.0));
-        out.push(ge("committed save / raw write", r.write_ratio, 0.7));
+        out.push(le("stall / memcpy", r.core.stall_ratio, 1.5));
+        out.push(le("overlapped stall / memcpy", r.core.overlap_ratio, 0.1));
+        out.push(le("first save's stall / stall", r.core.cold_ratio, 2.0));
+        out.push(ge("committed save / raw write", r.core.write_ratio, 0.7));
         if let Some(direct) = r.write_ratio_direct {
             out.push(ge("committed save / raw O_DIRECT write", direct, 0.7));
         }
-        out.push(ge("same-size load / raw read", r.read_ratio, 0.9));
-        out.push(le("resharded / same-size load", r.reshard_ratio, 1.1));
+        out.push(ge("same-size load / raw read", r.core.read_ratio, 0.9));
+        out.push(le("resharded / same-size load", r.core.reshard_ratio, 1.1));
         out.push(le(
             "reshard bytes read / requested",
             r.reshard_read_amplification,
@@ -671,25 +691,25 @@ fn targets(r: &BenchReport) -> Vec<Target> {
         ));
     }
     if let Some(p) = &r.processes {
-        out.push(le("processes: stall / memcpy", p.stall_ratio, 1.5));
+        out.push(le("processes: stall / memcpy", p.core.stall_ratio, 1.5));
         out.push(le(
             "processes: overlapped stall / memcpy",
-            p.overlap_ratio,
+            p.core.overlap_ratio,
             0.1,
         ));
         out.push(le(
             "processes: first save's stall / stall",
-            p.cold_ratio,
+            p.core.cold_ratio,
             2.0,
         ));
         out.push(ge(
             "processes: same-size load / raw read",
-            p.read_ratio,
+            p.core.read_ratio,
             0.9,
         ));
         out.push(le(
             "processes: resharded / same-size load",
-            p.reshard_ratio,
+            p.core.reshard_ratio,
             1.1,
         ));
     }
@@ -1463,6 +1483,80 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
 // ---------------------------------------------------------------------------------
 // Human output
 
+/// The table rows of the core figures; `direct` is the raw `O_DIRECT` write and the
+/// committed save's ratio to it, when measured.
+fn core_rows(s: &mut String, f: &CoreFigures, reshard_ranks: usize, direct: Option<(f64, f64)>) {
+    use std::fmt::Write as _;
+    let mut row = |name: &str, a: String, b: String, ratio: Option<f64>| {
+        let ratio = ratio.map_or(String::new(), |r| format!("{r:.2}"));
+        let _ = writeln!(s, "{name:<34} {a:>12} {b:>12} {ratio:>9}");
+    };
+    let ms = |v: f64| format!("{v:.1} ms");
+    row(
+        "stall per rank (worst) vs memcpy",
+        ms(f.stall_ms),
+        ms(f.memcpy_ms),
+        Some(f.stall_ratio),
+    );
+    row(
+        "overlapped stall vs memcpy",
+        format!("{:.2} ms", f.overlap_stall_ms),
+        ms(f.memcpy_ms),
+        Some(f.overlap_ratio),
+    );
+    row(
+        "  overlapped copy done after",
+        ms(f.overlap_staged_ms),
+        String::new(),
+        None,
+    );
+    row(
+        "first save's stall vs stall",
+        ms(f.cold_stall_ms),
+        ms(f.stall_ms),
+        Some(f.cold_ratio),
+    );
+    row(
+        "  staging warm-up (before it)",
+        ms(f.warm_up_ms),
+        String::new(),
+        None,
+    );
+    let gbs = |v: f64| format!("{v:.2} GB/s");
+    row(
+        "save until committed vs raw write",
+        gbs(f.write_gbps),
+        gbs(f.raw_write_gbps),
+        Some(f.write_ratio),
+    );
+    if let Some((raw, ratio)) = direct {
+        row(
+            "  vs raw O_DIRECT write",
+            String::new(),
+            gbs(raw),
+            Some(ratio),
+        );
+    }
+    row(
+        "  time until committed",
+        format!("{:.0} ms", f.commit_ms),
+        String::new(),
+        None,
+    );
+    row(
+        "load, same world vs raw read",
+        gbs(f.read_gbps),
+        gbs(f.raw_read_gbps),
+        Some(f.read_ratio),
+    );
+    row(
+        &format!("load onto {reshard_ranks} ranks vs same world"),
+        format!("{:.0} ms", f.reshard_load_ms),
+        format!("{:.0} ms", f.load_ms),
+        Some(f.reshard_ratio),
+    );
+}
+
 /// The report as an aligned table.
 pub fn render(r: &BenchReport) -> String {
     use std::fmt::Write as _;
@@ -1492,84 +1586,17 @@ pub fn render(r: &BenchReport) -> String {
             "{:<34} {:>12} {:>12} {:>9}",
             "measure", "ckpt", "baseline", "ratio"
         );
-        let row = |s: &mut String, name: &str, a: String, b: String, ratio: f64| {
-            let _ = writeln!(s, "{name:<34} {a:>12} {b:>12} {ratio:>9.2}");
-        };
-        row(
-            &mut s,
-            "stall per rank (worst) vs memcpy",
-            format!("{:.1} ms", r.stall_ms),
-            format!("{:.1} ms", r.memcpy_ms),
-            r.stall_ratio,
-        );
-        row(
-            &mut s,
-            "overlapped stall vs memcpy",
-            format!("{:.2} ms", r.overlap_stall_ms),
-            format!("{:.1} ms", r.memcpy_ms),
-            r.overlap_ratio,
-        );
-        let _ = writeln!(
-            s,
-            "{:<34} {:>12}",
-            "  overlapped copy done after",
-            format!("{:.1} ms", r.overlap_staged_ms)
-        );
-        row(
-            &mut s,
-            "first save's stall vs stall",
-            format!("{:.1} ms", r.cold_stall_ms),
-            format!("{:.1} ms", r.stall_ms),
-            r.cold_ratio,
-        );
-        let _ = writeln!(
-            s,
-            "{:<34} {:>12}",
-            "  staging warm-up (before it)",
-            format!("{:.1} ms", r.warm_up_ms)
-        );
-        row(
-            &mut s,
-            "save until committed vs raw write",
-            format!("{:.2} GB/s", r.write_gbps),
-            format!("{:.2} GB/s", r.raw_write_gbps),
-            r.write_ratio,
-        );
-        if let (Some(direct), Some(ratio)) = (r.raw_write_direct_gbps, r.write_ratio_direct) {
-            row(
-                &mut s,
-                "  vs raw O_DIRECT write",
-                String::new(),
-                format!("{direct:.2} GB/s"),
-                ratio,
+        if c.threads {
+            let _ = writeln!(s, "ranks as threads of one process:");
+            let direct = r.raw_write_direct_gbps.zip(r.write_ratio_direct);
+            core_rows(&mut s, &r.core, c.reshard_ranks, direct);
+            let _ = writeln!(
+                s,
+                "{:<34} {:>12}",
+                "  reshard bytes read / requested",
+                format!("{:.4}", r.reshard_read_amplification)
             );
         }
-        let _ = writeln!(
-            s,
-            "{:<34} {:>12}",
-            "  time until committed",
-            format!("{:.0} ms", r.commit_ms)
-        );
-        row(
-            &mut s,
-            "load, same world vs raw read",
-            format!("{:.2} GB/s", r.read_gbps),
-            format!("{:.2} GB/s", r.raw_read_gbps),
-            r.read_ratio,
-        );
-        row(
-            &mut s,
-            &format!("load onto {} ranks vs same world", c.reshard_ranks),
-            format!("{:.0} ms", r.reshard_load_ms),
-            format!("{:.0} ms", r.load_ms),
-            r.reshard_ratio,
-        );
-        let _ = writeln!(
-            s,
-            "{:<34} {:>12}",
-            "  reshard bytes read / requested",
-            format!("{:.4}", r.reshard_read_amplification)
-        );
         if !r.zstd.is_empty() {
             let _ = writeln!(s);
             let _ = writeln!(
@@ -1580,7 +1607,7 @@ pub fn render(r: &BenchReport) -> String {
             let _ = writeln!(
                 s,
                 "{:<16} {:>14} {:>7.3} {:>11.2} {:>11.2}",
-                "none", r.file_bytes, 1.0, r.write_gbps, r.read_gbps
+                "none", r.file_bytes, 1.0, r.core.write_gbps, r.core.read_gbps
             );
             for z in &r.zstd {
                 let _ = writeln!(
@@ -1610,56 +1637,11 @@ pub fn render(r: &BenchReport) -> String {
             }
         }
         if let Some(p) = &r.processes {
-            let _ = writeln!(s);
+            if c.threads {
+                let _ = writeln!(s);
+            }
             let _ = writeln!(s, "one process per rank ({} processes):", p.ranks);
-            row(
-                &mut s,
-                "stall per rank (worst) vs memcpy",
-                format!("{:.1} ms", p.stall_ms),
-                format!("{:.1} ms", p.memcpy_ms),
-                p.stall_ratio,
-            );
-            row(
-                &mut s,
-                "overlapped stall vs memcpy",
-                format!("{:.2} ms", p.overlap_stall_ms),
-                format!("{:.1} ms", p.memcpy_ms),
-                p.overlap_ratio,
-            );
-            let _ = writeln!(
-                s,
-                "{:<34} {:>12}",
-                "  overlapped copy done after",
-                format!("{:.1} ms", p.overlap_staged_ms)
-            );
-            row(
-                &mut s,
-                "first save's stall vs stall",
-                format!("{:.1} ms", p.cold_stall_ms),
-                format!("{:.1} ms", p.stall_ms),
-                p.cold_ratio,
-            );
-            row(
-                &mut s,
-                "save until committed vs raw write",
-                format!("{:.2} GB/s", p.write_gbps),
-                format!("{:.2} GB/s", p.raw_write_gbps),
-                p.write_ratio,
-            );
-            row(
-                &mut s,
-                "load, same world vs raw read",
-                format!("{:.2} GB/s", p.read_gbps),
-                format!("{:.2} GB/s", p.raw_read_gbps),
-                p.read_ratio,
-            );
-            row(
-                &mut s,
-                &format!("load onto {} ranks vs same world", c.reshard_ranks),
-                format!("{:.0} ms", p.reshard_load_ms),
-                format!("{:.0} ms", p.load_ms),
-                p.reshard_ratio,
-            );
+            core_rows(&mut s, &p.core, c.reshard_ranks, None);
         }
         if let Some(rss) = &r.rss {
             let _ = writeln!(s);

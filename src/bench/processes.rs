@@ -19,7 +19,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BenchConfig, MemcpyFigures, RawTarget, evict_step, gbps, generate_rank, max, median, ms,
+    BenchConfig, CoreFigures, MemcpyFigures, RawTarget, evict_step, generate_rank, max, ms,
     state_of,
 };
 use crate::error::{Error, Result};
@@ -31,46 +31,11 @@ use ckpt_storage::Store;
 /// The core of W1 with one process per rank.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ProcessesReport {
-    /// Rank processes.
+    /// Rank processes that save.
     pub ranks: usize,
-    /// Worst rank's blocking `save` stall, ms (median over reps).
-    pub stall_ms: f64,
-    /// Worst rank's memcpy of the same bytes in the same processes, ms (median).
-    pub memcpy_ms: f64,
-    /// `stall_ms / memcpy_ms`.
-    pub stall_ratio: f64,
-    /// Worst rank's `save_overlapped` stall, ms (median).
-    pub overlap_stall_ms: f64,
-    /// Worst rank's time until its overlapped copy ended, ms (median).
-    pub overlap_staged_ms: f64,
-    /// `overlap_stall_ms / memcpy_ms`.
-    pub overlap_ratio: f64,
-    /// The first save's worst stall after `warm_up`, ms.
-    pub cold_stall_ms: f64,
-    /// `cold_stall_ms / stall_ms`.
-    pub cold_ratio: f64,
-    /// `Checkpointer::warm_up`, worst rank, ms.
-    pub warm_up_ms: f64,
-    /// First `save` call until the first rank sees the commit, ms (median).
-    pub commit_ms: f64,
-    /// Data-file bytes ÷ `commit_ms`.
-    pub write_gbps: f64,
-    /// Raw sequential write (+ fsync) in the same reps, GB/s (median).
-    pub raw_write_gbps: f64,
-    /// `write_gbps / raw_write_gbps`.
-    pub write_ratio: f64,
-    /// Same-size load, ms (median).
-    pub load_ms: f64,
-    /// Tensor bytes ÷ `load_ms`.
-    pub read_gbps: f64,
-    /// Raw sequential read in the same reps, GB/s (median).
-    pub raw_read_gbps: f64,
-    /// `read_gbps / raw_read_gbps`.
-    pub read_ratio: f64,
-    /// Load onto `reshard_ranks` processes, ms (median).
-    pub reshard_load_ms: f64,
-    /// `reshard_load_ms / load_ms`.
-    pub reshard_ratio: f64,
+    /// The figures (their keys at this object's level in JSON).
+    #[serde(flatten)]
+    pub core: CoreFigures,
     /// Every repetition's figures.
     pub samples: std::collections::BTreeMap<String, Vec<f64>>,
 }
@@ -474,13 +439,14 @@ pub(crate) fn run(
             .push(worst(&ranks.all(&Order::Memcpy)?, |a| a.ms));
     }
     progress("processes: staging warm-up, then the first save");
-    report.warm_up_ms = worst(&ranks.all(&Order::WarmUp)?, |a| a.ms);
+    let warm_up_ms = worst(&ranks.all(&Order::WarmUp)?, |a| a.ms);
+    push("warm_up_ms", warm_up_ms);
     let mut step = first_step;
     let cold = ranks.all(&Order::Save {
         step,
         overlapped: false,
     })?;
-    report.cold_stall_ms = worst(&cold, |a| a.stall_ms);
+    push("cold_stall_ms", worst(&cold, |a| a.stall_ms));
     let file_bytes = cold[0].file_bytes;
     for rep in 0..config.reps {
         let tag = format!("processes: rep {}/{}", rep + 1, config.reps);
@@ -535,25 +501,8 @@ pub(crate) fn run(
     drop(ranks);
     rt.block_on(store.delete_prefix(&step_dir(step)))?;
 
-    report.memcpy_ms = median(&memcpy.worst);
     samples.insert("memcpy_ms".into(), memcpy.worst);
-    let med = |key: &str| samples.get(key).map_or(0.0, |v| median(v));
-    report.stall_ms = med("stall_ms");
-    report.stall_ratio = report.stall_ms / report.memcpy_ms.max(1e-9);
-    report.overlap_stall_ms = med("overlap_stall_ms");
-    report.overlap_staged_ms = med("overlap_staged_ms");
-    report.overlap_ratio = report.overlap_stall_ms / report.memcpy_ms.max(1e-9);
-    report.cold_ratio = report.cold_stall_ms / report.stall_ms.max(1e-9);
-    report.commit_ms = med("commit_ms");
-    report.write_gbps = gbps(file_bytes, report.commit_ms / 1e3);
-    report.raw_write_gbps = med("raw_write_gbps");
-    report.write_ratio = report.write_gbps / report.raw_write_gbps.max(1e-9);
-    report.load_ms = med("load_ms");
-    report.read_gbps = gbps(config.total_bytes(), report.load_ms / 1e3);
-    report.raw_read_gbps = med("raw_read_gbps");
-    report.read_ratio = report.read_gbps / report.raw_read_gbps.max(1e-9);
-    report.reshard_load_ms = med("reshard_load_ms");
-    report.reshard_ratio = report.reshard_load_ms / report.load_ms.max(1e-9);
+    report.core = CoreFigures::from_samples(&samples, file_bytes, config.total_bytes());
     report.samples = samples;
     Ok(report)
 }
