@@ -470,7 +470,7 @@ fn threads_core(
 
     // memcpy baseline: same threads, same bytes, same time.
     progress("memcpy baseline");
-    let per_rank_memcpy = memcpy_baseline(&data, config.reps);
+    let per_rank_memcpy = memcpy_baseline(data, config.reps);
     let mut stall_per_rank: Vec<Vec<f64>> = vec![Vec::new(); config.ranks];
 
     let checkpointers = make_checkpointers(store, config, Codec::None)?;
@@ -484,7 +484,7 @@ fn threads_core(
         .into_iter()
         .collect::<Result<Vec<f64>>>()
         .map(|w| max(&w))?;
-    let cold = save_once(rt, &checkpointers, &data, config, 1, false)?;
+    let cold = save_once(rt, &checkpointers, data, config, 1, false)?;
     push("warm_up_ms", warm_up_ms);
     push("cold_stall_ms", max(&cold.stalls));
     let mut step = 1u64;
@@ -497,7 +497,7 @@ fn threads_core(
             let previous = step;
             step += 1;
             rt.block_on(store.delete_prefix(&step_dir(previous)))?;
-            save_once(rt, &checkpointers, &data, config, step, false)?;
+            save_once(rt, &checkpointers, data, config, step, false)?;
             rss.push(rss_mib());
         }
         let second = rss.get(1).copied().unwrap_or(rss[0]);
@@ -519,7 +519,7 @@ fn threads_core(
         step += 1;
         rt.block_on(store.delete_prefix(&step_dir(previous)))?;
         progress(&format!("rep {}/{}: ckpt save", rep + 1, config.reps));
-        let saved = save_once(rt, &checkpointers, &data, config, step, false)?;
+        let saved = save_once(rt, &checkpointers, data, config, step, false)?;
         for (r, s) in saved.stalls.iter().enumerate() {
             stall_per_rank[r].push(*s);
         }
@@ -535,7 +535,7 @@ fn threads_core(
             rep + 1,
             config.reps
         ));
-        let overlapped = save_once(rt, &checkpointers, &data, config, step, true)?;
+        let overlapped = save_once(rt, &checkpointers, data, config, step, true)?;
         push("overlap_stall_ms", max(&overlapped.stalls));
         push("overlap_staged_ms", max(&overlapped.staged));
         push("overlap_commit_ms", overlapped.commit_ms);
@@ -547,7 +547,7 @@ fn threads_core(
         );
         progress(&format!("rep {}/{}: ckpt load", rep + 1, config.reps));
         evict_step(&root, step, config.warm);
-        let loaded = load_once(rt, store, step, config.ranks, &data, config, rep == 0)?;
+        let loaded = load_once(rt, store, step, config.ranks, data, config, rep == 0)?;
         push("load_ms", loaded.ms);
         push("read_gbps", gbps(loaded.requested, loaded.ms / 1e3));
         progress(&format!(
@@ -562,7 +562,7 @@ fn threads_core(
             store,
             step,
             config.reshard_ranks,
-            &data,
+            data,
             config,
             rep == 0,
         )?;
@@ -584,17 +584,17 @@ fn threads_core(
             progress(&format!("{label} level {level}: warm-up save"));
             let checkpointers = make_checkpointers(store, config, codec)?;
             step += 1;
-            let first = save_once(rt, &checkpointers, &data, config, step, false)?;
+            let first = save_once(rt, &checkpointers, data, config, step, false)?;
             let (mut commit, mut load) = (Vec::new(), Vec::new());
             for rep in 0..config.reps {
                 progress(&format!("{label}: rep {}/{}", rep + 1, config.reps));
                 let previous = step;
                 step += 1;
                 rt.block_on(store.delete_prefix(&step_dir(previous)))?;
-                let saved = save_once(rt, &checkpointers, &data, config, step, false)?;
+                let saved = save_once(rt, &checkpointers, data, config, step, false)?;
                 commit.push(saved.commit_ms);
                 evict_step(&root, step, config.warm);
-                let loaded = load_once(rt, store, step, config.ranks, &data, config, rep == 0)?;
+                let loaded = load_once(rt, store, step, config.ranks, data, config, rep == 0)?;
                 load.push(loaded.ms);
             }
             rt.block_on(store.delete_prefix(&step_dir(step)))?;
@@ -615,7 +615,7 @@ fn threads_core(
             samples.insert(format!("{label}_load_ms"), load);
         }
         progress("codec samples (fp32, bf16; with and without shuffle)");
-        report.codec_samples = codec_samples(&data, config, level)?;
+        report.codec_samples = codec_samples(data, config, level)?;
     }
     samples.insert("memcpy_ms".into(), per_rank_memcpy.worst);
     report.core = CoreFigures::from_samples(&samples, file_bytes, config.total_bytes());
