@@ -2,8 +2,9 @@
 //!
 //! Every rank describes what it holds as boxes of global tensors (plus non-tensor
 //! state) in a [`State`], and hands it to its [`Checkpointer`]: `save` blocks only for
-//! one copy into a reusable staging buffer, and a background task checksums, uploads
-//! and commits. Every save attempt (one world's save of one step) writes into a
+//! one copy into a reusable staging buffer (`save_overlapped` not even for that: the
+//! copy runs while the caller computes, and [`SaveHandle::staged`] says when the
+//! tensors may change again), and a background task checksums, uploads and commits. Every save attempt (one world's save of one step) writes into a
 //! directory of its own, named by the step, the world's generation and its run id,
 //! and never writes a name twice ([`attempt`]). Once every rank's part is there, one
 //! of a few committer ranks (others take over if it dies) appends the attempt to the

@@ -585,6 +585,10 @@ impl Checkpointer {
             },
         };
         let started = Instant::now();
+        // Everything that can fail comes before the copy starts: once an overlapped
+        // copy runs, this call must not return an error (the caller would take it
+        // that nothing reads its tensors any more).
+        let attempt = Attempt::new(step, self.config.generation, self.config.run_id.clone())?;
         let mut plan = self.plan(step, state);
         let chunks = std::mem::take(&mut plan.chunks);
         let mut buffer = self
@@ -652,7 +656,6 @@ impl Checkpointer {
         );
 
         let rank = self.config.rank as u32;
-        let attempt = Attempt::new(step, self.config.generation, self.config.run_id.clone())?;
         let role = match self
             .config
             .committers()
