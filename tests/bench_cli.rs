@@ -60,6 +60,7 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
         "load_ms",
         "reshard_load_ms",
         "reshard_read_amplification",
+        "load_alloc_ms",
     ] {
         let value = report[key]
             .as_f64()
@@ -86,6 +87,34 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
     assert!(metadata["plan_bytes_read"].as_u64().unwrap() > 0);
     assert_eq!(report["rss"]["rss_mib"].as_array().unwrap().len(), 2);
     assert!(!report["targets"].as_array().unwrap().is_empty());
+    // Where each kind of load spent its time, as the tool reports it.
+    for kind in ["same_size", "resharded", "allocating"] {
+        let b = &report["load_breakdown"][kind];
+        for key in ["wall_ms", "plan_ms", "read_ms", "verify_ms"] {
+            let value = b[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("load_breakdown.{kind}.{key} missing: {report}"));
+            assert!(value > 0.0 && value.is_finite(), "{kind}.{key} = {value}");
+        }
+        for key in [
+            "read_cpu_ms",
+            "io_wait_ms",
+            "copy_ms",
+            "bytes_copied",
+            "minor_faults",
+        ] {
+            assert!(
+                b[key].as_f64().is_some(),
+                "load_breakdown.{kind}.{key}: {report}"
+            );
+        }
+    }
+    assert!(
+        report["load_breakdown"]["same_size"]["prefault_ms"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
 }
 
 #[test]
