@@ -13,7 +13,11 @@
 //! - **load** (same world size, and resharded onto another world size) against a
 //!   **raw sequential read** of that file. On local disk the page cache is emptied of
 //!   both (`posix_fadvise(DONTNEED)` on clean, fsynced files) before each read, so both
-//!   sides read from the device; `--warm` keeps the cache.
+//!   sides read from the device; `--warm` keeps the cache. The tracked loads are in
+//!   place ([`CheckpointReader::load_into`]) into buffers each rank allocated and
+//!   touched before the clock starts, as a trainer's parameters exist before it
+//!   resumes; the allocating `load` is reported beside them, and a breakdown of where
+//!   each load's time went.
 //! - zstd with and without the byte-shuffle filter: bytes stored, ratio, throughput.
 //! - metadata at scale: a synthetic checkpoint description (default 1,000 tensors ×
 //!   1,024 ranks) built, parsed and planned without any tensor data.
@@ -42,7 +46,7 @@ use crate::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, RankPart, rank_file_name, rank_part_name,
     step_dir,
 };
-use crate::load::{CheckpointReader, LoadRequest};
+use crate::load::{CheckpointReader, LoadRequest, LoadStats};
 use crate::region::Region;
 use crate::save::{CheckpointConfig, Checkpointer};
 use crate::state::{State, as_bytes};
@@ -403,6 +407,50 @@ pub struct BenchReport {
     pub targets: Vec<Target>,
     /// Every repetition's figures, for the curious.
     pub samples: BTreeMap<String, Vec<f64>>,
+    /// Same-size load through the allocating `load` (fresh buffers), ms (median);
+    /// `load_ms` is the in-place load.
+    pub load_alloc_ms: f64,
+    /// Where the load time goes, per kind of load (medians over reps).
+    pub load_breakdown: LoadBreakdowns,
+}
+
+/// Where the time of each kind of load went.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LoadBreakdowns {
+    /// Same world size, in place (`load_ms`).
+    pub same_size: LoadBreakdown,
+    /// Onto `reshard_ranks` ranks, in place (`reshard_load_ms`).
+    pub resharded: LoadBreakdown,
+    /// Same world size, allocating `load` (`load_alloc_ms`).
+    pub allocating: LoadBreakdown,
+}
+
+/// One load's time, split. Apart from `wall_ms` and `plan_ms`, figures are summed
+/// over every rank and reading thread (several run at once), each a median over reps.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LoadBreakdown {
+    /// From the first rank starting to the last finishing, ms.
+    pub wall_ms: f64,
+    /// Opening the checkpoint and planning, slowest rank, ms.
+    pub plan_ms: f64,
+    /// Inside reads (positioned reads of local files, or ranged gets), ms.
+    pub read_ms: f64,
+    /// CPU time inside local reads: the kernel's copy into the outputs and page
+    /// faults on output pages touched for the first time, ms.
+    pub read_cpu_ms: f64,
+    /// `read_ms` − `read_cpu_ms`: waiting for the device, ms.
+    pub io_wait_ms: f64,
+    /// CRC32 checks (and decompression), ms.
+    pub verify_ms: f64,
+    /// Copies from intermediate buffers into the outputs, ms.
+    pub copy_ms: f64,
+    /// Tensor bytes that went through such a copy (the rest were read in place).
+    pub bytes_copied: f64,
+    /// Minor page faults of the process during the load.
+    pub minor_faults: f64,
+    /// Allocating and touching the output buffers before the load (in place only;
+    /// not part of `wall_ms`), slowest rank, ms.
+    pub prefault_ms: f64,
 }
 
 /// Runs the benchmark against `store` on runtime `rt`; `progress` receives one line
@@ -472,6 +520,8 @@ fn threads_core(
     progress("memcpy baseline");
     let per_rank_memcpy = memcpy_baseline(data, config.reps);
     let mut stall_per_rank: Vec<Vec<f64>> = vec![Vec::new(); config.ranks];
+    // Same-size in place, resharded in place, same-size allocating.
+    let mut breakdowns: [Vec<LoadBreakdown>; 3] = Default::default();
 
     let checkpointers = make_checkpointers(store, config, Codec::None)?;
     let root = store.url().to_string();
@@ -547,9 +597,19 @@ fn threads_core(
         );
         progress(&format!("rep {}/{}: ckpt load", rep + 1, config.reps));
         evict_step(&root, step, config.warm);
-        let loaded = load_once(rt, store, step, config.ranks, data, config, rep == 0)?;
+        let loaded = load_once(
+            rt,
+            store,
+            step,
+            config.ranks,
+            data,
+            config,
+            rep == 0,
+            LoadMode::InPlace,
+        )?;
         push("load_ms", loaded.ms);
         push("read_gbps", gbps(loaded.requested, loaded.ms / 1e3));
+        breakdowns[0].push(loaded.breakdown);
         progress(&format!(
             "rep {}/{}: ckpt load onto {} ranks",
             rep + 1,
@@ -565,12 +625,32 @@ fn threads_core(
             data,
             config,
             rep == 0,
+            LoadMode::InPlace,
         )?;
         push("reshard_load_ms", resharded.ms);
         push(
             "reshard_read_amplification",
             resharded.read as f64 / resharded.requested.max(1) as f64,
         );
+        breakdowns[1].push(resharded.breakdown);
+        progress(&format!(
+            "rep {}/{}: ckpt load, allocating",
+            rep + 1,
+            config.reps
+        ));
+        evict_step(&root, step, config.warm);
+        let allocating = load_once(
+            rt,
+            store,
+            step,
+            config.ranks,
+            &data,
+            config,
+            rep == 0,
+            LoadMode::Allocating,
+        )?;
+        push("load_alloc_ms", allocating.ms);
+        breakdowns[2].push(allocating.breakdown);
     }
     let file_bytes = cold.file_bytes;
 
@@ -594,7 +674,16 @@ fn threads_core(
                 let saved = save_once(rt, &checkpointers, data, config, step, false)?;
                 commit.push(saved.commit_ms);
                 evict_step(&root, step, config.warm);
-                let loaded = load_once(rt, store, step, config.ranks, data, config, rep == 0)?;
+                let loaded = load_once(
+                    rt,
+                    store,
+                    step,
+                    config.ranks,
+                    data,
+                    config,
+                    rep == 0,
+                    LoadMode::InPlace,
+                )?;
                 load.push(loaded.ms);
             }
             rt.block_on(store.delete_prefix(&step_dir(step)))?;
@@ -628,6 +717,13 @@ fn threads_core(
     report.reshard_read_amplification = samples
         .get("reshard_read_amplification")
         .map_or(0.0, |v| median(v));
+    report.load_alloc_ms = samples.get("load_alloc_ms").map_or(0.0, |v| median(v));
+    let [same_size, resharded, allocating] = breakdowns.map(|b| median_breakdown(&b));
+    report.load_breakdown = LoadBreakdowns {
+        same_size,
+        resharded,
+        allocating,
+    };
     report.file_bytes = file_bytes;
     report.samples = samples;
     Ok(step)
@@ -655,6 +751,8 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         processes: None,
         targets: Vec::new(),
         samples: BTreeMap::new(),
+        load_alloc_ms: 0.0,
+        load_breakdown: LoadBreakdowns::default(),
     }
 }
 
@@ -982,8 +1080,21 @@ struct LoadFigures {
     ms: f64,
     requested: u64,
     read: u64,
+    breakdown: LoadBreakdown,
 }
 
+/// How a bench load gets its output buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LoadMode {
+    /// `load_into` buffers allocated and touched before the clock starts.
+    InPlace,
+    /// `load`, which allocates them.
+    Allocating,
+}
+
+/// One load of step `step` by `world` rank threads at once, each loading its dim-0
+/// shard of every tensor.
+#[allow(clippy::too_many_arguments)]
 fn load_once(
     rt: &tokio::runtime::Handle,
     store: &Store,
@@ -992,60 +1103,147 @@ fn load_once(
     data: &Workload,
     config: &BenchConfig,
     verify: bool,
+    mode: LoadMode,
 ) -> Result<LoadFigures> {
+    let faults_before = std::sync::Mutex::new(None);
     let results = on_ranks(
         world,
-        |rank, barrier| -> Result<(Instant, Instant, u64, u64)> {
+        |rank, barrier| -> Result<(Instant, Instant, LoadStats, f64)> {
+            // A trainer's parameters exist before it resumes: the buffers are
+            // allocated and every page touched before the clock starts.
+            let shape = [config.rows, config.cols];
+            let shard = Region::dim0_shard(&shape, rank, world);
+            let bytes = shard.volume().unwrap_or(0) as usize * 4;
+            let prefault = Instant::now();
+            let mut buffers: Vec<Vec<u8>> = match mode {
+                LoadMode::InPlace => (0..config.tensors).map(|_| vec![1u8; bytes]).collect(),
+                LoadMode::Allocating => Vec::new(),
+            };
+            let prefault_ms = ms(prefault.elapsed());
             barrier.wait();
+            faults_before
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(minor_faults);
             let started = Instant::now();
-            let (requested, read, loaded) = rt.block_on(async {
+            let (stats, request, loaded) = rt.block_on(async {
                 let reader = CheckpointReader::open(store, Some(step)).await?;
+                let opened = started.elapsed();
                 let request = LoadRequest::dim0_shards(reader.manifest(), rank, world);
-                let loaded = reader.load(&request).await?;
-                Ok::<_, Error>((
-                    loaded.stats.bytes_requested,
-                    loaded.stats.bytes_read,
-                    loaded,
-                ))
+                let (mut stats, loaded) = match mode {
+                    LoadMode::InPlace => {
+                        let mut outputs: Vec<&mut [u8]> =
+                            buffers.iter_mut().map(Vec::as_mut_slice).collect();
+                        (reader.load_into(&request, &mut outputs).await?, None)
+                    }
+                    LoadMode::Allocating => {
+                        let loaded = reader.load(&request).await?;
+                        (loaded.stats, Some(loaded))
+                    }
+                };
+                // Opening the checkpoint counts as planning: both come before reads.
+                stats.timings.plan += opened;
+                Ok::<_, Error>((stats, request, loaded))
             })?;
             let finished = Instant::now();
             if verify {
-                check_loaded(&loaded.tensors, data, config)?;
+                let boxes: Vec<(&str, &Region, &[u8])> = match &loaded {
+                    Some(loaded) => loaded
+                        .tensors
+                        .iter()
+                        .map(|t| (t.name.as_str(), &t.region, t.data.as_slice()))
+                        .collect(),
+                    None => request
+                        .wants
+                        .iter()
+                        .zip(&buffers)
+                        .map(|(w, b)| (w.name.as_str(), &w.region, b.as_slice()))
+                        .collect(),
+                };
+                check_loaded(&boxes, data, config)?;
             }
             drop(loaded);
-            Ok((started, finished, requested, read))
+            Ok((started, finished, stats, prefault_ms))
         },
+    );
+    let faults = minor_faults().saturating_sub(
+        faults_before
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .unwrap_or(0),
     );
     let (mut start, mut end): (Option<Instant>, Option<Instant>) = (None, None);
     let (mut requested, mut read) = (0, 0);
+    let mut b = LoadBreakdown::default();
     for result in results {
-        let (s, e, q, r) = result?;
+        let (s, e, stats, prefault_ms) = result?;
         start = Some(start.map_or(s, |x| x.min(s)));
         end = Some(end.map_or(e, |x| x.max(e)));
-        requested += q;
-        read += r;
+        requested += stats.bytes_requested;
+        read += stats.bytes_read;
+        let t = &stats.timings;
+        b.plan_ms = b.plan_ms.max(ms(t.plan));
+        b.read_ms += ms(t.read);
+        b.read_cpu_ms += ms(t.read_cpu);
+        b.verify_ms += ms(t.verify);
+        b.copy_ms += ms(t.copy);
+        b.bytes_copied += stats.bytes_copied as f64;
+        b.prefault_ms = b.prefault_ms.max(prefault_ms);
     }
+    b.io_wait_ms = (b.read_ms - b.read_cpu_ms).max(0.0);
+    b.minor_faults = faults as f64;
+    let wall = match (start, end) {
+        (Some(s), Some(e)) => ms(e - s),
+        _ => 0.0,
+    };
+    b.wall_ms = wall;
     Ok(LoadFigures {
-        ms: match (start, end) {
-            (Some(s), Some(e)) => ms(e - s),
-            _ => 0.0,
-        },
+        ms: wall,
         requested,
         read,
+        breakdown: b,
     })
+}
+
+/// Field by field median of breakdowns.
+fn median_breakdown(all: &[LoadBreakdown]) -> LoadBreakdown {
+    let m = |f: fn(&LoadBreakdown) -> f64| median(&all.iter().map(f).collect::<Vec<_>>());
+    LoadBreakdown {
+        wall_ms: m(|b| b.wall_ms),
+        plan_ms: m(|b| b.plan_ms),
+        read_ms: m(|b| b.read_ms),
+        read_cpu_ms: m(|b| b.read_cpu_ms),
+        io_wait_ms: m(|b| b.io_wait_ms),
+        verify_ms: m(|b| b.verify_ms),
+        copy_ms: m(|b| b.copy_ms),
+        bytes_copied: m(|b| b.bytes_copied),
+        minor_faults: m(|b| b.minor_faults),
+        prefault_ms: m(|b| b.prefault_ms),
+    }
+}
+
+/// Minor page faults of this process so far.
+fn minor_faults() -> u64 {
+    // SAFETY: `rusage` is plain data for which all-zero bytes are a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `usage` is a valid, writable `rusage` for the duration of the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return 0;
+    }
+    usage.ru_minflt as u64
 }
 
 /// Compares loaded row boxes with the generated rows they came from.
 fn check_loaded(
-    tensors: &[crate::LoadedTensor],
+    boxes: &[(&str, &Region, &[u8])],
     data: &Workload,
     config: &BenchConfig,
 ) -> Result<()> {
     let row_bytes = (config.cols * 4) as usize;
     let shape = [config.rows, config.cols];
-    for (t, loaded) in tensors.iter().enumerate() {
-        let first = loaded.region.offsets.first().copied().unwrap_or(0);
-        for (i, row) in loaded.data.chunks(row_bytes).enumerate() {
+    for (t, &(name, region, bytes)) in boxes.iter().enumerate() {
+        let first = region.offsets.first().copied().unwrap_or(0);
+        for (i, row) in bytes.chunks(row_bytes).enumerate() {
             let global = first + i as u64;
             let rank = (0..config.ranks)
                 .find(|&r| {
@@ -1058,8 +1256,7 @@ fn check_loaded(
             let src = &as_bytes(&data[rank][t])[local * row_bytes..(local + 1) * row_bytes];
             if src != row {
                 return Err(Error::Failed(format!(
-                    "bench: row {global} of {} loaded wrong",
-                    loaded.name
+                    "bench: row {global} of {name} loaded wrong"
                 )));
             }
         }
@@ -1595,6 +1792,55 @@ pub fn render(r: &BenchReport) -> String {
                 "{:<34} {:>12}",
                 "  reshard bytes read / requested",
                 format!("{:.4}", r.reshard_read_amplification)
+            );
+            let _ = writeln!(
+                s,
+                "{:<34} {:>12} {:>12} {:>9.2}",
+                "  allocating load vs in place",
+                format!("{:.0} ms", r.load_alloc_ms),
+                format!("{:.0} ms", r.core.load_ms),
+                r.load_alloc_ms / r.core.load_ms.max(1e-9),
+            );
+            let _ = writeln!(s);
+            let _ = writeln!(
+                s,
+                "{:<11} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>9} {:>9}",
+                "load (ms)",
+                "wall",
+                "plan",
+                "read",
+                "read cpu",
+                "io wait",
+                "verify",
+                "copy",
+                "copied MiB",
+                "faults"
+            );
+            let b = &r.load_breakdown;
+            for (name, b) in [
+                ("in place", &b.same_size),
+                ("resharded", &b.resharded),
+                ("allocating", &b.allocating),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "{:<11} {:>8.0} {:>7.1} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>7.0} {:>10.1} {:>9.0}",
+                    name,
+                    b.wall_ms,
+                    b.plan_ms,
+                    b.read_ms,
+                    b.read_cpu_ms,
+                    b.io_wait_ms,
+                    b.verify_ms,
+                    b.copy_ms,
+                    b.bytes_copied / (1 << 20) as f64,
+                    b.minor_faults
+                );
+            }
+            let _ = writeln!(
+                s,
+                "  read, read cpu, verify and copy are summed over ranks and reading threads; in-place buffers took {:.0} ms to allocate and touch beforehand",
+                b.same_size.prefault_ms
             );
         }
         if !r.zstd.is_empty() {

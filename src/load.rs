@@ -6,10 +6,24 @@
 //! contiguous runs of bytes, and reads, per data file, just the blocks those runs
 //! touch: in batches, coalesced, checksummed block by block, decompressed when the
 //! file is compressed. A different world size or layout is the same path.
+//!
+//! The runs land in the caller's buffers ([`CheckpointReader::load_into`], as a
+//! trainer resumes into parameters it already has) or in buffers the reader
+//! allocates ([`CheckpointReader::load`], the same path after one allocation per
+//! want). Files are read concurrently and each task writes its runs straight into
+//! the outputs, without a lock: the planner checks that runs never overlap.
+//!
+//! Plain data files on local disk are read with positioned vectored reads straight
+//! into the outputs (the bytes between runs into scratch), and each block's CRC32
+//! is then checked over the memory it landed in; a block that fails leaves the load
+//! failed, never delivered. Other stores and compressed files go through ranged gets:
+//! verify (and decompress) the fetched bytes, then copy the runs out.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ckpt_storage::{ErrorKind, Store};
@@ -20,7 +34,7 @@ use crate::blocks::BlockMap;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::{
-    Assignments, Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue,
+    Assignments, Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue, TensorEntry,
 };
 use crate::region::{Region, for_each_run};
 
@@ -124,6 +138,44 @@ pub struct LoadStats {
     pub bytes_verified: u64,
     /// Rank parts fetched.
     pub parts_read: usize,
+    /// Tensor bytes copied into the outputs from an intermediate buffer (a ranged
+    /// get's body, a decompressed frame, scratch); the rest of the requested bytes
+    /// were read straight into the outputs (plain files on local disk).
+    pub bytes_copied: u64,
+    /// Where the time went.
+    pub timings: LoadTimings,
+}
+
+/// Time spent in each stage of one load. Apart from `plan`, each figure is summed
+/// over the tasks that did the work, several at once, so together they exceed the
+/// load's wall time: they say where the threads spent it, and compared with the wall
+/// time, how busy the reads kept them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadTimings {
+    /// Planning, wall time: rank parts fetched and parsed, runs computed (set by
+    /// [`CheckpointReader::load`] and [`CheckpointReader::load_into`]).
+    pub plan: Duration,
+    /// In reads: positioned reads of local files, or ranged gets from the store
+    /// (request to last body byte).
+    pub read: Duration,
+    /// CPU time of the reading threads inside local reads: the kernel copying from
+    /// the page cache into the outputs, and faulting in output pages touched for
+    /// the first time. `read` minus this is waiting for the device.
+    pub read_cpu: Duration,
+    /// Checking block CRC32s, and decompressing compressed frames.
+    pub verify: Duration,
+    /// Copying from intermediate buffers into the outputs.
+    pub copy: Duration,
+}
+
+impl LoadTimings {
+    fn add(&mut self, other: &LoadTimings) {
+        self.plan += other.plan;
+        self.read += other.read;
+        self.read_cpu += other.read_cpu;
+        self.verify += other.verify;
+        self.copy += other.copy;
+    }
 }
 
 /// Result of a load.
@@ -172,11 +224,16 @@ impl LoadPlan {
 /// Tuning of reads.
 #[derive(Debug, Clone)]
 pub struct ReadConfig {
-    /// Raw bytes per read batch of one file (memory in flight per file ≈ 2 batches).
-    /// Default 16 MiB.
+    /// Raw bytes per read batch of one file: one positioned read on local disk,
+    /// one ranged get elsewhere. Default 16 MiB.
     pub batch_bytes: u64,
     /// Data files read at once. Default 4.
     pub file_concurrency: usize,
+    /// Batches of one file in flight. Through the store each holds a buffer of up to
+    /// `batch_bytes` (more, shorter requests are sent when the runs are short, up to
+    /// the same bytes in flight); plain local files are read in place and hold
+    /// none. Default 2.
+    pub batches_in_flight: usize,
 }
 
 impl Default for ReadConfig {
@@ -184,6 +241,7 @@ impl Default for ReadConfig {
         Self {
             batch_bytes: 16 << 20,
             file_concurrency: 4,
+            batches_in_flight: 2,
         }
     }
 }
@@ -338,57 +396,133 @@ impl CheckpointReader {
             .await
     }
 
-    /// Loads the boxes of `request`, verified.
+    /// Loads the boxes of `request`, verified, into buffers it allocates.
+    ///
+    /// The same read path as [`CheckpointReader::load_into`]: the data files' sizes
+    /// are checked first, then one zero-filled buffer per want is allocated and
+    /// loaded in place. A trainer whose parameters already exist should call
+    /// `load_into` instead: a fresh buffer costs a page fault per 4 KiB page on
+    /// first write, about a fifth of a cold load's time on the machines measured
+    /// (`docs/BENCHMARKS.md`).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future stops the load; blocking reads already running finish
+    /// first (the drop waits for them, at most one batch each), and nothing is
+    /// returned.
     pub async fn load(&self, request: &LoadRequest) -> Result<Loaded> {
+        let started = Instant::now();
         let plan = self.plan(request).await?;
-        self.execute(request, plan).await
+        let planned = started.elapsed();
+        let mut loaded = self.execute(request, plan).await?;
+        loaded.stats.timings.plan = planned;
+        Ok(loaded)
+    }
+
+    /// Loads the boxes of `request`, verified, into `outputs`: one buffer per want,
+    /// in request order, each exactly the want's size in bytes (row-major data of
+    /// its box). This is how a trainer resumes into parameters and optimizer moments
+    /// it already holds, as PyTorch's distributed checkpoint loads in place.
+    ///
+    /// The count and sizes of `outputs` are checked against the manifest before any
+    /// I/O: a mismatch is [`Error::Invalid`] naming the tensor and both sizes.
+    ///
+    /// Every byte written into an output belongs to a block whose CRC32 was checked,
+    /// and when the load succeeds every byte of every output has been written.
+    ///
+    /// # On failure
+    ///
+    /// When the load fails midway (a corrupt block, a storage error) or its future
+    /// is dropped, the outputs are partially written: some runs hold new bytes,
+    /// possibly the bytes of a block that then failed its check, and others still
+    /// hold what was there before. The caller must not use them; load again (an
+    /// older checkpoint, say) before training on them.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future stops the load. Reads already running on the blocking
+    /// pool write into `outputs`, so the drop waits for them (at most one batch
+    /// each) before the borrow of `outputs` ends; reads not started are abandoned.
+    pub async fn load_into(
+        &self,
+        request: &LoadRequest,
+        outputs: &mut [&mut [u8]],
+    ) -> Result<LoadStats> {
+        let sizes = request
+            .wants
+            .iter()
+            .map(|want| self.check_want(want).map(|(_, bytes)| bytes))
+            .collect::<Result<Vec<u64>>>()?;
+        check_outputs(request, &sizes, outputs)?;
+        let started = Instant::now();
+        let plan = self.plan(request).await?;
+        let planned = started.elapsed();
+        let mut stats = self.execute_into(request, plan, outputs).await?;
+        stats.timings.plan = planned;
+        Ok(stats)
+    }
+
+    /// Checks one want against the manifest; returns its tensor and its size in
+    /// bytes. No I/O.
+    fn check_want(&self, want: &Want) -> Result<(&TensorEntry, u64)> {
+        let manifest = &self.manifest;
+        let step = manifest.step;
+        let tensor = manifest.tensor(&want.name).ok_or_else(|| {
+            Error::NotFound(format!(
+                "tensor {:?} is not in checkpoint step {step} ({} tensors)",
+                want.name,
+                manifest.tensors.len()
+            ))
+        })?;
+        if let Some(dtype) = want.dtype
+            && dtype != tensor.dtype
+        {
+            return Err(Error::Mismatch(format!(
+                "tensor {:?}: requested {dtype}, checkpoint step {step} has {}",
+                want.name, tensor.dtype
+            )));
+        }
+        if let Some(shape) = &want.shape
+            && shape != &tensor.shape
+        {
+            return Err(Error::Mismatch(format!(
+                "tensor {:?}: requested shape {shape:?}, checkpoint step {step} has {:?}",
+                want.name, tensor.shape
+            )));
+        }
+        if !want.region.within(&tensor.shape) {
+            return Err(Error::Mismatch(format!(
+                "tensor {:?}: requested box {} lies outside its shape {:?}",
+                want.name, want.region, tensor.shape
+            )));
+        }
+        let bytes = want
+            .region
+            .volume()
+            .unwrap_or(0)
+            .saturating_mul(tensor.dtype.size() as u64);
+        Ok((tensor, bytes))
     }
 
     /// Plans a load without reading data: checks the request against the manifest,
     /// fetches the rank parts its boxes touch and turns every intersection into byte
     /// runs per data file. [`CheckpointReader::execute`] then reads them; the split
     /// lets the planning cost be measured on its own (`ckpt bench`).
+    ///
+    /// A plan's runs are checked to tile every want's output exactly (inside it, no
+    /// two overlapping, together covering it) and to lie inside their data file:
+    /// the reads write into the outputs from several threads at once without locks,
+    /// which is sound only because no two runs share a destination byte.
     pub async fn plan(&self, request: &LoadRequest) -> Result<LoadPlan> {
-        let manifest = &self.manifest;
-        let step = manifest.step;
         let mut stats = LoadStats::default();
         let mut sizes = Vec::with_capacity(request.wants.len());
         // (want index, chunk box, part box) per saved rank.
         let mut pieces: BTreeMap<u32, Vec<(usize, Region, Region)>> = BTreeMap::new();
         for (i, want) in request.wants.iter().enumerate() {
-            let tensor = manifest.tensor(&want.name).ok_or_else(|| {
-                Error::NotFound(format!(
-                    "tensor {:?} is not in checkpoint step {step} ({} tensors)",
-                    want.name,
-                    manifest.tensors.len()
-                ))
-            })?;
-            if let Some(dtype) = want.dtype
-                && dtype != tensor.dtype
-            {
-                return Err(Error::Mismatch(format!(
-                    "tensor {:?}: requested {dtype}, checkpoint step {step} has {}",
-                    want.name, tensor.dtype
-                )));
-            }
-            if let Some(shape) = &want.shape
-                && shape != &tensor.shape
-            {
-                return Err(Error::Mismatch(format!(
-                    "tensor {:?}: requested shape {shape:?}, checkpoint step {step} has {:?}",
-                    want.name, tensor.shape
-                )));
-            }
-            if !want.region.within(&tensor.shape) {
-                return Err(Error::Mismatch(format!(
-                    "tensor {:?}: requested box {} lies outside its shape {:?}",
-                    want.name, want.region, tensor.shape
-                )));
-            }
-            let bytes = want.region.volume().unwrap_or(0) * tensor.dtype.size() as u64;
+            let (tensor, bytes) = self.check_want(want)?;
             stats.bytes_requested += bytes;
             sizes.push(bytes);
-            let layout = &manifest.layouts[tensor.layout as usize];
+            let layout = &self.manifest.layouts[tensor.layout as usize];
             let mut covered = 0u64;
             for (rank, chunk, part) in layout.overlapping(&tensor.shape, &want.region) {
                 covered += part.volume().unwrap_or(0);
@@ -420,6 +554,11 @@ impl CheckpointReader {
         let mut files = Vec::with_capacity(parts.len());
         for (part, (rank, rank_pieces)) in parts.iter().zip(pieces) {
             let object = format!("{}/{}", self.manifest.dir(), part.file.name);
+            let part_key = format!(
+                "{}/{}",
+                self.manifest.dir(),
+                crate::format::rank_part_name(rank)
+            );
             let index: HashMap<&str, usize> = part
                 .chunks
                 .iter()
@@ -435,9 +574,12 @@ impl CheckpointReader {
                     .filter(|c| c.region() == chunk_region)
                     .ok_or_else(|| {
                         FormatError::new(
-                            &format!("{}/{}", self.manifest.dir(), crate::format::rank_part_name(rank)),
+                            &part_key,
                             None,
-                            format!("has no chunk {chunk_region} of {:?} that the manifest places there", want.name),
+                            format!(
+                                "has no chunk {chunk_region} of {:?} that the manifest places there",
+                                want.name
+                            ),
                         )
                     })?;
                 let elem = chunk.dtype.size();
@@ -457,8 +599,24 @@ impl CheckpointReader {
                 );
             }
             runs.sort_by_key(|r| r.src);
+            if let Some(run) = runs.iter().find(|r| {
+                r.src
+                    .checked_add(r.len)
+                    .is_none_or(|end| end > part.file.raw_bytes)
+            }) {
+                return Err(FormatError::new(
+                    &part_key,
+                    None,
+                    format!(
+                        "a chunk of {:?} reaches past the {} raw bytes of its data file (bytes {}..+{})",
+                        request.wants[run.want].name, part.file.raw_bytes, run.src, run.len
+                    ),
+                )
+                .into());
+            }
             files.push((object, part.clone(), runs));
         }
+        self.check_tiling(request, &sizes, &files)?;
         Ok(LoadPlan {
             files,
             sizes,
@@ -466,28 +624,126 @@ impl CheckpointReader {
         })
     }
 
-    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`]
-    /// for the same `request`) names.
-    pub async fn execute(&self, request: &LoadRequest, plan: LoadPlan) -> Result<Loaded> {
-        let manifest = &self.manifest;
-        let LoadPlan {
-            files,
-            sizes,
-            mut stats,
-        } = plan;
-        if sizes.len() != request.wants.len() {
-            return Err(Error::invalid(format!(
-                "the plan has {} boxes, the request {}",
-                sizes.len(),
-                request.wants.len()
-            )));
+    /// Checks that the runs of every want tile its output exactly: each inside it,
+    /// none overlapping another, all together as many bytes as the output. The
+    /// manifest's checks make this hold for any checkpoint that parses; it is checked
+    /// again here because the lock-free scatter's soundness rests on it.
+    fn check_tiling(
+        &self,
+        request: &LoadRequest,
+        sizes: &[u64],
+        files: &[(String, Arc<RankPart>, Vec<Run>)],
+    ) -> Result<()> {
+        let mut spans: Vec<(usize, u64, u64)> = files
+            .iter()
+            .flat_map(|(_, _, runs)| runs.iter().map(|r| (r.want, r.dst, r.len)))
+            .collect();
+        spans.sort_unstable();
+        let mut filled = vec![0u64; sizes.len()];
+        let bad = |want: usize, why: String| -> Error {
+            FormatError::new(
+                &format!("{}/manifest.json", self.manifest.dir()),
+                None,
+                format!(
+                    "the chunks of {:?} do not tile box {}: {why}",
+                    request.wants[want].name, request.wants[want].region
+                ),
+            )
+            .into()
+        };
+        for (want, dst, len) in spans {
+            if dst < filled[want] {
+                return Err(bad(want, format!("two chunks overlap at byte {dst}")));
+            }
+            let end = dst
+                .checked_add(len)
+                .filter(|&end| end <= sizes[want])
+                .ok_or_else(|| {
+                    bad(
+                        want,
+                        format!("bytes {dst}..+{len} lie outside its {} bytes", sizes[want]),
+                    )
+                })?;
+            filled[want] = end;
+            // Runs are disjoint and sorted, so `filled` only grows; the sum of the
+            // lengths is compared below through the last end and the gaps.
         }
+        let mut covered = vec![0u64; sizes.len()];
+        for (_, _, runs) in files {
+            for r in runs {
+                covered[r.want] += r.len;
+            }
+        }
+        for (want, (&c, &size)) in covered.iter().zip(sizes).enumerate() {
+            if c != size {
+                return Err(bad(want, format!("they cover {c} of its {size} bytes")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`]
+    /// for the same `request`) names, into buffers it allocates. See
+    /// [`CheckpointReader::load`].
+    pub async fn execute(&self, request: &LoadRequest, plan: LoadPlan) -> Result<Loaded> {
+        check_plan(request, &plan)?;
         // Sizes claimed by the manifest and parts are checked against the objects
         // before anything is allocated, and allocation failure is an error: a hostile
         // checkpoint whose documents vouch for each other cannot abort the process.
+        self.check_stored_sizes(&plan).await?;
+        let mut buffers: Vec<Vec<u8>> = request
+            .wants
+            .iter()
+            .zip(&plan.sizes)
+            .map(|(want, &n)| zeroed(n, &want.name))
+            .collect::<Result<_>>()?;
+        let mut outputs: Vec<&mut [u8]> = buffers.iter_mut().map(Vec::as_mut_slice).collect();
+        let stats = self.read_plan(plan, &mut outputs).await?;
+        let tensors = request
+            .wants
+            .iter()
+            .zip(buffers)
+            .map(|(want, data)| {
+                let tensor = self.manifest.tensor(&want.name).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "tensor {:?} is not in the checkpoint the plan was made for",
+                        want.name
+                    ))
+                })?;
+                Ok(LoadedTensor {
+                    name: want.name.clone(),
+                    dtype: tensor.dtype,
+                    shape: tensor.shape.clone(),
+                    region: want.region.clone(),
+                    data,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Loaded { tensors, stats })
+    }
+
+    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`]
+    /// for the same `request`) names, into `outputs`. See
+    /// [`CheckpointReader::load_into`] for what `outputs` must be and hold after an
+    /// error.
+    pub async fn execute_into(
+        &self,
+        request: &LoadRequest,
+        plan: LoadPlan,
+        outputs: &mut [&mut [u8]],
+    ) -> Result<LoadStats> {
+        check_plan(request, &plan)?;
+        check_outputs(request, &plan.sizes, outputs)?;
+        self.check_stored_sizes(&plan).await?;
+        self.read_plan(plan, outputs).await
+    }
+
+    /// Compares each data file's stored size with what its part records (once per
+    /// file and reader: tools load a checkpoint in many slabs).
+    async fn check_stored_sizes(&self, plan: &LoadPlan) -> Result<()> {
         let claimed: Vec<(String, u64)> = {
             let sized = self.sized.lock().unwrap_or_else(|p| p.into_inner());
-            files
+            plan.files
                 .iter()
                 .filter(|(object, _, _)| !sized.contains(object))
                 .map(|(object, part, _)| (object.clone(), part.file.stored_bytes))
@@ -530,55 +786,82 @@ impl CheckpointReader {
                     .unwrap_or_else(|p| p.into_inner())
                     .insert(object);
             });
-        let outputs: Vec<Mutex<Vec<u8>>> = request
-            .wants
-            .iter()
-            .zip(&sizes)
-            .map(|(want, &n)| zeroed(n, &want.name).map(Mutex::new))
-            .collect::<Result<_>>()?;
-        let outputs_ref = &outputs;
-        let counters: Vec<(u64, u64)> = futures::stream::iter(files)
+        Ok(())
+    }
+
+    /// Reads every file of `plan` into `outputs` (checked to match the plan).
+    async fn read_plan(&self, plan: LoadPlan, outputs: &mut [&mut [u8]]) -> Result<LoadStats> {
+        let LoadPlan {
+            files, mut stats, ..
+        } = plan;
+        // Declared before anything that spawns: dropped last, it waits for every
+        // blocking task that may still write into `outputs`.
+        let in_flight = InFlight::default();
+        let dest = Arc::new(Outputs::new(outputs));
+        let local = self.store.local_root();
+        let (in_flight, dest, local) = (&in_flight, &dest, &local);
+        let tallies: Vec<Tally> = futures::stream::iter(files)
             .map(|(object, part, runs)| async move {
-                read_file(
-                    &self.store,
-                    &object,
-                    &part,
-                    &runs,
-                    outputs_ref,
-                    self.config.batch_bytes,
-                )
-                .await
+                let file = FileRead {
+                    object: Arc::from(object.as_str()),
+                    map: Arc::new(BlockMap::new(&part)),
+                    part,
+                    runs,
+                    dest: dest.clone(),
+                };
+                match local {
+                    Some(root) if matches!(file.part.codec, Codec::None) => {
+                        file.read_local(root.join(&object), &self.config, in_flight)
+                            .await
+                    }
+                    _ => file.read_store(&self.store, &self.config, in_flight).await,
+                }
             })
             .buffer_unordered(self.config.file_concurrency.max(1))
             .try_collect()
             .await?;
-        for (read, verified) in counters {
-            stats.bytes_read += read;
-            stats.bytes_verified += verified;
+        for tally in tallies {
+            stats.bytes_read += tally.read;
+            stats.bytes_verified += tally.verified;
+            stats.bytes_copied += tally.copied;
+            stats.timings.add(&tally.timings);
         }
-
-        let tensors = request
-            .wants
-            .iter()
-            .zip(outputs)
-            .map(|(want, data)| {
-                let tensor = manifest.tensor(&want.name).ok_or_else(|| {
-                    Error::invalid(format!(
-                        "tensor {:?} is not in the checkpoint the plan was made for",
-                        want.name
-                    ))
-                })?;
-                Ok(LoadedTensor {
-                    name: want.name.clone(),
-                    dtype: tensor.dtype,
-                    shape: tensor.shape.clone(),
-                    region: want.region.clone(),
-                    data: data.into_inner().unwrap_or_else(|p| p.into_inner()),
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(Loaded { tensors, stats })
+        Ok(stats)
     }
+}
+
+/// Checks that `plan` was made for a request with as many wants as `request`.
+fn check_plan(request: &LoadRequest, plan: &LoadPlan) -> Result<()> {
+    if plan.sizes.len() != request.wants.len() {
+        return Err(Error::invalid(format!(
+            "the plan has {} boxes, the request {}",
+            plan.sizes.len(),
+            request.wants.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the caller's buffers against the wants' sizes.
+fn check_outputs(request: &LoadRequest, sizes: &[u64], outputs: &[&mut [u8]]) -> Result<()> {
+    if outputs.len() != sizes.len() {
+        return Err(Error::invalid(format!(
+            "{} output buffers for {} requested boxes: load_into takes one per want, in request order",
+            outputs.len(),
+            sizes.len()
+        )));
+    }
+    for ((want, &size), out) in request.wants.iter().zip(sizes).zip(outputs) {
+        if out.len() as u64 != size {
+            return Err(Error::invalid(format!(
+                "tensor {:?}: the output buffer holds {} bytes, box {} needs {size}",
+                want.name,
+                out.len(),
+                want.region
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A zero-filled buffer of `n` bytes, or an error when it cannot be had (rather than
@@ -607,127 +890,558 @@ fn zeroed(n: u64, tensor: &str) -> Result<Vec<u8>> {
     }
 }
 
-/// Reads the blocks `runs` touch in one data file, verifies them and copies the runs
-/// into `outputs`. Returns (stored bytes read, raw bytes verified).
-async fn read_file(
-    store: &Store,
-    object: &str,
-    part: &RankPart,
-    runs: &[Run],
-    outputs: &[Mutex<Vec<u8>>],
-    batch_bytes: u64,
-) -> Result<(u64, u64)> {
-    let block = part.block_size;
-    let raw_len = part.file.raw_bytes;
-    // Needed blocks as sorted, merged ranges of block indices.
-    let mut needed: Vec<Range<u64>> = Vec::new();
-    for run in runs {
-        let first = run.src / block;
-        let last = (run.src + run.len).div_ceil(block);
-        match needed.last_mut() {
-            Some(r) if first <= r.end => r.end = r.end.max(last),
-            _ => needed.push(first..last),
-        }
-    }
-    // Batches of whole blocks, at most `batch_bytes` raw each.
-    let per_batch = (batch_bytes / block).max(1);
-    let batches: Vec<Range<u64>> = needed
-        .iter()
-        .flat_map(|r| {
-            (r.start..r.end)
-                .step_by(per_batch as usize)
-                .map(move |s| s..(s + per_batch).min(r.end))
-        })
-        .collect();
-    let map = BlockMap::new(part);
-    // About two full batches of bytes in flight: more requests when the runs are
-    // short (a rank of a resharded load reads a slice of every chunk of a file), so
-    // small reads do not leave the device idle between them.
-    let batch_count = batches.len().max(1) as u64;
-    let mean_batch = batches
-        .iter()
-        .map(|b| (b.end - b.start) * block)
-        .sum::<u64>()
-        / batch_count;
-    let in_flight = (2 * batch_bytes / mean_batch.max(1)).clamp(2, 16) as usize;
-    let mut fetched = futures::stream::iter(batches)
-        .map(|blocks| fetch_batch(store, object, part, &map, blocks))
-        .buffered(in_flight);
-    let mut cursor = 0usize;
-    let (mut read, mut verified) = (0u64, 0u64);
-    while let Some((blocks, raw, stored)) = fetched.try_next().await? {
-        read += stored;
-        verified += raw.len() as u64;
-        let start = blocks.start * block;
-        let end = (blocks.end * block).min(raw_len);
-        while cursor < runs.len() && runs[cursor].src + runs[cursor].len <= start {
-            cursor += 1;
-        }
-        for run in &runs[cursor..] {
-            if run.src >= end {
-                break;
-            }
-            let lo = run.src.max(start);
-            let hi = (run.src + run.len).min(end);
-            if lo >= hi {
-                continue;
-            }
-            let mut out = outputs[run.want].lock().unwrap_or_else(|p| p.into_inner());
-            let dst = (run.dst + (lo - run.src)) as usize;
-            out[dst..dst + (hi - lo) as usize]
-                .copy_from_slice(&raw[(lo - start) as usize..(hi - start) as usize]);
-        }
-    }
-    Ok((read, verified))
+/// The caller's output buffers as raw pointers, so that blocking tasks on several
+/// threads can write disjoint runs into them without a lock per copy.
+///
+/// Sound because (1) the runs of a plan never overlap and lie inside their output
+/// (checked by [`CheckpointReader::check_tiling`] before any read, and each run is
+/// handed to exactly one task), so no two slices made here alias; (2) the outputs
+/// are mutably borrowed by the load for its whole duration, so nothing else reads or
+/// writes them meanwhile; (3) [`InFlight`] keeps the borrow alive until every task
+/// that holds these pointers has finished, even when the load's future is dropped.
+struct Outputs {
+    buffers: Vec<(*mut u8, usize)>,
 }
 
-/// Fetches blocks `blocks` of a file, verifies each block's CRC32 (after
-/// decompression) and returns their raw bytes and the stored bytes read.
-async fn fetch_batch(
-    store: &Store,
+// SAFETY: the pointers are only dereferenced through `Outputs::slice`, whose callers
+// uphold the disjointness and lifetime argument above; sending or sharing the
+// pointers themselves between threads is harmless.
+unsafe impl Send for Outputs {}
+// SAFETY: as for `Send`: `&Outputs` only hands out slices under that argument.
+unsafe impl Sync for Outputs {}
+
+impl Outputs {
+    fn new(outputs: &mut [&mut [u8]]) -> Self {
+        Self {
+            buffers: outputs
+                .iter_mut()
+                .map(|o| (o.as_mut_ptr(), o.len()))
+                .collect(),
+        }
+    }
+
+    /// Bytes `dst..dst + len` of output `want`.
+    ///
+    /// # Safety
+    ///
+    /// The range must be (part of) one run of the plan these outputs were checked
+    /// against, given to this caller alone, and the returned slice must be dropped
+    /// before the load's [`InFlight`] guard is. Bounds are checked here.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, want: usize, dst: u64, len: u64) -> &mut [u8] {
+        let (ptr, size) = self.buffers[want];
+        let (dst, len) = (dst as usize, len as usize);
+        assert!(
+            dst.checked_add(len).is_some_and(|end| end <= size),
+            "run {dst}..+{len} outside output {want} of {size} bytes"
+        );
+        // SAFETY: in bounds (asserted); not aliased and alive by the caller's
+        // contract (see the type's docs).
+        unsafe { std::slice::from_raw_parts_mut(ptr.add(dst), len) }
+    }
+}
+
+/// Blocking tasks that may still write into a load's outputs.
+///
+/// The outputs are borrowed only as long as the load's future lives, but a task on
+/// the blocking pool cannot be stopped once it runs. Dropping the guard (the load
+/// finished, failed in one file while others still read, or was cancelled) marks the
+/// load cancelled, so that tasks not yet started return at once, and waits for those
+/// running: at most one batch each.
+#[derive(Default)]
+struct InFlight {
+    state: Arc<InFlightState>,
+}
+
+#[derive(Default)]
+struct InFlightState {
+    running: Mutex<usize>,
+    idle: std::sync::Condvar,
+    cancelled: AtomicBool,
+}
+
+/// One blocking task's claim on the outputs, released when the task's closure is
+/// dropped (run or not).
+struct Ticket(Arc<InFlightState>);
+
+impl InFlight {
+    fn ticket(&self) -> Ticket {
+        *self.state.running.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        Ticket(self.state.clone())
+    }
+}
+
+impl Ticket {
+    fn cancelled(&self) -> bool {
+        self.0.cancelled.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut running = self.0.running.lock().unwrap_or_else(|p| p.into_inner());
+        *running -= 1;
+        if *running == 0 {
+            self.0.idle.notify_all();
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.state.cancelled.store(true, Ordering::Release);
+        let mut running = self.state.running.lock().unwrap_or_else(|p| p.into_inner());
+        while *running > 0 {
+            running = self
+                .state
+                .idle
+                .wait(running)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// What reading one file (or one batch) did.
+#[derive(Debug, Default)]
+struct Tally {
+    read: u64,
+    verified: u64,
+    copied: u64,
+    timings: LoadTimings,
+}
+
+impl Tally {
+    fn add(&mut self, other: &Tally) {
+        self.read += other.read;
+        self.verified += other.verified;
+        self.copied += other.copied;
+        self.timings.add(&other.timings);
+    }
+}
+
+/// CPU time of the calling thread (user and system).
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Where the bytes of one batch go when it is read.
+#[derive(Debug, Clone, Copy)]
+enum Piece {
+    /// Into bytes `dst..dst + len` of output `want`.
+    Out { want: usize, dst: u64, len: u64 },
+    /// Into scratch (bytes no want asked for, or a batch read whole and copied).
+    Scratch { len: u64 },
+}
+
+/// A copy out of a batch's verified bytes: `len` bytes at offset `at` of the batch
+/// into bytes `dst..` of output `want`.
+#[derive(Debug, Clone, Copy)]
+struct Scatter {
+    at: u64,
+    want: usize,
+    dst: u64,
+    len: u64,
+}
+
+/// Above this many pieces per batch, a batch is read into scratch and copied out:
+/// many short runs (a narrow column slice) cost more as buffers of one vectored read
+/// than as copies.
+const MAX_PIECES: usize = 256;
+
+/// One data file of a load.
+struct FileRead {
+    object: Arc<str>,
+    part: Arc<RankPart>,
+    map: Arc<BlockMap>,
+    /// Sorted by source offset.
+    runs: Vec<Run>,
+    dest: Arc<Outputs>,
+}
+
+impl FileRead {
+    /// The batches of whole blocks to read: the blocks the runs touch, merged, cut
+    /// into pieces of at most `batch_bytes` raw bytes.
+    fn batches(&self, batch_bytes: u64) -> Vec<Range<u64>> {
+        let block = self.part.block_size;
+        let mut needed: Vec<Range<u64>> = Vec::new();
+        for run in &self.runs {
+            let first = run.src / block;
+            let last = (run.src + run.len).div_ceil(block);
+            match needed.last_mut() {
+                Some(r) if first <= r.end => r.end = r.end.max(last),
+                _ => needed.push(first..last),
+            }
+        }
+        let per_batch = (batch_bytes / block).max(1);
+        needed
+            .iter()
+            .flat_map(|r| {
+                (r.start..r.end)
+                    .step_by(per_batch as usize)
+                    .map(move |s| s..(s + per_batch).min(r.end))
+            })
+            .collect()
+    }
+
+    /// Raw byte range of `blocks`.
+    fn raw_range(&self, blocks: &Range<u64>) -> Range<u64> {
+        let block = self.part.block_size;
+        blocks.start * block..(blocks.end * block).min(self.part.file.raw_bytes)
+    }
+
+    /// The runs' pieces inside raw bytes `raw`, as copies out of a buffer holding
+    /// exactly those bytes. `cursor` is the first run that may still matter; it only
+    /// moves forward as batches do.
+    fn copies(&self, raw: &Range<u64>, cursor: &mut usize) -> Vec<Scatter> {
+        while *cursor < self.runs.len()
+            && self.runs[*cursor].src + self.runs[*cursor].len <= raw.start
+        {
+            *cursor += 1;
+        }
+        let mut copies = Vec::new();
+        for run in &self.runs[*cursor..] {
+            if run.src >= raw.end {
+                break;
+            }
+            let lo = run.src.max(raw.start);
+            let hi = (run.src + run.len).min(raw.end);
+            if lo < hi {
+                copies.push(Scatter {
+                    at: lo - raw.start,
+                    want: run.want,
+                    dst: run.dst + (lo - run.src),
+                    len: hi - lo,
+                });
+            }
+        }
+        copies
+    }
+
+    /// How to read raw bytes `raw` in place: the pieces of one vectored read, in
+    /// file order, or `None` when the copies overlap in the file (two wants of the
+    /// same bytes) or are too many, so the batch goes through scratch.
+    fn pieces(raw: &Range<u64>, copies: &[Scatter]) -> Option<Vec<Piece>> {
+        let mut pieces = Vec::with_capacity(copies.len() * 2 + 1);
+        let mut at = 0u64;
+        for c in copies {
+            if c.at < at {
+                return None;
+            }
+            if c.at > at {
+                pieces.push(Piece::Scratch { len: c.at - at });
+            }
+            pieces.push(Piece::Out {
+                want: c.want,
+                dst: c.dst,
+                len: c.len,
+            });
+            at = c.at + c.len;
+        }
+        let len = raw.end - raw.start;
+        if at < len {
+            pieces.push(Piece::Scratch { len: len - at });
+        }
+        (pieces.len() <= MAX_PIECES).then_some(pieces)
+    }
+
+    /// Reads a plain data file of a local store with positioned reads on the
+    /// blocking pool, straight into the outputs where the batch's runs allow it.
+    async fn read_local(
+        self,
+        path: std::path::PathBuf,
+        config: &ReadConfig,
+        in_flight: &InFlight,
+    ) -> Result<Tally> {
+        let object = self.object.clone();
+        let file = tokio::task::spawn_blocking(move || std::fs::File::open(&path))
+            .await
+            .map_err(|e| Error::Failed(format!("open task failed: {e}")))?
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => Error::from(FormatError::new(
+                    &object,
+                    None,
+                    "data file is missing from a committed checkpoint",
+                )),
+                _ => Error::from(ckpt_storage::Error::new(
+                    ErrorKind::Permanent,
+                    format!("open {object}: {e}"),
+                )),
+            })?;
+        let file = Arc::new(file);
+        let scratch: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+        let batches = self.batches(config.batch_bytes);
+        let in_flight_batches = config.batches_in_flight.max(1);
+        let mut cursor = 0usize;
+        let jobs: Vec<_> = batches
+            .into_iter()
+            .map(|blocks| {
+                let raw = self.raw_range(&blocks);
+                let copies = self.copies(&raw, &mut cursor);
+                (blocks, raw, copies)
+            })
+            .collect();
+        let this = &self;
+        let mut tally = Tally::default();
+        let mut done = futures::stream::iter(jobs)
+            .map(|(blocks, raw, copies)| {
+                let ticket = in_flight.ticket();
+                let (file, scratch) = (file.clone(), scratch.clone());
+                let (object, part, map, dest) = (
+                    this.object.clone(),
+                    this.part.clone(),
+                    this.map.clone(),
+                    this.dest.clone(),
+                );
+                tokio::task::spawn_blocking(move || {
+                    if ticket.cancelled() {
+                        return Ok(Tally::default());
+                    }
+                    let result = read_batch_local(
+                        &file, &object, &part, &map, &dest, &scratch, blocks, raw, &copies,
+                    );
+                    drop(ticket);
+                    result
+                })
+            })
+            .buffered(in_flight_batches);
+        while let Some(batch) = done.next().await {
+            let batch = batch.map_err(|e| Error::Failed(format!("read task failed: {e}")))??;
+            tally.add(&batch);
+        }
+        Ok(tally)
+    }
+
+    /// Reads a data file through the store (any backend, any codec): a ranged get
+    /// per batch, then checksums, decompression and the copies into the outputs on
+    /// the blocking pool.
+    async fn read_store(
+        self,
+        store: &Store,
+        config: &ReadConfig,
+        in_flight: &InFlight,
+    ) -> Result<Tally> {
+        let batches = self.batches(config.batch_bytes);
+        let mut cursor = 0usize;
+        let jobs: Vec<_> = batches
+            .into_iter()
+            .map(|blocks| {
+                let raw = self.raw_range(&blocks);
+                let copies = self.copies(&raw, &mut cursor);
+                (blocks, copies)
+            })
+            .collect();
+        // About two full batches of bytes in flight: more requests when the runs are
+        // short (a rank of a resharded load reads a slice of every chunk of a file),
+        // so small reads do not leave the store idle between them.
+        let block = self.part.block_size;
+        let count = jobs.len().max(1) as u64;
+        let mean = jobs
+            .iter()
+            .map(|(b, _)| (b.end - b.start) * block)
+            .sum::<u64>()
+            / count;
+        let in_flight_batches = (config.batches_in_flight.max(1) as u64 * config.batch_bytes
+            / mean.max(1))
+        .clamp(2, 16) as usize;
+        let this = &self;
+        let mut tally = Tally::default();
+        let mut done = futures::stream::iter(jobs)
+            .map(|(blocks, copies)| async move {
+                let started = Instant::now();
+                let stored = crate::blocks::fetch(store, &this.object, &this.map, &blocks).await?;
+                let waited = started.elapsed();
+                let ticket = in_flight.ticket();
+                let (object, part, map, dest) = (
+                    this.object.clone(),
+                    this.part.clone(),
+                    this.map.clone(),
+                    this.dest.clone(),
+                );
+                let mut tally = tokio::task::spawn_blocking(move || {
+                    if ticket.cancelled() {
+                        return Ok(Tally::default());
+                    }
+                    let result =
+                        verify_and_copy(&object, &part, &map, &dest, blocks, stored, &copies);
+                    drop(ticket);
+                    result
+                })
+                .await
+                .map_err(|e| Error::Failed(format!("verification task failed: {e}")))??;
+                tally.timings.read += waited;
+                Ok::<_, Error>(tally)
+            })
+            .buffered(in_flight_batches);
+        while let Some(batch) = done.try_next().await? {
+            tally.add(&batch);
+        }
+        Ok(tally)
+    }
+}
+
+/// Reads one batch of a plain local file: in place when its runs allow (one
+/// vectored read into the outputs and scratch for the bytes between them, then the
+/// CRC32 of each block over that memory), else into scratch, verified, then copied.
+#[allow(clippy::too_many_arguments)]
+fn read_batch_local(
+    file: &std::fs::File,
     object: &str,
     part: &RankPart,
     map: &BlockMap,
+    dest: &Outputs,
+    scratch_pool: &Mutex<Vec<Vec<u8>>>,
     blocks: Range<u64>,
-) -> Result<(Range<u64>, Bytes, u64)> {
-    let stored = crate::blocks::fetch(store, object, map, &blocks).await?;
-    let stored_len = stored.len() as u64;
-    let crcs = part.file.block_crc32[blocks.start as usize..blocks.end as usize].to_vec();
-    let (object, map, range) = (object.to_string(), map.clone(), blocks.clone());
-    let compressed = matches!(part.codec, Codec::Zstd { .. });
-    // Checksums and decompression on a blocking thread.
-    let raw = tokio::task::spawn_blocking(move || -> Result<Bytes> {
-        let mut plain = Vec::new();
-        let mut failure = None;
-        crate::blocks::check(
-            &object,
-            &map,
-            &range,
-            &crcs,
-            &stored,
-            |_, block| match block {
-                Ok(data) => {
-                    if compressed {
-                        plain.extend_from_slice(&data);
-                    }
-                    true
+    raw: Range<u64>,
+    copies: &[Scatter],
+) -> Result<Tally> {
+    let len = raw.end - raw.start;
+    let pieces = FileRead::pieces(&raw, copies);
+    let direct = pieces.is_some();
+    let pieces = pieces.unwrap_or_else(|| vec![Piece::Scratch { len }]);
+    let scratch_len: u64 = pieces
+        .iter()
+        .map(|p| match p {
+            Piece::Scratch { len } => *len,
+            Piece::Out { .. } => 0,
+        })
+        .sum();
+    let mut scratch = scratch_pool
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .pop()
+        .unwrap_or_default();
+    if (scratch.len() as u64) < scratch_len {
+        scratch.resize(scratch_len as usize, 0);
+    }
+    let mut tally = Tally {
+        read: len,
+        verified: len,
+        ..Tally::default()
+    };
+    let crcs = &part.file.block_crc32[blocks.start as usize..blocks.end as usize];
+    {
+        let mut rest: &mut [u8] = &mut scratch[..scratch_len as usize];
+        let mut buffers: Vec<&mut [u8]> = pieces
+            .iter()
+            .map(|p| match *p {
+                // SAFETY: an in-place piece is exactly one copy of this batch, i.e.
+                // part of one run of the checked plan, read by this task alone; the
+                // slice is dropped at the end of this block, inside the ticket's
+                // lifetime (see `Outputs`).
+                Piece::Out { want, dst, len } => unsafe { dest.slice(want, dst, len) },
+                Piece::Scratch { len } => {
+                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(len as usize);
+                    rest = tail;
+                    head
                 }
-                Err(e) => {
-                    failure = Some(e);
-                    false
-                }
-            },
-        );
-        match failure {
-            Some(e) => Err(e.into()),
-            // Uncompressed and sound: the stored bytes are the raw bytes, no copy.
-            None if !compressed => Ok(stored),
-            None => Ok(Bytes::from(plain)),
+            })
+            .collect();
+        let (started, cpu) = (Instant::now(), thread_cpu());
+        crate::blocks::read_into(file, object, raw.start, &mut buffers)?;
+        tally.timings.read += started.elapsed();
+        tally.timings.read_cpu += thread_cpu().saturating_sub(cpu);
+        let started = Instant::now();
+        let views: Vec<&[u8]> = buffers.iter().map(|b| &**b).collect();
+        crate::blocks::verify_pieces(object, map, &blocks, crcs, &views)?;
+        tally.timings.verify += started.elapsed();
+    }
+    if !direct {
+        let started = Instant::now();
+        for c in copies {
+            // SAFETY: as above: `c` is part of one run of the checked plan, written
+            // by this task alone, and the slice does not outlive this statement.
+            let out = unsafe { dest.slice(c.want, c.dst, c.len) };
+            out.copy_from_slice(&scratch[c.at as usize..(c.at + c.len) as usize]);
+            tally.copied += c.len;
         }
-    })
-    .await
-    .map_err(|e| Error::Failed(format!("verification task failed: {e}")))??;
-    Ok((blocks, raw, stored_len))
+        tally.timings.copy += started.elapsed();
+    }
+    scratch_pool
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(scratch);
+    Ok(tally)
+}
+
+/// Checks (and decompresses) the stored bytes of `blocks`, then copies the runs out
+/// of the verified raw bytes into the outputs.
+fn verify_and_copy(
+    object: &str,
+    part: &RankPart,
+    map: &BlockMap,
+    dest: &Outputs,
+    blocks: Range<u64>,
+    stored: Bytes,
+    copies: &[Scatter],
+) -> Result<Tally> {
+    let compressed = matches!(part.codec, Codec::Zstd { .. });
+    let crcs = &part.file.block_crc32[blocks.start as usize..blocks.end as usize];
+    let mut tally = Tally {
+        read: stored.len() as u64,
+        ..Tally::default()
+    };
+    let started = Instant::now();
+    let mut plain = Vec::new();
+    let mut failure = None;
+    crate::blocks::check(
+        object,
+        map,
+        &blocks,
+        crcs,
+        &stored,
+        |_, block| match block {
+            Ok(data) => {
+                if compressed {
+                    plain.extend_from_slice(&data);
+                }
+                true
+            }
+            Err(e) => {
+                failure = Some(e);
+                false
+            }
+        },
+    );
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    // Uncompressed and sound: the stored bytes are the raw bytes.
+    let raw: &[u8] = if compressed { &plain } else { &stored };
+    tally.verified = raw.len() as u64;
+    tally.timings.verify += started.elapsed();
+    let started = Instant::now();
+    for c in copies {
+        let from = raw
+            .get(c.at as usize..(c.at + c.len) as usize)
+            .ok_or_else(|| {
+                FormatError::new(
+                    object,
+                    None,
+                    format!(
+                        "blocks {}..{} decode to {} bytes, fewer than their runs need",
+                        blocks.start,
+                        blocks.end,
+                        raw.len()
+                    ),
+                )
+            })?;
+        // SAFETY: `c` is part of one run of the checked plan, written by this task
+        // alone, and the slice does not outlive this statement (see `Outputs`).
+        let out = unsafe { dest.slice(c.want, c.dst, c.len) };
+        out.copy_from_slice(from);
+        tally.copied += c.len;
+    }
+    tally.timings.copy += started.elapsed();
+    Ok(tally)
 }
 
 /// Loads from the newest committed checkpoint; when it turns out to be corrupt

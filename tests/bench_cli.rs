@@ -79,7 +79,7 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
         "--rss-saves",
         "2",
     ]);
-    let extra = ["reshard_read_amplification", "write_ratio"];
+    let extra = ["reshard_read_amplification", "write_ratio", "load_alloc_ms"];
     assert_positive(&report, "", CORE_KEYS.iter().chain(&extra));
     // Every saved byte was read at least once, and no more than the blocks touched.
     assert!(report["reshard_read_amplification"].as_f64().unwrap() >= 1.0);
@@ -105,6 +105,34 @@ fn tiny_bench_reports_every_tracked_ratio_as_a_positive_number() {
     let processes = &report["processes"];
     assert_eq!(processes["ranks"].as_u64(), Some(2), "{processes}");
     assert_positive(processes, "processes.", CORE_KEYS.iter());
+    // Where each kind of load spent its time, as the tool reports it.
+    for kind in ["same_size", "resharded", "allocating"] {
+        let b = &report["load_breakdown"][kind];
+        for key in ["wall_ms", "plan_ms", "read_ms", "verify_ms"] {
+            let value = b[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("load_breakdown.{kind}.{key} missing: {report}"));
+            assert!(value > 0.0 && value.is_finite(), "{kind}.{key} = {value}");
+        }
+        for key in [
+            "read_cpu_ms",
+            "io_wait_ms",
+            "copy_ms",
+            "bytes_copied",
+            "minor_faults",
+        ] {
+            assert!(
+                b[key].as_f64().is_some(),
+                "load_breakdown.{kind}.{key}: {report}"
+            );
+        }
+    }
+    assert!(
+        report["load_breakdown"]["same_size"]["prefault_ms"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
 }
 
 #[test]
