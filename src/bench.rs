@@ -644,7 +644,7 @@ fn threads_core(
             store,
             step,
             config.ranks,
-            &data,
+            data,
             config,
             rep == 0,
             LoadMode::Allocating,
