@@ -407,9 +407,8 @@ impl CheckpointReader {
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future stops the load; blocking reads already running finish
-    /// first (the drop waits for them, at most one batch each), and nothing is
-    /// returned.
+    /// Dropping the future stops the load between batches (reads of local files
+    /// run to their end within one poll), and nothing is returned.
     pub async fn load(&self, request: &LoadRequest) -> Result<Loaded> {
         let started = Instant::now();
         let plan = self.plan(request).await?;
@@ -440,9 +439,11 @@ impl CheckpointReader {
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future stops the load. Reads already running on the blocking
-    /// pool write into `outputs`, so the drop waits for them (at most one batch
-    /// each) before the borrow of `outputs` ends; reads not started are abandoned.
+    /// Dropping the future stops the load; whatever it is dropped (or leaked) after,
+    /// nothing writes into `outputs` any more: every write happens inside a poll of
+    /// the future. On a multi-threaded runtime the reads block the polling worker
+    /// through `block_in_place` (the runtime moves its other tasks away); on a
+    /// current-thread runtime they block it outright.
     pub async fn load_into(
         &self,
         request: &LoadRequest,
@@ -790,36 +791,56 @@ impl CheckpointReader {
     }
 
     /// Reads every file of `plan` into `outputs` (checked to match the plan).
+    ///
+    /// Every write into `outputs` happens inside a poll of this future (see
+    /// [`in_this_poll`]): plain local files are read by scoped threads that are all
+    /// joined before the poll returns, and fetched batches are verified and copied in
+    /// the poll that received them. So no thread can write into the outputs once
+    /// the future is dropped, or even leaked with `mem::forget`, and the borrow of
+    /// `outputs` ends.
     async fn read_plan(&self, plan: LoadPlan, outputs: &mut [&mut [u8]]) -> Result<LoadStats> {
         let LoadPlan {
             files, mut stats, ..
         } = plan;
-        // Declared before anything that spawns: dropped last, it waits for every
-        // blocking task that may still write into `outputs`.
-        let in_flight = InFlight::default();
         let dest = Arc::new(Outputs::new(outputs));
-        let local = self.store.local_root();
-        let (in_flight, dest, local) = (&in_flight, &dest, &local);
-        let tallies: Vec<Tally> = futures::stream::iter(files)
-            .map(|(object, part, runs)| async move {
-                let file = FileRead {
-                    object: Arc::from(object.as_str()),
-                    map: Arc::new(BlockMap::new(&part)),
-                    part,
-                    runs,
-                    dest: dest.clone(),
-                };
-                match local {
-                    Some(root) if matches!(file.part.codec, Codec::None) => {
-                        file.read_local(root.join(&object), &self.config, in_flight)
-                            .await
-                    }
-                    _ => file.read_store(&self.store, &self.config, in_flight).await,
-                }
+        let (mut local, mut remote) = (Vec::new(), Vec::new());
+        for (object, part, runs) in files {
+            let path = self
+                .store
+                .local_root()
+                .filter(|_| matches!(part.codec, Codec::None))
+                .map(|root| root.join(&object));
+            let file = FileRead {
+                object: Arc::from(object.as_str()),
+                map: Arc::new(BlockMap::new(&part)),
+                part,
+                runs,
+                dest: dest.clone(),
+            };
+            match path {
+                Some(path) => local.push((file, path)),
+                None => remote.push(file),
+            }
+        }
+        let mut tallies = Vec::new();
+        if !local.is_empty() {
+            let config = &self.config;
+            tallies.extend(in_this_poll(|| {
+                on_threads(local, config.file_concurrency, |(file, path)| {
+                    file.read_local(&path, config)
+                })
+            })?);
+        }
+        let dest = &dest;
+        let remote: Vec<Tally> = futures::stream::iter(remote)
+            .map(|file| async move {
+                let _ = dest;
+                file.read_store(&self.store, &self.config).await
             })
             .buffer_unordered(self.config.file_concurrency.max(1))
             .try_collect()
             .await?;
+        tallies.extend(remote);
         for tally in tallies {
             stats.bytes_read += tally.read;
             stats.bytes_verified += tally.verified;
@@ -828,6 +849,54 @@ impl CheckpointReader {
         }
         Ok(stats)
     }
+}
+
+/// Runs `work`, which writes into a load's outputs, to its end within the current
+/// poll: through `block_in_place` on a multi-threaded runtime (the runtime moves its
+/// other tasks off this worker meanwhile), inline elsewhere.
+fn in_this_poll<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
+/// Runs `work` on every item, on at most `threads` scoped threads taking items in
+/// order, and returns the results in item order; after a failure no new item starts.
+/// Every thread is joined before this returns.
+fn on_threads<I: Send, T: Send>(
+    items: Vec<I>,
+    threads: usize,
+    work: impl Fn(I) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let count = items.len();
+    let queue = Mutex::new(items.into_iter().enumerate());
+    let failed = AtomicBool::new(false);
+    let results: Mutex<Vec<(usize, Result<T>)>> = Mutex::new(Vec::with_capacity(count));
+    std::thread::scope(|scope| {
+        for _ in 0..threads.clamp(1, count.max(1)) {
+            scope.spawn(|| {
+                loop {
+                    if failed.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+                    let Some((i, item)) = next else { return };
+                    let result = work(item);
+                    if result.is_err() {
+                        failed.store(true, Ordering::Release);
+                    }
+                    results
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push((i, result));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
 }
 
 /// Checks that `plan` was made for a request with as many wants as `request`.
@@ -890,15 +959,16 @@ fn zeroed(n: u64, tensor: &str) -> Result<Vec<u8>> {
     }
 }
 
-/// The caller's output buffers as raw pointers, so that blocking tasks on several
-/// threads can write disjoint runs into them without a lock per copy.
+/// The caller's output buffers as raw pointers, so that reads on several threads can
+/// write disjoint runs into them without a lock per copy.
 ///
 /// Sound because (1) the runs of a plan never overlap and lie inside their output
 /// (checked by [`CheckpointReader::check_tiling`] before any read, and each run is
 /// handed to exactly one task), so no two slices made here alias; (2) the outputs
 /// are mutably borrowed by the load for its whole duration, so nothing else reads or
-/// writes them meanwhile; (3) [`InFlight`] keeps the borrow alive until every task
-/// that holds these pointers has finished, even when the load's future is dropped.
+/// writes them meanwhile; (3) every write happens within a poll of the load's future
+/// (`in_this_poll`: scoped threads joined before the poll returns), so none can
+/// outlive the borrow, even when the future is dropped or leaked.
 struct Outputs {
     buffers: Vec<(*mut u8, usize)>,
 }
@@ -926,7 +996,8 @@ impl Outputs {
     ///
     /// The range must be (part of) one run of the plan these outputs were checked
     /// against, given to this caller alone, and the returned slice must be dropped
-    /// before the load's [`InFlight`] guard is. Bounds are checked here.
+    /// before the poll of the load's future that made it returns. Bounds are checked
+    /// here.
     #[allow(clippy::mut_from_ref)]
     unsafe fn slice(&self, want: usize, dst: u64, len: u64) -> &mut [u8] {
         let (ptr, size) = self.buffers[want];
@@ -938,66 +1009,6 @@ impl Outputs {
         // SAFETY: in bounds (asserted); not aliased and alive by the caller's
         // contract (see the type's docs).
         unsafe { std::slice::from_raw_parts_mut(ptr.add(dst), len) }
-    }
-}
-
-/// Blocking tasks that may still write into a load's outputs.
-///
-/// The outputs are borrowed only as long as the load's future lives, but a task on
-/// the blocking pool cannot be stopped once it runs. Dropping the guard (the load
-/// finished, failed in one file while others still read, or was cancelled) marks the
-/// load cancelled, so that tasks not yet started return at once, and waits for those
-/// running: at most one batch each.
-#[derive(Default)]
-struct InFlight {
-    state: Arc<InFlightState>,
-}
-
-#[derive(Default)]
-struct InFlightState {
-    running: Mutex<usize>,
-    idle: std::sync::Condvar,
-    cancelled: AtomicBool,
-}
-
-/// One blocking task's claim on the outputs, released when the task's closure is
-/// dropped (run or not).
-struct Ticket(Arc<InFlightState>);
-
-impl InFlight {
-    fn ticket(&self) -> Ticket {
-        *self.state.running.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        Ticket(self.state.clone())
-    }
-}
-
-impl Ticket {
-    fn cancelled(&self) -> bool {
-        self.0.cancelled.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        let mut running = self.0.running.lock().unwrap_or_else(|p| p.into_inner());
-        *running -= 1;
-        if *running == 0 {
-            self.0.idle.notify_all();
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.state.cancelled.store(true, Ordering::Release);
-        let mut running = self.state.running.lock().unwrap_or_else(|p| p.into_inner());
-        while *running > 0 {
-            running = self
-                .state
-                .idle
-                .wait(running)
-                .unwrap_or_else(|p| p.into_inner());
-        }
     }
 }
 
@@ -1153,35 +1164,25 @@ impl FileRead {
         (pieces.len() <= MAX_PIECES).then_some(pieces)
     }
 
-    /// Reads a plain data file of a local store with positioned reads on the
-    /// blocking pool, straight into the outputs where the batch's runs allow it.
-    async fn read_local(
-        self,
-        path: std::path::PathBuf,
-        config: &ReadConfig,
-        in_flight: &InFlight,
-    ) -> Result<Tally> {
-        let object = self.object.clone();
-        let file = tokio::task::spawn_blocking(move || std::fs::File::open(&path))
-            .await
-            .map_err(|e| Error::Failed(format!("open task failed: {e}")))?
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => Error::from(FormatError::new(
-                    &object,
-                    None,
-                    "data file is missing from a committed checkpoint",
-                )),
-                _ => Error::from(ckpt_storage::Error::new(
-                    ErrorKind::Permanent,
-                    format!("open {object}: {e}"),
-                )),
-            })?;
-        let file = Arc::new(file);
-        let scratch: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
-        let batches = self.batches(config.batch_bytes);
-        let in_flight_batches = config.batches_in_flight.max(1);
+    /// Reads a plain data file of a local store with positioned reads, straight
+    /// into the outputs where the batch's runs allow it, `batches_in_flight` batches
+    /// at a time on scoped threads (joined before this returns).
+    fn read_local(&self, path: &std::path::Path, config: &ReadConfig) -> Result<Tally> {
+        let file = std::fs::File::open(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::from(FormatError::new(
+                &self.object,
+                None,
+                "data file is missing from a committed checkpoint",
+            )),
+            _ => Error::from(ckpt_storage::Error::new(
+                ErrorKind::Permanent,
+                format!("open {}: {e}", self.object),
+            )),
+        })?;
+        let scratch: Mutex<Vec<Vec<u8>>> = Mutex::default();
         let mut cursor = 0usize;
-        let jobs: Vec<_> = batches
+        let jobs: Vec<_> = self
+            .batches(config.batch_bytes)
             .into_iter()
             .map(|blocks| {
                 let raw = self.raw_range(&blocks);
@@ -1189,46 +1190,30 @@ impl FileRead {
                 (blocks, raw, copies)
             })
             .collect();
-        let this = &self;
+        let batches = on_threads(jobs, config.batches_in_flight, |(blocks, raw, copies)| {
+            read_batch_local(
+                &file,
+                &self.object,
+                &self.part,
+                &self.map,
+                &self.dest,
+                &scratch,
+                blocks,
+                raw,
+                &copies,
+            )
+        })?;
         let mut tally = Tally::default();
-        let mut done = futures::stream::iter(jobs)
-            .map(|(blocks, raw, copies)| {
-                let ticket = in_flight.ticket();
-                let (file, scratch) = (file.clone(), scratch.clone());
-                let (object, part, map, dest) = (
-                    this.object.clone(),
-                    this.part.clone(),
-                    this.map.clone(),
-                    this.dest.clone(),
-                );
-                tokio::task::spawn_blocking(move || {
-                    if ticket.cancelled() {
-                        return Ok(Tally::default());
-                    }
-                    let result = read_batch_local(
-                        &file, &object, &part, &map, &dest, &scratch, blocks, raw, &copies,
-                    );
-                    drop(ticket);
-                    result
-                })
-            })
-            .buffered(in_flight_batches);
-        while let Some(batch) = done.next().await {
-            let batch = batch.map_err(|e| Error::Failed(format!("read task failed: {e}")))??;
-            tally.add(&batch);
+        for batch in &batches {
+            tally.add(batch);
         }
         Ok(tally)
     }
 
     /// Reads a data file through the store (any backend, any codec): a ranged get
-    /// per batch, then checksums, decompression and the copies into the outputs on
-    /// the blocking pool.
-    async fn read_store(
-        self,
-        store: &Store,
-        config: &ReadConfig,
-        in_flight: &InFlight,
-    ) -> Result<Tally> {
+    /// per batch, then checksums, decompression and the copies into the outputs in
+    /// the poll that received the batch.
+    async fn read_store(self, store: &Store, config: &ReadConfig) -> Result<Tally> {
         let batches = self.batches(config.batch_bytes);
         let mut cursor = 0usize;
         let jobs: Vec<_> = batches
@@ -1259,24 +1244,18 @@ impl FileRead {
                 let started = Instant::now();
                 let stored = crate::blocks::fetch(store, &this.object, &this.map, &blocks).await?;
                 let waited = started.elapsed();
-                let ticket = in_flight.ticket();
-                let (object, part, map, dest) = (
-                    this.object.clone(),
-                    this.part.clone(),
-                    this.map.clone(),
-                    this.dest.clone(),
-                );
-                let mut tally = tokio::task::spawn_blocking(move || {
-                    if ticket.cancelled() {
-                        return Ok(Tally::default());
-                    }
-                    let result =
-                        verify_and_copy(&object, &part, &map, &dest, blocks, stored, &copies);
-                    drop(ticket);
-                    result
-                })
-                .await
-                .map_err(|e| Error::Failed(format!("verification task failed: {e}")))??;
+                // Verified and copied within this poll (see `read_plan`).
+                let mut tally = in_this_poll(|| {
+                    verify_and_copy(
+                        &this.object,
+                        &this.part,
+                        &this.map,
+                        &this.dest,
+                        blocks,
+                        stored,
+                        &copies,
+                    )
+                })?;
                 tally.timings.read += waited;
                 Ok::<_, Error>(tally)
             })
@@ -1334,9 +1313,9 @@ fn read_batch_local(
             .iter()
             .map(|p| match *p {
                 // SAFETY: an in-place piece is exactly one copy of this batch, i.e.
-                // part of one run of the checked plan, read by this task alone; the
-                // slice is dropped at the end of this block, inside the ticket's
-                // lifetime (see `Outputs`).
+                // part of one run of the checked plan, read by this thread alone;
+                // the slice is dropped at the end of this block, before the scoped
+                // thread is joined (see `Outputs`).
                 Piece::Out { want, dst, len } => unsafe { dest.slice(want, dst, len) },
                 Piece::Scratch { len } => {
                     let (head, tail) = std::mem::take(&mut rest).split_at_mut(len as usize);
