@@ -91,7 +91,7 @@ pub use format::{Codec, Manifest, StateValue};
 pub use load::{CheckpointReader, LoadRequest, Loaded, LoadedTensor, load_latest};
 pub use region::Region;
 pub use save::{CheckpointConfig, Checkpointer, SaveHandle, SaveOutcome, WhenBusy};
-pub use state::{Element, State, as_bytes};
+pub use state::{Element, State, as_bytes, as_bytes_mut};
 
 /// The README's examples, compiled as doctests so they cannot go stale.
 #[cfg(doctest)]

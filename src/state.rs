@@ -62,6 +62,16 @@ pub fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
 }
 
+/// Views a slice of numbers as its bytes, for writing: the destination of an in-place
+/// load ([`CheckpointReader::load_into`](crate::CheckpointReader::load_into)).
+pub fn as_bytes_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
+    // SAFETY: `T: Element` has no padding and no invalid bit patterns, so any bytes
+    // written make valid values; the length is exact and the borrow is `data`'s.
+    unsafe {
+        std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(data))
+    }
+}
+
 /// Everything one rank saves at one step.
 #[derive(Debug, Clone, Default)]
 pub struct State<'a> {

@@ -1217,15 +1217,18 @@ fn load(
                 let manifest = ckpt::catalog::read_commit(store, &commit).await?;
                 let generation = manifest.generation;
                 let reader = ckpt::CheckpointReader::from_manifest(store, manifest);
-                let loaded = reader
-                    .load(&LoadRequest::dim0_shards(reader.manifest(), rank, world))
-                    .await?;
+                // In place: into the vectors the last generation left (pages this
+                // process has touched fill faster), or new ones.
+                let (request, mut tensors) = store_request(specs, rank, world, &mut spare);
+                let mut outputs: Vec<&mut [u8]> =
+                    tensors.iter_mut().map(|t| ckpt::as_bytes_mut(t)).collect();
+                reader.load_into(&request, &mut outputs).await?;
                 let global = reader.global_state().await?;
                 Ok::<_, ckpt::Error>((
                     Found::Store {
                         step: reader.step(),
                         saved_world: reader.manifest().world_size,
-                        loaded,
+                        tensors,
                         global,
                     },
                     generation,
@@ -1266,12 +1269,12 @@ fn load(
         Found::Store {
             step,
             saved_world,
-            loaded,
+            tensors,
             global,
         } => (
             step,
             saved_world,
-            shards_from_store(step, loaded, global, config, specs, rank, world)?,
+            shards_from_store(step, tensors, global, config, specs)?,
             [0, 0, 0],
         ),
         Found::Memory { step, assembled } => {
@@ -1331,7 +1334,8 @@ enum Found {
     Store {
         step: u64,
         saved_world: u32,
-        loaded: ckpt::Loaded,
+        /// Parameters, first and second moments of each spec in turn.
+        tensors: Vec<Vec<f32>>,
         global: BTreeMap<String, ckpt::format::StateValue>,
     },
     Memory {
@@ -1394,12 +1398,10 @@ fn from_memory(
 /// this rank's shards.
 fn shards_from_store(
     step: u64,
-    loaded: ckpt::Loaded,
+    tensors: Vec<Vec<f32>>,
     global: BTreeMap<String, ckpt::format::StateValue>,
     config: &TrainConfig,
     specs: &[TensorSpec],
-    rank: usize,
-    world: usize,
 ) -> Result<Shards, TrainError> {
     let expect = trainer_state(config);
     let saved = global.get("trainer").and_then(|v| v.as_json()).cloned();
@@ -1429,27 +1431,7 @@ fn shards_from_store(
         .ok_or_else(|| {
             TrainError::Invalid(format!("checkpoint step {step} has no loss_history"))
         })?;
-    let mut by_name: BTreeMap<String, Vec<u8>> = loaded
-        .tensors
-        .into_iter()
-        .map(|t| (t.name, t.data))
-        .collect();
-    let mut take = |name: String, spec: &TensorSpec| -> Result<Vec<f32>, TrainError> {
-        let bytes = by_name.remove(&name).ok_or_else(|| {
-            TrainError::Invalid(format!("checkpoint step {step} lacks tensor {name}"))
-        })?;
-        let want = owned_rows(spec, rank, world).len() * spec.cols * 4;
-        if bytes.len() != want {
-            return Err(TrainError::Invalid(format!(
-                "tensor {name}: loaded {} bytes, rank {rank} of {world} owns {want}",
-                bytes.len()
-            )));
-        }
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect())
-    };
+    let mut tensors = tensors.into_iter();
     let mut shards = Shards {
         params: Vec::new(),
         m: Vec::new(),
@@ -1457,12 +1439,42 @@ fn shards_from_store(
         step,
         losses,
     };
-    for spec in specs {
-        shards
-            .params
-            .push(take(format!("param/{}", spec.name), spec)?);
-        shards.m.push(take(format!("adam_m/{}", spec.name), spec)?);
-        shards.v.push(take(format!("adam_v/{}", spec.name), spec)?);
+    for _ in specs {
+        let mut next = || tensors.next().expect("three tensors per spec");
+        shards.params.push(next());
+        shards.m.push(next());
+        shards.v.push(next());
     }
     Ok(shards)
+}
+
+/// The load of this rank's rows of every parameter and both moments (dtype and shape
+/// checked), and its destinations: the `spare` vectors where they have the right
+/// sizes, new ones otherwise.
+fn store_request(
+    specs: &[TensorSpec],
+    rank: usize,
+    world: usize,
+    spare: &mut Vec<Vec<f32>>,
+) -> (LoadRequest, Vec<Vec<f32>>) {
+    let mut request = LoadRequest::new();
+    let mut tensors = Vec::with_capacity(specs.len() * 3);
+    let mut spare = std::mem::take(spare).into_iter();
+    for spec in specs {
+        let shape = spec.shape();
+        let n = owned_rows(spec, rank, world).len() * spec.cols;
+        for prefix in ["param", "adam_m", "adam_v"] {
+            request = request.expect(
+                format!("{prefix}/{}", spec.name),
+                DType::F32,
+                &shape,
+                ckpt::Region::dim0_shard(&shape, rank, world),
+            );
+            tensors.push(match spare.next() {
+                Some(v) if v.len() == n => v,
+                _ => vec![0f32; n],
+            });
+        }
+    }
+    (request, tensors)
 }
