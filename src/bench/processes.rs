@@ -12,6 +12,7 @@
 //! machine shares, so the parent can take the first start and the last end across
 //! them. Each child generates its own rank's values from the seed, as the threads do.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
@@ -114,7 +115,7 @@ pub fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Result<()> {
         None
     };
     let bytes: usize = data.iter().map(|t| t.len() * 4).sum();
-    let mut memcpy_dst: Vec<u8> = Vec::new();
+    let mut scratch = Scratch::default();
     let stdin = std::io::stdin().lock();
     let mut stdout = std::io::stdout().lock();
     for line in stdin.lines() {
@@ -132,7 +133,7 @@ pub fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Result<()> {
             rank,
             &data,
             bytes,
-            &mut memcpy_dst,
+            &mut scratch,
             order,
         )
         .unwrap_or_else(|e| Answer {
@@ -147,6 +148,15 @@ pub fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Result<()> {
     Ok(())
 }
 
+/// Memory a rank process keeps between orders, as a trainer keeps its buffers.
+#[derive(Default)]
+struct Scratch {
+    /// The memcpy baseline's destination, pre-faulted.
+    memcpy_dst: Vec<u8>,
+    /// Load destinations by world size.
+    loads: BTreeMap<usize, Vec<Vec<u8>>>,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn obey(
     rt: &tokio::runtime::Handle,
@@ -156,7 +166,7 @@ fn obey(
     rank: usize,
     data: &[Vec<f32>],
     bytes: usize,
-    memcpy_dst: &mut Vec<u8>,
+    scratch: &mut Scratch,
     order: Order,
 ) -> Result<Answer> {
     let Some(checkpointer) = checkpointer else {
@@ -167,11 +177,12 @@ fn obey(
                 ..Answer::default()
             });
         }
-        return obey_load(rt, store, config, rank, data, order);
+        return obey_load(rt, store, config, rank, data, &mut scratch.loads, order);
     };
     if let Order::Load { .. } = order {
-        return obey_load(rt, store, config, rank, data, order);
+        return obey_load(rt, store, config, rank, data, &mut scratch.loads, order);
     }
+    let memcpy_dst = &mut scratch.memcpy_dst;
     Ok(match order {
         Order::WarmUp => Answer {
             ms: super::ms(checkpointer.warm_up(&state_of(rank, config, data)?)?),
@@ -237,6 +248,7 @@ fn obey_load(
     config: &BenchConfig,
     rank: usize,
     data: &[Vec<f32>],
+    loads: &mut BTreeMap<usize, Vec<Vec<u8>>>,
     order: Order,
 ) -> Result<Answer> {
     let Order::Load {
@@ -255,9 +267,14 @@ fn obey_load(
     }
     // In place, as the threads load: a trainer's parameters exist before it
     // resumes, so the buffers are allocated and touched before the clock starts.
-    let shard = crate::Region::dim0_shard(&[config.rows, config.cols], rank, world);
-    let bytes = shard.volume().unwrap_or(0) as usize * 4;
-    let mut buffers: Vec<Vec<u8>> = (0..config.tensors).map(|_| vec![1u8; bytes]).collect();
+    // They are kept for the next load of this world size: freeing half a GiB
+    // between orders would hand the next one the allocator's trim (tens of ms of
+    // returning pages to the kernel, seen inside an overlapped save's stall).
+    let buffers = loads.entry(world).or_insert_with(|| {
+        let shard = crate::Region::dim0_shard(&[config.rows, config.cols], rank, world);
+        let bytes = shard.volume().unwrap_or(0) as usize * 4;
+        (0..config.tensors).map(|_| vec![1u8; bytes]).collect()
+    });
     let start_ns = now_ns();
     let stats = rt.block_on(async {
         let reader = CheckpointReader::open(store, Some(step)).await?;
