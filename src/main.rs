@@ -82,7 +82,7 @@ struct BenchArgs {
     /// Print a JSON report instead of a table.
     #[arg(long)]
     json: bool,
-    /// Saving ranks (threads).
+    /// Saving ranks (threads of this process or processes, see --ranks-as).
     #[arg(long, default_value_t = 4)]
     ranks: usize,
     /// Ranks of the resharded load.
