@@ -394,6 +394,8 @@ impl RawComm for RawNccl {
     }
 
     fn reached(&mut self, marker: &CudaEvent) -> Result<bool, String> {
+        // The watchdog thread queries too: the event's context must be current.
+        self.bind()?;
         marker
             .try_is_complete()
             .map_err(|e| format!("cuEventQuery: {e}"))
