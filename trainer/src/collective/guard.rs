@@ -8,7 +8,7 @@
 //! [`Guard`] adds the policy of the [`Collective`](super::Collective) contract, and
 //! is generic over [`RawComm`] (the handful of raw calls it makes) so that every
 //! rule below is tested on CPU with a fake communicator that hangs, fails or
-//! reports errors on demand; [`super::nccl`] implements `RawComm` with NCCL.
+//! reports errors on demand; the `nccl` module (feature `cuda`) implements `RawComm` with NCCL.
 //!
 //! # States
 //!
@@ -56,7 +56,7 @@ pub enum RawStatus {
 }
 
 /// The raw operations of one communicator that [`Guard`] needs; implemented with
-/// NCCL's non-blocking API by [`super::nccl`], and by fakes in tests.
+/// NCCL's non-blocking API by the `nccl` module (feature `cuda`), and by fakes in tests.
 pub trait RawComm: Send + 'static {
     /// Where operations are enqueued (a CUDA stream).
     type Stream: ?Sized;

@@ -33,7 +33,7 @@
 //! (module [`device`]): same contract, but operations are *enqueued* on a stream and
 //! their failures surface when the caller waits for them. Why a second trait rather
 //! than a buffer type parameter on this one is explained there. The NCCL backend
-//! ([`nccl`], feature `cuda`) implements it; its fault-tolerance machinery
+//! (module `nccl`, feature `cuda`) implements it; its fault-tolerance machinery
 //! (watchdog, poisoning, abort from any thread) is in [`guard`], generic over the
 //! raw communicator so that it is tested without a GPU.
 
