@@ -26,7 +26,9 @@
 //!   [`GuardConfig::timeout`] ([`CollectiveError::Stalled`]) or initialisation takes
 //!   longer than [`GuardConfig::init_timeout`].
 //! - Every raw call is made with one mutex held, and calls are non-blocking, so the
-//!   mutex is held only briefly. The watchdog aborts with that mutex held: no other
+//!   mutex is held only briefly. A call that answers `InProgress` keeps the
+//!   communicator *busy* until the status says it is through: meanwhile no other call
+//!   starts (only status queries and the abort run), as NCCL requires. The watchdog aborts with that mutex held: no other
 //!   thread is inside the library while it aborts. [`Guard::abort`] itself only
 //!   records the request and wakes the watchdog, so it never blocks and may be
 //!   called from any thread, a signal-handling or control-plane thread included.
@@ -134,6 +136,11 @@ struct Pending<M> {
 struct Live<R: RawComm> {
     comm: R,
     pending: VecDeque<Pending<R::Marker>>,
+    /// A call answered `InProgress` and its caller is polling the status: no other
+    /// call may start, and no work may be enqueued on its stream, until it is
+    /// through (NCCL's rule for non-blocking communicators). Only the status query
+    /// and the abort may run meanwhile.
+    busy: bool,
 }
 
 struct Shared<R: RawComm> {
@@ -220,6 +227,7 @@ impl<R: RawComm> Guard<R> {
             raw: Mutex::new(Some(Live {
                 comm,
                 pending: VecDeque::new(),
+                busy: false,
             })),
             control: Mutex::new(Control {
                 phase: Phase::Initializing { deadline },
@@ -289,42 +297,55 @@ impl<R: RawComm> Guard<R> {
     ) -> CollectiveResult {
         self.wait_ready(op)?;
         let deadline = Instant::now() + self.shared.config.timeout;
-        let mut raw = lock(&self.shared.raw);
-        let mut status = match raw.as_mut() {
-            Some(live) => call(&mut live.comm),
-            None => return Err(self.gone(op)),
-        };
+        let mut raw = self.lock_idle(op, deadline)?;
+        let live = raw.as_mut().expect("lock_idle returns a live communicator");
+        let mut status = call(&mut live.comm);
         loop {
             match status {
                 RawStatus::Done => break,
                 RawStatus::Failed(message) => {
+                    if let Some(live) = raw.as_mut() {
+                        live.busy = false;
+                    }
                     drop(raw);
                     return Err(self.shared.fail(CollectiveError::Device { op, message }));
                 }
                 RawStatus::InProgress => {}
             }
+            if let Some(live) = raw.as_mut() {
+                live.busy = true;
+            }
             drop(raw);
-            {
+            let stop = {
                 let control = self.shared.lock_control();
                 if let Some(e) = self.shared.error(&control, op) {
-                    return Err(e);
-                }
-                if Instant::now() >= deadline {
+                    Some(e)
+                } else if Instant::now() >= deadline {
                     drop(control);
-                    return Err(self.shared.fail(CollectiveError::Stalled {
+                    Some(self.shared.fail(CollectiveError::Stalled {
                         op,
                         timeout: self.shared.config.timeout,
-                    }));
+                    }))
+                } else {
+                    drop(self.shared.pause(control));
+                    None
                 }
-                drop(self.shared.pause(control));
-            }
+            };
             raw = lock(&self.shared.raw);
+            if let Some(e) = stop {
+                // Not busy any more: a failed communicator may still be shrunk.
+                if let Some(live) = raw.as_mut() {
+                    live.busy = false;
+                }
+                return Err(e);
+            }
             status = match raw.as_mut() {
                 Some(live) => live.comm.async_status(),
                 None => return Err(self.gone(op)),
             };
         }
         let live = raw.as_mut().expect("checked above, lock held");
+        live.busy = false;
         match live.comm.record(stream) {
             Ok(marker) => {
                 live.pending.push_back(Pending {
@@ -341,6 +362,37 @@ impl<R: RawComm> Guard<R> {
         }
     }
 
+    /// Locks the raw communicator once no call is in progress on it (see
+    /// `Live::busy`); fails when the communicator failed or is gone, or at
+    /// `deadline`.
+    fn lock_idle(
+        &self,
+        op: &'static str,
+        deadline: Instant,
+    ) -> CollectiveResult<MutexGuard<'_, Option<Live<R>>>> {
+        loop {
+            let raw = lock(&self.shared.raw);
+            match raw.as_ref() {
+                None => return Err(self.gone(op)),
+                Some(live) if !live.busy => return Ok(raw),
+                Some(_) => {}
+            }
+            drop(raw);
+            let control = self.shared.lock_control();
+            if let Some(e) = self.shared.error(&control, op) {
+                return Err(e);
+            }
+            if Instant::now() >= deadline {
+                drop(control);
+                return Err(self.shared.fail(CollectiveError::Stalled {
+                    op,
+                    timeout: self.shared.config.timeout,
+                }));
+            }
+            drop(self.shared.pause(control));
+        }
+    }
+
     /// Blocks until everything enqueued on `stream` so far has completed; fails with
     /// the communicator's first error (a peer's failure, a timeout, an abort) instead.
     pub fn synchronize(&self, op: &'static str, stream: &R::Stream) -> CollectiveResult {
@@ -349,10 +401,8 @@ impl<R: RawComm> Guard<R> {
         }
         let deadline = Instant::now() + self.shared.config.timeout;
         let marker = {
-            let mut raw = lock(&self.shared.raw);
-            let Some(live) = raw.as_mut() else {
-                return Err(self.gone(op));
-            };
+            let mut raw = self.lock_idle(op, deadline)?;
+            let live = raw.as_mut().expect("lock_idle returns a live communicator");
             live.comm
                 .record(stream)
                 .map_err(|message| CollectiveError::Device { op, message })
@@ -450,10 +500,8 @@ impl<R: RawComm> Guard<R> {
             }
             matches!(control.phase, Phase::Failed(_))
         };
-        let mut raw = lock(&self.shared.raw);
-        let Some(live) = raw.as_mut() else {
-            return Err(self.gone(op));
-        };
+        let mut raw = self.lock_idle(op, Instant::now() + self.shared.config.timeout)?;
+        let live = raw.as_mut().expect("lock_idle returns a live communicator");
         let new = shrink(&mut live.comm, failed)
             .map_err(|message| CollectiveError::Device { op, message })?;
         drop(raw);
@@ -505,11 +553,10 @@ impl<R: RawComm> Guard<R> {
             }
             drop(self.shared.pause(control));
         }
-        let mut raw = lock(&self.shared.raw);
-        let Some(live) = raw.as_mut() else {
-            return Err(self.gone(op));
-        };
+        let mut raw = self.lock_idle(op, deadline)?;
+        let live = raw.as_mut().expect("lock_idle returns a live communicator");
         let mut status = live.comm.finalize();
+        live.busy = status == RawStatus::InProgress;
         while status == RawStatus::InProgress {
             if Instant::now() >= deadline {
                 return Err(CollectiveError::Stalled {
@@ -912,6 +959,41 @@ mod tests {
         assert_eq!(calls(&script, "record"), 1, "the marker follows the call");
         guard.synchronize("all_reduce", &()).unwrap();
         assert!(guard.error("next").is_none());
+    }
+
+    #[test]
+    fn no_call_starts_while_another_is_in_progress() {
+        let script = Arc::new(Script::default());
+        script.init_done.store(true, Ordering::SeqCst);
+        script.ops_complete.store(true, Ordering::SeqCst);
+        script.in_progress.store(200, Ordering::SeqCst);
+        let guard = started(&script, 10_000);
+        guard.wait_ready("init").unwrap();
+        std::thread::scope(|s| {
+            let workers: Vec<_> = (0..3)
+                .map(|_| s.spawn(|| guard.enqueue("all_reduce", &(), Fake::all_reduce)))
+                .collect();
+            let sync = s.spawn(|| guard.synchronize("synchronize", &()));
+            for w in workers {
+                w.join().unwrap().unwrap();
+            }
+            sync.join().unwrap().unwrap();
+        });
+        // Each call's marker is recorded before the next call starts: no call (and
+        // no work on the stream) while another is in progress.
+        let order: Vec<&str> = lock(&script.calls)
+            .iter()
+            .copied()
+            .filter(|c| *c == "all_reduce" || *c == "record")
+            .collect();
+        assert_eq!(order.len(), 7, "{order:?}");
+        for pair in order.windows(2) {
+            assert!(
+                !(pair[0] == "all_reduce" && pair[1] == "all_reduce"),
+                "a call started while another was in progress: {order:?}"
+            );
+        }
+        assert!(!script.overlap.load(Ordering::SeqCst));
     }
 
     #[test]
