@@ -38,6 +38,12 @@ pub enum Error {
     /// save is abandoned.
     #[error("{0}")]
     Mutated(String),
+    /// The GPU path failed: a CUDA or NCCL library is missing or too old (the message
+    /// names it, the file names tried and how to fix it), no device is present, or a
+    /// CUDA call failed (named with its error). Retrying does not help unless the
+    /// environment changes.
+    #[error("{0}")]
+    Device(String),
 }
 
 impl Error {
@@ -78,6 +84,7 @@ impl Error {
             Error::Failed(m) => Error::Failed(m.clone()),
             Error::Fenced(m) => Error::Fenced(m.clone()),
             Error::Mutated(m) => Error::Mutated(m.clone()),
+            Error::Device(m) => Error::Device(m.clone()),
         }
     }
 }

@@ -66,6 +66,8 @@ pub mod catalog;
 pub mod codec;
 pub mod commit;
 pub mod commits;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod direct;
 pub mod dtype;
 pub mod elastic;

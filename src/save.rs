@@ -243,6 +243,9 @@ pub struct SaveHandle {
     world_size: usize,
     commit_timeout: Duration,
     stall: Duration,
+    /// Recorded after the device-to-host copies of the save's device tensors.
+    #[cfg(feature = "cuda")]
+    device: Option<Arc<cudarc::driver::CudaEvent>>,
 }
 
 /// Where the copy of the caller's tensors into the staging buffer stands.
@@ -327,6 +330,29 @@ impl SaveHandle {
     /// True once the staging copy has ended (successfully or not).
     pub fn is_staged(&self) -> bool {
         !matches!(*self.staging.borrow(), Staging::Copying)
+    }
+
+    /// The event recorded after the device-to-host copies of the save's device
+    /// tensors (feature `cuda`; `None` when the state had none). Until it has
+    /// completed, the device tensors must not be written: a trainer makes its
+    /// optimizer step's stream wait for it (`stream.wait(event)`, no host stall).
+    /// [`SaveHandle::staged`] covers the host tensors only.
+    #[cfg(feature = "cuda")]
+    pub fn device_released(&self) -> Option<&cudarc::driver::CudaEvent> {
+        self.device.as_deref()
+    }
+
+    /// Blocks the calling thread until [`SaveHandle::device_released`] has
+    /// completed (at once without device tensors). Errors: [`Error::Device`] when a
+    /// copy failed.
+    #[cfg(feature = "cuda")]
+    pub fn wait_device_released(&self) -> Result<()> {
+        match &self.device {
+            Some(event) => event
+                .synchronize()
+                .map_err(|e| Error::Device(format!("device-to-host staging copy failed: {e}"))),
+            None => Ok(()),
+        }
     }
 
     /// Waits until this rank's part is durable: its data file and manifest part are
@@ -454,6 +480,9 @@ pub struct Checkpointer {
     config: Arc<CheckpointConfig>,
     pool: Arc<Mutex<Vec<StagingBuffer>>>,
     slots: Arc<Semaphore>,
+    /// Side streams for the device-to-host copies of device tensors.
+    #[cfg(feature = "cuda")]
+    side: Mutex<crate::cuda::device::SideStreams>,
 }
 
 /// The staging buffer, shared with the upload as zero-copy `Bytes`.
@@ -475,7 +504,13 @@ struct Job {
     global: Option<BTreeMap<String, crate::format::StateValue>>,
     rank_state: BTreeMap<String, crate::format::StateValue>,
     metadata: BTreeMap<String, serde_json::Value>,
+    /// Waits for copies into the staging buffer that the host does not make (the
+    /// device-to-host copies of device tensors); `None` when there are none.
+    pending_copies: Option<PendingCopies>,
 }
+
+/// A blocking wait for copies into the staging buffer made by a device.
+type PendingCopies = Box<dyn FnOnce() -> Result<()> + Send + Sync>;
 
 impl Checkpointer {
     /// A checkpointer for one rank, writing under `store`'s root.
@@ -487,6 +522,8 @@ impl Checkpointer {
             config: Arc::new(config),
             pool: Arc::new(Mutex::new(Vec::new())),
             slots,
+            #[cfg(feature = "cuda")]
+            side: Mutex::new(Default::default()),
         })
     }
 
@@ -554,6 +591,14 @@ impl Checkpointer {
         while pool.len() < self.config.max_in_flight {
             pool.push(StagingBuffer::new());
         }
+        #[cfg(feature = "cuda")]
+        if let Some(first) = state.device.first() {
+            // Device tensors stage into page-locked memory (zeroed, so faulted in).
+            for buffer in pool.iter_mut() {
+                buffer.reset_pinned(total, first.buffer.context())?;
+            }
+            return Ok(started.elapsed());
+        }
         for buffer in pool.iter_mut() {
             if buffer.capacity() < total {
                 buffer.reset(total);
@@ -597,7 +642,21 @@ impl Checkpointer {
             .unwrap_or_else(|p| p.into_inner())
             .pop()
             .unwrap_or_else(StagingBuffer::new);
+        #[cfg(not(feature = "cuda"))]
+        let pending_copies: Option<PendingCopies> = None;
+        #[cfg(not(feature = "cuda"))]
         buffer.reset(plan.total);
+        #[cfg(feature = "cuda")]
+        let (pending_copies, device_event) = match self.stage_device(&mut buffer, &plan) {
+            Ok(copies) => copies,
+            Err(e) => {
+                self.pool
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(buffer);
+                return Err(e);
+            }
+        };
         let (staging_tx, staging_rx) = watch::channel(Staging::Copying);
         let filled = if overlapped {
             let checksums = self.config.check_staging.then(|| {
@@ -681,6 +740,7 @@ impl Checkpointer {
             .then(|| state.global.clone()),
             rank_state: state.rank.clone(),
             metadata: state.metadata.clone(),
+            pending_copies,
         };
         let pool = self.pool.clone();
         let span = info_span!("ckpt_save", step, rank);
@@ -694,13 +754,53 @@ impl Checkpointer {
             world_size: self.config.world_size,
             commit_timeout: self.config.commit_timeout,
             stall,
+            #[cfg(feature = "cuda")]
+            device: device_event,
         }))
+    }
+
+    /// Makes room in `buffer` for the planned file (page-locked when the state has
+    /// device tensors) and enqueues the device tensors' copies into it. Returns the
+    /// wait the background task makes before reading the buffer, and the release
+    /// event for the caller.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::type_complexity)]
+    fn stage_device(
+        &self,
+        buffer: &mut StagingBuffer,
+        plan: &StagePlan,
+    ) -> Result<(
+        Option<PendingCopies>,
+        Option<Arc<cudarc::driver::CudaEvent>>,
+    )> {
+        let Some((first, _)) = plan.device.first() else {
+            buffer.reset(plan.total);
+            return Ok((None, None));
+        };
+        buffer.reset_pinned(plan.total, first.context())?;
+        let dst = buffer.as_mut_ptr();
+        let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the buffer is page-locked, holds `plan.total` bytes, and is not
+        // read (checksummed, uploaded) nor given back to the pool before the
+        // background task's wait on the returned event (`pending_copies`); the host
+        // copies write other bytes of it (header and host tensors). The device
+        // buffers obey `DeviceBuffer::from_raw`'s contract, which `add_device` relays.
+        let copies = unsafe { side.enqueue(dst, plan.total, &plan.device)? };
+        let event = copies.released.clone();
+        let wait: PendingCopies = Box::new(move || {
+            copies
+                .released
+                .synchronize()
+                .map_err(|e| Error::Device(format!("device-to-host staging copy failed: {e}")))
+        });
+        Ok((Some(wait), Some(event)))
     }
 
     /// Lays the rank's data file out: its header, and the tensors that follow it.
     fn plan(&self, step: u64, state: &crate::State<'_>) -> StagePlan {
         let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
-        let planned: Vec<PlannedBox> = written
+        #[allow(unused_mut)]
+        let mut planned: Vec<PlannedBox> = written
             .iter()
             .map(|t| PlannedBox {
                 name: t.name.clone(),
@@ -709,15 +809,27 @@ impl Checkpointer {
                 region: t.region.clone(),
             })
             .collect();
+        // Device tensors follow the host tensors in the file.
+        #[cfg(feature = "cuda")]
+        let device_written: Vec<_> = state.device.iter().filter(|t| t.write).collect();
+        #[cfg(feature = "cuda")]
+        planned.extend(device_written.iter().map(|t| PlannedBox {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            region: t.region.clone(),
+        }));
         let header = rank_file_header(
             step,
             self.config.rank as u32,
             self.config.world_size as u32,
             &planned,
         );
+        #[cfg_attr(feature = "cuda", allow(unused_variables))]
         let total = header.len() + written.iter().map(|t| t.data.len()).sum::<usize>();
         let mut at = header.len() as u64;
-        let chunks = written
+        #[allow(unused_mut)]
+        let mut chunks: Vec<Chunk> = written
             .iter()
             .map(|t| {
                 let begin = at;
@@ -732,12 +844,32 @@ impl Checkpointer {
                 }
             })
             .collect();
+        #[cfg(feature = "cuda")]
+        let (total, device) = {
+            let mut device = Vec::new();
+            for t in device_written {
+                let begin = at;
+                at += t.buffer.len() as u64;
+                chunks.push(Chunk {
+                    tensor: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    offsets: t.region.offsets.clone(),
+                    lengths: t.region.lengths.clone(),
+                    bytes: [begin, at],
+                });
+                device.push((t.buffer.clone(), begin as usize));
+            }
+            (at as usize, device)
+        };
         StagePlan {
             total,
             chunks,
             sources: written.iter().map(|t| Source::new(t.data)).collect(),
             names: written.iter().map(|t| t.name.clone()).collect(),
             header,
+            #[cfg(feature = "cuda")]
+            device,
         }
     }
 }
@@ -754,6 +886,9 @@ struct StagePlan {
     total: usize,
     /// The manifest's records of the written tensors (file offsets).
     chunks: Vec<Chunk>,
+    /// The written device tensors and their offsets in the file, after the host ones.
+    #[cfg(feature = "cuda")]
+    device: Vec<(crate::cuda::DeviceBuffer, usize)>,
 }
 
 /// The staging buffer, filled or being filled.
@@ -832,6 +967,14 @@ async fn run_job(
     status: watch::Sender<Status>,
 ) {
     let step = job.attempt.step;
+    // Copies the device makes into the buffer end before anything reads it or gives
+    // it back to the pool.
+    let device_copies = match job.pending_copies.take() {
+        Some(wait) => tokio::task::spawn_blocking(wait)
+            .await
+            .unwrap_or_else(|e| Err(Error::Failed(format!("waiting for device copies: {e}")))),
+        None => Ok(()),
+    };
     job.buffer = Arc::new(match filled {
         Filled::Ready(buffer) => buffer,
         Filled::Copying(copy) => {
@@ -856,6 +999,13 @@ async fn run_job(
             }
         }
     });
+    if let Err(e) = device_copies {
+        // The buffer is dropped with the job, not pooled: its copies failed.
+        drop(permit);
+        warn!(step, error = %e, "checkpoint save failed while staging device tensors");
+        let _ = status.send(Status::Failed(Arc::new(e)));
+        return;
+    }
     let written = write_rank(&job).await;
     let Job {
         buffer,

@@ -16,6 +16,11 @@
 //!
 //! Fresh mappings are zero-filled, so every byte up to the capacity is initialized at
 //! all times; the buffer can therefore be handed out as `&mut [u8]` before it is filled.
+//!
+//! With feature `cuda`, a buffer can instead be page-locked memory from
+//! `cuMemHostAlloc` ([`StagingBuffer::reset_pinned`]), the destination of
+//! asynchronous device-to-host copies; it is zeroed when allocated, aligned the same
+//! way, and kept across saves like a mapping.
 
 use std::ops::Deref;
 use std::ptr::NonNull;
@@ -29,6 +34,9 @@ pub(crate) struct StagingBuffer {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
+    /// The page-locked allocation `ptr` points into, instead of a mapping.
+    #[cfg(feature = "cuda")]
+    pinned: Option<crate::cuda::device::PinnedAlloc>,
 }
 
 // SAFETY: the buffer owns its mapping exclusively, like a Vec<u8>, and holds no
@@ -46,7 +54,36 @@ impl StagingBuffer {
             ptr: NonNull::dangling(),
             len: 0,
             cap: 0,
+            #[cfg(feature = "cuda")]
+            pinned: None,
         }
+    }
+
+    /// As [`StagingBuffer::reset`], but page-locked memory of `ctx`: a mapping, or
+    /// pinned memory of another context or too small, is replaced.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn reset_pinned(
+        &mut self,
+        total: usize,
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    ) -> crate::Result<()> {
+        self.len = 0;
+        if total <= self.cap && self.pinned.as_ref().is_some_and(|p| p.context() == ctx) {
+            return Ok(());
+        }
+        let cap = total.div_ceil(ALIGN).max(1) * ALIGN;
+        let alloc = crate::cuda::device::PinnedAlloc::new(ctx, cap, ALIGN)?;
+        self.release();
+        self.ptr = NonNull::new(alloc.ptr()).expect("cuMemHostAlloc returned null");
+        self.cap = alloc.capacity();
+        self.pinned = Some(alloc);
+        Ok(())
+    }
+
+    /// The start of the buffer, for copies the host does not make (device to host).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 
     /// Bytes the buffer can hold without mapping anew.
@@ -111,6 +148,14 @@ impl StagingBuffer {
     }
 
     fn release(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(pinned) = self.pinned.take() {
+            drop(pinned);
+            self.ptr = NonNull::dangling();
+            self.cap = 0;
+            self.len = 0;
+            return;
+        }
         if self.cap > 0 {
             // SAFETY: `ptr` and `cap` are exactly a mapping made by `map`.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };

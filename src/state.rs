@@ -72,10 +72,30 @@ pub fn as_bytes_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
     }
 }
 
+/// One box of a global tensor held in device memory (feature `cuda`).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+pub struct DeviceShard {
+    /// Global tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The box this rank holds.
+    pub region: Region,
+    /// The box's data, row-major over the box's lengths, on the device.
+    pub buffer: crate::cuda::DeviceBuffer,
+    /// False for a replica that another rank writes.
+    pub write: bool,
+}
+
 /// Everything one rank saves at one step.
 #[derive(Debug, Clone, Default)]
 pub struct State<'a> {
     pub(crate) tensors: Vec<TensorShard<'a>>,
+    #[cfg(feature = "cuda")]
+    pub(crate) device: Vec<DeviceShard>,
     pub(crate) global: BTreeMap<String, StateValue>,
     pub(crate) rank: BTreeMap<String, StateValue>,
     pub(crate) metadata: BTreeMap<String, serde_json::Value>,
@@ -134,6 +154,49 @@ impl<'a> State<'a> {
         self.push(name.into(), dtype, shape, region, data, writer)
     }
 
+    /// Adds this rank's box `region` of tensor `name` held in device memory
+    /// (feature `cuda`); `writer` as in [`State::add_replica`] (true for a box only
+    /// this rank holds). A save stages it by an asynchronous device-to-host copy; the
+    /// buffer must not be written until the save's
+    /// [`device_released`](crate::SaveHandle::device_released) event (see
+    /// [`crate::cuda::device`]). Same checks as [`State::add`].
+    #[cfg(feature = "cuda")]
+    pub fn add_device(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        region: Region,
+        buffer: crate::cuda::DeviceBuffer,
+        writer: bool,
+    ) -> Result<&mut Self> {
+        let name = name.into();
+        self.check(&name, dtype, shape, &region, buffer.len())?;
+        self.device.push(DeviceShard {
+            name,
+            dtype,
+            shape: shape.to_vec(),
+            region,
+            buffer,
+            write: writer,
+        });
+        Ok(self)
+    }
+
+    /// The device tensors added so far (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    pub fn device_tensors(&self) -> &[DeviceShard] {
+        &self.device
+    }
+
+    fn has_tensor(&self, name: &str) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.device.iter().any(|t| t.name == name) {
+            return true;
+        }
+        self.tensors.iter().any(|t| t.name == name)
+    }
+
     fn push(
         &mut self,
         name: String,
@@ -143,6 +206,28 @@ impl<'a> State<'a> {
         data: &'a [u8],
         write: bool,
     ) -> Result<&mut Self> {
+        self.check(&name, dtype, shape, &region, data.len())?;
+        self.tensors.push(TensorShard {
+            name,
+            dtype,
+            shape: shape.to_vec(),
+            region,
+            data,
+            write,
+        });
+        Ok(self)
+    }
+
+    /// The checks of every added box: a valid name, added once, a box inside the
+    /// shape, and exactly the box's bytes.
+    fn check(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        region: &Region,
+        len: usize,
+    ) -> Result<()> {
         if name.is_empty() || name == "__metadata__" || name.len() > 1024 {
             return Err(Error::invalid(format!(
                 "tensor name {name:?} is not allowed (empty, reserved or longer than 1024 bytes)"
@@ -163,26 +248,17 @@ impl<'a> State<'a> {
             .volume()
             .and_then(|v| v.checked_mul(dtype.size() as u64))
             .ok_or_else(|| Error::invalid(format!("tensor {name:?}: box {region} is too large")))?;
-        if data.len() as u64 != expected {
+        if len as u64 != expected {
             return Err(Error::invalid(format!(
-                "tensor {name:?}: a {dtype} box {region} needs {expected} bytes, got {}",
-                data.len()
+                "tensor {name:?}: a {dtype} box {region} needs {expected} bytes, got {len}"
             )));
         }
-        if self.tensors.iter().any(|t| t.name == name) {
+        if self.has_tensor(name) {
             return Err(Error::invalid(format!(
                 "tensor {name:?} was added twice; a rank holds one box per tensor"
             )));
         }
-        self.tensors.push(TensorShard {
-            name,
-            dtype,
-            shape: shape.to_vec(),
-            region,
-            data,
-            write,
-        });
-        Ok(self)
+        Ok(())
     }
 
     /// Sets global non-tensor state (identical on every rank: scheduler, step
@@ -228,10 +304,20 @@ impl<'a> State<'a> {
 
     /// Bytes this rank writes (its boxes, replicas it does not write excluded).
     pub fn bytes_to_write(&self) -> u64 {
-        self.tensors
+        let host: u64 = self
+            .tensors
             .iter()
             .filter(|t| t.write)
             .map(|t| t.data.len() as u64)
-            .sum()
+            .sum();
+        #[cfg(feature = "cuda")]
+        let host = host
+            + self
+                .device
+                .iter()
+                .filter(|t| t.write)
+                .map(|t| t.buffer.len() as u64)
+                .sum::<u64>();
+        host
     }
 }

@@ -387,6 +387,7 @@ pub(crate) fn exit_code(error: &Error) -> u8 {
         Error::NotFound(_) => EXIT_NOT_FOUND,
         Error::Mismatch(_) | Error::Invalid(_) => EXIT_USAGE,
         Error::Timeout(_) | Error::Failed(_) | Error::Fenced(_) | Error::Mutated(_) => EXIT_STORAGE,
+        Error::Device(_) => EXIT_STORAGE,
     }
 }
 

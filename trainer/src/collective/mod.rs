@@ -29,15 +29,23 @@
 //!   and any order of arrival. Float reductions (`*_f32`) are not: their rounding
 //!   depends on the order, which depends on the world size.
 //!
-//! Buffers are host memory. A GPU backend either stages through host buffers or
-//! implements the same operations on device buffers behind its own types; NCCL has
-//! no uneven all-gather, so it pads shards to the largest count (or uses grouped
-//! send/receive), which the `counts` argument already describes.
+//! Buffers are host memory. Device memory has its own trait, [`DeviceCollective`]
+//! (module [`device`]): same contract, but operations are *enqueued* on a stream and
+//! their failures surface when the caller waits for them. Why a second trait rather
+//! than a buffer type parameter on this one is explained there. The NCCL backend
+//! (module `nccl`, feature `cuda`) implements it; its fault-tolerance machinery
+//! (watchdog, poisoning, abort from any thread) is in [`guard`], generic over the
+//! raw communicator so that it is tested without a GPU.
 
+pub mod device;
+pub mod guard;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod tcp;
 
 use std::time::Duration;
 
+pub use device::{DeviceCollective, HostDevice, HostStream, ReduceType};
 pub use tcp::{TcpCollective, TcpConfig};
 
 /// A collective operation failed. Every variant names the operation; the peer is the
@@ -94,6 +102,26 @@ pub enum CollectiveError {
         /// What is wrong.
         message: String,
     },
+    /// A device communicator's operation did not complete within the timeout. Unlike
+    /// [`CollectiveError::Timeout`] no peer is named: NCCL does not say which rank
+    /// stalled. Not retryable on this communicator (the watchdog aborted it).
+    #[error("{op}: did not complete within {timeout:?} (the communicator was aborted)")]
+    Stalled {
+        /// The operation.
+        op: &'static str,
+        /// The timeout that elapsed.
+        timeout: Duration,
+    },
+    /// The device library reported an error (an NCCL result code, asynchronous or
+    /// returned, or a CUDA error): a peer failed, the network broke, a device was
+    /// lost. Not retryable on this communicator.
+    #[error("{op}: {message}")]
+    Device {
+        /// The operation.
+        op: &'static str,
+        /// The library's error, named (e.g. `ncclRemoteError (6): …`).
+        message: String,
+    },
 }
 
 impl CollectiveError {
@@ -104,7 +132,23 @@ impl CollectiveError {
                 Some(*peer)
             }
             CollectiveError::Io { peer, .. } => *peer,
-            CollectiveError::Aborted { .. } | CollectiveError::Invalid { .. } => None,
+            CollectiveError::Aborted { .. }
+            | CollectiveError::Invalid { .. }
+            | CollectiveError::Stalled { .. }
+            | CollectiveError::Device { .. } => None,
+        }
+    }
+
+    /// The operation this error names.
+    pub fn op(&self) -> &'static str {
+        match self {
+            CollectiveError::Timeout { op, .. }
+            | CollectiveError::PeerLost { op, .. }
+            | CollectiveError::Aborted { op }
+            | CollectiveError::Io { op, .. }
+            | CollectiveError::Invalid { op, .. }
+            | CollectiveError::Stalled { op, .. }
+            | CollectiveError::Device { op, .. } => op,
         }
     }
 }

@@ -488,15 +488,7 @@ impl TcpCollective {
             let _ = s.shutdown(Shutdown::Both);
         }
         if self.aborted.load(Ordering::SeqCst) {
-            return CollectiveError::Aborted {
-                op: match first {
-                    CollectiveError::Aborted { op }
-                    | CollectiveError::Timeout { op, .. }
-                    | CollectiveError::PeerLost { op, .. }
-                    | CollectiveError::Io { op, .. }
-                    | CollectiveError::Invalid { op, .. } => op,
-                },
-            };
+            return CollectiveError::Aborted { op: first.op() };
         }
         first
     }
