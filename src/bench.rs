@@ -38,6 +38,8 @@ use std::time::{Duration, Instant};
 use ckpt_storage::{Backend, Store};
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "cuda")]
+pub mod device;
 mod processes;
 pub use processes::{ProcessesReport, rank_main};
 

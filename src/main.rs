@@ -146,6 +146,16 @@ struct BenchArgs {
     /// both.
     #[arg(long, value_enum, default_value_t = RanksAs::Both)]
     ranks_as: RanksAs,
+    /// Measure only the staging of device state instead (feature `cuda`): for each
+    /// size, in GiB, a save of that much device memory against a plain copy into
+    /// pinned memory. Uses --reps; e.g. --device-gib 1,8,40.
+    #[cfg(feature = "cuda")]
+    #[arg(long, value_delimiter = ',', value_name = "GIB,...")]
+    device_gib: Vec<f64>,
+    /// CUDA device ordinal of --device-gib.
+    #[cfg(feature = "cuda")]
+    #[arg(long, default_value_t = 0)]
+    device: usize,
 }
 
 /// How `ckpt bench` runs its ranks (`--ranks-as`).
@@ -300,6 +310,64 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
     }
 }
 
+/// `ckpt bench --device-gib …`: the device staging figures only.
+#[cfg(feature = "cuda")]
+fn run_device_bench(
+    runtime: &tokio::runtime::Runtime,
+    store: &Store,
+    args: &BenchArgs,
+) -> ExitCode {
+    let config = bench::device::DeviceBenchConfig {
+        gib: args.device_gib.clone(),
+        reps: args.reps,
+        device: args.device,
+    };
+    print_bench(
+        args.json,
+        |progress| bench::device::run(store, runtime.handle(), &config, progress),
+        bench::device::render,
+    )
+}
+
+/// Runs a bench with progress lines on stderr (seconds since the start), then prints
+/// its report as JSON or as the table `render` makes.
+fn print_bench<R: serde::Serialize>(
+    json: bool,
+    run: impl FnOnce(&dyn Fn(&str)) -> ckpt::Result<R>,
+    render: impl FnOnce(&R) -> String,
+) -> ExitCode {
+    let started = std::time::Instant::now();
+    let progress = |line: &str| {
+        eprintln!("[{:>7.1} s] {line}", started.elapsed().as_secs_f64());
+    };
+    let report = match run(&progress) {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_CHECK_FAILED);
+        }
+    };
+    if json {
+        return print_json(&report);
+    }
+    print!("{}", render(&report));
+    ExitCode::from(EXIT_OK)
+}
+
+/// Prints `report` as pretty JSON on stdout.
+fn print_json<R: serde::Serialize>(report: &R) -> ExitCode {
+    match serde_json::to_string_pretty(report) {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::from(EXIT_OK)
+        }
+        Err(e) => {
+            eprintln!("error: cannot encode the report: {e}");
+            ExitCode::from(EXIT_CHECK_FAILED)
+        }
+    }
+}
+
 fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
     let Some(url) = args.url_flag.clone().or(args.url.clone()) else {
         eprintln!("error: ckpt bench needs a store URL (--url URL)");
@@ -314,6 +382,10 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    #[cfg(feature = "cuda")]
+    if !args.device_gib.is_empty() {
+        return run_device_bench(runtime, &store, &args);
+    }
     let config = BenchConfig {
         ranks: args.ranks,
         reshard_ranks: args.reshard_ranks,
@@ -337,29 +409,11 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
         processes: args.ranks_as != RanksAs::Threads,
         store_options: args.options.clone(),
     };
-    let started = std::time::Instant::now();
-    let progress = |line: &str| {
-        eprintln!("[{:>7.1} s] {line}", started.elapsed().as_secs_f64());
-    };
-    let report = match bench::run(&store, runtime.handle(), &config, &progress) {
-        Ok(report) => report,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(EXIT_CHECK_FAILED);
-        }
-    };
-    if args.json {
-        match serde_json::to_string_pretty(&report) {
-            Ok(text) => println!("{text}"),
-            Err(e) => {
-                eprintln!("error: cannot encode the report: {e}");
-                return ExitCode::from(EXIT_CHECK_FAILED);
-            }
-        }
-    } else {
-        print!("{}", bench::render(&report));
-    }
-    ExitCode::from(EXIT_OK)
+    print_bench(
+        args.json,
+        |progress| bench::run(&store, runtime.handle(), &config, progress),
+        bench::render,
+    )
 }
 
 fn run_bench_rank(runtime: tokio::runtime::Runtime, args: BenchRankArgs) -> ExitCode {
@@ -412,12 +466,9 @@ async fn run_probe(url: &str, options: &[String], json: bool) -> ExitCode {
         };
     let report = probe(&store).await;
     if json {
-        match serde_json::to_string_pretty(&report) {
-            Ok(text) => println!("{text}"),
-            Err(e) => {
-                eprintln!("error: cannot encode the report: {e}");
-                return ExitCode::from(EXIT_CHECK_FAILED);
-            }
+        let printed = print_json(&report);
+        if printed != ExitCode::from(EXIT_OK) {
+            return printed;
         }
     } else {
         println!("probe of {}", report.url);

@@ -179,7 +179,13 @@ fn probe(
         // a library runs its initialisers, which is what cudarc would do next anyway.
         let handle = unsafe { libc::dlopen(c_file.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         if handle.is_null() {
-            reasons.push(format!("{file}: {}", dl_error()));
+            // dlerror names the file itself: keep only what it says of it.
+            let error = dl_error();
+            let error = error
+                .strip_prefix(file.as_str())
+                .and_then(|e| e.strip_prefix(": "))
+                .map_or(error.clone(), str::to_string);
+            reasons.push(error);
             continue;
         }
         let missing: Vec<&str> = symbols
@@ -206,16 +212,31 @@ fn probe(
         });
     }
     Err(format!(
-        "{what} could not be loaded: tried {candidates:?} ({}); {fix}",
+        "{what} could not be loaded: tried {} ({}); {fix}",
+        listed(candidates),
         summarize(&reasons)
     ))
+}
+
+/// The file names tried, all of them when they are few, else the first ones and
+/// a count: the full list is cudarc's, and `*_candidates()` return it.
+fn listed(candidates: &[String]) -> String {
+    const SHOWN: usize = 6;
+    if candidates.len() <= SHOWN {
+        return format!("{candidates:?}");
+    }
+    format!(
+        "{:?} and {} more names",
+        &candidates[..SHOWN],
+        candidates.len() - SHOWN
+    )
 }
 
 /// The first distinct loader messages, so that a long list of "not found" stays short.
 fn summarize(reasons: &[String]) -> String {
     let mut seen: Vec<&str> = Vec::new();
     for r in reasons {
-        let message = r.split_once(": ").map(|(_, m)| m).unwrap_or(r);
+        let message = r.as_str();
         if !seen.contains(&message) {
             seen.push(message);
         }

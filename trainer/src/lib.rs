@@ -17,7 +17,8 @@
 //! - [`launch`]: a torchrun-like launcher of rank processes, fixed or elastic;
 //! - [`elastic`](mod@elastic): one rank of an elastic job, driven by ckpt's control
 //!   plane through as many generations (world sizes) as failures require;
-//! - [`bench`](mod@bench): collective bandwidth against raw loopback TCP.
+//! - [`bench`](mod@bench): collective bandwidth against raw loopback TCP; with feature
+//!   `cuda`, `nccl_bench`: the time to build, abort and rebuild an NCCL communicator.
 //!
 //! Run `ckpt-train --help` for the command line; `trainer/README.md` has the
 //! semantics of the saved state, the modes and what each costs.
@@ -29,5 +30,7 @@ pub mod fixed;
 pub mod launch;
 pub mod memory;
 pub mod model;
+#[cfg(feature = "cuda")]
+pub mod nccl_bench;
 pub mod signals;
 pub mod train;

@@ -34,6 +34,7 @@ Examples:
 Other commands:
   ckpt-train launch --nproc N [--master-port P] -- [TRAIN OPTIONS]   start N ranks
   ckpt-train bench-collectives [--size BYTES] [--iters N]             (under launch)
+  ckpt-train bench-nccl [--iters N] [--device D]   NCCL build/abort/rebuild times (feature cuda)
 
 Exit codes: 0 finished; 1 failed (a collective, a checkpoint, a rank); 2 usage;
 75 stopped by SIGTERM/SIGINT after committing a final checkpoint (resume later).";
@@ -145,6 +146,26 @@ struct BenchArgs {
     /// Timed iterations of each operation.
     #[arg(long, default_value_t = 5)]
     iters: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Measure the NCCL communicator's recovery costs on one GPU: build, abort, rebuild
+/// (feature `cuda`; a world of one rank, no launcher needed).
+#[cfg(feature = "cuda")]
+#[derive(Parser, Debug)]
+#[command(
+    name = "ckpt-train bench-nccl",
+    after_help = "Example:\n  ckpt-train bench-nccl --iters 10 --json"
+)]
+struct NcclBenchArgs {
+    /// Build–use–abort cycles (the first is reported apart).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -388,6 +409,11 @@ fn main() -> ExitCode {
             args.remove(1);
             run_bench(BenchArgs::parse_from(args))
         }
+        #[cfg(feature = "cuda")]
+        Some("bench-nccl") => {
+            args.remove(1);
+            run_nccl_bench(NcclBenchArgs::parse_from(args))
+        }
         Some("collective-probe") => {
             args.remove(1);
             run_probe(ProbeArgs::parse_from(args))
@@ -542,6 +568,33 @@ fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
         max_restarts: args.max_restarts.unwrap_or(0),
         coordinator,
     }))
+}
+
+#[cfg(feature = "cuda")]
+fn run_nccl_bench(args: NcclBenchArgs) -> ExitCode {
+    match ckpt_trainer::nccl_bench::run(args.device, args.iters) {
+        Ok(report) if args.json => {
+            println!("{}", serde_json::to_string(&report).expect("serializable"));
+            ExitCode::SUCCESS
+        }
+        Ok(r) => {
+            println!(
+                "NCCL {} on device {}, medians of {} cycles after the first: \
+                 build until ready {:.1} ms (first {:.1} ms), abort {:.1} ms, \
+                 abort + rebuild {:.1} ms, 1 MiB all-reduce {:.2} ms",
+                r.nccl_version,
+                args.device,
+                r.iters - 1,
+                r.init_ms,
+                r.first_init_ms,
+                r.abort_ms,
+                r.recreate_ms,
+                r.all_reduce_ms
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(EXIT_FAILED, e),
+    }
 }
 
 fn run_bench(args: BenchArgs) -> ExitCode {
