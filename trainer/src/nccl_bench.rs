@@ -8,14 +8,13 @@
 //! waits until the watchdog has aborted it. The first connect is reported apart: it
 //! includes loading NCCL and its one-time setup.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::DevicePtr;
 use serde::Serialize;
 
-use crate::collective::guard::{GuardConfig, KeyValue};
+use crate::collective::guard::{GuardConfig, LocalKv};
 use crate::collective::nccl::{self, DeviceBytes, NcclCollective};
 use crate::collective::{CollectiveError, DeviceCollective, ReduceType};
 
@@ -38,28 +37,6 @@ pub struct NcclReport {
     pub all_reduce_ms: f64,
     /// Every iteration's `(init_ms, abort_ms, all_reduce_ms)`.
     pub samples: Vec<[f64; 3]>,
-}
-
-/// A key-value space in memory: a world of one publishes to itself.
-struct LocalKv(Mutex<HashMap<String, String>>);
-
-impl KeyValue for LocalKv {
-    fn set(&self, key: &str, value: &str) -> Result<(), String> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key.into(), value.into());
-        Ok(())
-    }
-
-    fn get(&self, key: &str) -> Result<String, String> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(key)
-            .cloned()
-            .ok_or_else(|| format!("{key} was not published"))
-    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -99,7 +76,7 @@ pub fn run(device: usize, iters: usize) -> Result<NcclReport, CollectiveError> {
         .clone_htod(&values)
         .map_err(|e| device_err("bench-nccl", e))?;
     let (ptr, _sync) = data.device_ptr(&stream);
-    let kv = LocalKv(Mutex::new(HashMap::new()));
+    let kv = LocalKv::default();
     let config = GuardConfig {
         timeout: Duration::from_secs(60),
         init_timeout: Duration::from_secs(120),

@@ -3,11 +3,10 @@
 //! GPU or NCCL each test prints a `SKIPPED:` line and passes.
 #![cfg(feature = "cuda")]
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_trainer::collective::guard::{GuardConfig, KeyValue};
+use ckpt_trainer::collective::guard::{GuardConfig, KeyValue, LocalKv};
 use ckpt_trainer::collective::nccl::{DeviceBytes, NcclCollective};
 use ckpt_trainer::collective::{CollectiveError, DeviceCollective, ReduceType};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
@@ -26,23 +25,6 @@ fn gpu(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
     }
     let stream = ctx.new_stream().expect("a stream");
     Some((ctx, stream))
-}
-
-struct MapKv(Mutex<HashMap<String, String>>);
-
-impl KeyValue for MapKv {
-    fn set(&self, key: &str, value: &str) -> Result<(), String> {
-        self.0.lock().unwrap().insert(key.into(), value.into());
-        Ok(())
-    }
-    fn get(&self, key: &str) -> Result<String, String> {
-        self.0
-            .lock()
-            .unwrap()
-            .get(key)
-            .cloned()
-            .ok_or_else(|| format!("{key} not set"))
-    }
 }
 
 fn config() -> GuardConfig {
@@ -67,7 +49,7 @@ fn nccl_world_of_one_all_reduces_aborts_while_pending_and_reinitialises() {
     else {
         return;
     };
-    let kv = MapKv(Mutex::new(HashMap::new()));
+    let kv = LocalKv::default();
     let values: Vec<i64> = (0..1024).map(|i| i * 3 - 7).collect();
     let data = stream.clone_htod(&values).unwrap();
 

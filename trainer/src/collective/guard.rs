@@ -759,6 +759,31 @@ impl KeyValue for AgentKv<'_> {
     }
 }
 
+/// A key-value space inside one process: for a world of one rank, or of ranks
+/// that are threads of one process (benches, tests). `get` does not wait: a key not
+/// yet published is an error.
+#[derive(Debug, Default)]
+pub struct LocalKv(Mutex<std::collections::HashMap<String, String>>);
+
+impl KeyValue for LocalKv {
+    fn set(&self, key: &str, value: &str) -> Result<(), String> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.into(), value.into());
+        Ok(())
+    }
+
+    fn get(&self, key: &str) -> Result<String, String> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .cloned()
+            .ok_or_else(|| format!("{key} was not published"))
+    }
+}
+
 /// Shares a communicator's unique id: rank `root` makes one with `make` and
 /// publishes it (hex) under `key`; every other rank reads it. Within one
 /// generation, every re-creation of the communicator uses a new `key` (e.g.
@@ -813,7 +838,6 @@ pub fn share_unique_id(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     /// What the fake does, shared with the test.
@@ -1163,24 +1187,9 @@ mod tests {
         assert_eq!(calls(&script, "abort"), 1);
     }
 
-    struct MapKv(Mutex<HashMap<String, String>>);
-
-    impl KeyValue for MapKv {
-        fn set(&self, key: &str, value: &str) -> Result<(), String> {
-            lock(&self.0).insert(key.into(), value.into());
-            Ok(())
-        }
-        fn get(&self, key: &str) -> Result<String, String> {
-            lock(&self.0)
-                .get(key)
-                .cloned()
-                .ok_or_else(|| format!("{key} not set"))
-        }
-    }
-
     #[test]
     fn the_unique_id_travels_through_the_key_value_space() {
-        let kv = MapKv(Mutex::new(HashMap::new()));
+        let kv = LocalKv::default();
         let id: Vec<u8> = (0..128u8).map(|i| i.wrapping_mul(37)).collect();
         let made = share_unique_id(&kv, 0, 0, "nccl/id/0", 128, || Ok(id.clone())).unwrap();
         assert_eq!(made, id);
