@@ -15,8 +15,9 @@
 //! ([`catalog`]); retention follows the same order and leaves superseded checkpoints
 //! readable for a grace period ([`retention`]). Version-1 checkpoints stay readable.
 //! Any rank of any later world size then loads exactly the boxes it wants with a
-//! [`CheckpointReader`], verified block by block. The format and its guarantees:
-//! `docs/FORMAT.md`.
+//! [`CheckpointReader`], verified block by block; bytes that come from elsewhere (a
+//! peer's in-memory copy of what it saved) are held to the same block checksums by
+//! [`copies`]. The format and its guarantees: `docs/FORMAT.md`.
 //!
 //! [`elastic`] is the control plane of elastic training: a coordinator, an agent in
 //! every rank and the [`elastic::ControlPlane`] trait between them. It notices lost
@@ -66,6 +67,7 @@ pub mod catalog;
 pub mod codec;
 pub mod commit;
 pub mod commits;
+pub mod copies;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod direct;
