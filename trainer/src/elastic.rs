@@ -337,6 +337,7 @@ pub fn run(
             // a relaunched process, nor after the resume that recovered from it).
             generation_config.hold = None;
             generation_config.device_error = None;
+            generation_config.rot_copy = None;
             generation_config.save_stage = None;
         }
         generation_config.run_id = Some(run_id(&assignment.members[rank].job, generation));

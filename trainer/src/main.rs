@@ -124,6 +124,11 @@ struct TrainArgs {
     /// that step (what a lost GPU does), which it cannot recover from.
     #[arg(long, hide = true)]
     fault_device_error: Option<String>,
+    /// Fault injection for tests: STEP:RANK flips one bit of that rank's in-memory
+    /// copy of its save of that step (memory that rots after the save), which a
+    /// recovery must catch by the save's checksums.
+    #[arg(long, hide = true)]
+    fault_rot_copy: Option<String>,
     /// Fault injection for tests: FAILPOINT@STEP:RANK arms that failpoint of the
     /// save protocol (`ckpt::failpoint::NAMES`) on that rank before its first save at
     /// or after that step; the rank announces it and stops there, for a test to kill
@@ -692,6 +697,15 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(d) => d,
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    let rot_copy = match args
+        .fault_rot_copy
+        .as_deref()
+        .map(|f| parse_pair(f, "--fault-rot-copy"))
+        .transpose()
+    {
+        Ok(d) => d,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
     let save_stage = match args
         .fault_save_stage
         .as_deref()
@@ -747,6 +761,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         hold,
         step_pause: Duration::from_millis(args.fault_step_pause_ms),
         device_error,
+        rot_copy,
         save_stage,
         memory_copies: args.memory_copies,
         overlapped_staging: args.staging == Staging::Overlapped,

@@ -18,6 +18,13 @@
 //! any peer that fails to answer. The copies are the very bytes that were written, so
 //! both sources give bitwise the same state, and ranks may mix them.
 //!
+//! Memory is not trusted more than the store: every row taken from a copy, a peer's or
+//! its own, is checked against the block CRC32s the save computed (read from the
+//! committed rank parts, through [`ckpt::copies`]), and a copy that does not match
+//! them sends the rank to the store, named in the log. The non-tensor state (the loss
+//! history) is always read from the store's global part, which its own checksum
+//! covers.
+//!
 //! A copy is named by the attempt directory of its save (`step-N/gG-RUN`, which names
 //! exactly one commit) and by the layout (world size, rank) its rows follow. A rank
 //! keeps the copies of two checkpoints at most: the newest it saved, and the newest
@@ -25,7 +32,7 @@
 //!
 //! The wire protocol between ranks is one request line and one answer per exchange:
 //! `rows DIR WORLD RANK INDEX START END` answered by `ok N` and N little-endian f32
-//! values, `losses DIR WORLD RANK` by `ok N` and N f64 values, or `no REASON`.
+//! values, or `no REASON`.
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -35,6 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ckpt::elastic::protocol::{LineError, LineReader};
+use ckpt::format::{Chunk, RankPart};
 use serde::{Deserialize, Serialize};
 
 use crate::collective::{pod_bytes, pod_bytes_mut, shard_range};
@@ -69,18 +77,12 @@ pub struct RankCopy {
     key: Key,
     /// `KINDS` vectors per model tensor, the rank's rows of each.
     tensors: Vec<Vec<f32>>,
-    /// The loss of every step up to the checkpoint.
-    losses: Vec<f64>,
 }
 
 impl RankCopy {
     /// A copy of `tensors` (see [`KINDS`] for the order) under `key`.
-    pub fn new(key: Key, tensors: Vec<Vec<f32>>, losses: Vec<f64>) -> Self {
-        Self {
-            key,
-            tensors,
-            losses,
-        }
+    pub fn new(key: Key, tensors: Vec<Vec<f32>>) -> Self {
+        Self { key, tensors }
     }
 
     /// Bytes held.
@@ -351,11 +353,6 @@ fn serve_peer(stream: TcpStream, inner: &Mutex<Inner>) -> std::io::Result<()> {
                 out.write_all(format!("ok {}\n", data.len()).as_bytes())?;
                 out.write_all(pod_bytes(data))?;
             }
-            Ok(Answer::Losses(copy)) => {
-                out.write_all(format!("ok {}\n", copy.losses.len()).as_bytes())?;
-                let bytes: Vec<u8> = copy.losses.iter().flat_map(|l| l.to_le_bytes()).collect();
-                out.write_all(&bytes)?;
-            }
             Err(why) => out.write_all(format!("no {why}\n").as_bytes())?,
         }
     }
@@ -363,7 +360,6 @@ fn serve_peer(stream: TcpStream, inner: &Mutex<Inner>) -> std::io::Result<()> {
 
 enum Answer {
     Rows(Arc<RankCopy>, usize, Range<usize>),
-    Losses(Arc<RankCopy>),
 }
 
 fn answer(request: &str, inner: &Mutex<Inner>) -> Result<Answer, String> {
@@ -410,7 +406,6 @@ fn answer(request: &str, inner: &Mutex<Inner>) -> Result<Answer, String> {
             }
             Ok(Answer::Rows(copy, index, start..end))
         }
-        Some("losses") if words.len() == 4 => Ok(Answer::Losses(find(&key(&words)?)?)),
         _ => Err(format!("bad request {request:?}")),
     }
 }
@@ -504,23 +499,6 @@ impl Peer {
             .read_exact(pod_bytes_mut(out))
             .map_err(|e| FetchError::Failed(format!("{}: {e}", self.addr)))
     }
-
-    fn losses(&mut self, key: &Key) -> Result<Vec<f64>, FetchError> {
-        let n = self.ask(&format!("losses {} {} {}", key.dir, key.world, key.rank))?;
-        // One loss per step: a count beyond any run's length is a broken peer, not a
-        // reason to allocate.
-        if n > 1 << 26 {
-            return Err(FetchError::Failed(format!("{}: {n} losses", self.addr)));
-        }
-        let mut bytes = vec![0u8; n * 8];
-        self.reader
-            .read_exact(&mut bytes)
-            .map_err(|e| FetchError::Failed(format!("{}: {e}", self.addr)))?;
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .collect())
-    }
 }
 
 /// Below this many bytes a buffer is left to the allocator as it is.
@@ -593,8 +571,7 @@ fn pull_copy(pull: &Pull, buffer: &dyn Fn(usize) -> Vec<f32>) -> Result<RankCopy
             }
         }
         if refused.is_none() {
-            let losses = peer.losses(&pull.key).map_err(|e| e.to_string())?;
-            return Ok(RankCopy::new(pull.key.clone(), tensors, losses));
+            return Ok(RankCopy::new(pull.key.clone(), tensors));
         }
         if Instant::now() + pause > deadline {
             return Err(refused.unwrap_or_default());
@@ -618,8 +595,6 @@ pub struct Shape {
 pub struct Assembled {
     /// `KINDS` vectors per model tensor: this rank's rows in the new layout.
     pub tensors: Vec<Vec<f32>>,
-    /// The losses up to the checkpoint.
-    pub losses: Vec<f64>,
     /// World size of the save (of the copies used, when they agree).
     pub saved_world: usize,
     /// Bytes copied from this rank's own copies.
@@ -628,11 +603,53 @@ pub struct Assembled {
     pub peer_bytes: usize,
 }
 
+/// What the rows taken from copies are checked against: the save's rank parts.
+pub struct Saved<'a> {
+    /// The name each tensor of a copy was saved under (`KINDS` per model tensor, in
+    /// the copies' order).
+    pub names: &'a [String],
+    /// The committed rank part of saved rank `r` (read from the store and verified
+    /// there); asked once for each saved rank whose rows are used.
+    pub part: &'a dyn Fn(usize) -> Result<Arc<RankPart>, String>,
+}
+
+/// Why assembling from the copies failed; either way the caller reads the store.
+#[derive(Debug)]
+pub enum AssembleError {
+    /// The copies do not cover the rows, a peer did not answer, or the wait was
+    /// cancelled.
+    Unavailable(String),
+    /// A copy's bytes differ from what the save checksummed: the copy, the block and
+    /// its offset are named.
+    Mismatch(String),
+}
+
+impl std::fmt::Display for AssembleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unavailable(why) | Self::Mismatch(why) => f.write_str(why),
+        }
+    }
+}
+
+impl From<String> for AssembleError {
+    fn from(why: String) -> Self {
+        Self::Unavailable(why)
+    }
+}
+
+/// A saved rank's part and its data file's header, for checking its copies.
+struct Checked {
+    part: Arc<RankPart>,
+    header: Vec<u8>,
+}
+
 /// Rebuilds rank `rank` of `world`'s rows of checkpoint `dir` from the copies that
 /// `table` (one holding per rank of this world; `table[rank]` is this rank's) says are
-/// held. Fails, without side effects, when some rows are held by nobody or a peer does
-/// not deliver; the caller then reads the store instead. `cancelled` is checked
-/// between requests.
+/// held, every row checked against `saved`'s block CRC32s. Fails, without side
+/// effects, when some rows are held by nobody, a peer does not deliver or a copy does
+/// not match its save; the caller then reads the store instead. `cancelled` is
+/// checked between requests.
 #[allow(clippy::too_many_arguments)]
 pub fn assemble(
     memory: &Memory,
@@ -641,9 +658,18 @@ pub fn assemble(
     world: usize,
     dir: &str,
     shapes: &[Shape],
+    saved: &Saved<'_>,
     spare: Vec<Vec<f32>>,
     cancelled: &dyn Fn() -> bool,
-) -> Result<Assembled, String> {
+) -> Result<Assembled, AssembleError> {
+    if saved.names.len() != shapes.len() * KINDS {
+        return Err(format!(
+            "{} names for {} copy tensors",
+            saved.names.len(),
+            shapes.len() * KINDS
+        )
+        .into());
+    }
     // Sources in order of preference: this rank's own copies, then the peers'.
     let mut sources: Vec<(usize, &Key)> = Vec::new();
     for (holder, holding) in table.iter().enumerate() {
@@ -658,7 +684,7 @@ pub fn assemble(
     }
     sources.sort_by_key(|(holder, _)| (*holder != rank, *holder));
     if sources.is_empty() {
-        return Err(format!("no rank holds a copy of {dir}"));
+        return Err(format!("no rank holds a copy of {dir}").into());
     }
     // Plan every piece before fetching anything: a gap fails fast.
     struct Piece {
@@ -693,6 +719,28 @@ pub fn assemble(
             at = end;
         }
     }
+    // What the pieces are checked against: the part of every saved rank they come
+    // from (a copy of a world other than the commit's is no copy of it).
+    let mut checked: Vec<Option<Checked>> = Vec::new();
+    for piece in &pieces {
+        let r = piece.key.rank;
+        if checked.len() <= r {
+            checked.resize_with(r + 1, || None);
+        }
+        if checked[r].is_none() {
+            let part = (saved.part)(r)?;
+            if part.world_size as usize != piece.key.world {
+                return Err(format!(
+                    "copies of {dir} follow a world of {}, the commit's of {}",
+                    piece.key.world, part.world_size
+                )
+                .into());
+            }
+            let object = format!("{dir} rank {r}");
+            let header = ckpt::copies::file_header(&part, &object).map_err(|e| e.to_string())?;
+            checked[r] = Some(Checked { part, header });
+        }
+    }
     // Destinations: the spare vectors (memory already faulted in) where given, sized
     // anew; fresh memory otherwise.
     let mut spare = spare.into_iter();
@@ -717,55 +765,95 @@ pub fn assemble(
     let (mut local_bytes, mut peer_bytes) = (0, 0);
     for piece in &pieces {
         if cancelled() {
-            return Err("cancelled".into());
+            return Err("cancelled".to_string().into());
         }
+        let Checked { part, header } = checked[piece.key.rank].as_ref().expect("checked above");
+        let own = if piece.holder == rank {
+            Some(
+                memory
+                    .get(&piece.key)
+                    .ok_or_else(|| format!("own copy {:?} is gone", piece.key))?,
+            )
+        } else {
+            connected(&mut peers, table, piece.holder)?;
+            None
+        };
+        let peer = &mut peers[piece.holder];
         let cols = shapes[piece.tensor].cols;
         let need = shard_range(shapes[piece.tensor].rows, rank, world);
         let into = (piece.rows.start - need.start) * cols..(piece.rows.end - need.start) * cols;
-        if piece.holder == rank {
-            let copy = memory
-                .get(&piece.key)
-                .ok_or_else(|| format!("own copy {:?} is gone", piece.key))?;
-            for kind in 0..KINDS {
-                let index = piece.tensor * KINDS + kind;
-                let from = copy
-                    .tensors
-                    .get(index)
-                    .and_then(|t| t.get(piece.elements.clone()))
-                    .ok_or_else(|| format!("own copy {:?} lacks tensor {index}", piece.key))?;
-                tensors[index][into.clone()].copy_from_slice(from);
-                local_bytes += from.len() * 4;
-            }
-            continue;
-        }
-        let peer = connected(&mut peers, table, piece.holder)?;
+        let object = format!(
+            "copy of {dir} (rank {} of {}) held by rank {}",
+            piece.key.rank, piece.key.world, piece.holder
+        );
         for kind in 0..KINDS {
             let index = piece.tensor * KINDS + kind;
-            peer.rows(
-                &piece.key,
-                index,
-                piece.elements.clone(),
-                &mut tensors[index][into.clone()],
-            )
-            .map_err(|e| format!("rank {}: {e}", piece.holder))?;
-            peer_bytes += into.len() * 4;
+            let chunk = part
+                .chunks
+                .iter()
+                .find(|c| c.tensor == saved.names[index])
+                .ok_or_else(|| {
+                    format!(
+                        "{dir} rank {} saved no {:?}",
+                        piece.key.rank, saved.names[index]
+                    )
+                })?;
+            let want = chunk.bytes[0] + 4 * piece.elements.start as u64
+                ..chunk.bytes[0] + 4 * piece.elements.end as u64;
+            // Fills a share of a block from the copy of the chunk's tensor.
+            let mut read = |chunk: &Chunk,
+                            bytes: Range<u64>,
+                            out: &mut [u8]|
+             -> Result<(), String> {
+                let index = saved
+                    .names
+                    .iter()
+                    .position(|n| *n == chunk.tensor)
+                    .ok_or_else(|| format!("{dir} holds {:?}, which no copy has", chunk.tensor))?;
+                if !bytes.start.is_multiple_of(4) || !bytes.end.is_multiple_of(4) {
+                    return Err(format!(
+                        "bytes {bytes:?} of {:?} split an f32",
+                        chunk.tensor
+                    ));
+                }
+                let elements = bytes.start as usize / 4..bytes.end as usize / 4;
+                match (&own, &mut *peer) {
+                    (Some(copy), _) => {
+                        let from = copy
+                            .tensors
+                            .get(index)
+                            .and_then(|t| t.get(elements))
+                            .ok_or_else(|| {
+                                format!("own copy {:?} lacks tensor {index}", piece.key)
+                            })?;
+                        out.copy_from_slice(pod_bytes(from));
+                        local_bytes += out.len();
+                    }
+                    (None, Some(peer)) => {
+                        let mut rows = vec![0f32; elements.len()];
+                        peer.rows(&piece.key, index, elements, &mut rows)
+                            .map_err(|e| format!("rank {}: {e}", piece.holder))?;
+                        out.copy_from_slice(pod_bytes(&rows));
+                        peer_bytes += out.len();
+                    }
+                    (None, None) => unreachable!("connected above"),
+                }
+                Ok(())
+            };
+            let verified =
+                ckpt::copies::read_verified(part, header, want.clone(), &object, &mut read)
+                    .map_err(|e| match e {
+                        ckpt::Error::Corrupt(_) => AssembleError::Mismatch(e.to_string()),
+                        other => AssembleError::Unavailable(other.to_string()),
+                    })?;
+            let bytes = verified
+                .slice(want)
+                .expect("read_verified covers what was asked");
+            pod_bytes_mut(&mut tensors[index][into.clone()]).copy_from_slice(bytes);
         }
     }
-    // The losses: from an own copy if there is one, else from the first holder.
-    let (holder, key) = sources[0];
-    let losses = if holder == rank {
-        memory
-            .get(key)
-            .map(|c| c.losses.clone())
-            .ok_or_else(|| format!("own copy {key:?} is gone"))?
-    } else {
-        connected(&mut peers, table, holder)?
-            .losses(key)
-            .map_err(|e| format!("rank {holder}: {e}"))?
-    };
     Ok(Assembled {
         tensors,
-        losses,
         saved_world: sources[0].1.world,
         local_bytes,
         peer_bytes,
@@ -793,8 +881,104 @@ fn connected<'p>(
 mod tests {
     use super::*;
 
+    /// Shapes whose rows span several 4 KiB blocks (and one that fits in one), so
+    /// pieces and blocks straddle each other.
     fn shapes() -> Vec<Shape> {
-        vec![Shape { rows: 10, cols: 3 }, Shape { rows: 3, cols: 2 }]
+        vec![Shape { rows: 700, cols: 3 }, Shape { rows: 3, cols: 2 }]
+    }
+
+    /// What the copies of the tensors of `shapes()` are saved as.
+    fn names(shapes: &[Shape]) -> Vec<String> {
+        (0..shapes.len() * KINDS)
+            .map(|i| format!("t{}/k{}", i / KINDS, i % KINDS))
+            .collect()
+    }
+
+    /// The rank parts of a real save of `full(shapes)` by `world` ranks (4 KiB blocks,
+    /// so that the checks cross block boundaries).
+    fn saved_parts(shapes: &[Shape], world: usize) -> Vec<Arc<RankPart>> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let full = full(shapes);
+        let names = names(shapes);
+        runtime.block_on(async {
+            // memory:// stores of one name are shared by the process: one per call.
+            static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let store = ckpt::storage::Store::from_url(&format!("memory://copies-{call}")).unwrap();
+            let mut handles = Vec::new();
+            for rank in 0..world {
+                let mut config = ckpt::CheckpointConfig::new(rank, world);
+                config.block_size = 4096;
+                let checkpointer = ckpt::Checkpointer::new(store.clone(), config).unwrap();
+                let mut state = ckpt::State::new();
+                for (index, tensor) in full.iter().enumerate() {
+                    let s = shapes[index / KINDS];
+                    let rows = shard_range(s.rows, rank, world);
+                    state
+                        .add_dim0_shard(
+                            names[index].clone(),
+                            ckpt::DType::F32,
+                            &[s.rows as u64, s.cols as u64],
+                            rank,
+                            world,
+                            pod_bytes(&tensor[rows.start * s.cols..rows.end * s.cols]),
+                        )
+                        .unwrap();
+                }
+                handles.push(
+                    checkpointer
+                        .save(10, &state)
+                        .await
+                        .unwrap()
+                        .handle()
+                        .unwrap(),
+                );
+            }
+            for handle in &handles {
+                handle.committed().await.unwrap();
+            }
+            let reader = ckpt::CheckpointReader::open(&store, None).await.unwrap();
+            let mut parts = Vec::new();
+            for rank in 0..world {
+                parts.push(reader.part(rank as u32).await.unwrap());
+            }
+            parts
+        })
+    }
+
+    /// `assemble` against the rank parts `parts`.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble_checked(
+        memory: &Memory,
+        table: &[Holding],
+        rank: usize,
+        world: usize,
+        dir: &str,
+        parts: &[Arc<RankPart>],
+        spare: Vec<Vec<f32>>,
+    ) -> Result<Assembled, AssembleError> {
+        let shapes = shapes();
+        let names = names(&shapes);
+        let part = |r: usize| parts.get(r).cloned().ok_or_else(|| format!("no part {r}"));
+        let saved = Saved {
+            names: &names,
+            part: &part,
+        };
+        assemble(
+            memory,
+            table,
+            rank,
+            world,
+            dir,
+            &shapes,
+            &saved,
+            spare,
+            &|| false,
+        )
     }
 
     /// The full tensors: element value = tensor index * 1000 + position.
@@ -830,7 +1014,6 @@ mod tests {
                 rank,
             },
             tensors,
-            vec![1.0, 0.5],
         )
     }
 
@@ -842,6 +1025,7 @@ mod tests {
     fn a_lost_rank_is_rebuilt_from_its_successors_replica_and_the_survivors_copies() {
         let ip: IpAddr = "127.0.0.1".parse().unwrap();
         let shapes = shapes();
+        let parts = saved_parts(&shapes, 4);
         let dir = "step-10/g00000001-job-e1";
         // Four ranks saved; rank 2 is lost; rank 3 pulled rank 2's copy as a replica.
         let survivors: Vec<Arc<Memory>> = [0, 1, 3]
@@ -874,22 +1058,19 @@ mod tests {
         let table: Vec<Holding> = survivors.iter().map(|m| m.holding()).collect();
         let table: Vec<Holding> = table.iter().map(|h| Holding::decode(&h.encode())).collect();
         for (rank, memory) in survivors.iter().enumerate() {
-            let got =
-                assemble(memory, &table, rank, 3, dir, &shapes, Vec::new(), &|| false).unwrap();
+            let got = assemble_checked(memory, &table, rank, 3, dir, &parts, Vec::new()).unwrap();
             assert_eq!(got.tensors, expected(&shapes, rank, 3), "rank {rank}");
-            assert_eq!(got.losses, vec![1.0, 0.5]);
             assert_eq!(got.saved_world, 4);
         }
         // Rank 1 of 3 needs rows that rank 2 of 4 owned: they came from a peer.
-        let got = assemble(
+        let got = assemble_checked(
             &survivors[1],
             &table,
             1,
             3,
             dir,
-            &shapes,
+            &parts,
             vec![vec![7.0; 2]; 6],
-            &|| false,
         )
         .unwrap();
         assert!(got.peer_bytes > 0 && got.local_bytes > 0, "{got:?}");
@@ -905,20 +1086,18 @@ mod tests {
         let memory = Memory::start(ip).unwrap();
         memory.keep_own(copy_of(dir, &shapes, 0, 2));
         let table = vec![memory.holding(), Holding::default()];
-        let err = assemble(&memory, &table, 0, 1, dir, &shapes, Vec::new(), &|| false).unwrap_err();
-        assert!(err.contains("held by nobody"), "{err}");
-        let err = assemble(
-            &memory,
-            &table,
-            0,
-            1,
-            "step-20/g1-x",
-            &shapes,
-            Vec::new(),
-            &|| false,
-        )
-        .unwrap_err();
-        assert!(err.contains("no rank holds"), "{err}");
+        // No part is asked for: the plan fails first.
+        let err = assemble_checked(&memory, &table, 0, 1, dir, &[], Vec::new()).unwrap_err();
+        assert!(
+            matches!(&err, AssembleError::Unavailable(e) if e.contains("held by nobody")),
+            "{err}"
+        );
+        let err =
+            assemble_checked(&memory, &table, 0, 1, "step-20/g1-x", &[], Vec::new()).unwrap_err();
+        assert!(
+            matches!(&err, AssembleError::Unavailable(e) if e.contains("no rank holds")),
+            "{err}"
+        );
     }
 
     #[test]
@@ -980,7 +1159,81 @@ mod tests {
         };
         peer.rows(&key, 1, 0..3, &mut out).unwrap();
         assert_eq!(out, vec![1000.0, 1001.0, 1002.0]);
-        assert_eq!(peer.losses(&key).unwrap(), vec![1.0, 0.5]);
+    }
+
+    /// Two survivors of a world of two, rank 1 serving a copy with one flipped bit:
+    /// the rows it serves fail the save's checksums, and the error names the copy,
+    /// its holder and the block.
+    #[test]
+    fn a_peer_serving_a_corrupted_copy_is_caught_by_the_saves_checksums() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let shapes = shapes();
+        let parts = saved_parts(&shapes, 2);
+        let dir = "step-10/g00000001-job-e1";
+        let (healthy, rotten) = (Memory::start(ip).unwrap(), Memory::start(ip).unwrap());
+        healthy.keep_own(copy_of(dir, &shapes, 0, 2));
+        let mut bad = copy_of(dir, &shapes, 1, 2);
+        // Tensor 1 (t0/k1), well inside rank 1's rows, one bit of one element.
+        bad.tensors[1][500] = f32::from_bits(bad.tensors[1][500].to_bits() ^ 1);
+        rotten.keep_own(bad);
+        let table = vec![healthy.holding(), rotten.holding()];
+        // World 1: rank 0 needs every row, half of them from rank 1.
+        let err = assemble_checked(&healthy, &table, 0, 1, dir, &parts, Vec::new()).unwrap_err();
+        let AssembleError::Mismatch(why) = &err else {
+            panic!("expected a checksum mismatch, got {err}");
+        };
+        assert!(
+            why.contains("held by rank 1") && why.contains("block"),
+            "{why}"
+        );
+        // The same rows from an intact copy pass: the check is of the bytes, not of
+        // where they come from.
+        let intact = Memory::start(ip).unwrap();
+        intact.keep_own(copy_of(dir, &shapes, 1, 2));
+        let table = vec![healthy.holding(), intact.holding()];
+        let got = assemble_checked(&healthy, &table, 0, 1, dir, &parts, Vec::new()).unwrap();
+        assert_eq!(got.tensors, expected(&shapes, 0, 1));
+    }
+
+    /// A rank's own copy is checked too: memory can rot in the process that saved.
+    #[test]
+    fn a_rotten_own_copy_is_caught_and_an_intact_one_passes() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let shapes = shapes();
+        let parts = saved_parts(&shapes, 1);
+        let dir = "step-10/g00000001-job-e1";
+        let memory = Memory::start(ip).unwrap();
+        let mut bad = copy_of(dir, &shapes, 0, 1);
+        let last = bad.tensors[KINDS].len() - 1;
+        bad.tensors[KINDS][last] += 1.0;
+        memory.keep_own(bad);
+        let table = vec![memory.holding()];
+        let err = assemble_checked(&memory, &table, 0, 1, dir, &parts, Vec::new()).unwrap_err();
+        assert!(
+            matches!(&err, AssembleError::Mismatch(e) if e.contains("held by rank 0")),
+            "{err}"
+        );
+        memory.keep_own(copy_of(dir, &shapes, 0, 1));
+        let got = assemble_checked(&memory, &table, 0, 1, dir, &parts, Vec::new()).unwrap();
+        assert_eq!(got.tensors, expected(&shapes, 0, 1));
+        assert!(got.local_bytes > 0 && got.peer_bytes == 0);
+    }
+
+    /// Copies laid out for another world than the commit's are not copies of it.
+    #[test]
+    fn copies_of_another_world_than_the_commits_are_refused() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let shapes = shapes();
+        let parts = saved_parts(&shapes, 2);
+        let dir = "step-10/g00000001-job-e1";
+        let memory = Memory::start(ip).unwrap();
+        memory.keep_own(copy_of(dir, &shapes, 0, 1));
+        let table = vec![memory.holding()];
+        let err = assemble_checked(&memory, &table, 0, 1, dir, &parts, Vec::new()).unwrap_err();
+        assert!(
+            matches!(&err, AssembleError::Unavailable(e) if e.contains("world of 1")),
+            "{err}"
+        );
     }
 
     #[test]

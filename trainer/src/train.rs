@@ -82,6 +82,9 @@ pub struct TrainConfig {
     /// Fault injection for tests: (step, rank) at which that rank reports a device
     /// error, as a CUDA error would surface on a GPU.
     pub device_error: Option<(u64, usize)>,
+    /// Fault injection for tests: (step, rank) whose in-memory copy of that step's
+    /// save gets one bit flipped once kept.
+    pub rot_copy: Option<(u64, usize)>,
     /// Fault injection for tests: (failpoint, step, rank): that rank arms the
     /// failpoint of the save protocol before its first save at or after that step.
     pub save_stage: Option<(String, u64, usize)>,
@@ -845,7 +848,8 @@ pub fn run_supervised(
             let handle = save(runtime, checkpointer, config, &specs, &st, rank, world)?;
             let copied = Instant::now();
             let copy = memory.map(|(memory, table)| {
-                keep_copy(memory, table, &handle, &specs, &st, rank, world);
+                let rot = config.rot_copy == Some((st.step, rank));
+                keep_copy(memory, table, &handle, &specs, &st, rank, world, rot);
                 copied.elapsed()
             });
             stats.ckpt_blocked += blocked.elapsed();
@@ -1005,7 +1009,9 @@ fn holdings(comm: &dyn Collective, memory: &Memory) -> Result<Vec<Holding>, Trai
 }
 
 /// Keeps this rank's rows of the save `handle` started as an in-memory copy, and
-/// pulls a replica of its ring predecessor's copy in the background.
+/// pulls a replica of its ring predecessor's copy in the background. `rot` (a test's
+/// fault) flips one bit of the copy.
+#[allow(clippy::too_many_arguments)]
 fn keep_copy(
     memory: &Memory,
     table: &[Holding],
@@ -1014,6 +1020,7 @@ fn keep_copy(
     st: &Shards,
     rank: usize,
     world: usize,
+    rot: bool,
 ) {
     let dir = handle.attempt().dir();
     let mut tensors = Vec::with_capacity(specs.len() * memory::KINDS);
@@ -1024,12 +1031,23 @@ fn keep_copy(
             memory.copy_of(&st.v[i]),
         ]);
     }
+    if let Some(x) = tensors
+        .iter_mut()
+        .find_map(|t| t.first_mut())
+        .filter(|_| rot)
+    {
+        *x = f32::from_bits(x.to_bits() ^ 1);
+        say(format_args!(
+            "fault: rank {rank} flipped a bit of its in-memory copy of step {}",
+            st.step
+        ));
+    }
     let key = memory::Key {
         dir: dir.clone(),
         world,
         rank,
     };
-    memory.keep_own(memory::RankCopy::new(key, tensors, st.losses.clone()));
+    memory.keep_own(memory::RankCopy::new(key, tensors));
     if world < 2 {
         return;
     }
@@ -1078,6 +1096,10 @@ fn save(
 
 /// What a rank saves: its rows of every parameter and both Adam moments, and the
 /// trainer's global state.
+/// What a model tensor's parameters and Adam moments are saved as: `PREFIX/NAME`, in
+/// the order of a copy's tensors (see [`memory::KINDS`]).
+const SAVED_AS: [&str; memory::KINDS] = ["param", "adam_m", "adam_v"];
+
 fn state_of<'a>(
     config: &TrainConfig,
     specs: &[TensorSpec],
@@ -1088,11 +1110,10 @@ fn state_of<'a>(
     let mut state = State::new();
     for (i, spec) in specs.iter().enumerate() {
         let shape = spec.shape();
-        for (prefix, data) in [
-            ("param", &st.params[i]),
-            ("adam_m", &st.m[i]),
-            ("adam_v", &st.v[i]),
-        ] {
+        for (prefix, data) in SAVED_AS
+            .into_iter()
+            .zip([&st.params[i], &st.m[i], &st.v[i]])
+        {
             state.add_dim0_shard(
                 format!("{prefix}/{}", spec.name),
                 DType::F32,
@@ -1202,6 +1223,8 @@ fn load(
             (Some(commit), Some((memory, table))) => from_memory(
                 memory,
                 table,
+                runtime,
+                store,
                 commit,
                 rank,
                 world,
@@ -1277,23 +1300,15 @@ fn load(
             shards_from_store(step, tensors, global, config, specs)?,
             [0, 0, 0],
         ),
-        Found::Memory { step, assembled } => {
-            let mut tensors = assembled.tensors.into_iter();
-            let mut shards = Shards {
-                params: Vec::new(),
-                m: Vec::new(),
-                v: Vec::new(),
-                step,
-                losses: assembled.losses,
-            };
-            for _ in specs {
-                let mut next = || tensors.next().expect("KINDS tensors per spec");
-                shards.params.push(next());
-                shards.m.push(next());
-                shards.v.push(next());
-            }
+        Found::Memory {
+            step,
+            assembled,
+            global,
+        } => {
             let rebuilt = [1, assembled.local_bytes as i64, assembled.peer_bytes as i64];
-            (step, assembled.saved_world as u32, shards, rebuilt)
+            let saved_world = assembled.saved_world as u32;
+            let shards = shards_from_store(step, assembled.tensors, global, config, specs)?;
+            (step, saved_world, shards, rebuilt)
         }
     };
     if shards.losses.len() as u64 != step {
@@ -1341,16 +1356,22 @@ enum Found {
     Memory {
         step: u64,
         assembled: memory::Assembled,
+        /// The non-tensor state, from the store (copies hold only rows).
+        global: BTreeMap<String, ckpt::format::StateValue>,
     },
 }
 
-#[allow(clippy::too_many_arguments)]
 /// This rank's rows of `commit` rebuilt from the in-memory copies `table` lists (into
-/// the `spare` vectors where there are some), or `None` (the store is read instead)
-/// when they do not cover them or a peer fails.
+/// the `spare` vectors where there are some), every row checked against the block
+/// CRC32s of the commit's rank parts, with the non-tensor state read from the store;
+/// or `None` (the store is read instead) when the copies do not cover the rows, a
+/// peer fails, or a copy does not match what was saved (logged as a warning).
+#[allow(clippy::too_many_arguments)]
 fn from_memory(
     memory: &Memory,
     table: &[Holding],
+    runtime: &tokio::runtime::Handle,
+    store: &Store,
     commit: &ckpt::Commit,
     rank: usize,
     world: usize,
@@ -1367,27 +1388,56 @@ fn from_memory(
             cols: s.cols,
         })
         .collect();
+    let names: Vec<String> = specs
+        .iter()
+        .flat_map(|s| SAVED_AS.map(|prefix| format!("{prefix}/{}", s.name)))
+        .collect();
     supervisor.waiting(true);
-    let assembled = memory::assemble(
-        memory,
-        table,
-        rank,
-        world,
-        &commit.dir,
-        &shapes,
-        spare,
-        &|| supervisor.is_cancelled(),
-    );
+    let rebuilt = (|| {
+        let manifest = runtime
+            .block_on(ckpt::catalog::read_commit(store, commit))
+            .map_err(|e| memory::AssembleError::Unavailable(e.to_string()))?;
+        let reader = ckpt::CheckpointReader::from_manifest(store, manifest);
+        let part = |r: usize| {
+            runtime
+                .block_on(reader.part(r as u32))
+                .map_err(|e| e.to_string())
+        };
+        let saved = memory::Saved {
+            names: &names,
+            part: &part,
+        };
+        let assembled = memory::assemble(
+            memory,
+            table,
+            rank,
+            world,
+            &commit.dir,
+            &shapes,
+            &saved,
+            spare,
+            &|| supervisor.is_cancelled(),
+        )?;
+        let global = runtime
+            .block_on(reader.global_state())
+            .map_err(|e| memory::AssembleError::Unavailable(e.to_string()))?;
+        Ok::<_, memory::AssembleError>((assembled, global))
+    })();
     supervisor.waiting(false);
-    match assembled {
-        Ok(assembled) => Some((
+    match rebuilt {
+        Ok((assembled, global)) => Some((
             Found::Memory {
                 step: commit.step,
                 assembled,
+                global,
             },
             attempt.generation,
         )),
-        Err(e) => {
+        Err(memory::AssembleError::Mismatch(e)) => {
+            tracing::warn!(step = commit.step, rank, error = %e, "an in-memory copy differs from what was saved; reading the store");
+            None
+        }
+        Err(memory::AssembleError::Unavailable(e)) => {
             tracing::info!(step = commit.step, rank, error = %e, "not rebuilt from memory; reading the store");
             None
         }
@@ -1463,7 +1513,7 @@ fn store_request(
     for spec in specs {
         let shape = spec.shape();
         let n = owned_rows(spec, rank, world).len() * spec.cols;
-        for prefix in ["param", "adam_m", "adam_v"] {
+        for prefix in SAVED_AS {
             request = request.expect(
                 format!("{prefix}/{}", spec.name),
                 DType::F32,

@@ -706,6 +706,37 @@ fn a_rank_that_reports_a_device_error_is_dropped_and_the_others_go_on() {
     assert_identical(reference_dir.path(), dir.path());
 }
 
+#[test]
+fn an_in_memory_copy_that_rotted_is_caught_by_the_saves_checksums_and_the_store_is_read() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir, mut args) = scenario(30);
+    // Rank 0's copy of step 10 rots after the save; rank 1's device fails at step 12.
+    args.extend([
+        "--fault-rot-copy".into(),
+        "10:0".into(),
+        "--fault-device-error".into(),
+        "12:1".into(),
+    ]);
+    let launch = Launch::start(&["--nproc", "3", "--min-ranks", "2"], &as_strs(&args));
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the others must finish:\n{output}");
+    assert!(
+        output.contains("fault: rank 0 flipped a bit of its in-memory copy of step 10"),
+        "the fault must happen:\n{output}"
+    );
+    let warning = line_with(&output, "differs from what was saved");
+    assert!(
+        warning.contains("(rank 0 of 3) held by rank 0") && warning.contains("block"),
+        "the log names the copy, its holder and the block: {warning}"
+    );
+    let resumed = line_with(&output, "resumed from step 10");
+    assert!(
+        resumed.contains("read from the store on the others"),
+        "the rank whose copy rotted reads the store: {resumed}"
+    );
+    assert_identical(reference_dir.path(), dir.path());
+}
+
 /// The recovery scenarios above, on etcd instead of a coordinator: same faults, same
 /// outcomes, the same bitwise oracle.
 #[cfg(feature = "etcd")]
