@@ -147,6 +147,66 @@ pub(crate) fn parse_tombstone(bytes: &[u8], object: &str) -> Result<Option<Outco
     }))
 }
 
+/// Which failures [`retry`] tries again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Retry {
+    /// Transient ones ([`Error::is_transient`]), on remote stores only: local disk
+    /// and memory do not retry, as the store itself does not.
+    Transient,
+    /// Any, on every store: for a write whose absence leaves other ranks waiting (a
+    /// failed save's tombstone), where a full disk may have room again a moment later.
+    Any,
+}
+
+/// Runs `request`, and runs it again after a failure `when` allows, within the
+/// store's retry budget (its `max_retries`, `retry_timeout` and backoff).
+///
+/// For the requests object_store does not retry because they are not idempotent as
+/// such (a create-if-absent put whose connection was reset may have landed), which
+/// their callers make safe to repeat: an `AlreadyExists` on a later try is read as
+/// "maybe my own first try" (a part compares the bytes, a slot reads the outcome,
+/// the commit log finds the attempt's record).
+pub(crate) async fn retry<T, F, Fut>(
+    store: &Store,
+    what: &str,
+    when: Retry,
+    mut request: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let settings = &store.config().retry;
+    let local = matches!(
+        store.backend(),
+        ckpt_storage::Backend::Local | ckpt_storage::Backend::Memory
+    );
+    let retries = match when {
+        Retry::Transient if local => 0,
+        _ => settings.max_retries,
+    };
+    let started = std::time::Instant::now();
+    let mut backoff = settings.init_backoff;
+    let mut tried = 0;
+    loop {
+        match request().await {
+            Err(e)
+                if (when == Retry::Any || e.is_transient())
+                    && tried < retries
+                    && started.elapsed() + backoff < settings.retry_timeout =>
+            {
+                tried += 1;
+                warn!(error = %e, retry = tried, "{what} failed; trying again");
+                tokio::time::sleep(backoff).await;
+                backoff = backoff
+                    .mul_f64(settings.backoff_base)
+                    .min(settings.max_backoff);
+            }
+            result => return result,
+        }
+    }
+}
+
 /// Records that `attempt` can never commit. Another committer may have decided the
 /// slot first: the outcome returned is the one that stands.
 pub(crate) async fn bury(store: &Store, attempt: &Attempt, outcome: &Outcome) -> Result<Outcome> {

@@ -13,7 +13,10 @@
 //! empty, so the death of any one rank after its part is durable does not stop the
 //! commit. Every other rank learns the outcome by reading the attempt's slot
 //! (committed, failed and why, or superseded), with a backoff whose requests do not
-//! grow with the world size.
+//! grow with the world size. A rank that cannot write its data file or its part
+//! (after the store's retries; a reset create-if-absent is retried too) records the
+//! failure in the slot itself, naming the rank: the others learn it at their next
+//! look, not at the commit timeout.
 //!
 //! Memory is bounded by the staging pool: at most `max_in_flight` buffers, each the
 //! size of the rank's file, reused from save to save (capacity is kept, so after the
@@ -30,7 +33,7 @@ use tracing::{Instrument, debug, info_span, warn};
 
 use crate::attempt::{Attempt, data_file_name};
 use crate::codec::{block_crcs, compress_block};
-use crate::commit::Outcome;
+use crate::commit::{Outcome, Retry};
 use crate::error::{Error, Result};
 use crate::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
@@ -383,8 +386,10 @@ impl SaveHandle {
     /// even when the committing rank dies (another committer takes over). Errors:
     /// [`Error::Fenced`] when a newer generation committed first, [`Error::Corrupt`]
     /// or [`Error::Failed`] when the parts could not be committed (the reason that the
-    /// committer recorded), [`Error::Timeout`] when some rank's part did not arrive
-    /// within `commit_timeout`, storage errors as they are.
+    /// committer recorded, or that the rank which could not write its part recorded),
+    /// [`Error::Timeout`] when some rank's part did not arrive within
+    /// `commit_timeout` (a rank that died, or one that could not record its own
+    /// failure either), storage errors as they are.
     ///
     /// On a committer, returns only once its background work for the save (the
     /// commit, and retention when it committed) has ended too, so a process may exit
@@ -993,7 +998,7 @@ async fn run_job(
                 Err(e) => {
                     drop(permit);
                     warn!(step, error = %e, "checkpoint save failed while staging");
-                    let _ = status.send(Status::Failed(Arc::new(e)));
+                    give_up(&job.store, &job.config, &job.attempt, e, &status).await;
                     return;
                 }
             }
@@ -1003,7 +1008,7 @@ async fn run_job(
         // The buffer is dropped with the job, not pooled: its copies failed.
         drop(permit);
         warn!(step, error = %e, "checkpoint save failed while staging device tensors");
-        let _ = status.send(Status::Failed(Arc::new(e)));
+        give_up(&job.store, &job.config, &job.attempt, e, &status).await;
         return;
     }
     let written = write_rank(&job).await;
@@ -1031,7 +1036,11 @@ async fn run_job(
             crate::failpoint::hit("after-rank-part");
             return;
         }
-        (Err(e), _) => Err(e),
+        (Err(e), _) => {
+            warn!(step, error = %e, "checkpoint save failed");
+            give_up(&store, &config, &attempt, e, &status).await;
+            return;
+        }
     };
     match result {
         Ok(()) => {
@@ -1042,6 +1051,53 @@ async fn run_job(
             let _ = status.send(Status::Failed(Arc::new(e)));
         }
     }
+}
+
+/// This rank cannot write its part of `attempt`, which therefore can never commit:
+/// records that in the attempt's slot (a tombstone naming the rank and the error),
+/// so that every other rank learns it at its next look at the slot instead of
+/// waiting for this rank's part until `commit_timeout`. Then reports `error` (or the
+/// outcome that stands, when a committer filled the slot first: a part whose write
+/// failed on a reset connection may have landed after all).
+///
+/// The tombstone is tried again after any failure, within the store's retry budget
+/// (a full disk may have room a moment later). An attempt whose names another save
+/// took (`Error::Fenced`) is not this save's to bury. When the tombstone cannot be
+/// written at all (the store stays unreachable or full beyond its retry budget), the
+/// other ranks learn nothing before `commit_timeout`.
+async fn give_up(
+    store: &Store,
+    config: &CheckpointConfig,
+    attempt: &Attempt,
+    error: Error,
+    status: &watch::Sender<Status>,
+) {
+    let committed = !matches!(error, Error::Fenced(_))
+        && {
+            let failed = Outcome::Failed {
+                reason: format!("rank {} could not write its part: {error}", config.rank),
+            };
+            match crate::commit::retry(store, "recording the failed save", Retry::Any, || {
+                crate::commit::bury(store, attempt, &failed)
+            })
+            .await
+            {
+                Ok(outcome) => matches!(outcome, Outcome::Committed { .. }),
+                Err(e) => {
+                    warn!(
+                        step = attempt.step,
+                        error = %e,
+                        "could not record the failed save; the other ranks wait for this rank's part until their commit timeout"
+                    );
+                    false
+                }
+            }
+        };
+    let _ = status.send(if committed {
+        Status::Committed
+    } else {
+        Status::Failed(Arc::new(error))
+    });
 }
 
 /// The committer's part, after its own part is durable: watch the attempt's
@@ -1069,7 +1125,13 @@ async fn commit_as(
         if presence.parts == world as usize {
             let since = *complete_since.get_or_insert_with(Instant::now);
             if since.elapsed() >= takeover {
-                let outcome = crate::commit::commit(store, attempt, world).await?;
+                // A commit is safe to run again (the log append is idempotent per
+                // attempt, the slot create-if-absent): a reset request costs a retry,
+                // not the outcome.
+                let outcome = crate::commit::retry(store, "committing", Retry::Transient, || {
+                    crate::commit::commit(store, attempt, world)
+                })
+                .await?;
                 if let Outcome::Committed { seq: Some(_) } = outcome {
                     crate::failpoint::hit("after-commit");
                     if let Some(keep) = config.keep_last {
@@ -1177,23 +1239,31 @@ async fn write_rank(job: &Job) -> Result<()> {
 /// Writes a rank's part create-if-absent: a part is never replaced. Finding the same
 /// bytes there is success (a retried write whose first try landed); finding other
 /// bytes means the attempt's name was used by another save (a reused run id).
+/// A transient failure (a connection reset mid-body) is tried again within the
+/// store's retry budget: the comparison makes the create safe to repeat.
 pub(crate) async fn put_part(store: &Store, key: &str, bytes: Vec<u8>) -> Result<()> {
     let bytes = Bytes::from(bytes);
-    match store.put_if_absent(key, bytes.clone()).await {
-        Ok(()) => Ok(()),
-        Err(e) if e.is_already_exists() => {
-            if store.get(key).await? == bytes {
-                Ok(())
-            } else {
-                Err(Error::Fenced(format!(
-                    "{} already holds another save's part: this attempt's name is taken \
-                     (give every run its own run id, or a new generation)",
-                    store.url().trim_end_matches('/').to_string() + "/" + key
-                )))
+    crate::commit::retry(store, "writing a rank part", Retry::Transient, || {
+        let bytes = bytes.clone();
+        async move {
+            match store.put_if_absent(key, bytes.clone()).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.is_already_exists() => {
+                    if store.get(key).await? == bytes {
+                        Ok(())
+                    } else {
+                        Err(Error::Fenced(format!(
+                            "{} already holds another save's part: this attempt's name is taken \
+                             (give every run its own run id, or a new generation)",
+                            store.url().trim_end_matches('/').to_string() + "/" + key
+                        )))
+                    }
+                }
+                Err(e) => Err(e.into()),
             }
         }
-        Err(e) => Err(e.into()),
-    }
+    })
+    .await
 }
 
 /// Writes the staging buffer as the rank's plain data file: on local disk with

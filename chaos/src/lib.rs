@@ -262,6 +262,7 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
             observed.wall_s
         ));
     }
+    reasons.extend(unexplained_recoveries(&observed));
     let fired = observed.fired.len();
     if fired < scenario.faults.len() {
         reasons.push(format!(
@@ -285,6 +286,44 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
     })
 }
 
+/// Faults that take a rank away (kill it, hang it, cut its node off, or make it
+/// report a lost device), and so may end a generation. The others (storage, a full
+/// disk, corruption at rest, the coordinator or an etcd member restarting) must cost
+/// at most a checkpoint, never a generation.
+pub const RANK_LOSING_FAULTS: &[FaultKind] = &[
+    FaultKind::Kill,
+    FaultKind::Stop,
+    FaultKind::KillNode,
+    FaultKind::DeviceError,
+    FaultKind::KillInSave,
+    FaultKind::Partition,
+];
+
+/// A reason for each recovery that no fault explains: no fault of
+/// [`RANK_LOSING_FAULTS`] fired before the failure was noticed (a second of slack
+/// for the trainer's and the harness's clocks read at different moments). Such a
+/// recovery is a bug even when the oracle passes: the job stopped for something
+/// that should not have stopped it.
+pub fn unexplained_recoveries(observed: &run::Observed) -> Vec<String> {
+    let losing: Vec<String> = RANK_LOSING_FAULTS.iter().map(|k| k.name()).collect();
+    observed
+        .recoveries
+        .iter()
+        .filter(|r| {
+            !observed
+                .fired
+                .iter()
+                .any(|f| losing.contains(&f.kind) && f.unix_ms <= r.noticed_unix_ms + 1000)
+        })
+        .map(|r| {
+            format!(
+                "generation {} (world {}) formed although no rank was lost before it: {}",
+                r.generation, r.world, r.cause
+            )
+        })
+        .collect()
+}
+
 /// The default cache of failure-free runs.
 pub fn default_cache() -> PathBuf {
     std::env::var_os("XDG_CACHE_HOME")
@@ -292,4 +331,69 @@ pub fn default_cache() -> PathBuf {
         .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))
         .unwrap_or_else(std::env::temp_dir)
         .join("ckpt-chaos")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use run::{Fired, Observed, Recovery};
+
+    fn fired(kind: FaultKind, unix_ms: u64) -> Fired {
+        Fired {
+            kind: kind.name(),
+            target: String::new(),
+            at_step: 15,
+            at_ms: 0,
+            unix_ms,
+        }
+    }
+
+    fn recovery(noticed_unix_ms: u64) -> Recovery {
+        Recovery {
+            generation: 2,
+            world: 3,
+            cause: "collective failed with rank 2: all_gather: rank 2 made no progress for 30s"
+                .into(),
+            detect_ms: None,
+            abort_ms: 0,
+            reform_ms: 0,
+            load_ms: 0,
+            first_step_ms: 0,
+            back_ms: 0,
+            noticed_unix_ms,
+        }
+    }
+
+    #[test]
+    fn a_recovery_after_storage_faults_only_is_unexplained() {
+        let observed = Observed {
+            fired: vec![fired(FaultKind::StorageReset, 1_000)],
+            recoveries: vec![recovery(31_000)],
+            ..Observed::default()
+        };
+        let reasons = unexplained_recoveries(&observed);
+        assert_eq!(reasons.len(), 1, "{reasons:?}");
+        assert!(reasons[0].contains("no rank was lost"), "{reasons:?}");
+        assert!(reasons[0].contains("made no progress"), "{reasons:?}");
+    }
+
+    #[test]
+    fn a_recovery_after_a_lost_rank_is_explained_and_one_before_it_is_not() {
+        let observed = Observed {
+            fired: vec![
+                fired(FaultKind::StorageReset, 1_000),
+                fired(FaultKind::Kill, 40_000),
+            ],
+            recoveries: vec![recovery(31_000), recovery(40_050)],
+            ..Observed::default()
+        };
+        let reasons = unexplained_recoveries(&observed);
+        assert_eq!(reasons.len(), 1, "only the first: {reasons:?}");
+        let observed = Observed {
+            fired: vec![fired(FaultKind::Stop, 1_000)],
+            recoveries: vec![recovery(3_000)],
+            ..Observed::default()
+        };
+        assert!(unexplained_recoveries(&observed).is_empty());
+    }
 }

@@ -6,66 +6,31 @@
 //! Needs `CKPT_TEST_S3_ENDPOINT` and `CKPT_TEST_S3_BUCKET` (the test command starts
 //! the server); without them each test says SKIPPED and returns.
 
-use std::time::Duration;
-
-use ckpt::storage::{RetrySettings, Store, StoreConfig};
+use ckpt::storage::{Store, StoreConfig};
 use ckpt::tools::verify::{VerifyOptions, verify};
 use ckpt::{CheckpointConfig, CheckpointReader, Checkpointer, DType, LoadRequest, Region, State};
 use ckpt_chaos::storage_proxy::{StorageFault, StorageProxy};
 
 const PART: usize = ckpt::storage::MIN_PART_SIZE;
 
-fn server() -> Option<(String, String)> {
-    let endpoint = std::env::var("CKPT_TEST_S3_ENDPOINT").ok();
-    let bucket = std::env::var("CKPT_TEST_S3_BUCKET").unwrap_or_else(|_| "ckpt-test".into());
-    if endpoint.is_none() {
-        eprintln!("SKIPPED: CKPT_TEST_S3_ENDPOINT not set (run the tests with scripts/test)");
-    }
-    Some((endpoint?, bucket))
-}
+mod common;
+
+use common::{committed_steps, config_at, server, unique_prefix};
 
 /// A store on a fresh prefix reached through `proxy`, cutting objects into parts
 /// of the smallest size S3 accepts, retrying fast.
 fn store_through(proxy: &StorageProxy, bucket: &str, name: &str) -> Store {
-    let mut config = StoreConfig {
+    let config = StoreConfig {
         part_size: PART,
-        retry: RetrySettings {
-            max_retries: 4,
-            init_backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_millis(100),
-            ..RetrySettings::default()
-        },
-        ..StoreConfig::default()
+        ..config_at(&proxy.endpoint(), 4)
     };
-    for (key, value) in [
-        ("aws_endpoint", proxy.endpoint()),
-        ("aws_allow_http", "true".into()),
-        ("aws_region", "us-east-1".into()),
-        ("aws_access_key_id", "test".into()),
-        ("aws_secret_access_key", "test".into()),
-    ] {
-        config = config.with_option(key, value);
-    }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    Store::open(&format!("s3://{bucket}/chaos-{name}-{nanos}"), config).unwrap()
+    Store::open(&format!("s3://{bucket}/{}", unique_prefix(name)), config).unwrap()
 }
 
 /// 12 MiB of f32 (three parts of 5 MiB, the last short), different per step.
 fn weights(step: u64) -> Vec<u8> {
     (0..3 * 1024 * 1024u32)
         .flat_map(|i| (i as f32 * 0.5 + step as f32).to_le_bytes())
-        .collect()
-}
-
-async fn committed_steps(store: &Store) -> Vec<u64> {
-    ckpt::catalog::commits(store)
-        .await
-        .unwrap()
-        .iter()
-        .map(|c| c.step)
         .collect()
 }
 

@@ -1,0 +1,61 @@
+//! What the tests against the S3-compatible test server share: its address, and
+//! stores on a prefix of their own reached at an endpoint (the server's, or a fault
+//! proxy's in front of it).
+
+use std::time::Duration;
+
+use ckpt::storage::{RetrySettings, Store, StoreConfig};
+
+/// The server and bucket the test command started (`CKPT_TEST_S3_ENDPOINT`,
+/// `CKPT_TEST_S3_BUCKET`); `None`, after saying SKIPPED, without them.
+pub(crate) fn server() -> Option<(String, String)> {
+    let endpoint = std::env::var("CKPT_TEST_S3_ENDPOINT").ok();
+    let bucket = std::env::var("CKPT_TEST_S3_BUCKET").unwrap_or_else(|_| "ckpt-test".into());
+    if endpoint.is_none() {
+        eprintln!("SKIPPED: CKPT_TEST_S3_ENDPOINT not set (run the tests with scripts/test)");
+    }
+    Some((endpoint?, bucket))
+}
+
+/// A prefix no other run uses: `chaos-NAME-NANOS`.
+pub(crate) fn unique_prefix(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("chaos-{name}-{nanos}")
+}
+
+/// Settings for the server reached at `endpoint`, giving up on a request after
+/// `max_retries` retries, fast.
+pub(crate) fn config_at(endpoint: &str, max_retries: usize) -> StoreConfig {
+    let mut config = StoreConfig {
+        retry: RetrySettings {
+            max_retries,
+            init_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(100),
+            ..RetrySettings::default()
+        },
+        ..StoreConfig::default()
+    };
+    for (key, value) in [
+        ("aws_endpoint", endpoint),
+        ("aws_allow_http", "true"),
+        ("aws_region", "us-east-1"),
+        ("aws_access_key_id", "test"),
+        ("aws_secret_access_key", "test"),
+    ] {
+        config = config.with_option(key, value.to_string());
+    }
+    config
+}
+
+/// The steps committed in `store`, in commit order.
+pub(crate) async fn committed_steps(store: &Store) -> Vec<u64> {
+    ckpt::catalog::commits(store)
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.step)
+        .collect()
+}
