@@ -160,6 +160,38 @@ fn restart_cause(agent: &Agent, generation: u64) -> String {
 }
 
 #[test]
+fn a_joining_member_keeps_trying_while_the_coordinator_is_unreachable_and_says_for_how_long() {
+    // A port nobody listens on (yet).
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let joining = std::thread::spawn(move || TcpControlPlane::connect(addr, member(0), settings()));
+    // The coordinator comes up after the member's first attempts were refused (a
+    // launcher restarting, a node hosting it that starts later): the member joins.
+    std::thread::sleep(Duration::from_millis(300));
+    let coordinator = Coordinator::bind(addr, config(1, 1)).unwrap().spawn();
+    let plane = joining
+        .join()
+        .unwrap()
+        .expect("joins once the coordinator is up");
+    assert!(plane.is_connected());
+    drop(plane);
+    drop(coordinator);
+    // Never up: the error says how long it tried.
+    let short = TcpSettings {
+        connect_timeout: Duration::from_millis(300),
+        ..settings()
+    };
+    let started = Instant::now();
+    let Err(ElasticError::Io(message)) = TcpControlPlane::connect(addr, member(1), short) else {
+        panic!("nothing listens at {addr}");
+    };
+    assert!(started.elapsed() >= Duration::from_millis(250), "{message}");
+    assert!(message.contains("tried for 0.3 s"), "{message}");
+}
+
+#[test]
 fn four_members_rendezvous_into_one_generation_with_contiguous_ranks() {
     let coordinator = start(config(4, 4));
     let agents = agents(coordinator.local_addr(), 0..4);

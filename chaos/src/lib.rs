@@ -188,7 +188,8 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
     }
     let judgement = oracle::judge(&store, &seen, &observed.damaged, &reference, scenario.steps);
     drop(env);
-    let mut reasons = judgement.problems.clone();
+    let mut reasons: Vec<String> = observed.cut.iter().cloned().collect();
+    reasons.extend(judgement.problems.iter().cloned());
     // A launcher whose every rank was hit by a fault has nothing left to finish: its
     // exit code reports those failures. Any other launcher must finish cleanly.
     let hit: Vec<usize> = scenario
@@ -256,6 +257,7 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
     }
     if let Some(limit) = expect.ends_within_secs
         && observed.wall_s > limit as f64
+        && observed.cut.is_none()
     {
         reasons.push(format!(
             "the run took {:.1} s; expected to end within {limit} s",

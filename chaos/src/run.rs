@@ -94,6 +94,10 @@ pub struct Observed {
     pub goodput: Option<f64>,
     /// Requests the storage proxy saw and faulted.
     pub storage: Option<crate::storage_proxy::ProxyStats>,
+    /// Set when the run outlived its liveness bound (`ends_within_secs`) and the
+    /// harness ended it: what it killed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cut: Option<String>,
     /// What rank 0 reported over time, for `--plot`.
     #[serde(skip)]
     pub timeline: Timeline,
@@ -513,7 +517,14 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
         joined.as_deref(),
         &tx,
     )?];
-    let deadline = Instant::now() + setup.timeout;
+    // The scenario's liveness bound, when it has one, ends the run: a run that
+    // outlives it has failed, and waiting longer only hides what it waits for.
+    let bound = scenario
+        .expect
+        .ends_within_secs
+        .map(Duration::from_secs)
+        .filter(|b| *b < setup.timeout);
+    let deadline = watch.started + bound.unwrap_or(setup.timeout);
     // Node 0 hosts the coordinator; the others join it once it has said where.
     while scenario.nodes > nodes.len() {
         match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
@@ -547,23 +558,25 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
         match rx.recv_timeout(wait) {
             Ok(line) => watch.take(&line),
             Err(RecvTimeoutError::Timeout) if Instant::now() >= deadline => {
-                let stacks = stacks_of(watch.pids.values().map(|&(_, pid)| pid));
-                for node in &mut nodes {
-                    let _ = node.child.kill();
-                }
-                for (_, &(_, pid)) in watch.pids.iter() {
-                    signal(pid, libc::SIGKILL);
-                }
                 if let Ok(dir) = std::env::var("CKPT_CHAOS_STACKS") {
+                    let stacks = stacks_of(watch.pids.values().map(|&(_, pid)| pid));
                     let _ = std::fs::write(
                         Path::new(&dir).join(format!("stacks-{}.txt", std::process::id())),
                         format!("{}\n{}", watch.observed.log.join("\n"), stacks.join("\n")),
                     );
                 }
-                return Err(std::io::Error::other(format!(
-                    "the run did not end within {:?}",
-                    setup.timeout
-                )));
+                let killed = kill_everything(&mut nodes, &watch.pids, &setup.trainer);
+                let Some(bound) = bound else {
+                    return Err(std::io::Error::other(format!(
+                        "the run did not end within {:?}; killed {killed}",
+                        setup.timeout
+                    )));
+                };
+                watch.observed.cut = Some(format!(
+                    "the run did not end within its bound of {} s (ends_within_secs); the harness killed {killed}",
+                    bound.as_secs()
+                ));
+                break;
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
@@ -778,13 +791,16 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
         let _ = child.wait();
     }
     for (i, node) in nodes.iter_mut().enumerate() {
-        let status = node.child.wait()?;
-        if !node.killed {
-            watch
-                .observed
-                .exit_codes
-                .insert(i, status.code().unwrap_or(128));
+        if node.killed {
+            // Killed on purpose (a fault, or the bound): reaped if it can be.
+            let _ = node.child.try_wait();
+            continue;
         }
+        let status = node.child.wait()?;
+        watch
+            .observed
+            .exit_codes
+            .insert(i, status.code().unwrap_or(128));
     }
     finish(&mut watch);
     watch
@@ -793,6 +809,66 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
         .extend(notes.iter().map(|n| format!("[harness] {n}")));
     watch.observed.storage = env.proxy.as_ref().map(|p| p.stats());
     Ok(watch.observed)
+}
+
+/// SIGKILLs every launcher and every rank process the run started that is still
+/// alive (a stopped one too: SIGKILL ends a stopped process) and reaps the
+/// launchers, waiting a few seconds at most; says what it killed. A rank's pid
+/// counts only while it still names the trainer (a pid is reused once its process
+/// is gone).
+fn kill_everything(
+    nodes: &mut [Node],
+    pids: &BTreeMap<usize, (usize, i32)>,
+    trainer: &Path,
+) -> String {
+    // The kernel keeps the first 15 bytes of the program's name.
+    let name: Vec<u8> = trainer
+        .file_name()
+        .map(|n| n.as_encoded_bytes().iter().copied().take(15).collect())
+        .unwrap_or_default();
+    let mut killed = Vec::new();
+    for (label, &(_, pid)) in pids {
+        let ours = std::fs::read(format!("/proc/{pid}/comm"))
+            .is_ok_and(|comm| comm.strip_suffix(b"\n").unwrap_or(&comm) == name.as_slice());
+        match proc_state(pid) {
+            None | Some('Z') => {}
+            Some(_) if !ours => {}
+            Some(state) => {
+                signal(pid, libc::SIGKILL);
+                killed.push(format!("rank {label} (pid {pid}, state {state})"));
+            }
+        }
+    }
+    for (i, node) in nodes.iter_mut().enumerate() {
+        if matches!(node.child.try_wait(), Ok(None)) {
+            let _ = node.child.kill();
+            node.killed = true;
+            killed.push(format!(
+                "the launcher of node {i} (pid {})",
+                node.child.id()
+            ));
+        }
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while nodes
+        .iter_mut()
+        .any(|n| matches!(n.child.try_wait(), Ok(None)))
+        && Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if killed.is_empty() {
+        "nothing (every process had ended)".into()
+    } else {
+        killed.join(", ")
+    }
+}
+
+/// The state letter of `/proc/PID/stat` (`R`, `S`, `D`, `T`, `Z`…), `None` once the
+/// process is gone.
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// Every thread's stack of each live process in `pids` (gdb, when installed): what a

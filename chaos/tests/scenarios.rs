@@ -217,3 +217,81 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
     assert_eq!(replayed, ckpt_chaos::soak::draw(7, 0));
     assert!(String::from_utf8_lossy(&output.stderr).contains("replay: ckpt-chaos run"));
 }
+
+/// The state letter of `/proc/PID/stat`, `None` once the process is gone.
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+#[test]
+fn a_run_past_its_liveness_bound_is_ended_and_failed_and_what_it_started_is_killed() {
+    let _serial = one_at_a_time();
+    let cache = tempfile::tempdir().unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/stop-one-rank.toml");
+    let mut scenario = Scenario::load(&path).unwrap();
+    // A stop that outlives the run, in a run far longer than its bound.
+    scenario.steps = 1000;
+    scenario.faults[0].duration_ms = Some(600_000);
+    let bound = 10;
+    scenario.expect.ends_within_secs = Some(bound);
+    let options = Options {
+        trainer: trainer(),
+        cache: cache.path().into(),
+        scratch: scratch.path().join("run"),
+        timeout: Duration::from_secs(300),
+        logs: None,
+        plot: None,
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = std::time::Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(run_scenario("outlives its bound", &scenario, &options));
+    });
+    // The reference run comes first (cached per configuration); then the run itself
+    // must end at its bound, not at the harness's 300 s timeout.
+    let waited = Duration::from_secs(bound + 60);
+    let report = rx
+        .recv_timeout(waited)
+        .unwrap_or_else(|_| panic!("the harness did not return within {waited:?}"))
+        .unwrap();
+    assert!(started.elapsed() < waited);
+    assert_eq!(report.verdict, "fail", "{}", report.summary());
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|r| r.contains(&format!("did not end within its bound of {bound} s"))),
+        "{}",
+        report.summary()
+    );
+    assert!(
+        report.observed.wall_s < (bound + 15) as f64,
+        "the run was cut at its bound: {} s",
+        report.observed.wall_s
+    );
+    assert!(!report.observed.fired.is_empty(), "{}", report.summary());
+    // Every rank it started is gone (the stopped one too), not left running.
+    let pids: Vec<i32> = report
+        .observed
+        .log
+        .iter()
+        .filter_map(|l| {
+            l.split(" pid ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(pids.len() >= 4, "{:?}", report.observed.log);
+    for pid in pids {
+        let state = proc_state(pid);
+        assert!(
+            state.is_none() || state == Some('Z'),
+            "pid {pid} is still alive (state {state:?})"
+        );
+    }
+}

@@ -152,6 +152,32 @@ pub enum Event {
     },
 }
 
+/// Why a job is over, as its control plane knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobOver {
+    /// A member trained to the last step: the job succeeded, whatever it recovered
+    /// from on the way.
+    Finished(String),
+    /// The job was shut down without finishing (too few members for too long).
+    ShutDown(String),
+}
+
+impl JobOver {
+    /// True when the job trained to its last step.
+    pub fn finished(&self) -> bool {
+        matches!(self, JobOver::Finished(_))
+    }
+}
+
+impl std::fmt::Display for JobOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobOver::Finished(reason) => f.write_str(reason),
+            JobOver::ShutDown(reason) => write!(f, "job shut down: {reason}"),
+        }
+    }
+}
+
 /// A bound coordinator, not yet serving.
 pub struct Coordinator {
     listener: TcpListener,
@@ -281,9 +307,12 @@ impl CoordinatorHandle {
     /// Why the job is over, once it is: it trained to its last step, or it was shut
     /// down (too few members for too long, a fatal report). `None` while it may
     /// still train.
-    pub fn job_over(&self) -> Option<String> {
+    pub fn job_over(&self) -> Option<JobOver> {
         let core = self.shared.lock();
-        core.finished.clone().or_else(|| core.shutdown.clone())
+        core.finished
+            .clone()
+            .map(JobOver::Finished)
+            .or_else(|| core.shutdown.clone().map(JobOver::ShutDown))
     }
 
     /// Members connected now (training, waiting or between generations), from every
@@ -1615,7 +1644,9 @@ impl Core {
         }
         match self.phase {
             Phase::Running(_) | Phase::Settling { .. } => self.below_min_since = None,
-            _ if !self.members_seen => {}
+            // A finished job is over already: nobody is awaited, and it is not
+            // shut down for lack of members once they have left.
+            _ if !self.members_seen || self.finished.is_some() => {}
             _ => {
                 let waiting = self.waiting();
                 if waiting >= self.config.min_ranks {
@@ -1768,6 +1799,18 @@ mod tests {
                 .collect()
         }
 
+        /// Members 0 and 1 join at 0 ms and run a generation from 1000 ms (the
+        /// settle window): their connections and its number.
+        fn two_running(&mut self) -> (ConnId, ConnId, u64) {
+            let a = self.hello(0, 0, None, 0);
+            let b = self.hello(1, 0, None, 0);
+            self.send(a, ClientMessage::Rendezvous { after: 0 }, 0);
+            self.send(b, ClientMessage::Rendezvous { after: 0 }, 0);
+            self.core.tick(self.at(1000));
+            let generation = self.assigned(a).unwrap().generation;
+            (a, b, generation)
+        }
+
         fn assigned(&self, c: ConnId) -> Option<Assignment> {
             self.received(c).into_iter().find_map(|m| match m {
                 ServerMessage::Assigned { assignment } => Some(assignment),
@@ -1797,12 +1840,7 @@ mod tests {
         // Found by the chaos harness: a member that rejoined as a newcomer just before
         // the others finished waited out the whole rendezvous timeout.
         let mut h = Harness::new(2, 2);
-        let a = h.hello(0, 0, None, 0);
-        let b = h.hello(1, 0, None, 0);
-        h.send(a, ClientMessage::Rendezvous { after: 0 }, 0);
-        h.send(b, ClientMessage::Rendezvous { after: 0 }, 0);
-        h.core.tick(h.at(1000));
-        let generation = h.assigned(a).unwrap().generation;
+        let (a, b, generation) = h.two_running();
         let late = h.hello(2, 0, None, 1100);
         h.send(late, ClientMessage::Rendezvous { after: 0 }, 1100);
         assert!(
@@ -1828,6 +1866,36 @@ mod tests {
         let later = h.hello(3, 0, None, 1300);
         h.send(later, ClientMessage::Rendezvous { after: 0 }, 1300);
         assert!(h.received(later).iter().any(shutdown));
+    }
+
+    #[test]
+    fn a_finished_job_whose_members_left_is_not_shut_down_for_lack_of_members() {
+        // Found from outside: a job that trained to its end logged "job shut down:
+        // only 0 of at least 2 members for 120 s" once its members had left.
+        let mut h = Harness::new(2, 2);
+        let (a, b, generation) = h.two_running();
+        for (c, ms) in [(a, 2000), (b, 2001)] {
+            let report = Report::Finished { step: 60 };
+            h.send(c, ClientMessage::Report { generation, report }, ms);
+            let report = Report::Leaving {
+                reason: "finished".into(),
+            };
+            h.send(c, ClientMessage::Report { generation, report }, ms);
+            h.core.remove(c, "connection closed", h.at(ms));
+        }
+        let long_after = 2001 + h.core.config.rendezvous_timeout.as_millis() as u64 * 2;
+        h.core.tick(h.at(3000));
+        h.core.tick(h.at(long_after));
+        assert!(h.core.shutdown.is_none(), "{:?}", h.core.shutdown);
+        assert!(
+            !h.core
+                .events
+                .iter()
+                .any(|e| matches!(e, Event::Shutdown { .. })),
+            "{:?}",
+            h.core.events
+        );
+        assert!(h.core.finished.is_some());
     }
 
     #[test]

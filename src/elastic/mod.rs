@@ -89,7 +89,7 @@ use serde::{Deserialize, Serialize};
 
 pub use agent::{Agent, AgentConfig};
 pub use cancel::Cancel;
-pub use coordinator::{Coordinator, CoordinatorConfig, CoordinatorHandle, Event};
+pub use coordinator::{Coordinator, CoordinatorConfig, CoordinatorHandle, Event, JobOver};
 pub use etcd::EtcdUrl;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdControlPlane, EtcdJob, EtcdSettings};

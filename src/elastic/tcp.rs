@@ -397,8 +397,11 @@ impl TcpControlPlane {
             match TcpStream::connect_timeout(&addr, attempt) {
                 Ok(stream) => break stream,
                 Err(e) if Instant::now() + backoff >= deadline => {
+                    // Said with how long it tried: a coordinator that is gone for
+                    // good and one that was slow to start read differently.
                     return Err(ElasticError::Io(format!(
-                        "cannot reach the coordinator at {addr}: {e}"
+                        "cannot reach the coordinator at {addr}, tried for {:.1} s: {e}",
+                        settings.connect_timeout.as_secs_f64()
                     )));
                 }
                 Err(_) => {

@@ -25,6 +25,14 @@
 //! is already running. Without `--min-ranks` the world may not shrink below its
 //! starting size: a failure with no restart left stops every rank, as without
 //! elastic mode.
+//!
+//! An elastic launcher exits as soon as the job is over (its control plane says so, or
+//! one of its ranks exited 0, which a rank does only when the job finished), with the
+//! job's status. Ranks still running then were dropped by the world (hung, stale):
+//! they get [`LaunchConfig::grace`], then SIGKILL, each named; one that SIGKILL cannot
+//! end (uninterruptible sleep) is named after 5 s and left behind. A
+//! launcher hosting the coordinator serves it after its own ranks are gone, until the
+//! job is over, when other nodes can take part.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
@@ -35,7 +43,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ckpt::elastic::{Coordinator, CoordinatorConfig, Event};
+use ckpt::elastic::{Coordinator, CoordinatorConfig, Event, JobOver};
 
 use crate::signals;
 
@@ -58,7 +66,8 @@ pub struct LaunchConfig {
     pub master_port: Option<u16>,
     /// Arguments of every rank's command line (after the program name).
     pub args: Vec<OsString>,
-    /// Time between SIGTERM and SIGKILL of the survivors after a failure.
+    /// Time between SIGTERM and SIGKILL of the survivors after a failure; in elastic
+    /// mode also how long a rank may run on after the job is over before SIGKILL.
     pub grace: Duration,
     /// Elastic mode (a coordinator assigns ranks; failed ranks do not stop the rest).
     pub elastic: Option<ElasticLaunch>,
@@ -458,6 +467,16 @@ impl Plane {
         }
     }
 
+    /// Why the job is over, when this control plane knows it (a hosted coordinator,
+    /// etcd); `None` for a coordinator this launcher only joins.
+    fn job_over(&self) -> Option<JobOver> {
+        match self {
+            Plane::Coordinator(c) => c.as_ref().and_then(|c| c.job_over()),
+            #[cfg(feature = "etcd")]
+            Plane::Etcd(job) => job.job_over(),
+        }
+    }
+
     fn revoke(&self, lease: Option<i64>) {
         match (self, lease) {
             #[cfg(feature = "etcd")]
@@ -467,51 +486,42 @@ impl Plane {
     }
 }
 
-/// Every rank of this node has exited, but a coordinator this launcher hosts serves
-/// the whole job: the other nodes' ranks may still be training, and they would lose
-/// their control plane with this process. It keeps serving until the job is over
-/// (finished or shut down), until no member of any node is connected any more, or
-/// until this launcher is told to stop.
-fn serve_until_the_job_ends(
-    plane: &Plane,
-    events_seen: &mut usize,
-    last_ended: &mut Option<(u64, std::time::SystemTime)>,
-    forwarded: i32,
-) {
-    let Plane::Coordinator(Some(coordinator)) = plane else {
-        return;
-    };
-    if forwarded > 0 || coordinator.job_over().is_some() || coordinator.members() == 0 {
-        return;
+/// How long a rank killed with SIGKILL may take to be reaped before the launcher
+/// names it and exits without it: a process in uninterruptible sleep (state D, e.g.
+/// inside a driver call) dies only when that call returns, which may be never.
+const REAP_BOUND: Duration = Duration::from_secs(5);
+
+/// The state of process `pid` as `/proc/PID/stat` gives it (`R`, `S`, `D`, `T`, `Z`…),
+/// `None` when it cannot be read (gone, or no procfs).
+pub fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "PID (COMM) STATE …", where COMM may itself hold parentheses.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// `proc_state` in words, for the launcher's lines.
+fn describe_state(state: Option<char>) -> String {
+    match state {
+        Some('D') => "state D: uninterruptible sleep".into(),
+        Some('T') => "state T: stopped".into(),
+        Some('t') => "state t: stopped by a debugger".into(),
+        Some('Z') => "state Z: exited, not yet reaped".into(),
+        Some('R') => "state R: running".into(),
+        Some('S') => "state S: sleeping".into(),
+        Some(other) => format!("state {other}"),
+        None => "state unknown".into(),
     }
-    say(format_args!(
-        "launch: every rank of this node has exited; serving the job's coordinator until the job ends ({} members of other nodes connected)",
-        coordinator.members()
-    ));
-    loop {
-        let events = plane.events();
-        for event in events.iter().skip(*events_seen) {
-            summarize(event, last_ended);
-        }
-        *events_seen = events.len();
-        if let Some(reason) = coordinator.job_over() {
-            say(format_args!(
-                "launch: the job is over ({reason}); coordinator stops"
-            ));
-            return;
-        }
-        if coordinator.members() == 0 {
-            say(format_args!(
-                "launch: no member of any node is connected any more; coordinator stops"
-            ));
-            return;
-        }
-        if signals::received().0 > forwarded {
-            say(format_args!("launch: signalled; coordinator stops"));
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+}
+
+/// The end of the job as this launcher learnt it, and what it did about the local
+/// ranks still running then.
+struct Ending {
+    /// Why the job is over (the control plane's words, or the rank that finished).
+    reason: String,
+    /// It trained to its last step.
+    finished: bool,
+    /// Ranks still running at this instant are killed: the grace after the end.
+    kill_at: Instant,
 }
 
 fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
@@ -588,8 +598,16 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
     let mut forwarded = 0;
     let mut restarts = 0;
     let mut first_failure: Option<i32> = None;
+    // After a failure with no restart left and no --min-ranks: SIGKILL at this instant.
     let mut kill_at: Option<Instant> = None;
-    while slots.iter().any(|s| s.child.is_some()) {
+    let mut ending: Option<Ending> = None;
+    // When the ranks still running were sent SIGKILL (at the end of the job, or of a
+    // stop): the launcher waits `REAP_BOUND` for them at most.
+    let mut killed_at: Option<Instant> = None;
+    let mut serving = false;
+    // Another node's ranks can use the coordinator this launcher hosts.
+    let others_may_join = elastic.host_at.is_some() || elastic.max_ranks > config.nproc;
+    loop {
         let (count, last) = signals::received();
         if count > forwarded {
             forwarded = count;
@@ -618,12 +636,21 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             plane.revoke(slot.lease.take());
             slot.status = Some(status);
             let code = code_of(status);
-            if code == 0 || (code == EXIT_STOPPED && forwarded > 0) {
+            if code == 0 {
+                // A rank exits 0 only when the job trained to its last step.
+                ending.get_or_insert_with(|| Ending {
+                    reason: format!("the job finished: rank {label} exited 0"),
+                    finished: true,
+                    kill_at: Instant::now() + config.grace,
+                });
+                continue;
+            }
+            if (code == EXIT_STOPPED && forwarded > 0) || killed_at.is_some() {
                 continue;
             }
             say(format_args!("launch: rank {label} failed: {status}"));
             first_failure.get_or_insert(code);
-            if forwarded > 0 {
+            if forwarded > 0 || ending.is_some() {
                 continue;
             }
             if restarts < elastic.max_restarts {
@@ -643,6 +670,23 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                 ));
             }
         }
+        // The control plane's word on the end of the job is better than a rank's exit.
+        if let Some(over) = plane.job_over() {
+            match &mut ending {
+                Some(end) if over.finished() || !end.finished => {
+                    end.reason = over.to_string();
+                    end.finished = over.finished();
+                }
+                Some(_) => {}
+                None => {
+                    ending = Some(Ending {
+                        reason: over.to_string(),
+                        finished: over.finished(),
+                        kill_at: Instant::now() + config.grace,
+                    })
+                }
+            }
+        }
         if stop_all && kill_at.is_none() {
             say(format_args!(
                 "launch: no restart left and no --min-ranks: stopping every rank"
@@ -652,26 +696,124 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             }
             kill_at = Some(Instant::now() + config.grace);
         }
-        if let Some(at) = kill_at
-            && Instant::now() >= at
+        let now = Instant::now();
+        let running: Vec<&Slot> = slots.iter().filter(|s| s.child.is_some()).collect();
+        if running.is_empty() {
+            // A coordinator this launcher hosts serves the whole job: the other nodes'
+            // ranks may still train, or come back (a node restarting), and would lose
+            // their control plane with this process. It serves until the job is over,
+            // which includes the coordinator's own rule: too few members for the
+            // rendezvous timeout shuts the job down.
+            let hosting = matches!(plane, Plane::Coordinator(Some(_)));
+            if hosting && others_may_join && ending.is_none() && forwarded == 0 && kill_at.is_none()
+            {
+                if !serving {
+                    serving = true;
+                    say(format_args!(
+                        "launch: every rank of this node has exited; serving the job's coordinator until the job ends (it shuts the job down after {} s with fewer than {} members)",
+                        elastic.coordinator.rendezvous_timeout.as_secs_f64(),
+                        elastic.coordinator.min_ranks
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            if serving && forwarded > 0 {
+                say(format_args!("launch: signalled; coordinator stops"));
+            }
+            break;
+        }
+        // Ranks still running once the job is over (after the grace), or once a stop
+        // is due: the world has dropped them (hung, stale) or they ignore SIGTERM.
+        let due = match (&ending, kill_at) {
+            (Some(end), _) if now >= end.kill_at => Some("after the job ended"),
+            (_, Some(at)) if now >= at => Some("after SIGTERM"),
+            _ => None,
+        };
+        if killed_at.is_none()
+            && let Some(why) = due
         {
-            for child in slots.iter().filter_map(|s| s.child.as_ref()) {
+            let grace = config.grace.as_secs_f64();
+            for slot in &running {
+                let Some(child) = &slot.child else { continue };
+                say(format_args!(
+                    "launch: rank {} pid {} still running {grace} s {why} ({}); SIGKILL",
+                    slot.label,
+                    child.id(),
+                    describe_state(proc_state(child.id()))
+                ));
                 kill(child, libc::SIGKILL);
             }
+            killed_at = Some(now);
+        }
+        if let Some(at) = killed_at
+            && now >= at + REAP_BOUND
+        {
+            // SIGKILL cannot end a process until it leaves uninterruptible sleep; the
+            // launcher names it and goes, rather than hold the allocation for it.
+            for slot in &running {
+                let Some(child) = &slot.child else { continue };
+                say(format_args!(
+                    "launch: rank {} pid {} did not die within {} s of SIGKILL ({}); exiting without it",
+                    slot.label,
+                    child.id(),
+                    REAP_BOUND.as_secs(),
+                    describe_state(proc_state(child.id()))
+                ));
+            }
+            break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    serve_until_the_job_ends(&plane, &mut events_seen, &mut last_ended, forwarded);
-    for pump in spawner.pumps {
-        let _ = pump.join();
+    if slots.iter().all(|s| s.child.is_none()) {
+        for pump in spawner.pumps {
+            let _ = pump.join();
+        }
+    } else {
+        // A rank that could not be reaped keeps its pipes open: wait for the others'
+        // output, not for it.
+        let until = Instant::now() + Duration::from_secs(1);
+        while spawner.pumps.iter().any(|p| !p.is_finished()) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
     let codes: Vec<i32> = slots.iter().filter_map(|s| s.status.map(code_of)).collect();
-    Ok(if codes.contains(&0) && kill_at.is_none() {
-        // Some rank trained to the end: the job finished, whatever it recovered from.
-        0
-    } else if !codes.is_empty() && codes.iter().all(|c| *c == EXIT_STOPPED) {
-        EXIT_STOPPED
-    } else {
-        first_failure.unwrap_or(1)
-    })
+    let code = match &ending {
+        // The job trained to its last step: that is this node's outcome too, whatever
+        // it recovered from (its own ranks may all have been lost on the way).
+        Some(end) if end.finished && kill_at.is_none() => 0,
+        _ if !codes.is_empty() && codes.iter().all(|c| *c == EXIT_STOPPED) => EXIT_STOPPED,
+        _ => first_failure.unwrap_or(1),
+    };
+    if let Some(end) = &ending {
+        say(format_args!("launch: {}; exit {code}", end.reason));
+    }
+    Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_of_a_stopped_process_is_read_and_named() {
+        let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+        let pid = child.id();
+        assert!(
+            matches!(proc_state(pid), Some('R' | 'S')),
+            "{:?}",
+            proc_state(pid)
+        );
+        kill(&child, libc::SIGSTOP);
+        // The stop is asynchronous; the state says when it took effect.
+        let until = Instant::now() + Duration::from_secs(10);
+        while proc_state(pid) != Some('T') && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(describe_state(proc_state(pid)), "state T: stopped");
+        // SIGKILL ends a stopped process (unlike one in state D).
+        kill(&child, libc::SIGKILL);
+        assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert_eq!(describe_state(Some('D')), "state D: uninterruptible sleep");
+    }
 }

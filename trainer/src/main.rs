@@ -210,7 +210,8 @@ struct LaunchArgs {
     /// Rendezvous port (default: a free one).
     #[arg(long)]
     master_port: Option<u16>,
-    /// Seconds between SIGTERM and SIGKILL of the other ranks after one fails.
+    /// Seconds between SIGTERM and SIGKILL of the other ranks after one fails; in
+    /// elastic mode also how long a rank may run on after the job is over.
     #[arg(long, default_value_t = 10.0)]
     grace_secs: f64,
     /// Elastic: keep training while at least this many ranks (all nodes together)

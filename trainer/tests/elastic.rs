@@ -160,8 +160,14 @@ impl Launch {
     }
 
     /// Reads everything up to the end and reaps the launcher.
-    fn finish(mut self) -> (ExitStatus, String) {
-        let deadline = Instant::now() + WAIT;
+    fn finish(self) -> (ExitStatus, String) {
+        self.finish_within(WAIT)
+    }
+
+    /// [`Launch::finish`], failing the test (and killing the launcher) when the
+    /// launcher has not ended within `bound`.
+    fn finish_within(mut self, bound: Duration) -> (ExitStatus, String) {
+        let deadline = Instant::now() + bound;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
@@ -172,7 +178,7 @@ impl Launch {
                 Err(RecvTimeoutError::Disconnected) => break,
                 Err(RecvTimeoutError::Timeout) => {
                     let _ = self.child.kill();
-                    panic!("launcher still running after {WAIT:?}:\n{}", self.seen);
+                    panic!("launcher still running after {bound:?}:\n{}", self.seen);
                 }
             }
         }
@@ -428,6 +434,82 @@ fn stopped_rank(plane: Plane) {
     assert_identical(reference_dir.path(), dir.path());
 }
 
+/// The state letter of `/proc/PID/stat`, `None` once the process is gone (the
+/// launcher's own reading).
+fn proc_state(pid: i32) -> Option<char> {
+    ckpt_trainer::launch::proc_state(pid as u32)
+}
+
+/// SIGKILLs a process this test stopped when the test ends, passed or failed, so
+/// that no stopped rank outlives it.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if proc_state(self.0).is_some_and(|s| s != 'Z') {
+            // SAFETY: kill(2) on a rank process this test stopped; if it is gone,
+            // the call fails harmlessly.
+            unsafe { libc::kill(self.0, libc::SIGKILL) };
+        }
+    }
+}
+
+#[test]
+fn a_rank_stopped_for_good_is_killed_once_the_job_finishes_and_the_launcher_exits_0() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir, mut args) = scenario(30);
+    args.extend(["--fault-step-pause-ms".into(), "30".into()]);
+    let mut launch = Launch::start(
+        &[
+            "--nproc",
+            "4",
+            "--min-ranks",
+            "2",
+            "--heartbeat-timeout-secs",
+            "2",
+            "--grace-secs",
+            "2",
+        ],
+        &as_strs(&args),
+    );
+    launch.expect("step 12", |l| l.contains("] step 12 loss"));
+    let victim = 2;
+    let pid = pid_of(&launch.seen, victim);
+    let _cleanup = KillOnDrop(pid);
+    // Stopped for good: no SIGCONT ever comes, as for a rank stuck in a GPU kernel.
+    signal(pid, libc::SIGSTOP);
+    launch.expect("a recovery without the stopped rank", |l| {
+        l.contains("recovery: generation") && l.contains("world 3")
+    });
+    launch.expect("the survivors' final step", |l| l.contains("done: step 30"));
+    // The grace (2 s) and a generous margin for a loaded machine; before, the
+    // launcher waited for the stopped rank forever.
+    let (status, output) = launch.finish_within(Duration::from_secs(60));
+    assert!(
+        status.success(),
+        "a job that finished exits 0 whatever it survived:\n{output}"
+    );
+    let killed = line_with(&output, &format!("launch: rank {victim} pid {pid} "));
+    assert!(
+        killed.contains("after the job ended") && killed.contains("SIGKILL"),
+        "the launcher names the rank it kills and why: {killed}"
+    );
+    assert!(
+        output.contains("launch: the job finished"),
+        "a successful end is logged as such:\n{output}"
+    );
+    assert!(
+        !output.contains("job shut down"),
+        "a finished job is not reported as shut down:\n{output}"
+    );
+    assert!(
+        proc_state(pid).is_none(),
+        "the launcher reaps the rank it killed (state {:?})",
+        proc_state(pid)
+    );
+    assert_identical(reference_dir.path(), dir.path());
+}
+
 fn commit_run_id(dir: &Path, commit: &Commit) -> String {
     runtime().block_on(async {
         let store = Store::from_url(&url(dir)).unwrap();
@@ -570,6 +652,57 @@ fn node_lost(plane: Plane) {
     let (status1, output1) = node1.finish();
     assert!(status0.success(), "node 0:\n{output0}");
     assert!(status1.success(), "node 1 (relaunched):\n{output1}");
+    assert_identical(reference_dir.path(), dir.path());
+}
+
+#[test]
+fn a_moment_with_no_member_connected_does_not_end_a_job_that_can_go_on() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir, mut args) = scenario(200);
+    args.extend(["--fault-step-pause-ms".into(), "40".into()]);
+    let args = as_strs(&args);
+    let job = "no-member";
+    let mut node0 = Launch::start(&as_strs(&node_args(0, job, None)), &args);
+    let rdzv = hosted_coordinator(&mut node0);
+    let mut node1 = Launch::start(&as_strs(&node_args(1, job, Some(&rdzv))), &args);
+    node0.expect("a world of 4", |l| l.contains("world 4"));
+    // Lose node 1 whole; node 0's two ranks go on alone.
+    node1.expect("node 1's ranks", |l| l.contains("launch: rank 3 pid"));
+    for (_, pid) in pids(&node1.seen) {
+        signal(pid, libc::SIGKILL);
+    }
+    signal(node1.child.id() as i32, libc::SIGKILL);
+    let _ = node1.finish();
+    node0.expect("recovery onto node 0 alone", |l| {
+        l.contains("recovery: generation") && l.contains("world 2")
+    });
+    node0.expect("a save after the recovery", |l| l.contains("] saving step"));
+    // Then node 0's ranks die too: for a moment no member of any node is connected.
+    for (_, pid) in pids(&node0.seen) {
+        signal(pid, libc::SIGKILL);
+    }
+    for label in [0, 1] {
+        node0.expect("node 0's ranks gone", |l| {
+            l.starts_with(&format!("launch: rank {label} failed"))
+        });
+    }
+    node0.expect("node 0 serving the coordinator on", |l| {
+        l.contains("serving the job's coordinator")
+    });
+    // Node 1 comes back: the coordinator node 0 hosts still serves the job, which
+    // goes on from its newest commit.
+    let node1 = Launch::start(&as_strs(&node_args(1, job, Some(&rdzv))), &args);
+    let (status1, output1) = node1.finish();
+    assert!(
+        status1.success(),
+        "node 1 rejoins and finishes the job:\n{output1}"
+    );
+    assert!(output1.contains("done: step 200"), "{output1}");
+    let (status0, output0) = node0.finish();
+    assert!(
+        status0.success(),
+        "the job finished, so the launcher hosting its coordinator exits 0:\n{output0}"
+    );
     assert_identical(reference_dir.path(), dir.path());
 }
 

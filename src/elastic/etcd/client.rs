@@ -23,8 +23,8 @@ use super::EtcdUrl;
 use super::rules::{self, GenRecord, GenState, JobConfig, Live, MemberRecord, Timers};
 use crate::elastic::cancel::{Waker, wait_on};
 use crate::elastic::{
-    Assignment, Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, Event, Member,
-    Progress, Report,
+    Assignment, Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, Event, JobOver,
+    Member, Progress, Report,
 };
 
 /// Generation records remembered per generation number (for late directives).
@@ -798,6 +798,17 @@ impl EtcdJob {
     /// Generations formed and ended (and a shutdown) seen so far, oldest first.
     pub fn events(&self) -> Vec<Event> {
         self.core.lock().events.clone()
+    }
+
+    /// Why the job is over, once this launcher has seen it end (finished, or shut
+    /// down); `None` while it may still train.
+    pub fn job_over(&self) -> Option<JobOver> {
+        let current = self.core.lock().current();
+        match (&current.finished, &current.state) {
+            (Some(reason), _) => Some(JobOver::Finished(reason.clone())),
+            (None, GenState::Shutdown { reason }) => Some(JobOver::ShutDown(reason.clone())),
+            _ => None,
+        }
     }
 
     /// Requests sent to etcd so far.
