@@ -711,8 +711,8 @@ async fn verify_cmd(
         match step {
             Some(step) => vec![step],
             None => {
-                let newest = ckpt::catalog::committed_steps(&store).await?;
-                vec![*newest.first().ok_or_else(|| {
+                let newest = ckpt::catalog::newest_commit(&store).await?;
+                vec![newest.map(|c| c.step).ok_or_else(|| {
                     Error::NotFound(format!("no committed checkpoint in {}", store.url()))
                 })?]
             }
