@@ -805,11 +805,10 @@ impl CheckpointReader {
         let dest = Arc::new(Outputs::new(outputs));
         let (mut local, mut remote) = (Vec::new(), Vec::new());
         for (object, part, runs) in files {
-            let path = self
-                .store
-                .local_root()
-                .filter(|_| matches!(part.codec, Codec::None))
-                .map(|root| root.join(&object));
+            let path = match part.codec {
+                Codec::None => self.store.local_path(&object)?,
+                _ => None,
+            };
             let file = FileRead {
                 object: Arc::from(object.as_str()),
                 map: Arc::new(BlockMap::new(&part)),
