@@ -382,3 +382,25 @@ async fn ls_reads_only_a_bounded_prefix_of_a_partial_saves_part() {
     assert_eq!(partial["world_size"], 4, "{partial}");
     assert_eq!(partial["missing_ranks"], serde_json::json!([1, 2, 3]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_keeps_the_directory_the_newest_record_names_even_when_it_did_not_commit() {
+    for how in [NoCommit::EmptySlot, NoCommit::Tombstone] {
+        let (store, dir) = two_commits("newest-record").await;
+        let attempt = append_record_without_commit(&store, dir.path(), how).await;
+        let attempt_dir = dir.path().join(attempt.dir());
+        // Old enough for retention to take it for a dead save.
+        age(&attempt_dir);
+        let out = ckpt(&["gc", &url_of(dir.path()), "--keep", "1", "--grace", "0"]);
+        assert_eq!(code(&out), 0, "{how:?}: {}", text(&out));
+        let left = std::fs::read_dir(&attempt_dir).map_or(0, |d| d.count());
+        assert_eq!(
+            left,
+            1,
+            "{how:?}: gc removed {attempt_dir:?}, which the log's newest record names: {}",
+            text(&out)
+        );
+        let out = ckpt(&["verify", &url_of(dir.path())]);
+        assert_eq!(code(&out), 0, "{how:?}: {}", text(&out));
+    }
+}
