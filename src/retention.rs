@@ -18,9 +18,9 @@
 //!   `grace`.
 //! - A log record that names no committed directory (its removal was cut short
 //!   after the directory went, or its commit never wrote the manifest) goes once it
-//!   is `grace` old, except the newest record, which the fence reads; the commit
+//!   is `grace` old, except the newest record, which the fence reads; the directory
 //!   that record names stays with it, so the log never ends in a record naming
-//!   nothing (it names an older commit when a committer recorded it twice).
+//!   nothing (an older commit recorded twice, or a save whose slot is not written).
 //!
 //! Removal deletes the manifest first, then the other objects, then the log record:
 //! a removal cut short leaves an uncommitted directory, never a commit with holes.
@@ -164,11 +164,13 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
     Ok(plan)
 }
 
-/// The newest record of the log stays (the fence reads it), so the commit it names
-/// stays too: otherwise the log would end in a record that names nothing. It is
-/// usually the newest commit; it is an older one when a committer appended a
-/// duplicate record for it (two committers whose tails missed each other), and then
-/// it goes once a newer record follows.
+/// The newest record of the log stays (the fence reads it), so the directory it
+/// names stays too: otherwise the log would end in a record that names nothing. It
+/// is usually the newest commit; it is an older one when a committer appended a
+/// duplicate record for it (two committers whose tails missed each other), and a
+/// save that did not commit (yet) when its committer stopped between the record and
+/// the slot (a later committer may still write the slot). It goes once a newer
+/// record follows.
 fn keep_what_the_newest_record_names(plan: &mut Plan, records: &[LoggedCommit]) {
     let Some(newest) = records.iter().max_by_key(|r| r.seq) else {
         return;
@@ -177,7 +179,7 @@ fn keep_what_the_newest_record_names(plan: &mut Plan, records: &[LoggedCommit]) 
     if let Some(at) = plan
         .remove
         .iter()
-        .position(|r| r.committed && r.only.is_empty() && r.dir == dir)
+        .position(|r| r.only.is_empty() && r.dir == dir)
     {
         let kept = plan.remove.remove(at);
         info!(dir = %kept.dir, "kept: the log's newest record names it");
