@@ -217,18 +217,28 @@ pub async fn read_manifest(store: &Store, step: u64) -> Result<Manifest> {
         })
 }
 
-/// Committed steps, newest commit first (a step committed twice appears once, at its
-/// newest commit). Costs a slot read for every distinct step of the log.
-pub async fn committed_steps(store: &Store) -> Result<Vec<u64>> {
+/// The newest commit of every committed step, newest first (a step committed twice
+/// appears once, at its newest commit). Costs the whole log and a slot read for every
+/// distinct step of it.
+pub async fn newest_commit_per_step(store: &Store) -> Result<Vec<Commit>> {
     let mut seen = HashSet::new();
-    let mut steps = Vec::new();
+    let mut newest = Vec::new();
     for commit in commits(store).await?.into_iter().rev() {
         if !seen.contains(&commit.step) && names_a_commit(store, &commit).await? {
             seen.insert(commit.step);
-            steps.push(commit.step);
+            newest.push(commit);
         }
     }
-    Ok(steps)
+    Ok(newest)
+}
+
+/// Committed steps, newest commit first: the steps of [`newest_commit_per_step`].
+pub async fn committed_steps(store: &Store) -> Result<Vec<u64>> {
+    Ok(newest_commit_per_step(store)
+        .await?
+        .into_iter()
+        .map(|c| c.step)
+        .collect())
 }
 
 /// The newest commit in commit order, whether its manifest opens or not (a corrupt
