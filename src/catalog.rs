@@ -5,9 +5,16 @@
 //! [`crate::commits`]). Version-1 checkpoints (`step-N/manifest.json`, no log) stay
 //! readable: they come first in commit order, by step, before every logged commit.
 //!
-//! Finding the newest commit reads the tail of the commit log (two requests) and the
-//! newest manifest; only when every logged commit fails to open does it fall back to
-//! listing the root. The survey ([`list_checkpoints`]) lists everything, for tools.
+//! This module is the one place that says what a commit is, and every command and
+//! every rank asks it (docs/FORMAT.md, sections 1 and 6.4): a record names a commit
+//! only when its attempt's slot holds a manifest ([`names_a_commit`]); a record whose
+//! slot is empty, tombstoned or gone is skipped by loading, opening by step, `ls`,
+//! `verify` and retention alike, so no two commands can disagree on the newest.
+//!
+//! Finding the newest commit reads the tail of the commit log (two requests, and the
+//! record before the tail) and the newest manifest; only when the tail cannot be
+//! trusted alone, or every logged commit of it fails to open, does it read the whole
+//! history. The survey ([`list_checkpoints`]) lists everything, for tools.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
