@@ -5,15 +5,22 @@
 //! [`crate::commits`]). Version-1 checkpoints (`step-N/manifest.json`, no log) stay
 //! readable: they come first in commit order, by step, before every logged commit.
 //!
-//! Finding the newest commit reads the tail of the commit log (two requests) and the
-//! newest manifest; only when every logged commit fails to open does it fall back to
-//! listing the root. The survey ([`list_checkpoints`]) lists everything, for tools.
+//! This module is the one place that says what a commit is, and every command and
+//! every rank asks it (docs/FORMAT.md, sections 1 and 6.4): a record names a commit
+//! only when its attempt's slot holds a manifest ([`names_a_commit`]); a record whose
+//! slot is empty, tombstoned or gone is skipped by loading, opening by step, `ls`,
+//! `verify` and retention alike, so no two commands can disagree on the newest.
+//!
+//! Finding the newest commit reads the tail of the commit log (two requests, and the
+//! record before the tail) and the newest manifest; only when the tail cannot be
+//! trusted alone, or every logged commit of it fails to open, does it read the whole
+//! history. The survey ([`list_checkpoints`]) lists everything, for tools.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
 
 use ckpt_storage::{ObjectInfo, Store};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::attempt::Attempt;
 use crate::commit::{MAX_TOMBSTONE_BYTES, Outcome, parse_tombstone};
@@ -171,35 +178,88 @@ fn outcome_text(outcome: &Outcome) -> String {
     }
 }
 
+/// Whether a commit record names a commit: its slot holds a manifest (a corrupt one
+/// included: that is a commit that fails its checks, reported where it is read).
+/// A slot that is empty (a crash between commit steps 3 and 4), holds a tombstone,
+/// or lies in a directory that is gone names no commit, and every command skips
+/// the record. A version-1 commit is found by its manifest, so it names one.
+pub async fn names_a_commit(store: &Store, commit: &Commit) -> Result<bool> {
+    let Some(attempt) = commit.attempt() else {
+        return Ok(commit.seq.is_none());
+    };
+    match crate::commit::read_outcome(store, &attempt).await {
+        Ok(Some(Outcome::Committed { .. })) => Ok(true),
+        Ok(None | Some(Outcome::Failed { .. } | Outcome::Superseded { .. })) => Ok(false),
+        Err(e) if e.is_corruption() => Ok(true),
+        Err(e) => Err(e),
+    }
+}
+
 /// Reads and validates the manifest of the newest commit of `step` (in commit
-/// order: a step saved again by a later run is that run's checkpoint).
+/// order: a step saved again by a later run is that run's checkpoint). Records of
+/// the step that name no commit ([`names_a_commit`]) are skipped.
 pub async fn read_manifest(store: &Store, step: u64) -> Result<Manifest> {
     let logged = crate::commits::read_all(store).await?;
-    if let Some(commit) = dedup(logged).into_iter().rev().find(|c| c.step == step) {
-        return read_commit(store, &commit).await;
+    let mut skipped = None;
+    for commit in dedup(logged).into_iter().rev().filter(|c| c.step == step) {
+        match read_commit(store, &commit).await {
+            Err(e @ Error::NotFound(_)) => {
+                debug!(step, dir = %commit.dir, error = %e, "a commit record that names no commit");
+                skipped.get_or_insert(e);
+            }
+            opened => return opened,
+        }
     }
     read_commit(store, &Commit::v1(step, None))
         .await
         .map_err(|e| match e {
             Error::NotFound(_) => Error::NotFound(format!(
-                "no committed checkpoint at step {step} in {}",
-                store.url()
+                "no committed checkpoint at step {step} in {}{}",
+                store.url(),
+                skipped.map_or(String::new(), |e| format!(
+                    " (its newest commit record names none: {e})"
+                ))
             )),
             e => e,
         })
 }
 
-/// Committed steps, newest commit first (a step committed twice appears once, at its
-/// newest commit).
-pub async fn committed_steps(store: &Store) -> Result<Vec<u64>> {
+/// The newest commit of every committed step, newest first (a step committed twice
+/// appears once, at its newest commit). Costs the whole log and a slot read for every
+/// distinct step of it.
+pub async fn newest_commit_per_step(store: &Store) -> Result<Vec<Commit>> {
     let mut seen = HashSet::new();
-    Ok(commits(store)
+    let mut newest = Vec::new();
+    for commit in commits(store).await?.into_iter().rev() {
+        if !seen.contains(&commit.step) && names_a_commit(store, &commit).await? {
+            seen.insert(commit.step);
+            newest.push(commit);
+        }
+    }
+    Ok(newest)
+}
+
+/// Committed steps, newest commit first: the steps of [`newest_commit_per_step`].
+pub async fn committed_steps(store: &Store) -> Result<Vec<u64>> {
+    Ok(newest_commit_per_step(store)
         .await?
         .into_iter()
-        .rev()
-        .filter(|c| seen.insert(c.step))
         .map(|c| c.step)
         .collect())
+}
+
+/// The newest commit in commit order, whether its manifest opens or not (a corrupt
+/// one is what `ckpt verify` reports); records that name no commit are skipped.
+/// `None` when there is none. Costs the log's tail and a slot read per record
+/// skipped.
+pub async fn newest_commit(store: &Store) -> Result<Option<Commit>> {
+    let mut walk = NewestFirst::new(store).await?;
+    while let Some(commit) = walk.next().await? {
+        if names_a_commit(store, &commit).await? {
+            return Ok(Some(commit));
+        }
+    }
+    Ok(None)
 }
 
 /// Commits newest first, fetched as they are needed: the tail of the commit log
@@ -216,8 +276,22 @@ pub struct NewestFirst {
 
 impl NewestFirst {
     /// Starts at the newest commit of `store`.
+    ///
+    /// An attempt recorded twice takes its place at its first record, and the tail
+    /// alone cannot show that a record repeats an older one. So the tail is trusted
+    /// only when every record of it has a step above the record before it (read too:
+    /// one request more), as a run that goes on saving writes them; a record that
+    /// goes back in steps (a resume from an older checkpoint, or a repeat) makes it
+    /// read the whole history, whose order every command shares.
     pub async fn new(store: &Store) -> Result<Self> {
-        let mut pending = dedup(crate::commits::read_tail(store).await?);
+        let tail = crate::commits::read_tail(store).await?;
+        let before = match tail.first() {
+            Some(first) if first.seq > 1 => crate::commits::read_one(store, first.seq - 1).await?,
+            _ => None,
+        };
+        let steps: Vec<u64> = before.iter().chain(&tail).map(|r| r.record.step).collect();
+        let climbing = steps.windows(2).all(|w| w[0] < w[1]);
+        let mut pending = if climbing { dedup(tail) } else { Vec::new() };
         let history_read = pending.is_empty();
         if history_read {
             pending = commits(store).await?;

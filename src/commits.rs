@@ -212,6 +212,17 @@ pub async fn read_tail(store: &Store) -> Result<Vec<LoggedCommit>> {
     read_all(store).await
 }
 
+/// Record `seq`, or `None` when there is none (or it is corrupt: reported and
+/// skipped, as [`read_all`] skips it).
+pub async fn read_one(store: &Store, seq: u64) -> Result<Option<LoggedCommit>> {
+    let info = match store.head(&record_key(seq)).await {
+        Ok(info) => info,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(read_listed(store, vec![info]).await?.pop())
+}
+
 /// The newest record, if any.
 pub async fn newest(store: &Store) -> Result<Option<LoggedCommit>> {
     Ok(read_tail(store).await?.pop())

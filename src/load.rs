@@ -805,11 +805,10 @@ impl CheckpointReader {
         let dest = Arc::new(Outputs::new(outputs));
         let (mut local, mut remote) = (Vec::new(), Vec::new());
         for (object, part, runs) in files {
-            let path = self
-                .store
-                .local_root()
-                .filter(|_| matches!(part.codec, Codec::None))
-                .map(|root| root.join(&object));
+            let path = match part.codec {
+                Codec::None => self.store.local_path(&object)?,
+                _ => None,
+            };
             let file = FileRead {
                 object: Arc::from(object.as_str()),
                 map: Arc::new(BlockMap::new(&part)),
@@ -1425,24 +1424,32 @@ fn verify_and_copy(
 
 /// Loads from the newest committed checkpoint; when it turns out to be corrupt
 /// (a checksum mismatch, a missing or truncated file), warns and tries the one before,
-/// down to the oldest. `request` builds the request from the manifest found.
+/// down to the oldest. Commit records that name no commit are skipped, as every
+/// command skips them (see [`crate::catalog::names_a_commit`]). `request` builds the
+/// request from the manifest found.
 pub async fn load_latest(
     store: &Store,
     request: impl Fn(&Manifest) -> LoadRequest,
 ) -> Result<(CheckpointReader, Loaded)> {
-    let steps = crate::catalog::committed_steps(store).await?;
+    let mut walk = crate::catalog::NewestFirst::new(store).await?;
     let mut last_error = None;
-    for step in steps {
+    while let Some(commit) = walk.next().await? {
         let attempt = async {
-            let reader = CheckpointReader::open(store, Some(step)).await?;
+            let manifest = crate::catalog::read_commit(store, &commit).await?;
+            let reader = CheckpointReader::from_manifest(store, manifest);
             let loaded = reader.load(&request(reader.manifest())).await?;
             Ok::<_, Error>((reader, loaded))
         };
         match attempt.await {
             Ok(result) => return Ok(result),
             Err(e) if e.is_corruption() => {
-                warn!(step, error = %e, "checkpoint is corrupt; falling back to the previous commit");
+                warn!(step = commit.step, dir = %commit.dir, error = %e, "checkpoint is corrupt; falling back to the previous commit");
                 last_error = Some(e);
+            }
+            Err(e @ Error::NotFound(_))
+                if !crate::catalog::names_a_commit(store, &commit).await? =>
+            {
+                warn!(step = commit.step, dir = %commit.dir, error = %e, "skipping a commit record that names no commit");
             }
             Err(e) => return Err(e),
         }

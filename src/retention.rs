@@ -18,7 +18,9 @@
 //!   `grace`.
 //! - A log record that names no committed directory (its removal was cut short
 //!   after the directory went, or its commit never wrote the manifest) goes once it
-//!   is `grace` old, except the newest record, which the fence reads.
+//!   is `grace` old, except the newest record, which the fence reads; the directory
+//!   that record names stays with it, so the log never ends in a record naming
+//!   nothing (an older commit recorded twice, or a save whose slot is not written).
 //!
 //! Removal deletes the manifest first, then the other objects, then the log record:
 //! a removal cut short leaves an uncommitted directory, never a commit with holes.
@@ -31,7 +33,7 @@ use serde::Serialize;
 use tracing::{info, warn};
 
 use crate::catalog::{CheckpointInfo, Commit, Status, list_checkpoints, read_commit};
-use crate::commits::record_key;
+use crate::commits::{LoggedCommit, record_key};
 use crate::error::{Error, Result};
 use crate::format::MANIFEST;
 
@@ -125,8 +127,14 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
         }
     }
     let mut plan = decide(&survey, &valid, policy, SystemTime::now());
-    plan.remove
-        .extend(dangling_records(store, &survey, policy, SystemTime::now()).await?);
+    let records = crate::commits::read_all(store).await?;
+    keep_what_the_newest_record_names(&mut plan, &records);
+    plan.remove.extend(dangling_records(
+        &records,
+        &survey,
+        policy,
+        SystemTime::now(),
+    ));
     // Staging leftovers and stray objects inside kept version-1 commits.
     let now = SystemTime::now();
     for info in survey
@@ -156,22 +164,45 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
     Ok(plan)
 }
 
+/// The newest record of the log stays (the fence reads it), so the directory it
+/// names stays too: otherwise the log would end in a record that names nothing. It
+/// is usually the newest commit; it is an older one when a committer appended a
+/// duplicate record for it (two committers whose tails missed each other), and a
+/// save that did not commit (yet) when its committer stopped between the record and
+/// the slot (a later committer may still write the slot). It goes once a newer
+/// record follows.
+fn keep_what_the_newest_record_names(plan: &mut Plan, records: &[LoggedCommit]) {
+    let Some(newest) = records.iter().max_by_key(|r| r.seq) else {
+        return;
+    };
+    let dir = newest.record.attempt().dir();
+    if let Some(at) = plan
+        .remove
+        .iter()
+        .position(|r| r.only.is_empty() && r.dir == dir)
+    {
+        let kept = plan.remove.remove(at);
+        info!(dir = %kept.dir, "kept: the log's newest record names it");
+        plan.bytes_freed -= kept.bytes;
+        plan.kept.push(kept.dir);
+    }
+}
+
 /// Log records that name no committed directory of the survey, once `grace` old; the
 /// newest record always stays (the fence reads the log's tail).
-async fn dangling_records(
-    store: &Store,
+fn dangling_records(
+    records: &[LoggedCommit],
     survey: &[CheckpointInfo],
     policy: Policy,
     now: SystemTime,
-) -> Result<Vec<Removal>> {
-    let records = crate::commits::read_all(store).await?;
+) -> Vec<Removal> {
     let newest = records.iter().map(|r| r.seq).max();
     let committed: HashSet<(&str, Option<u64>)> = survey
         .iter()
         .filter(|c| c.committed)
         .map(|c| (c.dir.as_str(), c.seq))
         .collect();
-    Ok(records
+    records
         .iter()
         .filter(|r| Some(r.seq) != newest)
         .filter(|r| {
@@ -193,7 +224,7 @@ async fn dangling_records(
             leftovers: Vec::new(),
             seq: Some(r.seq),
         })
-        .collect())
+        .collect()
 }
 
 /// The rule itself, on a survey in commit order; `valid` holds the directories of

@@ -1184,7 +1184,7 @@ async fn write_rank(job: &Job) -> Result<()> {
                         .await
                         .map(|(crcs, _)| crcs)
                 },
-                write_plain(job, &dir, &file_name, &file_key),
+                write_plain(job, &file_key),
             )?;
             (crcs, None, stored)
         }
@@ -1269,11 +1269,15 @@ pub(crate) async fn put_part(store: &Store, key: &str, bytes: Vec<u8>) -> Result
 /// Writes the staging buffer as the rank's plain data file: on local disk with
 /// direct I/O straight from the aligned buffer, elsewhere as a streaming upload.
 /// Returns the bytes stored.
-async fn write_plain(job: &Job, dir: &str, file_name: &str, file_key: &str) -> Result<u64> {
-    match job.store.local_root() {
-        Some(root) if job.config.direct_io => {
+async fn write_plain(job: &Job, file_key: &str) -> Result<u64> {
+    let local = if job.config.direct_io {
+        job.store.local_path(file_key)?
+    } else {
+        None
+    };
+    match local {
+        Some(path) => {
             let buffer = job.buffer.clone();
-            let path = root.join(dir).join(file_name);
             let fsync = job.store.config().fsync;
             tokio::task::spawn_blocking(move || {
                 crate::direct::write_file(&path, &buffer, fsync, || {

@@ -703,22 +703,24 @@ async fn verify_cmd(
     args: &StoreArgs,
 ) -> Result<u8, Error> {
     let store = args.open(url)?;
-    let steps: Vec<u64> = if all {
-        let mut steps = ckpt::catalog::committed_steps(&store).await?;
-        steps.reverse();
-        steps
+    // A step named on the command line is looked up in the log; otherwise the
+    // commits found are verified as they are, without a second lookup.
+    let targets: Vec<(u64, Option<ckpt::Commit>)> = if all {
+        let mut newest = ckpt::catalog::newest_commit_per_step(&store).await?;
+        newest.reverse();
+        newest.into_iter().map(|c| (c.step, Some(c))).collect()
     } else {
         match step {
-            Some(step) => vec![step],
+            Some(step) => vec![(step, None)],
             None => {
-                let newest = ckpt::catalog::committed_steps(&store).await?;
-                vec![*newest.first().ok_or_else(|| {
+                let newest = ckpt::catalog::newest_commit(&store).await?;
+                vec![newest.map(|c| (c.step, Some(c))).ok_or_else(|| {
                     Error::NotFound(format!("no committed checkpoint in {}", store.url()))
                 })?]
             }
         }
     };
-    if steps.is_empty() {
+    if targets.is_empty() {
         return Err(Error::NotFound(format!(
             "no committed checkpoint in {}",
             store.url()
@@ -729,13 +731,16 @@ async fn verify_cmd(
         ..Default::default()
     };
     let mut reports = Vec::new();
-    for step in steps {
+    for (step, commit) in targets {
         let bar = progress(0, &format!("verify step {step}"));
-        let report = verify::verify(&store, step, &options, &|event| match event {
+        let heard = |event: verify::VerifyProgress| match event {
             verify::VerifyProgress::Total(total) => bar.set_length(total),
             verify::VerifyProgress::Verified(n) => bar.inc(n),
-        })
-        .await?;
+        };
+        let report = match &commit {
+            Some(commit) => verify::verify_commit(&store, commit, &options, &heard).await?,
+            None => verify::verify(&store, step, &options, &heard).await?,
+        };
         bar.finish_and_clear();
         if !json {
             if report.ok {

@@ -71,6 +71,18 @@ pub fn unseal<'a>(bytes: &'a [u8], object: &str, cap: u64) -> FResult<(&'a [u8],
     Ok((body, header_len))
 }
 
+/// BODY's first bytes in a prefix of an envelope (the object read only in part), or
+/// `None` when the prefix does not start the way an envelope does. Nothing is
+/// checked against the CRC, which covers the whole object.
+pub fn body_prefix(prefix: &[u8]) -> Option<&[u8]> {
+    let header_len = ENVELOPE_PREFIX.len() + 8 + ENVELOPE_MIDDLE.len();
+    let hex = prefix.get(ENVELOPE_PREFIX.len()..ENVELOPE_PREFIX.len() + 8)?;
+    let shaped = prefix.starts_with(ENVELOPE_PREFIX.as_bytes())
+        && hex.iter().all(u8::is_ascii_hexdigit)
+        && prefix.get(ENVELOPE_PREFIX.len() + 8..header_len)? == ENVELOPE_MIDDLE.as_bytes();
+    shaped.then(|| &prefix[header_len..])
+}
+
 pub(crate) fn parse_json<T: for<'de> Deserialize<'de>>(
     body: &[u8],
     body_offset: usize,

@@ -136,6 +136,39 @@ impl RankPart {
         Ok(part)
     }
 
+    /// The `world_size` that the leading fields of a part give, from a prefix of the
+    /// part object (the reference writer puts it fifth, within the first few hundred
+    /// bytes). Unchecked, since the CRC covers the whole object: for listing a save
+    /// that never committed, which must not read a part of any size whole. `None`
+    /// when the prefix is not an envelope or does not reach the field.
+    pub fn peek_world_size(prefix: &[u8]) -> Option<u32> {
+        use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+
+        struct Fields<'a>(&'a std::cell::Cell<Option<u32>>);
+        impl<'de> Visitor<'de> for Fields<'_> {
+            type Value = ();
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a rank part")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "world_size" {
+                        self.0.set(Some(map.next_value()?));
+                        return Ok(());
+                    }
+                    map.next_value::<IgnoredAny>()?;
+                }
+                Ok(())
+            }
+        }
+        let found = std::cell::Cell::new(None);
+        let body = super::envelope::body_prefix(prefix)?;
+        // The prefix ends mid-object: the error at its end is expected; what the
+        // visitor saw before it stands.
+        let _ = serde_json::Deserializer::from_slice(body).deserialize_map(Fields(&found));
+        found.get()
+    }
+
     /// Serializes and seals.
     pub fn to_bytes(&self) -> Vec<u8> {
         seal(&serde_json::to_vec(self).expect("rank part serializes"))
@@ -238,5 +271,26 @@ impl RankPart {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_world_size_is_read_from_a_prefix_and_nothing_else_passes_for_one() {
+        let body = br#"{"format_version":2,"step":9,"attempt":"g00000000-0","rank":0,"world_size":4,"generation":0,"block_size":"#;
+        let mut sealed = super::super::seal(body);
+        sealed.pop();
+        assert_eq!(RankPart::peek_world_size(&sealed), Some(4));
+        assert_eq!(
+            RankPart::peek_world_size(&sealed[..60]),
+            None,
+            "cut before the field"
+        );
+        assert_eq!(RankPart::peek_world_size(body), None, "not an envelope");
+        let wrong = super::super::seal(br#"{"world_size":"four"}"#);
+        assert_eq!(RankPart::peek_world_size(&wrong), None);
     }
 }

@@ -111,14 +111,11 @@ pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
         } else if let Some(failure) = &info.failure {
             listed.problem = Some(failure.clone());
         } else {
-            // The world size is in any part that made it.
+            // The world size is in any part that made it, near its start.
             let world = match info.ranks_present.first() {
                 Some(&rank) => {
                     let key = format!("{}/{}", info.dir, rank_part_name(rank));
-                    match store.get(&key).await {
-                        Ok(bytes) => RankPart::parse(&bytes, &key).ok().map(|p| p.world_size),
-                        Err(_) => None,
-                    }
+                    world_of_part(store, &key).await
                 }
                 None => None,
             };
@@ -146,6 +143,21 @@ pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
         latest.latest = true;
     }
     Ok(out)
+}
+
+/// How much of a partial save's part `ckpt ls` reads: its leading fields, whatever
+/// the part's size (a part is up to 256 MiB, and a partial save's is not checked
+/// against any manifest).
+const PART_PREFIX_BYTES: u64 = 4096;
+
+/// The world size a partial save's part names, from a bounded prefix of it.
+async fn world_of_part(store: &Store, key: &str) -> Option<u32> {
+    let size = store.head(key).await.ok()?.size;
+    let prefix = store
+        .get_range(key, 0..size.min(PART_PREFIX_BYTES))
+        .await
+        .ok()?;
+    RankPart::peek_world_size(&prefix)
 }
 
 /// `0-3,7,9-10` for a sorted list of ranks.

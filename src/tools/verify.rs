@@ -17,6 +17,7 @@ use futures::StreamExt;
 use serde::Serialize;
 
 use crate::blocks::{self, BlockMap};
+use crate::catalog::Commit;
 use crate::error::{Error, Result};
 use crate::format::{
     Chunk, FormatError, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart,
@@ -140,6 +141,29 @@ pub async fn verify(
     options: &VerifyOptions,
     progress: &(dyn Fn(VerifyProgress) + Sync),
 ) -> Result<VerifyReport> {
+    let manifest = crate::catalog::read_manifest(store, step).await;
+    verify_opened(store, step, manifest, options, progress).await
+}
+
+/// Verifies `commit`, as [`verify`] does its step's, without looking the step up in
+/// the commit log (which costs a read of every record).
+pub async fn verify_commit(
+    store: &Store,
+    commit: &Commit,
+    options: &VerifyOptions,
+    progress: &(dyn Fn(VerifyProgress) + Sync),
+) -> Result<VerifyReport> {
+    let manifest = crate::catalog::read_commit(store, commit).await;
+    verify_opened(store, commit.step, manifest, options, progress).await
+}
+
+async fn verify_opened(
+    store: &Store,
+    step: u64,
+    manifest: Result<Manifest>,
+    options: &VerifyOptions,
+    progress: &(dyn Fn(VerifyProgress) + Sync),
+) -> Result<VerifyReport> {
     let mut report = VerifyReport {
         step,
         ok: true,
@@ -149,7 +173,7 @@ pub async fn verify(
         stored_bytes: 0,
         faults: Vec::new(),
     };
-    let manifest = match crate::catalog::read_manifest(store, step).await {
+    let manifest = match manifest {
         Ok(manifest) => manifest,
         Err(Error::Corrupt(e)) => {
             report

@@ -13,6 +13,9 @@
 //! - [`Store::get_ranges`] reads several ranges of one object, merging close ones
 //!   into one request and fetching the rest concurrently; every backend refuses a
 //!   range past the end of the object with the same error.
+//! - On local disk no symbolic link under the root is followed: an operation whose
+//!   path crosses one, or a listing that meets one, fails naming the link (see
+//!   [`Store::local_path`] for why).
 //! - Errors carry an [`ErrorKind`] that says what the caller can do (not found,
 //!   already exists, transient, permanent, configuration) and a lowercase message
 //!   naming the operation, the store URL and the key.
@@ -44,6 +47,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod config;
+mod confined;
 mod error;
 mod open;
 mod ranges;

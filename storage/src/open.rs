@@ -192,6 +192,7 @@ fn open_local(path: &str, original: &str, config: &StoreConfig) -> Result<Opened
             )
         })?
         .with_fsync(config.fsync);
+    let inner = crate::confined::Confined::new(inner, base.clone());
     let mut canonical = base.clone();
     canonical.extend(&missing);
     let root = if missing.is_empty() {

@@ -133,6 +133,29 @@ impl Store {
         }
     }
 
+    /// The file of `key` on a local store (`None` for other backends), for callers
+    /// that read or write it with I/O object_store does not offer (direct I/O).
+    ///
+    /// No symbolic link under a local root is followed, by this or by any other
+    /// operation: a checkpoint root is untrusted input and ckpt writes no links, so
+    /// one found there could only lead a read, or a deletion, outside the checkpoint
+    /// (or onto another checkpoint's objects). A key whose path crosses a link is
+    /// refused with an error naming the link and its target.
+    pub fn local_path(&self, key: &str) -> Result<Option<std::path::PathBuf>> {
+        let Some(root) = self.local_root() else {
+            return Ok(None);
+        };
+        self.path("open", key)?;
+        match crate::confined::link_on_path(&root, key) {
+            Some(link) => Err(Error::with_source(
+                ErrorKind::Permanent,
+                format!("open {}/{key}: {link}", self.url),
+                link,
+            )),
+            None => Ok(Some(root.join(key))),
+        }
+    }
+
     /// The settings the store was opened with.
     pub fn config(&self) -> &StoreConfig {
         &self.config
@@ -408,16 +431,19 @@ impl Store {
 
     /// Removes one staging leftover found by [`Store::staging_leftovers`].
     pub async fn delete_leftover(&self, key: &str) -> Result<()> {
-        let Some(root) = self.local_root() else {
+        if self.local_root().is_none() {
             return Ok(());
-        };
+        }
         if !key.contains('#') || key.split('/').any(|s| s == ".." || s.is_empty()) {
             return Err(Error::config(format!(
                 "{key:?} is not a staging leftover of {}",
                 self.url
             )));
         }
-        match tokio::fs::remove_file(root.join(key)).await {
+        let Some(path) = self.local_path(key)? else {
+            return Ok(());
+        };
+        match tokio::fs::remove_file(path).await {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::with_source(
                 ErrorKind::Permanent,
                 format!("delete {}/{key}: {e}", self.url),
@@ -431,10 +457,9 @@ impl Store {
     /// (`KEY#N`, invisible to listings) and directories behind; removing the prefix's
     /// directory takes them too.
     async fn remove_local_leftovers(&self, prefix: &str) -> Result<()> {
-        let Some(root) = self.url.strip_prefix("file://") else {
+        let Some(dir) = self.local_path(prefix.trim_matches('/'))? else {
             return Ok(());
         };
-        let dir = std::path::Path::new(root).join(prefix.trim_matches('/'));
         let result = tokio::task::spawn_blocking(move || {
             // Only a directory: a file named like the prefix is an object, not ours.
             if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
@@ -602,6 +627,9 @@ pub(crate) fn map_error(op: &str, url: &str, key: &str, e: object_store::Error) 
 fn classify_generic(e: &object_store::Error) -> (ErrorKind, String) {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = source {
+        if let Some(link) = err.downcast_ref::<crate::confined::LinkRefused>() {
+            return (ErrorKind::Permanent, link.to_string());
+        }
         // object_store keeps its retry error private; its message carries the status.
         if let Some(code) = status_in_message(&err.to_string()) {
             let kind = if code == 429 || code == 408 || code >= 500 {
