@@ -31,9 +31,11 @@ pub(crate) fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
+/// The committed steps, by the catalog's one definition of a commit (a record whose
+/// slot holds a manifest), as every command and every rank sees them.
 fn committed_steps(runtime: &tokio::runtime::Runtime, store: &Store) -> Result<Vec<u64>, String> {
     runtime
-        .block_on(ckpt::catalog::commits(store))
+        .block_on(ckpt::catalog::newest_commit_per_step(store))
         .map(|c| c.iter().map(|c| c.step).collect())
         .map_err(|e| e.to_string())
 }
@@ -125,7 +127,7 @@ pub fn judge(
     let mut j = Judgement::default();
     let runtime = runtime();
     let url = store.url().to_string();
-    let commits = match runtime.block_on(ckpt::catalog::commits(store)) {
+    let commits = match runtime.block_on(ckpt::catalog::newest_commit_per_step(store)) {
         Ok(c) => c,
         Err(e) => {
             j.problems
@@ -133,11 +135,9 @@ pub fn judge(
             return j;
         }
     };
-    // The commit that counts for each step is its newest.
-    let mut newest: std::collections::BTreeMap<u64, &str> = Default::default();
-    for c in &commits {
-        newest.insert(c.step, c.dir.as_str());
-    }
+    // The commit that counts for each step: its newest (the catalog's).
+    let newest: std::collections::BTreeMap<u64, &str> =
+        commits.iter().map(|c| (c.step, c.dir.as_str())).collect();
     let present: BTreeSet<u64> = newest.keys().copied().collect();
     j.commits = present.len();
     j.lost = seen.difference(&present).copied().collect();
