@@ -124,9 +124,9 @@ struct TrainArgs {
     /// that step (what a lost GPU does), which it cannot recover from.
     #[arg(long, hide = true)]
     fault_device_error: Option<String>,
-    /// Fault injection for tests: STEP:RANK flips one bit of that rank's in-memory
-    /// copy of its save of that step (memory that rots after the save), which a
-    /// recovery must catch by the save's checksums.
+    /// Fault injection for tests: STEP:RANK flips one bit of every in-memory copy
+    /// that rank keeps of its saves from that step on (memory that rots after the
+    /// save), which a recovery must catch by the save's checksums.
     #[arg(long, hide = true)]
     fault_rot_copy: Option<String>,
     /// Fault injection for tests: FAILPOINT@STEP:RANK arms that failpoint of the

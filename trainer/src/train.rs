@@ -82,8 +82,8 @@ pub struct TrainConfig {
     /// Fault injection for tests: (step, rank) at which that rank reports a device
     /// error, as a CUDA error would surface on a GPU.
     pub device_error: Option<(u64, usize)>,
-    /// Fault injection for tests: (step, rank) whose in-memory copy of that step's
-    /// save gets one bit flipped once kept.
+    /// Fault injection for tests: (step, rank) whose in-memory copies of its saves
+    /// from that step on get one bit flipped once kept.
     pub rot_copy: Option<(u64, usize)>,
     /// Fault injection for tests: (failpoint, step, rank): that rank arms the
     /// failpoint of the save protocol before its first save at or after that step.
@@ -848,7 +848,9 @@ pub fn run_supervised(
             let handle = save(runtime, checkpointer, config, &specs, &st, rank, world)?;
             let copied = Instant::now();
             let copy = memory.map(|(memory, table)| {
-                let rot = config.rot_copy == Some((st.step, rank));
+                let rot = config
+                    .rot_copy
+                    .is_some_and(|(from, at)| st.step >= from && rank == at);
                 keep_copy(memory, table, &handle, &specs, &st, rank, world, rot);
                 copied.elapsed()
             });
