@@ -603,6 +603,9 @@ pub struct Assembled {
     pub peer_bytes: usize,
 }
 
+/// How many verified spans of saved files `assemble` keeps for the next pieces.
+const RECENT_SPANS: usize = 4;
+
 /// What the rows taken from copies are checked against: the save's rank parts.
 pub struct Saved<'a> {
     /// The name each tensor of a copy was saved under (`KINDS` per model tensor, in
@@ -762,6 +765,8 @@ pub fn assemble(
         .collect();
     drop(spare);
     let mut peers: Vec<Option<Peer>> = (0..table.len()).map(|_| None).collect();
+    // The spans verified last (saved rank, bytes), reused by the pieces they cover.
+    let mut recent: Vec<(usize, ckpt::copies::VerifiedBytes)> = Vec::new();
     let (mut local_bytes, mut peer_bytes) = (0, 0);
     for piece in &pieces {
         if cancelled() {
@@ -800,55 +805,71 @@ pub fn assemble(
                 })?;
             let want = chunk.bytes[0] + 4 * piece.elements.start as u64
                 ..chunk.bytes[0] + 4 * piece.elements.end as u64;
-            // Fills a share of a block from the copy of the chunk's tensor.
-            let mut read = |chunk: &Chunk,
-                            bytes: Range<u64>,
-                            out: &mut [u8]|
-             -> Result<(), String> {
-                let index = saved
-                    .names
-                    .iter()
-                    .position(|n| *n == chunk.tensor)
-                    .ok_or_else(|| format!("{dir} holds {:?}, which no copy has", chunk.tensor))?;
-                if !bytes.start.is_multiple_of(4) || !bytes.end.is_multiple_of(4) {
-                    return Err(format!(
-                        "bytes {bytes:?} of {:?} split an f32",
-                        chunk.tensor
-                    ));
-                }
-                let elements = bytes.start as usize / 4..bytes.end as usize / 4;
-                match (&own, &mut *peer) {
-                    (Some(copy), _) => {
-                        let from = copy
-                            .tensors
-                            .get(index)
-                            .and_then(|t| t.get(elements))
-                            .ok_or_else(|| {
-                                format!("own copy {:?} lacks tensor {index}", piece.key)
+            // A span verified for an earlier piece may cover this one (a small file is
+            // one block, which every piece of it shares).
+            let hit = recent
+                .iter()
+                .position(|(r, v)| *r == piece.key.rank && v.slice(want.clone()).is_some());
+            let at = match hit {
+                Some(at) => at,
+                None => {
+                    // Fills a share of a block from the copy of the chunk's tensor.
+                    let mut read =
+                        |chunk: &Chunk, bytes: Range<u64>, out: &mut [u8]| -> Result<(), String> {
+                            let index = saved
+                                .names
+                                .iter()
+                                .position(|n| *n == chunk.tensor)
+                                .ok_or_else(|| {
+                                    format!("{dir} holds {:?}, which no copy has", chunk.tensor)
+                                })?;
+                            if !bytes.start.is_multiple_of(4) || !bytes.end.is_multiple_of(4) {
+                                return Err(format!(
+                                    "bytes {bytes:?} of {:?} split an f32",
+                                    chunk.tensor
+                                ));
+                            }
+                            let elements = bytes.start as usize / 4..bytes.end as usize / 4;
+                            match (&own, &mut *peer) {
+                                (Some(copy), _) => {
+                                    let from = copy
+                                        .tensors
+                                        .get(index)
+                                        .and_then(|t| t.get(elements))
+                                        .ok_or_else(|| {
+                                            format!("own copy {:?} lacks tensor {index}", piece.key)
+                                        })?;
+                                    out.copy_from_slice(pod_bytes(from));
+                                    local_bytes += out.len();
+                                }
+                                (None, Some(peer)) => {
+                                    let mut rows = vec![0f32; elements.len()];
+                                    peer.rows(&piece.key, index, elements, &mut rows)
+                                        .map_err(|e| format!("rank {}: {e}", piece.holder))?;
+                                    out.copy_from_slice(pod_bytes(&rows));
+                                    peer_bytes += out.len();
+                                }
+                                (None, None) => unreachable!("connected above"),
+                            }
+                            Ok(())
+                        };
+                    let verified =
+                        ckpt::copies::read_verified(part, header, want.clone(), &object, &mut read)
+                            .map_err(|e| match e {
+                                ckpt::Error::Corrupt(_) => AssembleError::Mismatch(e.to_string()),
+                                other => AssembleError::Unavailable(other.to_string()),
                             })?;
-                        out.copy_from_slice(pod_bytes(from));
-                        local_bytes += out.len();
+                    if recent.len() == RECENT_SPANS {
+                        recent.remove(0);
                     }
-                    (None, Some(peer)) => {
-                        let mut rows = vec![0f32; elements.len()];
-                        peer.rows(&piece.key, index, elements, &mut rows)
-                            .map_err(|e| format!("rank {}: {e}", piece.holder))?;
-                        out.copy_from_slice(pod_bytes(&rows));
-                        peer_bytes += out.len();
-                    }
-                    (None, None) => unreachable!("connected above"),
+                    recent.push((piece.key.rank, verified));
+                    recent.len() - 1
                 }
-                Ok(())
             };
-            let verified =
-                ckpt::copies::read_verified(part, header, want.clone(), &object, &mut read)
-                    .map_err(|e| match e {
-                        ckpt::Error::Corrupt(_) => AssembleError::Mismatch(e.to_string()),
-                        other => AssembleError::Unavailable(other.to_string()),
-                    })?;
-            let bytes = verified
+            let bytes = recent[at]
+                .1
                 .slice(want)
-                .expect("read_verified covers what was asked");
+                .expect("a verified span covers what was asked");
             pod_bytes_mut(&mut tensors[index][into.clone()]).copy_from_slice(bytes);
         }
     }
