@@ -43,6 +43,11 @@
 //! Configuration: see [`StoreConfig`] for retries, timeouts, part sizes and range
 //! coalescing; credentials and endpoints come from the standard `AWS_*`, `GOOGLE_*`
 //! and `AZURE_*` environment variables or from [`StoreConfig::options`].
+//!
+//! Features: local disk and memory are always there; `aws` (`s3://`), `gcp`
+//! (`gs://`) and `azure` (`az://`) each bring one cloud backend and its HTTP stack,
+//! and are off by default. A URL of a backend left out fails to open, naming the
+//! feature.
 
 #![warn(missing_docs, unreachable_pub)]
 

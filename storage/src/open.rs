@@ -9,14 +9,19 @@ use std::collections::HashMap;
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
+#[cfg(feature = "aws")]
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+#[cfg(feature = "azure")]
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+#[cfg(feature = "gcp")]
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::prefix::PrefixStore;
-use object_store::{BackoffConfig, ObjectStore, RetryConfig};
+use object_store::ObjectStore;
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
+use object_store::{BackoffConfig, RetryConfig};
 use url::Url;
 
 use crate::config::StoreConfig;
@@ -94,6 +99,7 @@ pub(crate) fn open(url: &str, config: &StoreConfig) -> Result<Opened> {
                 url: url.to_string(),
             })
         }
+        #[cfg(feature = "aws")]
         "s3" => {
             require_bucket(&bucket, "bucket", url)?;
             let mut builder = AmazonS3Builder::from_env()
@@ -106,6 +112,7 @@ pub(crate) fn open(url: &str, config: &StoreConfig) -> Result<Opened> {
             let inner = builder.build().map_err(|e| build_error(url, e))?;
             Ok(remote(Arc::new(inner), root, Backend::S3, url))
         }
+        #[cfg(feature = "gcp")]
         "gs" => {
             require_bucket(&bucket, "bucket", url)?;
             let mut builder = GoogleCloudStorageBuilder::from_env()
@@ -118,6 +125,7 @@ pub(crate) fn open(url: &str, config: &StoreConfig) -> Result<Opened> {
             let inner = builder.build().map_err(|e| build_error(url, e))?;
             Ok(remote(Arc::new(inner), root, Backend::Gcs, url))
         }
+        #[cfg(feature = "azure")]
         "az" | "azure" => {
             require_bucket(&bucket, "container", url)?;
             let mut builder = MicrosoftAzureBuilder::from_env()
@@ -130,10 +138,25 @@ pub(crate) fn open(url: &str, config: &StoreConfig) -> Result<Opened> {
             let inner = builder.build().map_err(|e| build_error(url, e))?;
             Ok(remote(Arc::new(inner), root, Backend::Azure, url))
         }
+        // Known, but left out of this build (the arms above take those it has).
+        #[allow(unreachable_patterns)]
+        scheme @ ("s3" | "gs" | "az" | "azure") => Err(left_out(scheme, url)),
         other => Err(Error::config(format!(
             "unknown scheme {other:?} in store url {url:?}: expected file://, s3://, gs://, az:// or memory://"
         ))),
     }
+}
+
+/// The error for a URL of a cloud backend this build leaves out.
+fn left_out(scheme: &str, url: &str) -> Error {
+    let (backend, feature) = match scheme {
+        "s3" => ("S3", "aws"),
+        "gs" => ("Google Cloud Storage", "gcp"),
+        _ => ("Azure Blob Storage", "azure"),
+    };
+    Error::config(format!(
+        "store url {url:?} needs {backend}, which this build leaves out: build with the `{feature}` feature (of ckpt-storage, or of ckpt)"
+    ))
 }
 
 fn open_local(path: &str, original: &str, config: &StoreConfig) -> Result<Opened> {
@@ -247,6 +270,7 @@ fn rooted(inner: Arc<dyn ObjectStore>, root: Option<Path>) -> Arc<dyn ObjectStor
     }
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn remote(inner: Arc<dyn ObjectStore>, root: Option<Path>, backend: Backend, url: &str) -> Opened {
     Opened {
         inner: rooted(inner, root),
@@ -255,6 +279,7 @@ fn remote(inner: Arc<dyn ObjectStore>, root: Option<Path>, backend: Backend, url
     }
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn require_bucket(bucket: &str, what: &str, url: &str) -> Result<()> {
     if bucket.is_empty() {
         return Err(Error::config(format!("store url {url:?} names no {what}")));
@@ -271,6 +296,7 @@ fn ensure_no_options(config: &StoreConfig, url: &str) -> Result<()> {
     }
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn retry_config(config: &StoreConfig) -> RetryConfig {
     RetryConfig {
         backoff: BackoffConfig {
@@ -283,6 +309,7 @@ fn retry_config(config: &StoreConfig) -> RetryConfig {
     }
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 /// Timeouts go through the builders' string options rather than `ClientOptions`:
 /// replacing the client options would drop what `from_env` read (`*_ALLOW_HTTP`).
 fn client_options(config: &StoreConfig) -> impl Iterator<Item = (String, String)> {
@@ -299,14 +326,17 @@ fn client_options(config: &StoreConfig) -> impl Iterator<Item = (String, String)
     .into_iter()
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn user_options(config: &StoreConfig) -> impl Iterator<Item = (String, String)> + '_ {
     config.options.iter().cloned()
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn unknown_option(key: &str, url: &str) -> Error {
     Error::config(format!("unknown option {key:?} for store url {url:?}"))
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn build_error(url: &str, e: object_store::Error) -> Error {
     let reason = lowercase_first(&e.to_string());
     Error::with_source(
@@ -321,5 +351,26 @@ pub(crate) fn lowercase_first(s: &str) -> String {
     match chars.next() {
         Some(first) => first.to_lowercase().chain(chars).collect(),
         None => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cloud_url_this_build_leaves_out_names_the_feature_that_brings_it() {
+        for (url, backend, feature) in [
+            ("s3://b/p", "S3", "`aws`"),
+            ("gs://b", "Google Cloud Storage", "`gcp`"),
+            ("az://c/p", "Azure Blob Storage", "`azure`"),
+        ] {
+            let scheme = url.split("://").next().unwrap();
+            let message = left_out(scheme, url).to_string();
+            assert!(
+                message.contains(url) && message.contains(backend) && message.contains(feature),
+                "{message}"
+            );
+        }
     }
 }

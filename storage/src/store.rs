@@ -7,6 +7,7 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 use object_store::client::HttpErrorKind;
 use object_store::path::Path;
 use object_store::{
@@ -641,6 +642,7 @@ fn classify_generic(e: &object_store::Error) -> (ErrorKind, String) {
             };
             return (kind, format!("server answered status {code}"));
         }
+        #[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
         if let Some(http) = err.downcast_ref::<object_store::client::HttpError>() {
             let kind = match http.kind() {
                 HttpErrorKind::Connect
@@ -684,6 +686,7 @@ fn status_in_message(message: &str) -> Option<u16> {
     }
 }
 
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn innermost(err: &(dyn std::error::Error + 'static)) -> String {
     let mut last = err;
     while let Some(next) = last.source() {
