@@ -40,7 +40,7 @@ use crate::format::{
     rank_part_name,
 };
 use crate::staging::{Source, StagingBuffer, copy_sources};
-use crate::writer::{PlannedBox, rank_file_header};
+use crate::writer::{PlannedBox, check_header, rank_file_header};
 
 /// What `save` does when `max_in_flight` saves are already running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -640,6 +640,7 @@ impl Checkpointer {
         // that nothing reads its tensors any more).
         let attempt = Attempt::new(step, self.config.generation, self.config.run_id.clone())?;
         let mut plan = self.plan(step, state);
+        check_header(&plan.header, self.config.rank as u32, plan.chunks.len())?;
         let chunks = std::mem::take(&mut plan.chunks);
         let mut buffer = self
             .pool

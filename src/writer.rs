@@ -19,10 +19,23 @@ use crate::commit::Outcome;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, Codec, FORMAT_VERSION, FileEntry, RankPart, StateValue, build_safetensors_header,
-    rank_part_name,
+    Chunk, Codec, FORMAT_VERSION, FileEntry, MAX_HEADER_BYTES, RankPart, StateValue,
+    build_safetensors_header, rank_part_name,
 };
 use crate::region::Region;
+
+/// Fails, before anything is written, when `header` (from [`rank_file_header`]) is
+/// larger than safetensors readers accept ([`MAX_HEADER_BYTES`] after its length
+/// prefix): the file would not be the safetensors file the format promises.
+pub(crate) fn check_header(header: &[u8], rank: u32, boxes: usize) -> Result<()> {
+    let json = header.len().saturating_sub(8) as u64;
+    if json > MAX_HEADER_BYTES {
+        return Err(Error::invalid(format!(
+            "rank {rank}'s data file would have a safetensors header of {json} bytes for {boxes} boxes, over safetensors' limit of {MAX_HEADER_BYTES}: save fewer boxes per rank, or shorter names"
+        )));
+    }
+    Ok(())
+}
 
 /// One box the file will hold, in write order.
 #[derive(Debug, Clone)]
@@ -123,6 +136,7 @@ impl RankFileWriter {
         }
         let step = attempt.step;
         let header = rank_file_header(step, rank, world, boxes);
+        check_header(&header, rank, boxes.len())?;
         let mut offset = header.len() as u64;
         let mut chunks = Vec::with_capacity(boxes.len());
         for b in boxes {
@@ -306,5 +320,27 @@ pub async fn commit(store: &Store, attempt: &Attempt, world: u32) -> Result<bool
             "step {} was fenced off: generation {generation} committed first",
             attempt.step
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_over_the_safetensors_limit_is_refused_and_one_at_it_passes() {
+        let limit = MAX_HEADER_BYTES as usize;
+        let at_limit = vec![b' '; 8 + limit];
+        assert!(check_header(&at_limit, 3, 7).is_ok());
+        let over = vec![b' '; 8 + limit + 1];
+        let err = check_header(&over, 3, 7).unwrap_err();
+        assert!(matches!(err, Error::Invalid(_)), "{err}");
+        let message = err.to_string();
+        assert!(
+            message.contains("rank 3")
+                && message.contains("100000001 bytes for 7 boxes")
+                && message.contains("limit of 100000000"),
+            "{message}"
+        );
     }
 }

@@ -9,8 +9,10 @@ use crate::dtype::DType;
 pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
 /// Largest rank part accepted.
 pub const MAX_PART_BYTES: u64 = 256 << 20;
-/// Largest safetensors header accepted (safetensors' own limit).
-pub const MAX_HEADER_BYTES: u64 = 100 << 20;
+/// Largest safetensors header (its JSON, after the 8-byte length): the safetensors
+/// crate's own limit, 100,000,000 bytes, so that every data file opens in any
+/// safetensors reader. Readers refuse a larger one; writers fail before writing it.
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// Most dimensions of a tensor.
 pub const MAX_DIMS: usize = 32;
 /// Largest world size.
