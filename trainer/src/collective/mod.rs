@@ -2,8 +2,8 @@
 //!
 //! [`Collective`] holds only the primitives a sharded data-parallel trainer needs, named
 //! after NCCL's (`ncclAllGather`, `ncclReduceScatter`, `ncclAllReduce`,
-//! `ncclBroadcast`), so that the NCCL backend of a later issue can implement the same
-//! trait; conveniences for typed buffers live in [`CollectiveExt`], implemented for
+//! `ncclBroadcast`), so that the NCCL backend (`nccl`, feature `cuda`) implements the
+//! same trait; conveniences for typed buffers live in [`CollectiveExt`], implemented for
 //! every collective.
 //!
 //! # Contract
