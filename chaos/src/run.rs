@@ -866,7 +866,7 @@ fn kill_everything(
 
 /// The state letter of `/proc/PID/stat` (`R`, `S`, `D`, `T`, `Z`…), `None` once the
 /// process is gone.
-fn proc_state(pid: i32) -> Option<char> {
+pub fn proc_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?.1.trim_start().chars().next()
 }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use ckpt_chaos::run::proc_state;
 use ckpt_chaos::scenario::Scenario;
 use ckpt_chaos::{Options, oracle, run_scenario};
 
@@ -216,12 +217,6 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
     let replayed = Scenario::load(&replay).unwrap();
     assert_eq!(replayed, ckpt_chaos::soak::draw(7, 0));
     assert!(String::from_utf8_lossy(&output.stderr).contains("replay: ckpt-chaos run"));
-}
-
-/// The state letter of `/proc/PID/stat`, `None` once the process is gone.
-fn proc_state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 #[test]
