@@ -77,7 +77,7 @@ impl Commit {
 
 /// Removes repeated records of one attempt (a racing committer may append twice);
 /// the first one is its place in the commit order.
-fn dedup(entries: Vec<LoggedCommit>) -> Vec<Commit> {
+fn dedup(entries: &[LoggedCommit]) -> Vec<Commit> {
     let mut seen = HashSet::new();
     entries
         .iter()
@@ -109,7 +109,7 @@ async fn v1_commits(store: &Store) -> Result<Vec<Commit>> {
 /// included: [`read_commit`] says which open.
 pub async fn commits(store: &Store) -> Result<Vec<Commit>> {
     let mut all = v1_commits(store).await?;
-    all.extend(dedup(crate::commits::read_all(store).await?));
+    all.extend(dedup(&crate::commits::read_all(store).await?));
     Ok(all)
 }
 
@@ -201,7 +201,7 @@ pub async fn names_a_commit(store: &Store, commit: &Commit) -> Result<bool> {
 pub async fn read_manifest(store: &Store, step: u64) -> Result<Manifest> {
     let logged = crate::commits::read_all(store).await?;
     let mut skipped = None;
-    for commit in dedup(logged).into_iter().rev().filter(|c| c.step == step) {
+    for commit in dedup(&logged).into_iter().rev().filter(|c| c.step == step) {
         match read_commit(store, &commit).await {
             Err(e @ Error::NotFound(_)) => {
                 debug!(step, dir = %commit.dir, error = %e, "a commit record that names no commit");
@@ -291,7 +291,7 @@ impl NewestFirst {
         };
         let steps: Vec<u64> = before.iter().chain(&tail).map(|r| r.record.step).collect();
         let climbing = steps.windows(2).all(|w| w[0] < w[1]);
-        let mut pending = if climbing { dedup(tail) } else { Vec::new() };
+        let mut pending = if climbing { dedup(&tail) } else { Vec::new() };
         let history_read = pending.is_empty();
         if history_read {
             pending = commits(store).await?;
@@ -419,6 +419,12 @@ pub struct CheckpointInfo {
 /// failed and partial saves by step. Lists the whole root: for tools and retention,
 /// not for the hot path.
 pub async fn list_checkpoints(store: &Store) -> Result<Vec<CheckpointInfo>> {
+    Ok(survey(store).await?.0)
+}
+
+/// [`list_checkpoints`], and the commit log's records it read to find the commits:
+/// retention needs both, and the log is the longest thing a survey reads.
+pub(crate) async fn survey(store: &Store) -> Result<(Vec<CheckpointInfo>, Vec<LoggedCommit>)> {
     let objects = store.list("").await?;
     let leftovers = store.staging_leftovers("").await?;
     let mut dirs: BTreeMap<String, CheckpointInfo> = BTreeMap::new();
@@ -484,8 +490,11 @@ pub async fn list_checkpoints(store: &Store) -> Result<Vec<CheckpointInfo>> {
     for object in &leftovers {
         add(object, true, &mut dirs);
     }
-    let logged = dedup(crate::commits::read_all(store).await?);
-    let logged: HashMap<String, Commit> = logged.into_iter().map(|c| (c.dir.clone(), c)).collect();
+    let records = crate::commits::read_all(store).await?;
+    let logged: HashMap<String, Commit> = dedup(&records)
+        .into_iter()
+        .map(|c| (c.dir.clone(), c))
+        .collect();
 
     for (dir, slot) in slots {
         let info = dirs.get_mut(&dir).expect("slot's directory");
@@ -542,7 +551,7 @@ pub async fn list_checkpoints(store: &Store) -> Result<Vec<CheckpointInfo>> {
         }
         lowest_later = Some(lowest_later.map_or(info.step, |l| l.min(info.step)));
     }
-    Ok(all)
+    Ok((all, records))
 }
 
 #[cfg(test)]

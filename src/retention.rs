@@ -32,7 +32,7 @@ use ckpt_storage::Store;
 use serde::Serialize;
 use tracing::{info, warn};
 
-use crate::catalog::{CheckpointInfo, Commit, Status, list_checkpoints, read_commit};
+use crate::catalog::{CheckpointInfo, Commit, Status, read_commit};
 use crate::commits::{LoggedCommit, record_key};
 use crate::error::{Error, Result};
 use crate::format::MANIFEST;
@@ -104,7 +104,9 @@ fn age_at_least(now: SystemTime, t: Option<SystemTime>, grace: Duration) -> bool
 /// Decides what to remove (nothing is deleted). Lists the whole root and opens
 /// the manifests of the newest commits until `keep` of them open.
 pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
-    let survey = list_checkpoints(store).await?;
+    // One read of the commit log serves the survey, the kept newest record and the
+    // dangling records alike.
+    let (survey, records) = crate::catalog::survey(store).await?;
     let mut valid = HashSet::new();
     for info in survey.iter().rev().filter(|c| c.committed) {
         if valid.len() >= policy.keep.max(1) {
@@ -127,7 +129,6 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
         }
     }
     let mut plan = decide(&survey, &valid, policy, SystemTime::now());
-    let records = crate::commits::read_all(store).await?;
     keep_what_the_newest_record_names(&mut plan, &records);
     plan.remove.extend(dangling_records(
         &records,
