@@ -477,26 +477,27 @@ impl Peer {
     }
 
     /// Reads elements `range` of tensor `index` of `key`'s copy into `out`.
+    /// `out` holds the elements' bytes (4 per f32), wherever the caller wants them.
     fn rows(
         &mut self,
         key: &Key,
         index: usize,
         range: Range<usize>,
-        out: &mut [f32],
+        out: &mut [u8],
     ) -> Result<(), FetchError> {
         let n = self.ask(&format!(
             "rows {} {} {} {index} {} {}",
             key.dir, key.world, key.rank, range.start, range.end
         ))?;
-        if n != out.len() {
+        if n.checked_mul(4) != Some(out.len()) {
             return Err(FetchError::Failed(format!(
                 "{}: sent {n} elements of tensor {index}, {} were asked for",
                 self.addr,
-                out.len()
+                out.len() / 4
             )));
         }
         self.reader
-            .read_exact(pod_bytes_mut(out))
+            .read_exact(out)
             .map_err(|e| FetchError::Failed(format!("{}: {e}", self.addr)))
     }
 }
@@ -561,7 +562,7 @@ fn pull_copy(pull: &Pull, buffer: &dyn Fn(usize) -> Vec<f32>) -> Result<RankCopy
         let mut refused = None;
         for (index, &len) in pull.lens.iter().enumerate() {
             let mut data = buffer(len);
-            match peer.rows(&pull.key, index, 0..len, &mut data) {
+            match peer.rows(&pull.key, index, 0..len, pod_bytes_mut(&mut data)) {
                 Ok(()) => tensors.push(data),
                 Err(FetchError::Refused(why)) => {
                     refused = Some(why);
@@ -843,10 +844,8 @@ pub fn assemble(
                                     local_bytes += out.len();
                                 }
                                 (None, Some(peer)) => {
-                                    let mut rows = vec![0f32; elements.len()];
-                                    peer.rows(&piece.key, index, elements, &mut rows)
+                                    peer.rows(&piece.key, index, elements, out)
                                         .map_err(|e| format!("rank {}: {e}", piece.holder))?;
-                                    out.copy_from_slice(pod_bytes(&rows));
                                     peer_bytes += out.len();
                                 }
                                 (None, None) => unreachable!("connected above"),
@@ -1178,7 +1177,7 @@ mod tests {
             world: 1,
             rank: 0,
         };
-        peer.rows(&key, 1, 0..3, &mut out).unwrap();
+        peer.rows(&key, 1, 0..3, pod_bytes_mut(&mut out)).unwrap();
         assert_eq!(out, vec![1000.0, 1001.0, 1002.0]);
     }
 
