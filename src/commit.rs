@@ -346,7 +346,8 @@ pub(crate) async fn commit(store: &Store, attempt: &Attempt, world: u32) -> Resu
 type Gathered<'a> = (crate::DType, &'a [u64], Vec<(u32, Region)>);
 
 /// Builds the root manifest from every rank's part (sorted by rank).
-pub(crate) fn build_manifest(
+#[doc(hidden)]
+pub fn build_manifest(
     attempt: &Attempt,
     world: u32,
     parts: &[(Vec<u8>, RankPart)],

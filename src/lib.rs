@@ -19,10 +19,9 @@
 //! peer's in-memory copy of what it saved) are held to the same block checksums by
 //! [`copies`]. The format and its guarantees: `docs/FORMAT.md`.
 //!
-//! [`elastic`] is the control plane of elastic training: a coordinator, an agent in
-//! every rank and the [`elastic::ControlPlane`] trait between them. It notices lost
-//! ranks and nodes, forms the next generation of the world from the survivors, and
-//! supplies the generation that fences every save (`docs/ELASTIC.md`).
+//! The elastic control plane (coordinator, agent, etcd backend) is the crate
+//! `ckpt-elastic`; the command line and `ckpt bench` are the crate `ckpt-cli`. This
+//! crate has neither, and no default features.
 //!
 //! ```
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -60,8 +59,6 @@
 pub use ckpt_storage as storage;
 
 pub mod attempt;
-#[cfg(feature = "cli")]
-pub mod bench;
 mod blocks;
 pub mod catalog;
 pub mod codec;
@@ -72,7 +69,7 @@ pub mod copies;
 pub mod cuda;
 mod direct;
 pub mod dtype;
-pub mod elastic;
+
 mod error;
 pub mod failpoint;
 pub mod format;

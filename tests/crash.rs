@@ -14,7 +14,7 @@
 //! `after-rank-part` and `before-commit` really are the last rank before the commit.
 //! Step 3 is then saved with `keep_last` and must collect the partial step 2.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::os::unix::process::ExitStatusExt;
 use std::sync::mpsc;

@@ -1,7 +1,7 @@
 //! The warnings of a fallback to an older checkpoint: a binary of its own, with a
 //! global tracing subscriber, so that no other test's subscribers race with it.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -1,7 +1,7 @@
 //! Staging files of a save killed mid-write never become part of a commit, and
 //! `ckpt gc` (the retention engine) removes them.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! precise errors (object and byte offset), never a panic or a huge allocation, and
 //! `load_latest` falls back to the previous valid commit with a warning.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::path::Path;
 

@@ -7,7 +7,7 @@
 //! span several batches, so the vectored in-place reads, the scratch between runs and
 //! the copy path for overlapping wants are all exercised.
 
-mod common;
+use ckpt_testkit as common;
 
 use ckpt::load::{LoadStats, ReadConfig};
 use ckpt::storage::Store;

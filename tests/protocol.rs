@@ -8,7 +8,7 @@
 //! at the failpoint named by `CKPT_FAILPOINT` when one is set, feature `failpoints`).
 //! A child that finishes reports its save's result on stderr.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;

@@ -4,7 +4,7 @@
 //! `max_in_flight`) is shown deterministically by holding the server's connections
 //! behind a gate.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Save and load through the public API on local disk: world sizes, layouts,
 //! replicas, non-tensor state, compression, retention, and the files' formats.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

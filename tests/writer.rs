@@ -1,6 +1,6 @@
 //! The streaming rank-file writer and the commit check on data files.
 
-mod common;
+use ckpt_testkit as common;
 
 use ckpt::format::Codec;
 use ckpt::writer::{PlannedBox, RankFileWriter, commit};

@@ -17,7 +17,7 @@
 //!   shuts down: exit without writing anything more.
 //!
 //! Nothing here knows about the coordinator's transport: the agent speaks to any
-//! [`ControlPlane`](ckpt::elastic::ControlPlane).
+//! [`ControlPlane`](ckpt_elastic::ControlPlane).
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
@@ -26,8 +26,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ckpt::elastic::{Agent, Assignment, Cancel, Directive, ElasticError, Report};
 use ckpt::storage::Store;
+use ckpt_elastic::{Agent, Assignment, Cancel, Directive, ElasticError, Report};
 
 use crate::collective::{Collective, TcpCollective, TcpConfig};
 use crate::memory::Memory;

@@ -43,7 +43,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ckpt::elastic::{Coordinator, CoordinatorConfig, Event, JobOver};
+use ckpt_elastic::{Coordinator, CoordinatorConfig, Event, JobOver};
 
 use crate::signals;
 
@@ -84,7 +84,7 @@ pub struct ElasticLaunch {
     /// `master_addr:master_port`, a free port when none is given).
     pub rdzv: Option<SocketAddr>,
     /// The etcd cluster that replaces the coordinator (`--rdzv etcd://…`).
-    pub etcd: Option<ckpt::elastic::EtcdUrl>,
+    pub etcd: Option<ckpt_elastic::EtcdUrl>,
     /// Where a hosted coordinator listens (`--rdzv` with `--host-rdzv`).
     pub host_at: Option<SocketAddr>,
     /// Fewest ranks the job trains with (a smaller world waits for members).
@@ -435,9 +435,9 @@ impl Spawner<'_> {
 
 /// The control plane a launcher uses: the coordinator it hosts or joins, or etcd.
 enum Plane {
-    Coordinator(Option<ckpt::elastic::CoordinatorHandle>),
+    Coordinator(Option<ckpt_elastic::CoordinatorHandle>),
     #[cfg(feature = "etcd")]
-    Etcd(ckpt::elastic::EtcdJob),
+    Etcd(ckpt_elastic::EtcdJob),
 }
 
 impl Plane {
@@ -529,10 +529,10 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
     let (plane, rdzv) = match &elastic.etcd {
         #[cfg(feature = "etcd")]
         Some(url) => {
-            let job = ckpt::elastic::EtcdJob::connect(
+            let job = ckpt_elastic::EtcdJob::connect(
                 url,
                 &elastic.coordinator,
-                ckpt::elastic::EtcdSettings::default(),
+                ckpt_elastic::EtcdSettings::default(),
             )
             .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
             let c = job.config();

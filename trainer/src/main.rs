@@ -10,8 +10,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ckpt::elastic::{Agent, AgentConfig, CoordinatorConfig, Member, TcpControlPlane, TcpSettings};
 use ckpt::storage::Store;
+use ckpt_elastic::{Agent, AgentConfig, CoordinatorConfig, Member, TcpControlPlane, TcpSettings};
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
 use ckpt_trainer::elastic::{self as elastic_rank, Exit};
 use ckpt_trainer::launch::{self, EXIT_STOPPED, ElasticLaunch, LaunchConfig};
@@ -459,7 +459,7 @@ fn run_launch(args: LaunchArgs) -> ExitCode {
 #[derive(Debug, Clone)]
 enum Rdzv {
     Tcp(SocketAddr),
-    Etcd(ckpt::elastic::EtcdUrl),
+    Etcd(ckpt_elastic::EtcdUrl),
 }
 
 fn parse_rdzv(text: &str) -> Result<Rdzv, String> {
@@ -469,7 +469,7 @@ fn parse_rdzv(text: &str) -> Result<Rdzv, String> {
                 "--rdzv {text:?}: this ckpt-train was built without the etcd backend (cargo build --features etcd)"
             ));
         }
-        return ckpt::elastic::EtcdUrl::parse(text)
+        return ckpt_elastic::EtcdUrl::parse(text)
             .map(Rdzv::Etcd)
             .map_err(|e| format!("--rdzv {e}"));
     }
@@ -850,7 +850,7 @@ fn run_elastic_rank(
         host: ip.to_string(),
         node: env("CKPT_NODE_ID").unwrap_or_else(|| ip.to_string()),
     };
-    let plane: std::sync::Arc<dyn ckpt::elastic::ControlPlane> = match &rdzv {
+    let plane: std::sync::Arc<dyn ckpt_elastic::ControlPlane> = match &rdzv {
         Rdzv::Tcp(addr) => {
             match TcpControlPlane::connect(*addr, member.clone(), TcpSettings::default()) {
                 Ok(p) => std::sync::Arc::new(p),
@@ -880,11 +880,11 @@ fn run_elastic_rank(
         #[cfg(feature = "etcd")]
         Rdzv::Etcd(url) => {
             let lease = env("CKPT_ETCD_LEASE").and_then(|l| l.parse().ok());
-            match ckpt::elastic::EtcdControlPlane::connect(
+            match ckpt_elastic::EtcdControlPlane::connect(
                 url,
                 member.clone(),
                 lease,
-                ckpt::elastic::EtcdSettings::default(),
+                ckpt_elastic::EtcdSettings::default(),
             ) {
                 Ok(p) => std::sync::Arc::new(p),
                 Err(e) => return fail(EXIT_FAILED, format!("member {}: {url}: {e}", member.id)),

@@ -41,8 +41,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ckpt::elastic::protocol::{LineError, LineReader};
 use ckpt::format::{Chunk, RankPart};
+use ckpt_elastic::protocol::{LineError, LineReader};
 use serde::{Deserialize, Serialize};
 
 use crate::collective::{pod_bytes, pod_bytes_mut, shard_range};

@@ -742,7 +742,7 @@ pub trait KeyValue {
 /// so a new generation always builds its communicator from a fresh unique id.
 pub struct AgentKv<'a> {
     /// The agent.
-    pub agent: &'a ckpt::elastic::Agent,
+    pub agent: &'a ckpt_elastic::Agent,
     /// How long a `get` waits.
     pub timeout: Duration,
 }

@@ -2,54 +2,13 @@
 
 #![allow(dead_code, unreachable_pub)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 
 use ckpt::CheckpointReader;
 use ckpt::storage::Store;
 use ckpt::tools::diff::{DiffOptions, diff};
 
-/// The `ckpt` command line of this workspace, built now if needed. The trainer links
-/// the library without its command-line feature, so building the trainer's tests
-/// does not build the binary; building it here (a no-op when fresh) also makes sure
-/// it is not a stale copy. Panics, and so fails the test, when it cannot be built.
-pub fn ckpt_cli() -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
-    // The profile this test was built with, from `<target>/<profile dir>/deps/<exe>`.
-    let exe = std::env::current_exe().unwrap();
-    let profile = match exe
-        .parent()
-        .and_then(Path::parent)
-        .and_then(Path::file_name)
-        .and_then(|name| name.to_str())
-    {
-        Some("debug") | None => "dev".to_string(),
-        Some(other) => other.to_string(),
-    };
-    let output = Command::new(&cargo)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["build", "--quiet", "-p", "ckpt", "--bin", "ckpt"])
-        .args(["--profile", &profile, "--message-format=json"])
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cargo:?} to build the ckpt binary: {e}"));
-    assert!(
-        output.status.success(),
-        "building the ckpt binary failed ({})",
-        output.status
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let executable = stdout
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|message| message["reason"] == "compiler-artifact")
-        .filter(|message| message["target"]["name"] == "ckpt")
-        .find_map(|message| message["executable"].as_str().map(PathBuf::from));
-    let executable = executable
-        .unwrap_or_else(|| panic!("cargo built no ckpt executable; its messages:\n{stdout}"));
-    assert!(executable.is_file(), "{} is missing", executable.display());
-    executable
-}
+pub use ckpt_testkit::ckpt_cli;
 
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

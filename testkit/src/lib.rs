@@ -5,11 +5,13 @@
 //! through `CKPT_TEST_S3_*` variables; a missing variable fails the test with a
 //! message pointing at `scripts/test` (nothing is skipped silently).
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, missing_docs)]
 
 pub mod child;
 
 use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -311,4 +313,46 @@ pub fn rank_file_name_in(root: &std::path::Path, step: u64, rank: u32) -> String
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .find(|n| n.starts_with(&prefix) && n.contains(".safetensors") && !n.contains('#'))
         .unwrap_or_else(|| panic!("no data file of rank {rank} in step {step}"))
+}
+
+/// The `ckpt` command line of this workspace (crate `ckpt-cli`), built now if needed.
+/// Only that crate's own tests get its path from cargo; the others (the control
+/// plane's, the trainer's) build it here, which is a no-op when it is fresh and makes
+/// sure it is not a stale copy. Panics, and so fails the test, when it cannot be built.
+pub fn ckpt_cli() -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
+    // The profile this test was built with, from `<target>/<profile dir>/deps/<exe>`.
+    let exe = std::env::current_exe().unwrap();
+    let profile = match exe
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::file_name)
+        .and_then(|name| name.to_str())
+    {
+        Some("debug") | None => "dev".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let output = Command::new(&cargo)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--quiet", "-p", "ckpt-cli", "--bin", "ckpt"])
+        .args(["--profile", &profile, "--message-format=json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cargo:?} to build the ckpt binary: {e}"));
+    assert!(
+        output.status.success(),
+        "building the ckpt binary failed ({})",
+        output.status
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let executable = stdout
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["reason"] == "compiler-artifact")
+        .filter(|message| message["target"]["name"] == "ckpt")
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from));
+    let executable = executable
+        .unwrap_or_else(|| panic!("cargo built no ckpt executable; its messages:\n{stdout}"));
+    assert!(executable.is_file(), "{} is missing", executable.display());
+    executable
 }

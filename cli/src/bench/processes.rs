@@ -20,18 +20,18 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BenchConfig, CoreFigures, MemcpyFigures, RawTarget, evict_step, generate_rank, max, ms,
-    state_of,
+    BenchConfig, CoreFigures, MemcpyFigures, RawTarget, evict_step, generate_rank, invalid, max,
+    ms, state_of,
 };
-use crate::error::{Error, Result};
-use crate::format::step_dir;
-use crate::load::{CheckpointReader, LoadRequest};
-use crate::save::{CheckpointConfig, Checkpointer};
-use ckpt_storage::Store;
+use ckpt::format::step_dir;
+use ckpt::load::{CheckpointReader, LoadRequest};
+use ckpt::save::{CheckpointConfig, Checkpointer};
+use ckpt::storage::Store;
+use ckpt::{Error, Result};
 
 /// The core of W1 with one process per rank.
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct ProcessesReport {
+pub(crate) struct ProcessesReport {
     /// Rank processes that save.
     pub ranks: usize,
     /// The figures (their keys at this object's level in JSON).
@@ -93,7 +93,7 @@ fn now_ns() -> u64 {
 const RUN_ID: &str = "bench-processes";
 
 /// `ckpt bench-rank`: one rank process, driven by the parent over stdin and stdout.
-pub fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Result<()> {
+pub(crate) fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -121,7 +121,7 @@ pub fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Result<()> {
     for line in stdin.lines() {
         let line = line.map_err(|e| Error::Failed(format!("rank {rank}: stdin: {e}")))?;
         let order: Order = serde_json::from_str(&line)
-            .map_err(|e| Error::invalid(format!("rank {rank}: bad order {line:?}: {e}")))?;
+            .map_err(|e| invalid(format!("rank {rank}: bad order {line:?}: {e}")))?;
         if matches!(order, Order::Exit) {
             break;
         }
@@ -196,7 +196,7 @@ fn obey(
             let started = Instant::now();
             let mut offset = 0;
             for t in data {
-                let src = crate::as_bytes(t);
+                let src = ckpt::as_bytes(t);
                 memcpy_dst[offset..offset + src.len()].copy_from_slice(src);
                 offset += src.len();
             }
@@ -223,7 +223,7 @@ fn obey(
             rt.block_on(handle.committed())?;
             let end_ns = now_ns();
             let file_bytes = if rank == 0 {
-                let manifest = rt.block_on(crate::catalog::read_manifest(store, step))?;
+                let manifest = rt.block_on(ckpt::catalog::read_manifest(store, step))?;
                 manifest.ranks.iter().map(|r| r.raw_bytes).sum()
             } else {
                 0
@@ -257,7 +257,7 @@ fn obey_load(
         verify,
     } = order
     else {
-        return Err(Error::invalid("not a load"));
+        return Err(invalid("not a load"));
     };
     if rank >= world {
         return Ok(Answer {
@@ -271,7 +271,7 @@ fn obey_load(
     // between orders would hand the next one the allocator's trim (tens of ms of
     // returning pages to the kernel, seen inside an overlapped save's stall).
     let buffers = loads.entry(world).or_insert_with(|| {
-        let shard = crate::Region::dim0_shard(&[config.rows, config.cols], rank, world);
+        let shard = ckpt::Region::dim0_shard(&[config.rows, config.cols], rank, world);
         let bytes = shard.volume().unwrap_or(0) as usize * 4;
         (0..config.tensors).map(|_| vec![1u8; bytes]).collect()
     });
@@ -285,7 +285,7 @@ fn obey_load(
     let end_ns = now_ns();
     if verify && world == config.ranks {
         for (t, (loaded, own)) in buffers.iter().zip(data).enumerate() {
-            if loaded.as_slice() != crate::as_bytes(own) {
+            if loaded.as_slice() != ckpt::as_bytes(own) {
                 return Err(Error::Failed(format!(
                     "bench: rank {rank} loaded tensor {t} wrong"
                 )));

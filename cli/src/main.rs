@@ -1,10 +1,11 @@
 //! The `ckpt` command line.
 
-mod cli;
+mod bench;
+mod commands;
 
 use std::process::ExitCode;
 
-use ckpt::bench::{self, BenchConfig};
+use bench::BenchConfig;
 use ckpt::probe::probe;
 use ckpt::storage::{Store, StoreConfig};
 use clap::{Parser, Subcommand};
@@ -64,7 +65,7 @@ enum Command {
     )]
     Coordinator(CoordinatorArgs),
     #[command(flatten)]
-    Tool(cli::Tool),
+    Tool(commands::Tool),
 }
 
 /// Flags of `ckpt bench`.
@@ -233,7 +234,7 @@ fn seconds(text: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
-    cli::end_quietly_when_output_closes();
+    commands::end_quietly_when_output_closes();
     let cli = Cli::parse();
     // The coordinator's log of generation changes is its output: info by default.
     let default_level = match cli.command {
@@ -262,7 +263,7 @@ fn main() -> ExitCode {
         Command::Probe { url, options, json } => runtime.block_on(run_probe(&url, &options, json)),
         Command::Bench(args) => run_bench(&runtime, *args),
         Command::BenchRank(args) => run_bench_rank(runtime, args),
-        Command::Tool(tool) => runtime.block_on(cli::run(tool)),
+        Command::Tool(tool) => runtime.block_on(commands::run(tool)),
         Command::Coordinator(args) => run_coordinator(args),
     }
 }
@@ -271,7 +272,7 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
     use std::io::Write;
     use std::time::Duration;
 
-    let config = ckpt::elastic::CoordinatorConfig {
+    let config = ckpt_elastic::CoordinatorConfig {
         job: args.job,
         min_ranks: args.min_ranks,
         max_ranks: args.max_ranks,
@@ -283,7 +284,7 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
         // A restarted coordinator waits as long as a member may stay silent.
         settle: Duration::from_secs_f64(args.heartbeat_timeout_secs),
     };
-    let coordinator = match ckpt::elastic::Coordinator::bind(args.listen, config) {
+    let coordinator = match ckpt_elastic::Coordinator::bind(args.listen, config) {
         Ok(coordinator) => coordinator,
         Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
             eprintln!("error: {e}");

@@ -21,8 +21,8 @@ use tracing::{debug, info, warn};
 
 use super::EtcdUrl;
 use super::rules::{self, GenRecord, GenState, JobConfig, Live, MemberRecord, Timers};
-use crate::elastic::cancel::{Waker, wait_on};
-use crate::elastic::{
+use crate::cancel::{Waker, wait_on};
+use crate::{
     Assignment, Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, Event, JobOver,
     Member, Progress, Report,
 };

@@ -3,7 +3,7 @@
 //! root through symbolic links, or read a huge object whole. Every command is run as
 //! a user would run it, through the `ckpt` binary.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::elastic::{Assignment, CoordinatorConfig, Directive, Member, Report};
+use crate::{Assignment, CoordinatorConfig, Directive, Member, Report};
 
 /// The job's settings, published once under `config` (the first launcher's win).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

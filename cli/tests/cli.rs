@@ -2,7 +2,7 @@
 //! every command, its JSON, its exit codes, corrupt inputs, reshard round trips, and
 //! export read back by the Python `safetensors` package.
 
-mod common;
+use ckpt_testkit as common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -10,7 +10,7 @@
 //! The coordinator keeps nothing that matters across its own restart: generation
 //! numbers, the checkpoint-generation floor and the running membership are rebuilt
 //! from what the members announce when they reconnect (see the module docs of
-//! [`crate::elastic`]).
+//! [`crate`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{self, Write};

@@ -15,15 +15,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ckpt_storage::Store;
+use ckpt::storage::Store;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use serde::{Deserialize, Serialize};
 
-use super::{median, ms};
-use crate::error::{Error, Result};
-use crate::format::step_dir;
-use crate::save::{CheckpointConfig, Checkpointer};
-use crate::{DType, Region, State};
+use super::{invalid, median, ms};
+use ckpt::format::step_dir;
+use ckpt::save::{CheckpointConfig, Checkpointer};
+use ckpt::{DType, Region, State};
+use ckpt::{Error, Result};
 
 /// Elements of one bf16 tensor row; a tensor is `rows × ROW` bf16 values.
 const ROW: u64 = 16384;
@@ -33,7 +33,7 @@ const TENSOR_BYTES: u64 = 256 << 20;
 
 /// Settings of the device staging bench.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DeviceBenchConfig {
+pub(crate) struct DeviceBenchConfig {
     /// State sizes to measure, GiB each.
     pub gib: Vec<f64>,
     /// Measured repetitions per size (medians are reported).
@@ -44,7 +44,7 @@ pub struct DeviceBenchConfig {
 
 /// The figures of one state size.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DeviceFigures {
+pub(crate) struct DeviceFigures {
     /// Bytes of device state.
     pub bytes: u64,
     /// Device tensors it was split into.
@@ -73,7 +73,7 @@ pub struct DeviceFigures {
 
 /// The device staging report.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DeviceReport {
+pub(crate) struct DeviceReport {
     /// The store measured.
     pub url: String,
     /// Settings.
@@ -90,19 +90,19 @@ fn cuda(what: &str, e: impl std::fmt::Display) -> Error {
 
 /// Runs the device staging bench on `store` (a scratch location: step directories
 /// are written and deleted).
-pub fn run(
+pub(crate) fn run(
     store: &Store,
     rt: &tokio::runtime::Handle,
     config: &DeviceBenchConfig,
     progress: &dyn Fn(&str),
 ) -> Result<DeviceReport> {
     if config.gib.is_empty() || config.gib.iter().any(|g| g.is_nan() || *g <= 0.0) {
-        return Err(Error::invalid("--device-gib needs sizes above 0 GiB"));
+        return Err(invalid("--device-gib needs sizes above 0 GiB"));
     }
     if config.reps == 0 {
-        return Err(Error::invalid("--reps must be at least 1"));
+        return Err(invalid("--reps must be at least 1"));
     }
-    let ctx = crate::cuda::context(config.device)?;
+    let ctx = ckpt::cuda::context(config.device)?;
     let device_name = ctx.name().unwrap_or_else(|e| format!("unknown ({e})"));
     let stream = ctx.new_stream().map_err(|e| cuda("creating a stream", e))?;
     let mut sizes = Vec::new();
@@ -128,7 +128,7 @@ fn one_size(
     config: &DeviceBenchConfig,
     progress: &dyn Fn(&str),
 ) -> Result<DeviceFigures> {
-    let len = usize::try_from(bytes).map_err(|_| Error::invalid("state too large"))?;
+    let len = usize::try_from(bytes).map_err(|_| invalid("state too large"))?;
     let mut source: CudaSlice<u8> = stream
         .alloc_zeros(len)
         .map_err(|e| cuda(&format!("allocating {bytes} bytes on the device"), e))?;
@@ -160,7 +160,7 @@ fn one_size(
         // save below (each waits for its release event before the next step), and
         // nothing writes it meanwhile.
         let buffer = unsafe {
-            crate::cuda::DeviceBuffer::from_raw(
+            ckpt::cuda::DeviceBuffer::from_raw(
                 ctx,
                 base + offset,
                 size as usize,
@@ -236,7 +236,7 @@ fn one_size(
 }
 
 /// The report as a table.
-pub fn render(report: &DeviceReport) -> String {
+pub(crate) fn render(report: &DeviceReport) -> String {
     let mut out = format!(
         "ckpt bench on {}: device state staged from {} (device {}), medians of {}\n",
         report.url, report.device_name, report.config.device, report.config.reps

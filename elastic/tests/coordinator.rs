@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
-use ckpt::elastic::protocol::{self, ClientMessage, MAX_LINE, ServerMessage};
-use ckpt::elastic::{
+use ckpt_elastic::protocol::{self, ClientMessage, MAX_LINE, ServerMessage};
+use ckpt_elastic::{
     Agent, AgentConfig, Assignment, Cancel, ControlPlane, Coordinator, CoordinatorConfig,
     CoordinatorHandle, Directive, ElasticError, Event, Member, Progress, Report, TcpControlPlane,
     TcpSettings,
@@ -433,7 +433,7 @@ struct CoordinatorProcess {
 
 impl CoordinatorProcess {
     fn start(listen: &str) -> CoordinatorProcess {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        let mut child = Command::new(ckpt_testkit::ckpt_cli())
             .args([
                 "coordinator",
                 "--listen",

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ckpt::elastic::{
+use ckpt_elastic::{
     Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, EtcdControlPlane, EtcdJob,
     EtcdSettings, EtcdUrl, Member,
 };
@@ -64,7 +64,7 @@ fn start_with(
 }
 
 /// Every plane rendezvous at once (after `after`); returns the assignments.
-fn rendezvous_all(planes: &[Arc<EtcdControlPlane>], after: u64) -> Vec<ckpt::elastic::Assignment> {
+fn rendezvous_all(planes: &[Arc<EtcdControlPlane>], after: u64) -> Vec<ckpt_elastic::Assignment> {
     let threads: Vec<_> = planes
         .iter()
         .map(|p| {
@@ -99,7 +99,7 @@ fn concurrent_members_converge_on_one_generation_and_its_keys() {
     let formed = launcher
         .events()
         .iter()
-        .filter(|e| matches!(e, ckpt::elastic::Event::Formed { .. }))
+        .filter(|e| matches!(e, ckpt_elastic::Event::Formed { .. }))
         .count();
     assert!(formed >= 1, "the launcher sees the generation form");
 }
@@ -185,7 +185,7 @@ fn an_idle_member_keeps_its_watch_and_sends_only_keep_alives() {
     // The default heartbeat timeout (5 s): a keep-alive every 5/3 s.
     let (launcher, planes, _) = start_with("idle", 2, 2, Duration::from_secs(5));
     let generation = rendezvous_all(&planes, 0)[0].generation;
-    let progress = ckpt::elastic::Progress::default();
+    let progress = ckpt_elastic::Progress::default();
     let (before, launcher_before) = (planes[0].requests(), launcher.requests());
     // Long enough for connection-level trouble to show (etcd closes connections that
     // ping more often than every 5 s): no re-read, no new watch, keep-alives only.

@@ -35,29 +35,34 @@ use std::path::{Path, PathBuf};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use ckpt_storage::{Backend, Store};
+use ckpt::storage::{Backend, Store};
 use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "cuda")]
-pub mod device;
+pub(crate) mod device;
 mod processes;
-pub use processes::{ProcessesReport, rank_main};
+pub(crate) use processes::{ProcessesReport, rank_main};
 
-use crate::error::{Error, Result};
-use crate::format::{
+use ckpt::{Error, Result};
+
+/// A bad bench configuration or a bad message between bench processes.
+fn invalid(message: impl Into<String>) -> Error {
+    Error::Invalid(message.into())
+}
+use ckpt::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, RankPart, rank_file_name, rank_part_name,
     step_dir,
 };
-use crate::load::{CheckpointReader, LoadRequest, LoadStats};
-use crate::region::Region;
-use crate::save::{CheckpointConfig, Checkpointer};
-use crate::state::{State, as_bytes};
-use crate::{DType, codec};
+use ckpt::load::{CheckpointReader, LoadRequest, LoadStats};
+use ckpt::region::Region;
+use ckpt::save::{CheckpointConfig, Checkpointer};
+use ckpt::state::{State, as_bytes};
+use ckpt::{DType, codec};
 
 /// What to run. [`BenchConfig::default`] is workload W1: 4 ranks, 64 fp32 tensors of
 /// 8192×1024 sharded on dim 0 (512 MiB per rank, 2 GiB in all), 5 repetitions.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct BenchConfig {
+pub(crate) struct BenchConfig {
     /// Ranks (threads) that save.
     pub ranks: usize,
     /// Ranks that load the resharded checkpoint.
@@ -135,33 +140,33 @@ impl Default for BenchConfig {
 
 impl BenchConfig {
     /// Checks the sizes; the error names the value.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.ranks == 0 || self.reshard_ranks == 0 {
-            return Err(Error::invalid(format!(
+            return Err(invalid(format!(
                 "ranks {} and reshard ranks {} must be at least 1",
                 self.ranks, self.reshard_ranks
             )));
         }
         if self.rows < self.ranks.max(self.reshard_ranks) as u64 || self.cols == 0 {
-            return Err(Error::invalid(format!(
+            return Err(invalid(format!(
                 "rows {} must be at least the number of ranks and cols {} at least 1",
                 self.rows, self.cols
             )));
         }
         if self.reps == 0 || self.tensors == 0 {
-            return Err(Error::invalid(format!(
+            return Err(invalid(format!(
                 "reps {} and tensors {} must be at least 1",
                 self.reps, self.tensors
             )));
         }
         if self.raw_bytes < (1 << 20) {
-            return Err(Error::invalid(format!(
+            return Err(invalid(format!(
                 "raw baseline of {} bytes is below 1 MiB",
                 self.raw_bytes
             )));
         }
         if self.meta_tensors > 0 && self.meta_ranks == 0 {
-            return Err(Error::invalid("meta ranks must be at least 1, got 0"));
+            return Err(invalid("meta ranks must be at least 1, got 0"));
         }
         Ok(())
     }
@@ -181,7 +186,7 @@ impl BenchConfig {
 
 /// A target of the issue and whether this run met it.
 #[derive(Debug, Clone, Serialize)]
-pub struct Target {
+pub(crate) struct Target {
     /// What is compared.
     pub name: String,
     /// The measured value.
@@ -196,7 +201,7 @@ pub struct Target {
 
 /// One compressed configuration, saved and loaded end to end.
 #[derive(Debug, Clone, Serialize)]
-pub struct CodecRun {
+pub(crate) struct CodecRun {
     /// `zstd` or `zstd+shuffle4`.
     pub codec: String,
     /// zstd level.
@@ -221,7 +226,7 @@ pub struct CodecRun {
 
 /// zstd on a sample of the data, block by block on one thread.
 #[derive(Debug, Clone, Serialize)]
-pub struct CodecSample {
+pub(crate) struct CodecSample {
     /// `fp32` or `bf16`.
     pub data: &'static str,
     /// Byte-shuffle width (0: none).
@@ -238,7 +243,7 @@ pub struct CodecSample {
 
 /// The synthetic metadata-scale checkpoint.
 #[derive(Debug, Clone, Serialize)]
-pub struct MetadataReport {
+pub(crate) struct MetadataReport {
     /// Tensors.
     pub tensors: usize,
     /// Saving ranks.
@@ -267,7 +272,7 @@ pub struct MetadataReport {
 
 /// Host memory over consecutive saves.
 #[derive(Debug, Clone, Serialize)]
-pub struct RssReport {
+pub(crate) struct RssReport {
     /// Resident set size after each save committed, MiB.
     pub rss_mib: Vec<f64>,
     /// Last minus second (the first save allocates the staging buffers), MiB.
@@ -279,7 +284,7 @@ pub struct RssReport {
 /// until committed against a raw write, and loads against a raw read. Medians over
 /// the repetitions.
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct CoreFigures {
+pub(crate) struct CoreFigures {
     /// Worst rank's stall of a blocking `save`, ms.
     pub stall_ms: f64,
     /// Worst rank's memcpy of the same bytes, by the same ranks at the same time, into
@@ -366,7 +371,7 @@ impl CoreFigures {
 
 /// Everything `ckpt bench` measured. The top-level ratios are the ones scripts track.
 #[derive(Debug, Clone, Serialize)]
-pub struct BenchReport {
+pub(crate) struct BenchReport {
     /// The store benchmarked.
     pub url: String,
     /// The configuration.
@@ -418,7 +423,7 @@ pub struct BenchReport {
 
 /// Where the time of each kind of load went.
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct LoadBreakdowns {
+pub(crate) struct LoadBreakdowns {
     /// Same world size, in place (`load_ms`).
     pub same_size: LoadBreakdown,
     /// Onto `reshard_ranks` ranks, in place (`reshard_load_ms`).
@@ -430,7 +435,7 @@ pub struct LoadBreakdowns {
 /// One load's time, split. Apart from `wall_ms` and `plan_ms`, figures are summed
 /// over every rank and reading thread (several run at once), each a median over reps.
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct LoadBreakdown {
+pub(crate) struct LoadBreakdown {
     /// From the first rank starting to the last finishing, ms.
     pub wall_ms: f64,
     /// Opening the checkpoint and planning, slowest rank, ms.
@@ -457,7 +462,7 @@ pub struct LoadBreakdown {
 
 /// Runs the benchmark against `store` on runtime `rt`; `progress` receives one line
 /// per stage.
-pub fn run(
+pub(crate) fn run(
     store: &Store,
     rt: &tokio::runtime::Handle,
     config: &BenchConfig,
@@ -1068,7 +1073,7 @@ fn save_once(
         _ => 0.0,
     };
     let store = checkpointers[0].store();
-    let manifest = rt.block_on(crate::catalog::read_manifest(store, step))?;
+    let manifest = rt.block_on(ckpt::catalog::read_manifest(store, step))?;
     Ok(Saved {
         stalls,
         staged,
@@ -1562,7 +1567,7 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
     );
     let store = Store::from_url(&name)?;
     let step = 1u64;
-    let attempt = crate::attempt::Attempt::new(step, 0, "bench")?;
+    let attempt = ckpt::attempt::Attempt::new(step, 0, "bench")?;
     let dir = attempt.dir();
     // Each tensor 4096 x 1024 fp32 (16 MiB) when the world allows, else a row per rank.
     let rows = (world as u64).max(4096);
@@ -1617,7 +1622,7 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
     }
     progress("metadata scale: building the manifest");
     let started = Instant::now();
-    let manifest = crate::commit::build_manifest(&attempt, world as u32, &parts)?;
+    let manifest = ckpt::commit::build_manifest(&attempt, world as u32, &parts)?;
     manifest.validate(&format!("{dir}/{MANIFEST}"))?;
     let manifest_bytes = manifest.to_bytes();
     let build_ms = ms(started.elapsed());
@@ -1628,9 +1633,9 @@ async fn metadata_scale(config: &BenchConfig, progress: &dyn Fn(&str)) -> Result
             .put(&format!("{dir}/{}", rank_part_name(part.rank)), bytes)
             .await?;
     }
-    crate::commits::append(
+    ckpt::commits::append(
         &store,
-        &crate::commits::CommitRecord::new(&attempt, world as u32),
+        &ckpt::commits::CommitRecord::new(&attempt, world as u32),
     )
     .await?;
     store
@@ -1757,7 +1762,7 @@ fn core_rows(s: &mut String, f: &CoreFigures, reshard_ranks: usize, direct: Opti
 }
 
 /// The report as an aligned table.
-pub fn render(r: &BenchReport) -> String {
+pub(crate) fn render(r: &BenchReport) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
     let c = &r.config;
@@ -1960,7 +1965,7 @@ pub fn render(r: &BenchReport) -> String {
 
 /// Requests and time of one commit by many simulated ranks.
 #[derive(Debug, Clone, Serialize)]
-pub struct CommitScaleReport {
+pub(crate) struct CommitScaleReport {
     /// Simulated ranks (one `Checkpointer` each, in this process).
     pub ranks: usize,
     /// From the first `save` to the last rank's `committed()`.
@@ -1980,9 +1985,9 @@ pub struct CommitScaleReport {
 /// save one small dim-0 shard of step 1 under a fresh prefix of `store` and wait for
 /// the commit. Counts every request each rank's store handle sends.
 async fn commit_scale(store: &Store, ranks: usize) -> Result<CommitScaleReport> {
-    let run = crate::attempt::random_run_id();
+    let run = ckpt::attempt::random_run_id();
     // The generation of the root's newest commit: not fenced, and fencing nobody.
-    let generation = crate::commits::newest(store)
+    let generation = ckpt::commits::newest(store)
         .await?
         .map_or(0, |c| c.record.generation);
     let (rows, cols) = (ranks as u64 * 4, 16u64);
