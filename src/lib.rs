@@ -1,27 +1,65 @@
 //! ckpt: fault-tolerant sharded checkpointing for distributed training.
 //!
-//! Every rank describes what it holds as boxes of global tensors (plus non-tensor
-//! state) in a [`State`], and hands it to its [`Checkpointer`]: `save` blocks only for
-//! one copy into a reusable staging buffer (`save_overlapped` not even for that: the
-//! copy runs while the caller computes, and [`SaveHandle::staged`] says when the
-//! tensors may change again), and a background task checksums, uploads and commits. Every save attempt (one world's save of one step) writes into a
-//! directory of its own, named by the step, the world's generation and its run id,
-//! and never writes a name twice ([`attempt`]). Once every rank's part is there, one
-//! of a few committer ranks (others take over if it dies) appends the attempt to the
-//! commit log, which orders all commits and fences off older generations
-//! ([`commits`]), and writes the manifest into the attempt's slot; a failure is
-//! written there as a tombstone, so every rank learns the outcome ([`commit`]). The
-//! newest checkpoint is the last commit in log order, not the highest step
-//! ([`catalog`]); retention follows the same order and leaves superseded checkpoints
-//! readable for a grace period ([`retention`]). Version-1 checkpoints stay readable.
-//! Any rank of any later world size then loads exactly the boxes it wants with a
-//! [`CheckpointReader`], verified block by block; bytes that come from elsewhere (a
-//! peer's in-memory copy of what it saved) are held to the same block checksums by
-//! [`copies`]. The format and its guarantees: `docs/FORMAT.md`.
+//! # A tour
 //!
-//! The elastic control plane (coordinator, agent, etcd backend) is the crate
-//! `ckpt-elastic`; the command line and `ckpt bench` are the crate `ckpt-cli`. This
-//! crate has neither, and no default features.
+//! **Saving.** Every rank describes what it holds as boxes of global tensors (plus
+//! non-tensor state) in a [`State`] and hands it to its [`Checkpointer`]:
+//! [`Checkpointer::save`] blocks only for one copy into a reusable staging buffer
+//! ([`Checkpointer::save_overlapped`] not even for that: the copy runs while the
+//! caller computes, and [`SaveHandle::staged`] says when the tensors may change
+//! again); a background task checksums, uploads and commits, and the returned
+//! [`SaveHandle`] says when this rank's part is durable and when the whole checkpoint
+//! is committed. [`Checkpointer::try_save`] skips the step instead of waiting when
+//! earlier saves are still writing; [`Checkpointer::close`] waits for every save's
+//! background work (commit and retention included) before a process exits.
+//!
+//! **Committing.** Every save attempt (one world's save of one step) writes into a
+//! directory of its own, named by the step, the world's generation and its run id,
+//! and never writes a name twice. Once every rank's part is there, one of a few
+//! committer ranks (others take over if it dies) appends the attempt to the commit
+//! log, which orders all commits and fences off older generations, and writes the
+//! manifest into the attempt's slot; a failure is written there as a tombstone, so
+//! every rank learns the outcome. The newest checkpoint is the last commit in log
+//! order, not the highest step ([`catalog`]); retention follows the same order and
+//! leaves superseded checkpoints readable for a grace period ([`retention`]).
+//! Version-1 checkpoints stay readable. The format and its guarantees:
+//! `docs/FORMAT.md`; where each invariant lives in the code: `docs/ARCHITECTURE.md`.
+//!
+//! **Loading.** Any rank of any later world size loads exactly the boxes it wants
+//! with a [`CheckpointReader`] ([`LoadRequest`] names tensors and [`Region`]s),
+//! verified block by block, or in place into its own buffers; bytes that come from
+//! elsewhere (a peer's in-memory copy of what it saved) are held to the same block
+//! checksums by [`copies`].
+//!
+//! **Offline.** [`tools`] has what the `ckpt` command runs: inspect, verify, diff,
+//! export, import, convert, reshard, gc. [`probe`] checks that a store supports what
+//! ckpt needs.
+//!
+//! **Elsewhere.** The elastic control plane (coordinator, agent, etcd backend) is
+//! the crate `ckpt-elastic`; the command line and `ckpt bench` are the crate
+//! `ckpt-cli`; the object-store layer is [`storage`] (the crate `ckpt-storage`).
+//!
+//! # Feature flags
+//!
+//! None is on by default: the library alone builds local-disk and memory stores.
+//!
+//! - `aws`, `gcp`, `azure`: the S3, GCS and Azure Blob backends of [`storage`];
+//!   `cloud` is all three.
+//! - `cuda`: device tensors in [`State`], pinned staging, device loads and the
+//!   library probe (`ckpt::cuda`), through cudarc's driver API loaded at run time
+//!   (no CUDA needed to build; `docs/GPU.md`).
+//! - `failpoints`: crash points at the seams of the save protocol, for crash tests
+//!   (they do nothing unless armed).
+//!
+//! # Threads
+//!
+//! [`Checkpointer`], [`SaveHandle`], [`CheckpointReader`] and [`storage::Store`] are
+//! `Send + Sync` (share them by reference or `Arc`); so are [`State`] and [`Error`].
+//! Saves and loads are `async` and need a multi-threaded tokio runtime.
+//!
+//! Modules hidden from these docs (`attempt`, `commit`, `commits`, `format`,
+//! `writer`, `failpoint`) are the protocol's internals, public for the crate's own
+//! tools, tests and benchmarks; they may change in any release.
 //!
 //! ```
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -40,7 +78,7 @@
 //!     let mut state = State::new();
 //!     state.add_dim0_shard("w", DType::F32, &[8, 4], rank, 2, as_bytes(shard))?;
 //!     state.set_rank_json("data_cursor", serde_json::json!({ "sample": 100 + rank }));
-//!     handles.push(checkpointer.save(10, &state).await?.handle().unwrap());
+//!     handles.push(checkpointer.save(10, &state).await?);
 //! }
 //! for handle in &handles {
 //!     handle.committed().await?;
@@ -58,20 +96,24 @@
 
 pub use ckpt_storage as storage;
 
+#[doc(hidden)]
 pub mod attempt;
 mod blocks;
 pub mod catalog;
 pub mod codec;
+#[doc(hidden)]
 pub mod commit;
+#[doc(hidden)]
 pub mod commits;
 pub mod copies;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod direct;
 pub mod dtype;
-
 mod error;
+#[doc(hidden)]
 pub mod failpoint;
+#[doc(hidden)]
 pub mod format;
 pub mod load;
 pub mod probe;
@@ -81,6 +123,7 @@ pub mod save;
 mod staging;
 pub mod state;
 pub mod tools;
+#[doc(hidden)]
 pub mod writer;
 
 pub use attempt::Attempt;
@@ -91,7 +134,7 @@ pub use error::{Error, Result};
 pub use format::{Codec, Manifest, StateValue};
 pub use load::{CheckpointReader, LoadRequest, Loaded, LoadedTensor, load_latest};
 pub use region::Region;
-pub use save::{CheckpointConfig, Checkpointer, SaveHandle, SaveOutcome, WhenBusy};
+pub use save::{CheckpointConfig, Checkpointer, SaveHandle};
 pub use state::{Element, State, as_bytes, as_bytes_mut};
 
 /// The README's examples, compiled as doctests so they cannot go stale.

@@ -42,18 +42,6 @@ use crate::format::{
 use crate::staging::{Source, StagingBuffer, copy_sources};
 use crate::writer::{PlannedBox, check_header, rank_file_header};
 
-/// What `save` does when `max_in_flight` saves are already running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WhenBusy {
-    /// Block until the oldest save finished uploading (the default: no checkpoint is
-    /// lost, the step waits).
-    #[default]
-    Wait,
-    /// Return [`SaveOutcome::Skipped`] at once (training never waits; this step is
-    /// not checkpointed).
-    Skip,
-}
-
 /// Settings of a rank's checkpointer.
 #[derive(Debug, Clone)]
 pub struct CheckpointConfig {
@@ -77,10 +65,10 @@ pub struct CheckpointConfig {
     pub block_size: u64,
     /// Encoding of data files. Default [`Codec::None`].
     pub codec: Codec,
-    /// Saves whose upload may run at once. Default 1.
+    /// Saves whose upload may run at once. Default 1. A further
+    /// [`Checkpointer::save`] waits until the oldest has written its part;
+    /// [`Checkpointer::try_save`] returns `None` instead.
     pub max_in_flight: usize,
-    /// Policy when `max_in_flight` saves are running. Default [`WhenBusy::Wait`].
-    pub when_busy: WhenBusy,
     /// Keep this many newest committed checkpoints (older ones and stale partial
     /// ones are deleted by the committing rank). Default `None`: keep all.
     pub keep_last: Option<usize>,
@@ -120,7 +108,6 @@ impl CheckpointConfig {
             block_size: 256 << 10,
             codec: Codec::None,
             max_in_flight: 1,
-            when_busy: WhenBusy::Wait,
             keep_last: None,
             commit_timeout: Duration::from_secs(600),
             commit_takeover: Duration::from_secs(2),
@@ -185,28 +172,6 @@ impl CheckpointConfig {
             )));
         }
         Ok(())
-    }
-}
-
-/// What `save` did.
-#[derive(Debug)]
-pub enum SaveOutcome {
-    /// The state was staged and is being written; the handle follows it.
-    Started(SaveHandle),
-    /// `WhenBusy::Skip` and a save was running: nothing was staged.
-    Skipped {
-        /// The step that was not saved.
-        step: u64,
-    },
-}
-
-impl SaveOutcome {
-    /// The handle, when the save started.
-    pub fn handle(self) -> Option<SaveHandle> {
-        match self {
-            SaveOutcome::Started(handle) => Some(handle),
-            SaveOutcome::Skipped { .. } => None,
-        }
     }
 }
 
@@ -485,6 +450,11 @@ pub struct Checkpointer {
     config: Arc<CheckpointConfig>,
     pool: Arc<Mutex<Vec<StagingBuffer>>>,
     slots: Arc<Semaphore>,
+    /// The background task of every save not known to have ended, for
+    /// [`Checkpointer::close`].
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Set by [`Checkpointer::close`]: no save starts after it.
+    closed: std::sync::atomic::AtomicBool,
     /// Side streams for the device-to-host copies of device tensors.
     #[cfg(feature = "cuda")]
     side: Mutex<crate::cuda::device::SideStreams>,
@@ -527,6 +497,8 @@ impl Checkpointer {
             config: Arc::new(config),
             pool: Arc::new(Mutex::new(Vec::new())),
             slots,
+            tasks: Mutex::new(Vec::new()),
+            closed: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "cuda")]
             side: Mutex::new(Default::default()),
         })
@@ -545,15 +517,52 @@ impl Checkpointer {
     /// Saves this rank's `state` as part of checkpoint `step`, copying it before
     /// returning (a *blocking* save).
     ///
-    /// Blocks while the state is copied into a staging buffer (and, with
-    /// [`WhenBusy::Wait`], while `max_in_flight` earlier saves are still uploading).
+    /// Blocks while the state is copied into a staging buffer (and while
+    /// `max_in_flight` earlier saves are still writing their parts: see
+    /// [`Checkpointer::try_save`] for a save that never waits).
     /// The returned handle tells when this rank's part is durable and when the whole
     /// checkpoint is committed. Must be called within a tokio runtime.
     ///
     /// [`Checkpointer::save_overlapped`] returns before the copy instead, so that it
     /// runs while the caller computes.
-    pub async fn save(&self, step: u64, state: &crate::State<'_>) -> Result<SaveOutcome> {
-        self.start(step, state, false).await
+    pub async fn save(&self, step: u64, state: &crate::State<'_>) -> Result<SaveHandle> {
+        let handle = self.start(step, state, false, true).await?;
+        Ok(handle.expect("a save that may wait always starts"))
+    }
+
+    /// [`Checkpointer::save`], except that when `max_in_flight` saves are still
+    /// writing their parts it returns `Ok(None)` at once and stages nothing: training
+    /// never waits for storage, and this step is not checkpointed.
+    pub async fn try_save(
+        &self,
+        step: u64,
+        state: &crate::State<'_>,
+    ) -> Result<Option<SaveHandle>> {
+        self.start(step, state, false, false).await
+    }
+
+    /// Waits for every save this checkpointer started to end — its part written,
+    /// and, on a committing rank, the commit and the retention after it — and refuses
+    /// saves from then on. A trainer calls it before it exits, so that no background
+    /// work of the last save (its retention in particular) is cut off. The outcome
+    /// of each save is its handle's; this returns an error only when a save's task
+    /// died (a panic), naming how many.
+    pub async fn close(&self) -> Result<()> {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut died = 0;
+        for task in tasks {
+            if task.await.is_err() {
+                died += 1;
+            }
+        }
+        if died > 0 {
+            return Err(Error::Failed(format!(
+                "{died} save task(s) of rank {} ended abnormally",
+                self.config.rank
+            )));
+        }
+        Ok(())
     }
 
     /// Saves this rank's `state` as part of checkpoint `step`, returning as soon as
@@ -574,14 +583,28 @@ impl Checkpointer {
     /// until [`SaveHandle::staged`] (or [`SaveHandle::wait_staged`]) has returned or
     /// the handle has been dropped (dropping it waits for the copy). The borrow
     /// checker cannot see this: `state`'s borrows end when this call returns, while
-    /// the copy reads the memory after that. A skipped save
-    /// ([`SaveOutcome::Skipped`]) reads nothing after returning.
+    /// the copy reads the memory after that.
     pub async unsafe fn save_overlapped(
         &self,
         step: u64,
         state: &crate::State<'_>,
-    ) -> Result<SaveOutcome> {
-        self.start(step, state, true).await
+    ) -> Result<SaveHandle> {
+        let handle = self.start(step, state, true, true).await?;
+        Ok(handle.expect("a save that may wait always starts"))
+    }
+
+    /// [`Checkpointer::save_overlapped`], except that when `max_in_flight` saves are
+    /// still writing their parts it returns `Ok(None)` at once (and then reads
+    /// nothing of `state` after returning).
+    ///
+    /// # Safety
+    /// As for [`Checkpointer::save_overlapped`] when it returns a handle.
+    pub async unsafe fn try_save_overlapped(
+        &self,
+        step: u64,
+        state: &crate::State<'_>,
+    ) -> Result<Option<SaveHandle>> {
+        self.start(step, state, true, false).await
     }
 
     /// Allocates the staging pool for saves of `state`'s size (its shape, not its
@@ -618,21 +641,28 @@ impl Checkpointer {
         step: u64,
         state: &crate::State<'_>,
         overlapped: bool,
-    ) -> Result<SaveOutcome> {
-        let permit = match self.config.when_busy {
-            WhenBusy::Wait => self
-                .slots
+        wait: bool,
+    ) -> Result<Option<SaveHandle>> {
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Failed(format!(
+                "save of step {step}: the checkpointer of rank {} was closed",
+                self.config.rank
+            )));
+        }
+        let permit = if wait {
+            self.slots
                 .clone()
                 .acquire_owned()
                 .await
-                .map_err(|_| Error::Failed("checkpointer closed".into()))?,
-            WhenBusy::Skip => match self.slots.clone().try_acquire_owned() {
+                .map_err(|_| Error::Failed("checkpointer closed".into()))?
+        } else {
+            match self.slots.clone().try_acquire_owned() {
                 Ok(permit) => permit,
                 Err(_) => {
                     debug!(step, "save skipped: a save is still running");
-                    return Ok(SaveOutcome::Skipped { step });
+                    return Ok(None);
                 }
-            },
+            }
         };
         let started = Instant::now();
         // Everything that can fail comes before the copy starts: once an overlapped
@@ -750,8 +780,13 @@ impl Checkpointer {
         };
         let pool = self.pool.clone();
         let span = info_span!("ckpt_save", step, rank);
-        tokio::spawn(run_job(job, filled, pool, permit, tx).instrument(span));
-        Ok(SaveOutcome::Started(SaveHandle {
+        let task = tokio::spawn(run_job(job, filled, pool, permit, tx).instrument(span));
+        {
+            let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(task);
+        }
+        Ok(Some(SaveHandle {
             attempt,
             store: self.store.clone(),
             status: rx,

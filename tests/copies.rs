@@ -41,12 +41,7 @@ async fn saved(codec: Codec) -> (Arc<RankPart>, HashMap<String, Vec<u8>>) {
             .add_dim0_shard(name.clone(), *dtype, shape, 0, 1, data)
             .unwrap();
     }
-    let handle = checkpointer
-        .save(5, &state)
-        .await
-        .unwrap()
-        .handle()
-        .unwrap();
+    let handle = checkpointer.save(5, &state).await.unwrap();
     handle.committed().await.unwrap();
     let reader = CheckpointReader::open(&store, None).await.unwrap();
     let part = reader.part(0).await.unwrap();

@@ -72,7 +72,7 @@ async fn child() -> ! {
     let state = dim0_state(&tensors, step, rank, world);
     let outcome = checkpointer.save(step, &state).await;
     let result = match outcome {
-        Ok(outcome) => outcome.handle().expect("started").committed().await,
+        Ok(handle) => handle.committed().await,
         Err(e) => Err(e),
     };
     eprintln!("{FINISHED}: {result:?}");
@@ -343,8 +343,8 @@ async fn one_rank_per_process_commits_a_checkpoint_the_parent_loads() {
             Checkpointer::new(store, CheckpointConfig::new(rank, WORLD_SIZE)).unwrap();
         let tensors = model(STEP, ROWS_HERE);
         let state = dim0_state(&tensors, STEP, rank, WORLD_SIZE);
-        let handle = checkpointer.save(STEP, &state).await.unwrap().handle();
-        handle.expect("started").committed().await.expect("commit");
+        let handle = checkpointer.save(STEP, &state).await.unwrap();
+        handle.committed().await.expect("commit");
         return;
     }
     let (store, dir) = common::local_store("per-process");
@@ -398,8 +398,8 @@ async fn the_commit_happens_when_the_committing_rank_dies_after_its_part() {
         let checkpointer = Checkpointer::new(store, config).unwrap();
         let tensors = model(STEP, ROWS_HERE);
         let state = dim0_state(&tensors, STEP, rank, WORLD_SIZE);
-        let handle = checkpointer.save(STEP, &state).await.unwrap().handle();
-        let result = handle.expect("started").committed().await;
+        let handle = checkpointer.save(STEP, &state).await.unwrap();
+        let result = handle.committed().await;
         eprintln!("{FINISHED}: {result:?}");
         result.expect("commit");
         return;

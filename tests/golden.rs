@@ -142,14 +142,7 @@ async fn save_fixed(store: &Store, step: u64, codec: Codec) {
         state.set_global_json("lr", serde_json::json!(0.001));
         state.set_rank_bytes("rng", &[rank as u8; 4]);
         state.set_metadata("run", serde_json::json!("golden"));
-        handles.push(
-            checkpointer
-                .save(step, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(step, &state).await.unwrap());
     }
     for handle in &handles {
         handle.committed().await.unwrap();

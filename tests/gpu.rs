@@ -83,12 +83,7 @@ async fn device_to_host_to_device_round_trip_is_bitwise_for_every_dtype() {
             )
             .unwrap();
     }
-    let handle = checkpointer
-        .save(1, &state)
-        .await
-        .unwrap()
-        .handle()
-        .unwrap();
+    let handle = checkpointer.save(1, &state).await.unwrap();
     let released = handle
         .device_released()
         .expect("a save with device tensors has an event");
@@ -177,12 +172,7 @@ async fn save_from_gpu_load_resharded_on_cpu_and_back() {
                 .add("extra", DType::U8, &[16], Region::full(&[16]), &host_extra)
                 .unwrap();
         }
-        let handle = checkpointer
-            .save(3, &state)
-            .await
-            .unwrap()
-            .handle()
-            .unwrap();
+        let handle = checkpointer.save(3, &state).await.unwrap();
         handle.wait_device_released().unwrap();
         handles.push((checkpointer, handle));
     }

@@ -419,14 +419,7 @@ async fn run_case(case: Case) {
                 )
                 .unwrap();
         }
-        handles.push(
-            checkpointer
-                .save(1, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(1, &state).await.unwrap());
     }
     for handle in &handles {
         handle.committed().await.unwrap();

@@ -71,12 +71,7 @@ fn twenty_saves_of_64_mib_keep_rss_flat() {
                     )
                     .unwrap();
             }
-            let handle = checkpointer
-                .save(save as u64 + 1, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap();
+            let handle = checkpointer.save(save as u64 + 1, &state).await.unwrap();
             handle.durable().await.unwrap();
             rss.push(rss_bytes());
             last = Some(handle);

@@ -58,8 +58,6 @@ async fn an_overlapped_save_stages_after_returning_and_round_trips_bitwise() {
         // SAFETY: `tensors` outlives the handles and is not written until staged().
         let handle = unsafe { checkpointer.save_overlapped(7, &state) }
             .await
-            .unwrap()
-            .handle()
             .unwrap();
         let staged_after = handle.staged().await.unwrap();
         assert!(handle.is_staged());
@@ -94,12 +92,7 @@ async fn a_blocking_save_is_staged_when_it_returns() {
     state
         .add_dim0_shard("w", DType::F32, &[1000], 0, 1, as_bytes(&data))
         .unwrap();
-    let handle = checkpointer
-        .save(1, &state)
-        .await
-        .unwrap()
-        .handle()
-        .unwrap();
+    let handle = checkpointer.save(1, &state).await.unwrap();
     assert!(handle.is_staged());
     assert!(handle.wait_staged().unwrap() <= handle.stall());
     handle.committed().await.unwrap();
@@ -144,8 +137,6 @@ async fn a_tensor_written_before_it_was_staged_fails_the_save_naming_it() {
         // through `ptr` while the staging thread is held, not reading: no data race.
         let handle = unsafe { checkpointer.save_overlapped(1, &state) }
             .await
-            .unwrap()
-            .handle()
             .unwrap();
         assert!(
             hold.wait_reached(Duration::from_secs(30)),

@@ -83,14 +83,7 @@ async fn save_two_ranks(url: &str, codec: Codec) -> Store {
         state.set_rank_json("cursor", serde_json::json!({ "sample": rank * 10 }));
         state.set_global_bytes("rng", &[1, 2, 3, 4]);
         state.set_metadata("run", serde_json::json!("smoke"));
-        handles.push(
-            checkpointer
-                .save(7, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(7, &state).await.unwrap());
     }
     for handle in &handles {
         handle.committed().await.unwrap();

@@ -85,12 +85,7 @@ impl Save {
         configure(&mut config);
         let checkpointer = Checkpointer::new(store.clone(), config).expect("checkpointer");
         let state = dim0_state(tensors, self.step, rank, self.world);
-        let handle = checkpointer
-            .save(self.step, &state)
-            .await
-            .expect("save")
-            .handle()
-            .expect("started");
+        let handle = checkpointer.save(self.step, &state).await.expect("save");
         handle.durable().await.expect("durable");
         handle
     }
@@ -126,7 +121,7 @@ async fn child() {
     let tensors = save.tensors();
     let state = dim0_state(&tensors, save.step, rank, save.world);
     let result = match checkpointer.save(save.step, &state).await {
-        Ok(outcome) => outcome.handle().expect("started").committed().await,
+        Ok(handle) => handle.committed().await,
         Err(e) => Err(e),
     };
     let verdict = match &result {

@@ -1,6 +1,6 @@
 //! Checkpoints on an S3-compatible server (moto on loopback, started by
 //! `scripts/test`): save, load back, reshard, retention and corruption fallback go
-//! through the same code as on local disk, and backpressure (`WhenBusy`,
+//! through the same code as on local disk, and backpressure (`try_save`,
 //! `max_in_flight`) is shown deterministically by holding the server's connections
 //! behind a gate.
 
@@ -9,10 +9,7 @@ use ckpt_testkit as common;
 use std::time::Duration;
 
 use ckpt::format::Codec;
-use ckpt::{
-    CheckpointConfig, CheckpointReader, Checkpointer, LoadRequest, SaveOutcome, WhenBusy,
-    load_latest,
-};
+use ckpt::{CheckpointConfig, CheckpointReader, Checkpointer, LoadRequest, load_latest};
 use common::{Tensor, assert_loads, assert_same, dim0_state, model, s3_store};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -125,28 +122,29 @@ async fn gated_endpoint(target: &str) -> (String, watch::Sender<bool>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn when_busy_skip_drops_a_step_and_wait_blocks_beyond_max_in_flight() {
+async fn try_save_drops_a_step_and_save_waits_beyond_max_in_flight() {
     let (endpoint, gate) = gated_endpoint(&common::env("CKPT_TEST_S3_ENDPOINT")).await;
     let store = common::s3_store_at("ckpt-s3-busy", &endpoint, common::test_config());
     let tensors = model(1, 16);
 
-    let mut skip_config = CheckpointConfig::new(0, 1);
-    skip_config.when_busy = WhenBusy::Skip;
-    let skipper = Checkpointer::new(store.clone(), skip_config).unwrap();
+    let skipper = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 1)).unwrap();
     let mut wait_config = CheckpointConfig::new(0, 1);
     wait_config.max_in_flight = 2;
-    assert_eq!(wait_config.when_busy, WhenBusy::Wait, "the default");
     let waiter = Checkpointer::new(store.clone(), wait_config).unwrap();
 
     // While the store holds every request, uploads cannot finish.
     let state = |step| dim0_state(&tensors, step, 0, 1);
-    let first = skipper.save(1, &state(1)).await.unwrap().handle().unwrap();
-    match skipper.save(2, &state(2)).await.unwrap() {
-        SaveOutcome::Skipped { step } => assert_eq!(step, 2),
-        SaveOutcome::Started(_) => panic!("a second save must be skipped while one runs"),
-    }
-    let ten = waiter.save(10, &state(10)).await.unwrap().handle().unwrap();
-    let eleven = waiter.save(11, &state(11)).await.unwrap().handle().unwrap();
+    let first = skipper
+        .try_save(1, &state(1))
+        .await
+        .unwrap()
+        .expect("nothing runs yet");
+    assert!(
+        skipper.try_save(2, &state(2)).await.unwrap().is_none(),
+        "a second try_save must be skipped while one runs"
+    );
+    let ten = waiter.save(10, &state(10)).await.unwrap();
+    let eleven = waiter.save(11, &state(11)).await.unwrap();
     let twelve_state = state(12);
     let twelve = waiter.save(12, &twelve_state);
     tokio::pin!(twelve);
@@ -156,7 +154,7 @@ async fn when_busy_skip_drops_a_step_and_wait_blocks_beyond_max_in_flight() {
     );
 
     gate.send(true).unwrap();
-    let twelve = twelve.await.unwrap().handle().unwrap();
+    let twelve = twelve.await.unwrap();
     for handle in [&first, &ten, &eleven, &twelve] {
         handle.committed().await.unwrap();
     }

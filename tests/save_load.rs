@@ -99,14 +99,7 @@ async fn replicated_tensor_is_written_once_and_loads_on_every_rank() {
             state.bytes_to_write(),
             (weight.data.len() / 2 + if rank == 0 { 32 } else { 0 }) as u64 * 4
         );
-        handles.push(
-            checkpointer
-                .save(1, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(1, &state).await.unwrap());
     }
     for handle in &handles {
         handle.committed().await.unwrap();
@@ -162,14 +155,7 @@ async fn tensor_parallel_column_splits_saved_by_two_load_as_dim0_shards_by_three
                 as_bytes(&halves[rank]),
             )
             .unwrap();
-        handles.push(
-            checkpointer
-                .save(3, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(3, &state).await.unwrap());
     }
     for handle in &handles {
         handle.committed().await.unwrap();
@@ -249,14 +235,7 @@ async fn every_saved_ranks_state_is_readable_after_a_world_size_change() {
     for (rank, checkpointer) in checkpointers.iter().enumerate() {
         let mut state = dim0_state(&tensors, 4, rank, 3);
         state.set_rank_bytes("rng", &rng[rank]);
-        handles.push(
-            checkpointer
-                .save(4, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(4, &state).await.unwrap());
     }
     for handle in &handles {
         handle.committed().await.unwrap();
@@ -309,14 +288,7 @@ async fn global_state_and_metadata_round_trip() {
             "git",
             serde_json::json!({ "commit": "abc123", "dirty": false }),
         );
-        handles.push(
-            checkpointer
-                .save(9, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(9, &state).await.unwrap());
     }
     for handle in &handles {
         handle.committed().await.unwrap();
@@ -461,12 +433,7 @@ async fn shuffled_zstd_round_trips() {
 async fn partial(store: &Store, step: u64, tensors: &[Tensor]) {
     let checkpointer = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 2)).unwrap();
     let state = dim0_state(tensors, step, 0, 2);
-    let handle = checkpointer
-        .save(step, &state)
-        .await
-        .unwrap()
-        .handle()
-        .unwrap();
+    let handle = checkpointer.save(step, &state).await.unwrap();
     handle.durable().await.unwrap();
 }
 
@@ -575,14 +542,7 @@ async fn a_failed_commit_is_reported_not_waited_out() {
         state
             .add("w", DType::F32, &[8], Region::full(&[8]), as_bytes(&data))
             .unwrap();
-        handles.push(
-            checkpointer
-                .save(1, &state)
-                .await
-                .unwrap()
-                .handle()
-                .unwrap(),
-        );
+        handles.push(checkpointer.save(1, &state).await.unwrap());
     }
     // The rank whose commit attempt fails reports it at once; the other rank would
     // only learn by waiting, so the first answer is the failure.
@@ -612,7 +572,7 @@ async fn save_and_commit<'a>(
         configure(&mut config);
         let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
         let outcome = checkpointer.save(step, &state_of(rank)).await.unwrap();
-        handles.push(outcome.handle().unwrap());
+        handles.push(outcome);
     }
     for handle in &handles {
         handle.committed().await.unwrap();

@@ -48,7 +48,7 @@ async fn save(saver: &Checkpointer, step: u64, rank: usize, world: usize) -> Sav
     state
         .add_dim0_shard("w", DType::F32, &SHAPE, rank, world, mine)
         .unwrap();
-    saver.save(step, &state).await.unwrap().handle().unwrap()
+    saver.save(step, &state).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,7 +60,7 @@ async fn a_lost_part_fails_the_save_and_the_next_save_commits() {
     state
         .add_dim0_shard("w", DType::F32, &shape, 0, 1, &data)
         .unwrap();
-    let handle = saver.save(1, &state).await.unwrap().handle().unwrap();
+    let handle = saver.save(1, &state).await.unwrap();
     let error = handle.committed().await.unwrap_err();
     assert_eq!(
         proxy.stats().lost_parts,
@@ -78,7 +78,7 @@ async fn a_lost_part_fails_the_save_and_the_next_save_commits() {
     state
         .add_dim0_shard("w", DType::F32, &shape, 0, 1, &data)
         .unwrap();
-    let handle = saver.save(2, &state).await.unwrap().handle().unwrap();
+    let handle = saver.save(2, &state).await.unwrap();
     handle.committed().await.unwrap();
     assert_eq!(committed_steps(&store).await, [2]);
     let report = verify(&store, 2, &VerifyOptions::default(), &|_| {})
@@ -111,7 +111,7 @@ async fn errors_and_resets_within_the_retry_budget_cost_a_multipart_save_nothing
     state
         .add_dim0_shard("w", DType::F32, &shape, 0, 1, &data)
         .unwrap();
-    let handle = saver.save(7, &state).await.unwrap().handle().unwrap();
+    let handle = saver.save(7, &state).await.unwrap();
     handle.committed().await.unwrap();
     let stats = proxy.stats();
     assert_eq!(

@@ -49,12 +49,7 @@ async fn local_root() -> (Store, tempfile::TempDir, String) {
     let tensors = model(3, ROWS);
     let checkpointer = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 4)).unwrap();
     let state = dim0_state(&tensors, 3, 0, 4);
-    let handle = checkpointer
-        .save(3, &state)
-        .await
-        .unwrap()
-        .handle()
-        .unwrap();
+    let handle = checkpointer.save(3, &state).await.unwrap();
     handle.durable().await.unwrap();
     let url = format!("file://{}", dir.path().display());
     (store, dir, url)

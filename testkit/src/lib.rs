@@ -221,7 +221,7 @@ pub async fn save_world(
     for (rank, checkpointer) in checkpointers.iter().enumerate() {
         let state = dim0_state(tensors, step, rank, world);
         let outcome = checkpointer.save(step, &state).await.expect("save");
-        handles.push(outcome.handle().expect("save started"));
+        handles.push(outcome);
     }
     for handle in &handles {
         handle.committed().await.expect("committed");

@@ -949,14 +949,7 @@ mod tests {
                         )
                         .unwrap();
                 }
-                handles.push(
-                    checkpointer
-                        .save(10, &state)
-                        .await
-                        .unwrap()
-                        .handle()
-                        .unwrap(),
-                );
+                handles.push(checkpointer.save(10, &state).await.unwrap());
             }
             for handle in &handles {
                 handle.committed().await.unwrap();

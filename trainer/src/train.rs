@@ -1091,9 +1091,7 @@ fn save(
     } else {
         runtime.block_on(checkpointer.save(st.step, &state))?
     };
-    outcome
-        .handle()
-        .ok_or_else(|| TrainError::Invalid("save skipped although the policy is to wait".into()))
+    Ok(outcome)
 }
 
 /// What a rank saves: its rows of every parameter and both Adam moments, and the

@@ -216,9 +216,7 @@ fn obey(
             } else {
                 rt.block_on(checkpointer.save(step, &state))?
             };
-            let handle = outcome
-                .handle()
-                .ok_or_else(|| Error::Failed("save was skipped".into()))?;
+            let handle = outcome;
             let staged = handle.wait_staged()?;
             rt.block_on(handle.committed())?;
             let end_ns = now_ns();
