@@ -2,6 +2,7 @@
 
 mod bench;
 mod commands;
+mod output;
 
 use std::process::ExitCode;
 
@@ -9,6 +10,7 @@ use bench::BenchConfig;
 use ckpt::probe::probe;
 use ckpt::storage::{Store, StoreConfig};
 use clap::{Parser, Subcommand};
+use output::{errln, out, outln};
 
 /// Exit code: everything checked out.
 const EXIT_OK: u8 = 0;
@@ -234,7 +236,6 @@ fn seconds(text: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
-    commands::end_quietly_when_output_closes();
     let cli = Cli::parse();
     // The coordinator's log of generation changes is its output: info by default.
     let default_level = match cli.command {
@@ -255,7 +256,7 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            errln!("error: cannot start the async runtime: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -287,11 +288,11 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
     let coordinator = match ckpt_elastic::Coordinator::bind(args.listen, config) {
         Ok(coordinator) => coordinator,
         Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
         Err(e) => {
-            eprintln!("error: cannot listen on {}: {e}", args.listen);
+            errln!("error: cannot listen on {}: {e}", args.listen);
             return ExitCode::from(EXIT_CHECK_FAILED);
         }
     };
@@ -305,7 +306,7 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
     match coordinator.run() {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(e) => {
-            eprintln!("error: coordinator failed: {e}");
+            errln!("error: coordinator failed: {e}");
             ExitCode::from(EXIT_CHECK_FAILED)
         }
     }
@@ -339,19 +340,19 @@ fn print_bench<R: serde::Serialize>(
 ) -> ExitCode {
     let started = std::time::Instant::now();
     let progress = |line: &str| {
-        eprintln!("[{:>7.1} s] {line}", started.elapsed().as_secs_f64());
+        errln!("[{:>7.1} s] {line}", started.elapsed().as_secs_f64());
     };
     let report = match run(&progress) {
         Ok(report) => report,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return ExitCode::from(EXIT_CHECK_FAILED);
         }
     };
     if json {
         return print_json(&report);
     }
-    print!("{}", render(&report));
+    out!("{}", render(&report));
     ExitCode::from(EXIT_OK)
 }
 
@@ -359,11 +360,11 @@ fn print_bench<R: serde::Serialize>(
 fn print_json<R: serde::Serialize>(report: &R) -> ExitCode {
     match serde_json::to_string_pretty(report) {
         Ok(text) => {
-            println!("{text}");
+            outln!("{text}");
             ExitCode::from(EXIT_OK)
         }
         Err(e) => {
-            eprintln!("error: cannot encode the report: {e}");
+            errln!("error: cannot encode the report: {e}");
             ExitCode::from(EXIT_CHECK_FAILED)
         }
     }
@@ -371,7 +372,7 @@ fn print_json<R: serde::Serialize>(report: &R) -> ExitCode {
 
 fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
     let Some(url) = args.url_flag.clone().or(args.url.clone()) else {
-        eprintln!("error: ckpt bench needs a store URL (--url URL)");
+        errln!("error: ckpt bench needs a store URL (--url URL)");
         return ExitCode::from(EXIT_USAGE);
     };
     let store = match store_config(&args.options)
@@ -379,7 +380,7 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
     {
         Ok(store) => store,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -423,7 +424,7 @@ fn run_bench_rank(runtime: tokio::runtime::Runtime, args: BenchRankArgs) -> Exit
     let config: BenchConfig = match serde_json::from_str(&args.config) {
         Ok(config) => config,
         Err(e) => {
-            eprintln!("error: bench-rank: bad --config: {e}");
+            errln!("error: bench-rank: bad --config: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -432,14 +433,14 @@ fn run_bench_rank(runtime: tokio::runtime::Runtime, args: BenchRankArgs) -> Exit
     {
         Ok(store) => store,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
     };
     match bench::rank_main(store, args.rank, config) {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(e) => {
-            eprintln!("error: bench rank {}: {e}", args.rank);
+            errln!("error: bench rank {}: {e}", args.rank);
             ExitCode::from(EXIT_CHECK_FAILED)
         }
     }
@@ -461,7 +462,7 @@ async fn run_probe(url: &str, options: &[String], json: bool) -> ExitCode {
         match store_config(options).and_then(|c| Store::open(url, c).map_err(|e| e.to_string())) {
             Ok(store) => store,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return ExitCode::from(EXIT_USAGE);
             }
         };
@@ -472,12 +473,12 @@ async fn run_probe(url: &str, options: &[String], json: bool) -> ExitCode {
             return printed;
         }
     } else {
-        println!("probe of {}", report.url);
+        outln!("probe of {}", report.url);
         for step in &report.steps {
             let status = if step.ok { "ok" } else { "FAILED" };
-            println!("  {:<18} {:>6}  {:>9.1} ms", step.step, status, step.ms);
+            outln!("  {:<18} {:>6}  {:>9.1} ms", step.step, status, step.ms);
             if let Some(error) = &step.error {
-                println!("    {error}");
+                outln!("    {error}");
             }
         }
     }

@@ -20,6 +20,8 @@ use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use render::{Table, age, bytes, print_json};
 
+use crate::output::{errln, out, outln};
+
 /// Exit code: everything checked out.
 pub(crate) const EXIT_OK: u8 = 0;
 /// Exit code: a check failed.
@@ -32,50 +34,6 @@ pub(crate) const EXIT_NOT_FOUND: u8 = 3;
 pub(crate) const EXIT_CORRUPT: u8 = 4;
 /// Exit code: the store or the disk failed.
 pub(crate) const EXIT_STORAGE: u8 = 5;
-
-/// Makes a command whose output pipe closes (`ckpt ls URL --json | head -1`) stop at
-/// once and without a word, ended by SIGPIPE as Unix tools are (a shell shows status
-/// 141), whichever command and whichever print meets the closed pipe.
-///
-/// Rust runs programs with SIGPIPE ignored, so a write to a closed pipe fails with
-/// EPIPE and `println!` panics on it. The signal stays ignored while the command
-/// runs, on purpose: store connections write to sockets (with `writev`, which cannot
-/// ask for MSG_NOSIGNAL), and a connection the server closed must be an error the
-/// store retries, not the end of the process. So the failed print is recognized
-/// where it panics, and only then does the process take the signal.
-pub(crate) fn end_quietly_when_output_closes() {
-    let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        if is_closed_output(info.payload()) {
-            die_of_sigpipe();
-        }
-        previous(info);
-    }));
-}
-
-/// True for the panic of a print to stdout or stderr that met a closed pipe.
-fn is_closed_output(payload: &(dyn std::any::Any + Send)) -> bool {
-    let message = payload
-        .downcast_ref::<String>()
-        .map(String::as_str)
-        .or_else(|| payload.downcast_ref::<&str>().copied())
-        .unwrap_or_default();
-    let print = message.starts_with("failed printing to stdout")
-        || message.starts_with("failed printing to stderr");
-    print && message.ends_with(&format!("(os error {})", libc::EPIPE))
-}
-
-fn die_of_sigpipe() -> ! {
-    // SAFETY: `signal` with SIG_DFL and `raise` take no pointers and are
-    // async-signal-safe; restoring the default action and raising the signal in
-    // this thread ends the process here, as a write to the closed pipe would have
-    // with the default action.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        libc::raise(libc::SIGPIPE);
-    }
-    std::process::exit(128 + libc::SIGPIPE)
-}
 
 /// Options every command that opens a store takes.
 #[derive(Args, Debug, Clone)]
@@ -393,7 +351,7 @@ pub(crate) fn exit_code(error: &Error) -> u8 {
 
 /// Prints the error as one sentence and returns its exit code.
 pub(crate) fn fail(error: &Error) -> ExitCode {
-    eprintln!("error: {error}");
+    errln!("error: {error}");
     ExitCode::from(exit_code(error))
 }
 
@@ -549,7 +507,7 @@ async fn ls(url: &str, json: bool, args: &StoreArgs) -> Result<u8, Error> {
         return Ok(EXIT_OK);
     }
     if listed.is_empty() {
-        println!("no checkpoints under {}", store.url());
+        outln!("no checkpoints under {}", store.url());
         return Ok(EXIT_OK);
     }
     let mut table = Table::new(&[
@@ -568,15 +526,15 @@ async fn ls(url: &str, json: bool, args: &StoreArgs) -> Result<u8, Error> {
             c.age_s.map_or("-".into(), age),
         ]);
     }
-    print!("{}", table.render(&[1, 3, 4, 5, 6]));
+    out!("{}", table.render(&[1, 3, 4, 5, 6]));
     for c in listed.iter().filter(|c| c.problem.is_some()) {
-        println!(
+        outln!(
             "step {}: {}",
             c.step,
             c.problem.as_deref().unwrap_or_default()
         );
     }
-    println!("* = latest: the newest commit whose manifest is valid");
+    outln!("* = latest: the newest commit whose manifest is valid");
     Ok(EXIT_OK)
 }
 
@@ -595,21 +553,21 @@ async fn inspect_cmd(
         print_json(&view);
         return Ok(EXIT_OK);
     }
-    println!(
+    outln!(
         "checkpoint   {}/{}",
         store.url().trim_end_matches('/'),
         view.dir
     );
-    println!("step         {}", view.step);
-    println!("world size   {}", view.world_size);
-    println!("generation   {}", view.generation);
-    println!(
+    outln!("step         {}", view.step);
+    outln!("world size   {}", view.world_size);
+    outln!("generation   {}", view.generation);
+    outln!(
         "format       v{}, blocks of {}, compression {}",
         view.format_version,
         bytes(view.block_size),
         view.compression
     );
-    println!(
+    outln!(
         "tensors      {} ({} of data, {} stored)",
         view.tensor_count,
         bytes(view.tensor_bytes),
@@ -620,16 +578,16 @@ async fn inspect_cmd(
         .iter()
         .map(|(k, v)| format!("{v} {k}"))
         .collect();
-    println!("layouts      {}", layouts.join(", "));
-    println!("committed    {}", render::unix_ms(view.created_unix_ms));
+    outln!("layouts      {}", layouts.join(", "));
+    outln!("committed    {}", render::unix_ms(view.created_unix_ms));
     if !view.global_state.is_empty() {
-        println!("global state {}", view.global_state.join(", "));
+        outln!("global state {}", view.global_state.join(", "));
     }
     for (key, value) in &view.metadata {
-        println!("metadata     {key} = {value}");
+        outln!("metadata     {key} = {value}");
     }
     if let Some(tensors) = &view.tensors {
-        println!();
+        outln!();
         let mut table = Table::new(&[
             "TENSOR",
             "DTYPE",
@@ -665,10 +623,10 @@ async fn inspect_cmd(
                 chunk_text,
             ]);
         }
-        print!("{}", table.render(&[3]));
+        out!("{}", table.render(&[3]));
     }
     if let Some(ranks) = &view.ranks {
-        println!();
+        outln!();
         let mut table = Table::new(&[
             "RANK",
             "FILE",
@@ -689,7 +647,7 @@ async fn inspect_cmd(
                 r.rank_state.join(","),
             ]);
         }
-        print!("{}", table.render(&[0, 2, 3, 4, 5]));
+        out!("{}", table.render(&[0, 2, 3, 4, 5]));
     }
     Ok(EXIT_OK)
 }
@@ -744,7 +702,7 @@ async fn verify_cmd(
         bar.finish_and_clear();
         if !json {
             if report.ok {
-                println!(
+                outln!(
                     "step {}: ok ({} files, {} blocks, {} verified)",
                     report.step,
                     report.files,
@@ -752,9 +710,9 @@ async fn verify_cmd(
                     bytes(report.bytes_verified)
                 );
             } else {
-                println!("step {}: {} fault(s)", report.step, report.faults.len());
+                outln!("step {}: {} fault(s)", report.step, report.faults.len());
                 for f in &report.faults {
-                    println!("  {f}");
+                    outln!("  {f}");
                 }
             }
         }
@@ -787,7 +745,7 @@ async fn diff_cmd(
     if json {
         print_json(&report);
     } else {
-        println!(
+        outln!(
             "A: {} step {} (world {})   B: {} step {} (world {})",
             store_a.url(),
             report.step_a,
@@ -824,26 +782,27 @@ async fn diff_cmd(
                     if t.within_tolerance { "yes" } else { "no" }.to_string(),
                 ]);
             }
-            print!("{}", table.render(&[2, 3, 4, 5]));
+            out!("{}", table.render(&[2, 3, 4, 5]));
         }
         for name in &report.only_in_a {
-            println!("only in A: {name}");
+            outln!("only in A: {name}");
         }
         for name in &report.only_in_b {
-            println!("only in B: {name}");
+            outln!("only in B: {name}");
         }
         for d in &report.state_differences {
-            println!("{d}");
+            outln!("{d}");
         }
         if report.identical {
-            println!("identical: {} tensors, bitwise", report.tensors.len());
+            outln!("identical: {} tensors, bitwise", report.tensors.len());
         } else if same {
-            println!(
+            outln!(
                 "within tolerance (atol {}, rtol {})",
-                options.atol, options.rtol
+                options.atol,
+                options.rtol
             );
         } else {
-            println!("different");
+            outln!("different");
         }
     }
     Ok(if same { EXIT_OK } else { EXIT_CHECK_FAILED })
@@ -896,7 +855,7 @@ async fn reshard_cmd(
     if json {
         print_json(&report);
     } else {
-        println!(
+        outln!(
             "resharded step {} from {} to {} ranks: {} tensors, {} written to {}",
             report.step,
             report.from_world_size,
@@ -925,7 +884,7 @@ async fn export_cmd(
     if json {
         print_json(&report);
     } else {
-        println!(
+        outln!(
             "exported step {}: {} tensors, {} to {}",
             report.step,
             report.tensors,
@@ -951,7 +910,7 @@ async fn import_cmd(
     if json {
         print_json(&report);
     } else {
-        println!(
+        outln!(
             "imported {} tensors ({}) as step {} over {} ranks into {}",
             report.tensors,
             bytes(report.bytes),
@@ -981,7 +940,7 @@ async fn gc_cmd(
     if !dry_run {
         gc::apply(&store, &plan, &|r| {
             if !json {
-                println!(
+                outln!(
                     "removed step {} {} ({}): {}",
                     r.step,
                     r.dir,
@@ -997,7 +956,7 @@ async fn gc_cmd(
     } else {
         if dry_run {
             for r in &plan.remove {
-                println!(
+                outln!(
                     "would remove step {} {} ({}): {}",
                     r.step,
                     r.dir,
@@ -1006,7 +965,7 @@ async fn gc_cmd(
                 );
             }
         }
-        println!(
+        outln!(
             "{} {} checkpoint(s), {}; kept {}",
             if dry_run { "would remove" } else { "removed" },
             plan.remove.len(),
@@ -1020,20 +979,6 @@ async fn gc_cmd(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_a_print_to_a_closed_pipe_ends_quietly() {
-        let closed = format!(
-            "failed printing to stdout: Broken pipe (os error {})",
-            libc::EPIPE
-        );
-        assert!(is_closed_output(&closed));
-        assert!(is_closed_output(&closed.replace("stdout", "stderr")));
-        let full = String::from("failed printing to stdout: No space left on device (os error 28)");
-        assert!(!is_closed_output(&full));
-        assert!(!is_closed_output(&"index out of bounds"));
-        assert!(!is_closed_output(&42u32));
-    }
 
     #[test]
     fn sizes_and_durations_parse() {

@@ -1,5 +1,6 @@
 //! Human output: sizes, ages, aligned tables; and JSON.
 
+use crate::output::{errln, outln};
 use serde::Serialize;
 
 /// Bytes as B, KiB, MiB, GiB or TiB.
@@ -38,8 +39,8 @@ pub(crate) fn unix_ms(ms: u64) -> String {
 /// Pretty JSON on stdout.
 pub(crate) fn print_json(value: &impl Serialize) {
     match serde_json::to_string_pretty(value) {
-        Ok(text) => println!("{text}"),
-        Err(e) => eprintln!("error: cannot encode JSON output: {e}"),
+        Ok(text) => outln!("{text}"),
+        Err(e) => errln!("error: cannot encode JSON output: {e}"),
     }
 }
 
