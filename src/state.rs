@@ -27,49 +27,23 @@ pub struct TensorShard<'a> {
     pub write: bool,
 }
 
-/// Plain old data element types, viewable as bytes.
-///
-/// # Safety
-/// Implemented only for primitive numeric types without padding or invalid bit
-/// patterns.
-pub unsafe trait Element: Copy + Send + Sync + 'static {}
-// SAFETY: primitive numbers: no padding, every bit pattern valid.
-unsafe impl Element for f32 {}
-// SAFETY: as above.
-unsafe impl Element for f64 {}
-// SAFETY: as above.
-unsafe impl Element for u8 {}
-// SAFETY: as above.
-unsafe impl Element for i8 {}
-// SAFETY: as above.
-unsafe impl Element for u16 {}
-// SAFETY: as above.
-unsafe impl Element for i16 {}
-// SAFETY: as above.
-unsafe impl Element for u32 {}
-// SAFETY: as above.
-unsafe impl Element for i32 {}
-// SAFETY: as above.
-unsafe impl Element for u64 {}
-// SAFETY: as above.
-unsafe impl Element for i64 {}
+/// Plain old data element types, viewable as bytes: bytemuck's [`Pod`](bytemuck::Pod)
+/// (no padding, every bit pattern a valid value), under the name ckpt's API uses.
+/// The primitive numbers implement it, and so does any type that derives or
+/// implements `bytemuck::Pod` (`half::f16` and `half::bf16` with half's `bytemuck`
+/// feature, for instance).
+pub use bytemuck::Pod as Element;
 
 /// Views a slice of numbers as its bytes (native, i.e. little-endian on every
 /// platform ckpt supports).
 pub fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
-    // SAFETY: `T: Element` has no padding; the byte length is exact and the lifetime
-    // is tied to `data`.
-    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
+    bytemuck::must_cast_slice(data)
 }
 
 /// Views a slice of numbers as its bytes, for writing: the destination of an in-place
 /// load ([`CheckpointReader::load_into`](crate::CheckpointReader::load_into)).
 pub fn as_bytes_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
-    // SAFETY: `T: Element` has no padding and no invalid bit patterns, so any bytes
-    // written make valid values; the length is exact and the borrow is `data`'s.
-    unsafe {
-        std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(data))
-    }
+    bytemuck::must_cast_slice_mut(data)
 }
 
 /// One box of a global tensor held in device memory (feature `cuda`).

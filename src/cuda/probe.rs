@@ -4,9 +4,10 @@
 //! cudarc loads `libcuda` and `libnccl` on first use and panics when it finds
 //! neither the library nor a symbol it looks up. A checkpointing library must not
 //! take its trainer down that way: [`driver`] and [`nccl`] first try to `dlopen`
-//! exactly the file names cudarc will try (its own list, so the two cannot drift
-//! apart), then look up every symbol ckpt calls, and return [`Error::Device`]
-//! naming the library, the names tried and how to fix it. Only after a probe has
+//! (through libloading, as cudarc itself does) exactly the file names cudarc will
+//! try (its own list, so the two cannot drift apart), then look up every symbol
+//! ckpt calls, and return [`Error::Device`] naming the library, the names tried and
+//! how to fix it. Only after a probe has
 //! succeeded does any code of this crate call into cudarc, so the only way left to
 //! panic there is a library that changes between the probe and the call.
 //!
@@ -14,8 +15,10 @@
 //! the life of the process), and a library missing once is reported again without
 //! searching anew.
 
-use std::ffi::{CStr, CString, c_void};
+use std::ffi::c_void;
 use std::sync::OnceLock;
+
+use libloading::os::unix::{Library as Loaded, RTLD_LOCAL, RTLD_NOW};
 
 use crate::error::{Error, Result};
 
@@ -168,43 +171,44 @@ fn probe(
     candidates: &[String],
     symbols: &[&str],
     fix: &str,
-    version: fn(*mut c_void) -> i32,
+    version: fn(&Loaded) -> i32,
 ) -> std::result::Result<Library, String> {
     let mut reasons = Vec::new();
     for file in candidates {
-        let Ok(c_file) = CString::new(file.as_str()) else {
-            continue;
+        // RTLD_NOW: a library whose own dependencies do not resolve fails here, in
+        // the probe, rather than at its first call.
+        // SAFETY: loading a library runs its initialisers, which is what cudarc would
+        // do next anyway.
+        let library = match unsafe { Loaded::open(Some(file.as_str()), RTLD_NOW | RTLD_LOCAL) } {
+            Ok(library) => library,
+            Err(e) => {
+                // The loader's message names the file itself: keep only what it says of it.
+                let error = loader_message(&e);
+                let error = error
+                    .strip_prefix(file.as_str())
+                    .and_then(|e| e.strip_prefix(": "))
+                    .map_or(error.clone(), str::to_string);
+                reasons.push(error);
+                continue;
+            }
         };
-        // SAFETY: `c_file` is a NUL-terminated string that outlives the call; loading
-        // a library runs its initialisers, which is what cudarc would do next anyway.
-        let handle = unsafe { libc::dlopen(c_file.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if handle.is_null() {
-            // dlerror names the file itself: keep only what it says of it.
-            let error = dl_error();
-            let error = error
-                .strip_prefix(file.as_str())
-                .and_then(|e| e.strip_prefix(": "))
-                .map_or(error.clone(), str::to_string);
-            reasons.push(error);
-            continue;
-        }
         let missing: Vec<&str> = symbols
             .iter()
             .copied()
-            .filter(|s| symbol(handle, s).is_null())
+            .filter(|s| !has_symbol(&library, s))
             .collect();
         if !missing.is_empty() {
-            // SAFETY: `handle` came from a successful dlopen above and is closed once.
-            unsafe { libc::dlclose(handle) };
+            // Dropping `library` closes it.
             return Err(format!(
                 "{what}: {file} loads but lacks {} (too old a version?); ckpt needs every \
                  one of {symbols:?}",
                 missing.join(", ")
             ));
         }
-        let version = version(handle);
-        // The handle is deliberately not closed: cudarc opens the same file next and
+        let version = version(&library);
+        // The library is deliberately left open: cudarc opens the same file next and
         // keeps it for the life of the process.
+        std::mem::forget(library);
         return Ok(Library {
             what,
             file: file.clone(),
@@ -248,45 +252,37 @@ fn summarize(reasons: &[String]) -> String {
     }
 }
 
-fn symbol(handle: *mut c_void, name: &str) -> *mut c_void {
-    let Ok(c_name) = CString::new(name) else {
-        return std::ptr::null_mut();
-    };
-    // SAFETY: `handle` is a live dlopen handle and `c_name` a NUL-terminated string.
-    unsafe { libc::dlsym(handle, c_name.as_ptr()) }
-}
-
-fn dl_error() -> String {
-    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl*
-    // call on this thread; it is copied at once.
-    let message = unsafe { libc::dlerror() };
-    if message.is_null() {
-        "unknown error".to_string()
-    } else {
-        // SAFETY: non-null, NUL-terminated (above).
-        unsafe { CStr::from_ptr(message) }
-            .to_string_lossy()
-            .into_owned()
+/// What the dynamic loader said (`dlerror`), without libloading's own summary.
+fn loader_message(error: &libloading::Error) -> String {
+    match error {
+        libloading::Error::DlOpen { source } => source.to_string(),
+        other => other.to_string(),
     }
 }
 
-fn driver_version(handle: *mut c_void) -> i32 {
-    call_version(handle, "cuDriverGetVersion")
+/// True when `library` exports `name` (as a non-null address).
+fn has_symbol(library: &Loaded, name: &str) -> bool {
+    // SAFETY: the symbol is only looked up, as an untyped address, never used.
+    unsafe { library.get::<*mut c_void>(name) }.is_ok_and(|address| !address.is_null())
 }
 
-fn nccl_version(handle: *mut c_void) -> i32 {
-    call_version(handle, "ncclGetVersion")
+fn driver_version(library: &Loaded) -> i32 {
+    call_version(library, "cuDriverGetVersion")
+}
+
+fn nccl_version(library: &Loaded) -> i32 {
+    call_version(library, "ncclGetVersion")
 }
 
 /// Calls `int f(int *out)` (both version queries have that shape); 0 on failure.
-fn call_version(handle: *mut c_void, name: &str) -> i32 {
-    let f = symbol(handle, name);
-    if f.is_null() {
-        return 0;
-    }
+fn call_version(library: &Loaded, name: &str) -> i32 {
+    type Query = unsafe extern "C" fn(*mut i32) -> i32;
     // SAFETY: both `cuDriverGetVersion(int*)` and `ncclGetVersion(int*)` take one
-    // pointer to an int and return an int status; neither needs initialisation.
-    let f: unsafe extern "C" fn(*mut i32) -> i32 = unsafe { std::mem::transmute(f) };
+    // pointer to an int and return an int status; neither needs initialisation. The
+    // `Option` makes a null address `None` rather than a function to call.
+    let Ok(Some(f)) = (unsafe { library.get::<Option<Query>>(name) }).map(|f| *f) else {
+        return 0;
+    };
     let mut version = 0i32;
     // SAFETY: `version` is a valid, writable int for the duration of the call.
     let status = unsafe { f(&mut version) };

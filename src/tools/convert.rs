@@ -1,4 +1,12 @@
 //! Element conversions for `diff` (to f64) and `export --dtype` (to f32, f16, bf16).
+//!
+//! The f16 and bf16 arithmetic is the `half` crate's (round to nearest even, the
+//! CPU's F16C instructions where it has them), pinned here to the bits ckpt has
+//! always produced: the tests below hold the edge cases (zeros, subnormals, ties,
+//! overflow, infinities, NaN payloads) to exact bit patterns. The FP8 decoders are
+//! ckpt's own, as half has no FP8 types.
+
+use half::{bf16, f16};
 
 use crate::dtype::DType;
 
@@ -42,80 +50,34 @@ pub fn is_float(dtype: DType) -> bool {
     )
 }
 
-/// bfloat16 bits to f32 (exact).
+/// bfloat16 bits to f32 (exact, every bit pattern kept). This is bf16's definition, the
+/// top half of an f32, and deliberately not `half::bf16::to_f32`, which sets the quiet
+/// bit of a signaling NaN: `diff` and `export` would not see it (widening to f64 quiets
+/// it anyway), but a caller of this function would.
 pub fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
 }
 
-/// f32 to bfloat16 bits, rounding to nearest even; NaN stays NaN.
+/// f32 to bfloat16 bits, rounding to nearest even; a NaN keeps its sign and top
+/// payload bits and is made quiet.
 pub fn f32_to_bf16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    if x.is_nan() {
-        return ((bits >> 16) as u16) | 0x0040;
-    }
-    let round = 0x7FFF + ((bits >> 16) & 1);
-    (bits.wrapping_add(round) >> 16) as u16
+    bf16::from_f32(x).to_bits()
 }
 
-/// IEEE half bits to f32 (exact).
+/// IEEE half bits to f32 (exact; a NaN keeps its sign and payload and is made quiet).
 pub fn f16_to_f32(bits: u16) -> f32 {
-    let sign = u32::from(bits >> 15) << 31;
-    let exp = u32::from((bits >> 10) & 0x1F);
-    let man = u32::from(bits & 0x3FF);
-    let out = match (exp, man) {
-        (0, 0) => sign,
-        (0, _) => {
-            // Subnormal: value = man * 2^-24.
-            let value = man as f32 * f32::from_bits(0x3380_0000);
-            return if sign != 0 { -value } else { value };
-        }
-        (0x1F, 0) => sign | 0x7F80_0000,
-        (0x1F, _) => sign | 0x7FC0_0000 | (man << 13),
-        _ => sign | ((exp + 112) << 23) | (man << 13),
-    };
-    f32::from_bits(out)
+    f16::from_bits(bits).to_f32()
 }
 
-/// f32 to IEEE half bits, rounding to nearest even, overflowing to infinity.
+/// f32 to IEEE half bits, rounding to nearest even, overflowing to infinity. Every
+/// NaN becomes the quiet NaN `0x7E00` with its sign: half would keep the top payload
+/// bits, and exports have always written the one NaN.
 pub fn f32_to_f16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
     if x.is_nan() {
+        let sign = ((x.to_bits() >> 16) & 0x8000) as u16;
         return sign | 0x7E00;
     }
-    let abs = x.abs();
-    if abs >= 65520.0 {
-        return sign | 0x7C00;
-    }
-    if abs < f32::from_bits(0x3300_0000) {
-        // Below half the smallest subnormal: rounds to zero.
-        return sign;
-    }
-    let exp = ((bits >> 23) & 0xFF) as i32 - 127;
-    if exp < -14 {
-        // Subnormal half: value / 2^-24, rounded to nearest even.
-        let scaled = abs / f32::from_bits(0x3380_0000);
-        let rounded = round_half_even(scaled);
-        return sign | rounded as u16;
-    }
-    let man = bits & 0x7F_FFFF;
-    let mut half = (((exp + 15) as u32) << 10) | (man >> 13);
-    let rest = man & 0x1FFF;
-    if rest > 0x1000 || (rest == 0x1000 && half & 1 == 1) {
-        half += 1;
-    }
-    sign | half as u16
-}
-
-fn round_half_even(x: f32) -> u32 {
-    let floor = x.floor();
-    let diff = x - floor;
-    let f = floor as u32;
-    if diff > 0.5 || (diff == 0.5 && f % 2 == 1) {
-        f + 1
-    } else {
-        f
-    }
+    f16::from_f32(x).to_bits()
 }
 
 /// OCP FP8 E4M3 (finite, one NaN encoding per sign) to f32.
@@ -186,6 +148,111 @@ mod tests {
         // 1 + 2^-8 lies halfway between two bf16 values: ties go to even (1.0).
         assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), 0x3F80);
         assert_eq!(f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8)), 0x3F82);
+    }
+
+    /// f32 bits, then the f16 and bf16 bits they round to: signed zeros, ones, the
+    /// f16 overflow threshold (65520 and up go to infinity), ties to even in normal and
+    /// subnormal ranges (up and down), the rounding to zero below half the smallest
+    /// subnormal, infinities, and NaNs with payloads (f16 gets the one quiet NaN, bf16
+    /// keeps the payload's top bits, quieted).
+    const NARROWED: &[(u32, u16, u16)] = &[
+        (0x0000_0000, 0x0000, 0x0000),
+        (0x8000_0000, 0x8000, 0x8000),
+        (0x3F80_0000, 0x3C00, 0x3F80),
+        (0xBF80_0000, 0xBC00, 0xBF80),
+        (0x477F_E000, 0x7BFF, 0x4780),
+        (0x477F_EFFF, 0x7BFF, 0x4780),
+        (0x477F_F000, 0x7C00, 0x4780),
+        (0xC77F_F000, 0xFC00, 0xC780),
+        (0x7F7F_FFFF, 0x7C00, 0x7F80),
+        (0x3F80_1000, 0x3C00, 0x3F80),
+        (0x3F80_3000, 0x3C02, 0x3F80),
+        (0x3F80_1001, 0x3C01, 0x3F80),
+        (0x3F80_8000, 0x3C04, 0x3F80),
+        (0x3F81_8000, 0x3C0C, 0x3F82),
+        (0x3F80_8001, 0x3C04, 0x3F81),
+        (0x3800_0000, 0x0200, 0x3800),
+        (0x3880_0000, 0x0400, 0x3880),
+        (0x387F_E000, 0x0400, 0x3880),
+        (0x3300_0000, 0x0000, 0x3300),
+        (0x3300_0001, 0x0001, 0x3300),
+        (0xB300_0001, 0x8001, 0xB300),
+        (0x33C0_0000, 0x0002, 0x33C0),
+        (0x3420_0000, 0x0002, 0x3420),
+        (0x0000_0001, 0x0000, 0x0000),
+        (0x0001_0000, 0x0000, 0x0001),
+        (0x007F_FFFF, 0x0000, 0x0080),
+        (0x7F80_0000, 0x7C00, 0x7F80),
+        (0xFF80_0000, 0xFC00, 0xFF80),
+        (0x7FC0_0000, 0x7E00, 0x7FC0),
+        (0xFFC0_0000, 0xFE00, 0xFFC0),
+        (0x7F80_0001, 0x7E00, 0x7FC0),
+        (0x7FA0_2000, 0x7E00, 0x7FE0),
+        (0xFFFF_FFFF, 0xFE00, 0xFFFF),
+    ];
+
+    #[test]
+    fn narrowing_keeps_its_bits_on_edge_values() {
+        for &(from, to_f16, to_bf16) in NARROWED {
+            let x = f32::from_bits(from);
+            assert_eq!(f32_to_f16(x), to_f16, "f16 of {from:08x}");
+            assert_eq!(f32_to_bf16(x), to_bf16, "bf16 of {from:08x}");
+        }
+        // Through `export`: f32 elements in, little-endian f16 and bf16 out.
+        let src: Vec<u8> = NARROWED.iter().flat_map(|e| e.0.to_le_bytes()).collect();
+        let f16s: Vec<u8> = NARROWED.iter().flat_map(|e| e.1.to_le_bytes()).collect();
+        let bf16s: Vec<u8> = NARROWED.iter().flat_map(|e| e.2.to_le_bytes()).collect();
+        assert_eq!(convert_floats(DType::F32, DType::F16, &src), f16s);
+        assert_eq!(convert_floats(DType::F32, DType::BF16, &src), bf16s);
+    }
+
+    #[test]
+    fn widening_keeps_its_bits_on_edge_values() {
+        // f16 bits, then the f32 bits: zeros, the smallest and largest subnormals, the
+        // smallest normal, one, the largest finite, infinities, and NaNs (a signaling
+        // one comes back quiet with its payload).
+        let f16s: &[(u16, u32)] = &[
+            (0x0000, 0x0000_0000),
+            (0x8000, 0x8000_0000),
+            (0x0001, 0x3380_0000),
+            (0x8001, 0xB380_0000),
+            (0x03FF, 0x387F_C000),
+            (0x0400, 0x3880_0000),
+            (0x3C00, 0x3F80_0000),
+            (0x7BFF, 0x477F_E000),
+            (0x7C00, 0x7F80_0000),
+            (0xFC00, 0xFF80_0000),
+            (0x7E00, 0x7FC0_0000),
+            (0x7C01, 0x7FC0_2000),
+            (0xFD55, 0xFFEA_A000),
+        ];
+        for &(from, to) in f16s {
+            assert_eq!(f16_to_f32(from).to_bits(), to, "f32 of f16 {from:04x}");
+            let wide = to_f64(DType::F16, &from.to_le_bytes())[0];
+            assert_eq!(wide.to_bits(), f64::from(f32::from_bits(to)).to_bits());
+        }
+        // bf16 bits, then the f32 bits (exact, even a signaling NaN) and what `diff`
+        // compares: the f64, where widening has quieted that NaN.
+        let bf16s: &[(u16, u32, u64)] = &[
+            (0x0001, 0x0001_0000, 0x37A0_0000_0000_0000),
+            (0x8080, 0x8080_0000, 0xB810_0000_0000_0000),
+            (0x3F80, 0x3F80_0000, 0x3FF0_0000_0000_0000),
+            (0x7F7F, 0x7F7F_0000, 0x47EF_E000_0000_0000),
+            (0x7F80, 0x7F80_0000, 0x7FF0_0000_0000_0000),
+            (0xFF80, 0xFF80_0000, 0xFFF0_0000_0000_0000),
+            (0x7FC0, 0x7FC0_0000, 0x7FF8_0000_0000_0000),
+            (0x7F81, 0x7F81_0000, 0x7FF8_2000_0000_0000),
+            (0xFFC1, 0xFFC1_0000, 0xFFF8_2000_0000_0000),
+        ];
+        for &(from, to_f32, to_f64_bits) in bf16s {
+            assert_eq!(
+                bf16_to_f32(from).to_bits(),
+                to_f32,
+                "f32 of bf16 {from:04x}"
+            );
+            let wide = to_f64(DType::BF16, &from.to_le_bytes())[0];
+            assert_eq!(wide.to_bits(), to_f64_bits, "f64 of bf16 {from:04x}");
+        }
     }
 
     #[test]

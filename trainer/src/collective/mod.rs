@@ -237,48 +237,35 @@ pub fn shard_counts(n: usize, world: usize) -> Vec<usize> {
     (0..world).map(|r| shard_range(n, r, world).len()).collect()
 }
 
-/// Plain numbers that may be viewed as bytes.
-///
-/// # Safety
-/// Only for primitive numbers: no padding bytes (so every byte of a value is
-/// initialized) and every bit pattern is a valid value (so any bytes received from
-/// a peer may be read back as `Self`).
-pub(crate) unsafe trait Pod: Copy + Default + Send + Sync + 'static {
+/// The element types the host collectives reduce: plain numbers (bytemuck's `Pod`, so
+/// they travel as their bytes and any bytes received from a peer read back as values)
+/// with the sum that reduces them.
+pub(crate) trait Summable: bytemuck::Pod + Send + Sync {
     /// The reduction (sum) of two elements.
     fn add(a: Self, b: Self) -> Self;
 }
-// SAFETY: an 8-byte two's-complement integer: no padding, every bit pattern is a
-// value.
-unsafe impl Pod for i64 {
+impl Summable for i64 {
     fn add(a: Self, b: Self) -> Self {
         a.wrapping_add(b)
     }
 }
-// SAFETY: an IEEE 754 binary32: no padding, every bit pattern is a value (NaNs
-// included).
-unsafe impl Pod for f32 {
+impl Summable for f32 {
     fn add(a: Self, b: Self) -> Self {
         a + b
     }
 }
-// SAFETY: one byte, every bit pattern is a value.
-unsafe impl Pod for u8 {
+impl Summable for u8 {
     fn add(a: Self, b: Self) -> Self {
         a.wrapping_add(b)
     }
 }
 
-pub(crate) fn pod_bytes<T: Pod>(data: &[T]) -> &[u8] {
-    // SAFETY: `T: Pod` has no padding, so all `size_of_val(data)` bytes behind the
-    // pointer are initialized; `u8` has alignment 1; the borrow of `data` keeps the
-    // memory alive and unmutated for the returned lifetime.
-    unsafe { std::slice::from_raw_parts(data.as_ptr().cast(), std::mem::size_of_val(data)) }
+/// The bytes of `data`, as sent to a peer.
+pub(crate) fn pod_bytes<T: bytemuck::Pod>(data: &[T]) -> &[u8] {
+    bytemuck::must_cast_slice(data)
 }
 
-pub(crate) fn pod_bytes_mut<T: Pod>(data: &mut [T]) -> &mut [u8] {
-    // SAFETY: the bytes are initialized and aligned as in `pod_bytes`; the exclusive
-    // borrow of `data` is moved into the result, so nothing else aliases it; and since
-    // every bit pattern is a valid `T`, whatever is written through the bytes leaves
-    // valid `T`s behind.
-    unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast(), std::mem::size_of_val(data)) }
+/// The bytes of `data`, to receive into.
+pub(crate) fn pod_bytes_mut<T: bytemuck::Pod>(data: &mut [T]) -> &mut [u8] {
+    bytemuck::must_cast_slice_mut(data)
 }

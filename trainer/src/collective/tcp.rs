@@ -31,7 +31,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    Collective, CollectiveError, CollectiveResult, Pod, pod_bytes, pod_bytes_mut, shard_counts,
+    Collective, CollectiveError, CollectiveResult, Summable, pod_bytes, pod_bytes_mut, shard_counts,
 };
 
 /// Settings of a TCP communicator.
@@ -624,7 +624,7 @@ impl TcpCollective {
     }
 
     /// Ring reduce-scatter over `data`: afterwards segment `rank` holds the sum.
-    fn ring_reduce_scatter<T: Pod>(
+    fn ring_reduce_scatter<T: Summable>(
         &self,
         links: &mut Links,
         op: &'static str,
@@ -635,7 +635,7 @@ impl TcpCollective {
         let largest = offsets.windows(2).map(|p| p[1] - p[0]).max().unwrap_or(0);
         // Zeroed once per call (a calloc for large sizes), then reused by every
         // step: the bytes a receive writes into are always initialized.
-        let mut scratch: Vec<T> = vec![T::default(); largest];
+        let mut scratch: Vec<T> = vec![T::zeroed(); largest];
         for s in 0..w - 1 {
             let send_seg = (r + 2 * w - 1 - s) % w;
             let recv_seg = (r + 2 * w - 2 - s) % w;
@@ -653,7 +653,7 @@ impl TcpCollective {
         Ok(())
     }
 
-    fn reduce_scatter<T: Pod>(
+    fn reduce_scatter<T: Summable>(
         &self,
         op: &'static str,
         data: &mut [T],
@@ -680,7 +680,7 @@ impl TcpCollective {
         Ok(())
     }
 
-    fn all_reduce<T: Pod>(&self, op: &'static str, data: &mut [T]) -> CollectiveResult {
+    fn all_reduce<T: Summable>(&self, op: &'static str, data: &mut [T]) -> CollectiveResult {
         let counts = shard_counts(data.len(), self.world);
         let offsets = self.offsets(op, &counts, data.len())?;
         let mut links = self.begin(op)?;
