@@ -1504,13 +1504,11 @@ fn codec_samples(data: &Workload, config: &BenchConfig, level: i32) -> Result<Ve
         fp32.extend_from_slice(as_bytes(t));
     }
     fp32.truncate(config.codec_sample_bytes as usize);
-    // bf16: the upper half of each fp32, rounded to nearest even.
+    // bf16: each fp32 rounded to nearest even.
     let bf16: Vec<u8> = fp32
         .chunks_exact(4)
         .flat_map(|b| {
-            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
-            (rounded as u16).to_le_bytes()
+            half::bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes()
         })
         .collect();
     let mut out = Vec::new();
