@@ -1,6 +1,7 @@
 //! Device tensors: save from the GPU, load on the CPU and back. These tests need a
 //! CUDA device; without one (no libcuda, no device) each prints a `SKIPPED:` line and
-//! passes, so that CI without a GPU still builds and runs them.
+//! passes (fails with `CKPT_REQUIRE=gpu`), so that CI without a GPU still builds and
+//! runs them.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -11,6 +12,8 @@ use ckpt::{CheckpointConfig, CheckpointReader, Checkpointer, DType, LoadRequest,
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 /// The device's context and a stream, or `None` after saying loudly why not.
+/// (The skip policy is ckpt-testkit's: `CKPT_REQUIRE=gpu` makes a missing device a
+/// failure, as on a machine that has one.)
 fn gpu(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
     match ckpt::cuda::context(0) {
         Ok(ctx) => {
@@ -18,7 +21,8 @@ fn gpu(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
             Some((ctx, stream))
         }
         Err(e) => {
-            eprintln!("SKIPPED: no CUDA device/libcuda: {test}: {e}");
+            let missing = format!("no CUDA device/libcuda: {test}: {e}");
+            ckpt_testkit::has_probed(ckpt_testkit::Capability::Gpu, Some(missing));
             None
         }
     }

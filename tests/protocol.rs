@@ -8,7 +8,7 @@
 //! at the failpoint named by `CKPT_FAILPOINT` when one is set, feature `failpoints`).
 //! A child that finishes reports its save's result on stderr.
 
-use ckpt_testkit as common;
+use ckpt_testkit::{self as common, Capability};
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
@@ -297,6 +297,9 @@ async fn a_late_writer_cannot_change_a_newer_commit_on_local_disk() {
 async fn a_late_writer_cannot_change_a_newer_commit_on_s3() {
     if std::env::var_os(CHILD).is_some() {
         return child().await;
+    }
+    if !common::has(Capability::Servers) {
+        return;
     }
     let store = common::s3_store("late-writer");
     late_writer_scenario("a_late_writer_cannot_change_a_newer_commit_on_s3", &store).await;

@@ -4,7 +4,7 @@
 //! `max_in_flight`) is shown deterministically by holding the server's connections
 //! behind a gate.
 
-use ckpt_testkit as common;
+use ckpt_testkit::{self as common, Capability};
 
 use std::time::Duration;
 
@@ -16,6 +16,9 @@ use tokio::sync::watch;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoint_saved_to_s3_loads_back_resharded() {
+    if !common::has(Capability::Servers) {
+        return;
+    }
     let store = s3_store("ckpt-s3-roundtrip");
     // Each rank's file is above one 5 MiB part: a multipart upload.
     let tensors = model(1, 11_000);
@@ -44,6 +47,9 @@ async fn checkpoint_saved_to_s3_loads_back_resharded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compressed_checkpoints_on_s3_keep_the_last_and_fall_back_on_corruption() {
+    if !common::has(Capability::Servers) {
+        return;
+    }
     let store = s3_store("ckpt-s3-zstd");
     let codec = Codec::Zstd {
         level: 3,
@@ -123,6 +129,9 @@ async fn gated_endpoint(target: &str) -> (String, watch::Sender<bool>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn try_save_drops_a_step_and_save_waits_beyond_max_in_flight() {
+    if !common::has(Capability::Servers) {
+        return;
+    }
     let (endpoint, gate) = gated_endpoint(&common::env("CKPT_TEST_S3_ENDPOINT")).await;
     let store = common::s3_store_at("ckpt-s3-busy", &endpoint, common::test_config());
     let tensors = model(1, 16);

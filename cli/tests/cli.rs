@@ -2,7 +2,7 @@
 //! every command, its JSON, its exit codes, corrupt inputs, reshard round trips, and
 //! export read back by the Python `safetensors` package.
 
-use ckpt_testkit as common;
+use ckpt_testkit::{self as common, Capability};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -369,6 +369,9 @@ fn python() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn export_is_read_by_python_safetensors_with_equal_values() {
+    if !common::has(Capability::Python) {
+        return;
+    }
     let (_store, dir, url) = local_root().await;
     let out_file = dir.path().join("model.safetensors");
     let out = ckpt(&["export", &url, out_file.to_str().unwrap(), "--json"]);
@@ -624,10 +627,8 @@ async fn export_to_a_full_disk_is_one_clear_error() {
         .status()
         .map(|s| s.success())
         .unwrap_or(false);
-    if !mounted {
-        eprintln!(
-            "SKIPPED export_to_a_full_disk_is_one_clear_error: cannot mount a small tmpfs here (needs root)"
-        );
+    let missing = (!mounted).then(|| "cannot mount a small tmpfs here".to_string());
+    if !common::has_probed(Capability::Root, missing) {
         return;
     }
     let out = ckpt(&[
@@ -648,6 +649,9 @@ async fn export_to_a_full_disk_is_one_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commands_work_on_the_s3_server() {
+    if !common::has(Capability::Servers) {
+        return;
+    }
     let store = s3_store("cli");
     save_world(&store, 5, 4, &model(5, ROWS), |_| {}).await;
     let endpoint = env("CKPT_TEST_S3_ENDPOINT");

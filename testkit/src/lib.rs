@@ -64,15 +64,109 @@ pub fn open_local(dir: &std::path::Path) -> Store {
     Store::open(&format!("file://{}", dir.display()), test_config()).expect("open local store")
 }
 
-/// A variable set by `scripts/test`.
+/// What a tier of tests needs beyond `cargo test` itself. One policy for all of them
+/// ([`has`]): without the capability a test says `SKIPPED` and passes — unless the
+/// `CKPT_REQUIRE` variable names it (a comma-separated list, or `all`), and then the
+/// test fails. `scripts/test` starts what it can and requires it, so in CI nothing
+/// that should run is skipped unnoticed; a plain `cargo test` runs the hermetic tiers
+/// (memory and local stores, pure logic) and skips the others loudly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capability {
+    /// The loopback object-store servers (S3, GCS and Azure emulators).
+    Servers,
+    /// A loopback etcd cluster.
+    Etcd,
+    /// A Python with the safetensors and numpy packages (cross-checks of exports).
+    Python,
+    /// Network namespaces (root, iproute2, nftables) for partitions.
+    Netns,
+    /// A CUDA device with its driver (and NCCL where a test says so).
+    Gpu,
+    /// Root, for what only root may do (mount a small file system to fill it).
+    Root,
+}
+
+impl Capability {
+    /// Its name in `CKPT_REQUIRE`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Capability::Servers => "servers",
+            Capability::Etcd => "etcd",
+            Capability::Python => "python",
+            Capability::Netns => "netns",
+            Capability::Gpu => "gpu",
+            Capability::Root => "root",
+        }
+    }
+
+    /// What is missing when it is absent, as far as the environment tells: the
+    /// variables `scripts/test` sets. `None` for the capabilities a caller probes
+    /// itself ([`has_probed`]).
+    fn missing_from_env(self) -> Option<String> {
+        let vars: &[&str] = match self {
+            Capability::Servers => &[
+                "CKPT_TEST_S3_ENDPOINT",
+                "CKPT_TEST_S3_BUCKET",
+                "CKPT_TEST_GCS_ENDPOINT",
+                "CKPT_TEST_AZURE_ENDPOINT",
+            ],
+            Capability::Etcd => &["CKPT_TEST_ETCD"],
+            Capability::Python => &["CKPT_TEST_PYTHON"],
+            Capability::Netns | Capability::Gpu | Capability::Root => &[],
+        };
+        let unset: Vec<&str> = vars
+            .iter()
+            .copied()
+            .filter(|v| std::env::var(v).map_or(true, |value| value.is_empty()))
+            .collect();
+        (!unset.is_empty()).then(|| {
+            format!(
+                "{} not set (run `scripts/test`, or source the output of `scripts/test --env`)",
+                unset.join(", ")
+            )
+        })
+    }
+
+    /// True when `CKPT_REQUIRE` names it (or says `all`).
+    pub fn required(self) -> bool {
+        std::env::var("CKPT_REQUIRE").is_ok_and(|list| {
+            list.split(',')
+                .map(str::trim)
+                .any(|item| item == "all" || item == self.name())
+        })
+    }
+}
+
+/// Whether the calling test may use `capability`, judged from the variables
+/// `scripts/test` sets (servers, etcd, python); see [`Capability`] for the policy.
+/// A test that gets `false` returns at once.
+pub fn has(capability: Capability) -> bool {
+    has_probed(capability, capability.missing_from_env())
+}
+
+/// [`has`] for a capability the caller probed itself: `missing` says what is absent
+/// (`None`: it is there).
+pub fn has_probed(capability: Capability, missing: Option<String>) -> bool {
+    let Some(missing) = missing else {
+        return true;
+    };
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("this test");
+    if capability.required() {
+        panic!(
+            "{test} needs {} (required by CKPT_REQUIRE): {missing}",
+            capability.name()
+        );
+    }
+    eprintln!("SKIPPED: {test} needs {}: {missing}", capability.name());
+    false
+}
+
+/// A variable set by `scripts/test`; the caller checked [`has`] first.
 pub fn env(name: &str) -> String {
     match std::env::var(name) {
         Ok(value) if !value.is_empty() => value,
-        _ => panic!(
-            "{name} is not set: the S3 tests need the loopback server that scripts/test \
-             starts; run `scripts/test`, or `scripts/test --env` and source its output \
-             before `cargo test`"
-        ),
+        _ => panic!("{name} is not set (check `has` for its capability first)"),
     }
 }
 

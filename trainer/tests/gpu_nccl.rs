@@ -1,6 +1,7 @@
 //! The NCCL backend on one GPU (a world of one): all-reduce, abort while an
 //! operation is pending, re-initialisation with a new unique id, use again. Without a
-//! GPU or NCCL each test prints a `SKIPPED:` line and passes.
+//! GPU or NCCL each test prints a `SKIPPED:` line and passes (fails with
+//! `CKPT_REQUIRE=gpu`).
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -12,15 +13,22 @@ use ckpt_trainer::collective::{CollectiveError, DeviceCollective, ReduceType};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 fn gpu(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
+    use ckpt_testkit::{Capability, has_probed};
     let ctx = match ckpt::cuda::context(0) {
         Ok(ctx) => ctx,
         Err(e) => {
-            eprintln!("SKIPPED: no CUDA device/libcuda: {test}: {e}");
+            has_probed(
+                Capability::Gpu,
+                Some(format!("no CUDA device/libcuda: {test}: {e}")),
+            );
             return None;
         }
     };
     if let Err(e) = ckpt_trainer::collective::nccl::version() {
-        eprintln!("SKIPPED: no usable NCCL: {test}: {e}");
+        has_probed(
+            Capability::Gpu,
+            Some(format!("no usable NCCL: {test}: {e}")),
+        );
         return None;
     }
     let stream = ctx.new_stream().expect("a stream");

@@ -1,44 +1,22 @@
 //! Test fixtures: a fresh, empty store on each backend.
 //!
 //! The remote backends are real servers that `scripts/test` starts on loopback and
-//! announces through `CKPT_TEST_*` variables. A missing variable fails the test with
-//! a message saying how to start them: no backend is skipped silently.
+//! announces through `CKPT_TEST_*` variables. Without them a test of those backends
+//! follows the one skip policy of `ckpt_testkit::has`: SKIPPED, or a failure when
+//! `CKPT_REQUIRE` names the servers (as `scripts/test` does). Fixtures that are not
+//! about one backend come from ckpt-testkit.
 
 #![allow(dead_code, unreachable_pub)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use ckpt_storage::{RetrySettings, Store, StoreConfig};
+pub use ckpt_testkit::{Capability, env, has, s3_config, unique};
 
 /// The well-known development account of Azurite (documented, not a secret).
 pub const AZURITE_ACCOUNT: &str = "devstoreaccount1";
 pub const AZURITE_KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
-
-pub fn env(name: &str) -> String {
-    match std::env::var(name) {
-        Ok(value) if !value.is_empty() => value,
-        _ => panic!(
-            "{name} is not set: the S3, GCS and Azure tests need the loopback servers that \
-             scripts/test starts; run `scripts/test` instead of `cargo test`"
-        ),
-    }
-}
-
-/// A prefix no other test (in this or a concurrent run) uses.
-pub fn unique(name: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!(
-        "{name}-{}-{nanos}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    )
-}
 
 /// Retries suited to loopback servers: a few quick ones.
 pub fn quick_retries() -> RetrySettings {
@@ -57,15 +35,6 @@ pub fn test_config() -> StoreConfig {
         part_size: ckpt_storage::MIN_PART_SIZE,
         ..StoreConfig::default()
     }
-}
-
-/// Options that point the S3 builder at the loopback server at `endpoint`.
-pub fn s3_config(endpoint: &str, base: StoreConfig) -> StoreConfig {
-    base.with_option("aws_endpoint", endpoint)
-        .with_option("aws_allow_http", "true")
-        .with_option("aws_region", "us-east-1")
-        .with_option("aws_access_key_id", "test")
-        .with_option("aws_secret_access_key", "test")
 }
 
 pub fn s3_store(name: &str, base: StoreConfig) -> Store {
