@@ -1,6 +1,6 @@
 //! The fixed scenario set (`chaos/scenarios/`, one per fault kind, tiny preset) run
-//! through the `ckpt-chaos` binary, and the oracle shown able to fail: a wrong
-//! expectation and a corrupted checkpoint are both caught.
+//! through the `ckpt-chaos` binary, one test per scenario file, and the oracle shown
+//! able to fail: a wrong expectation and a corrupted checkpoint are both caught.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -40,26 +40,103 @@ fn trainer() -> PathBuf {
     dir.join("ckpt-train")
 }
 
-fn scenarios() -> Vec<PathBuf> {
+/// One test per scenario file, named after it (`-` as `_`): a failure names its
+/// scenario, and `cargo test --test scenarios scenario::kill_node` runs one (the
+/// prefix `scenario::` runs the whole set). `every_scenario_file_has_a_test` fails
+/// when a file and this list part ways.
+macro_rules! scenario_tests {
+    ($($name:ident),* $(,)?) => {
+        mod scenario {
+            $(
+                #[test]
+                fn $name() {
+                    super::the_scenario_passes(stringify!($name));
+                }
+            )*
+        }
+
+        /// The names of the scenario tests.
+        const SCENARIO_TESTS: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+
+scenario_tests![
+    corrupt_then_recover,
+    demo,
+    device_error,
+    disk_full,
+    kill_coordinator,
+    kill_etcd_member,
+    kill_every_rank_of_the_coordinator_node,
+    kill_in_save_after_commit,
+    kill_in_save_after_rank_part,
+    kill_in_save_before_commit,
+    kill_in_save_during_data_upload,
+    kill_in_save_during_staging,
+    kill_node,
+    kill_one_rank,
+    kill_rank_while_coordinator_down,
+    no_member_for_a_moment_while_a_node_restarts,
+    node_back_after_the_job_and_its_coordinator_ended,
+    node_back_after_the_job_finished,
+    node_back_while_the_coordinator_restarts,
+    partition_node,
+    stop_one_rank,
+    storage_reset_fails_a_save,
+    storage_s3_faults,
+    truncate_then_recover,
+];
+
+/// The scenario files under `chaos/scenarios/`, each with the name of its test.
+fn scenario_files() -> Vec<(String, PathBuf)> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+    let mut files: Vec<(String, PathBuf)> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .map(|p| {
+            let stem = p.file_stem().unwrap().to_string_lossy();
+            (stem.replace('-', "_"), p)
+        })
         .collect();
     files.sort();
     files
 }
 
 #[test]
-fn every_scenario_in_the_set_passes() {
-    let _serial = one_at_a_time();
-    let cache = tempfile::tempdir().unwrap();
-    let files = scenarios();
+fn every_scenario_file_has_a_test() {
+    let files: Vec<String> = scenario_files().into_iter().map(|(n, _)| n).collect();
     assert!(files.len() >= 4, "one scenario per fault kind: {files:?}");
+    let untested: Vec<&String> = files
+        .iter()
+        .filter(|f| !SCENARIO_TESTS.contains(&f.as_str()))
+        .collect();
+    let without_file: Vec<&&str> = SCENARIO_TESTS
+        .iter()
+        .filter(|t| !files.iter().any(|f| f == *t))
+        .collect();
+    assert!(
+        untested.is_empty(),
+        "scenario files without a test (add them to scenario_tests! in tests/scenarios.rs): \
+         {untested:?}"
+    );
+    assert!(
+        without_file.is_empty(),
+        "scenario tests without a file under chaos/scenarios/: {without_file:?}"
+    );
+}
+
+/// Runs the scenario file whose test is `test` through `ckpt-chaos run` and checks
+/// its report: it passed, its faults fired, and the oracle's counts add up.
+fn the_scenario_passes(test: &str) {
+    let _serial = one_at_a_time();
+    let Some((_, file)) = scenario_files().into_iter().find(|(n, _)| n == test) else {
+        panic!("no file under chaos/scenarios/ for the test {test}");
+    };
+    let cache = tempfile::tempdir().unwrap();
     let output = Command::new(CHAOS)
         .arg("run")
-        .args(&files)
+        .arg(&file)
         .args(["--json", "--trainer"])
         .arg(trainer())
         .arg("--cache")
@@ -70,40 +147,39 @@ fn every_scenario_in_the_set_passes() {
     let report: serde_json::Value = serde_json::from_str(&stdout)
         .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&output.stderr)));
     let runs = report["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), files.len());
-    for run in runs {
-        if run["verdict"] == "skip" {
-            // Only where the machine lacks the part: no S3 server (scripts/test starts
-            // one), or not root (namespaces and mounts). As root under scripts/test,
-            // every scenario runs.
-            let why = run["reasons"].to_string();
-            eprintln!("SKIPPED {}: {why}", run["scenario"]);
-            // SAFETY: geteuid has no preconditions.
-            let root = unsafe { libc::geteuid() } == 0;
-            let no_s3 = std::env::var_os("CKPT_TEST_S3_ENDPOINT").is_none() && why.contains("S3");
-            assert!(no_s3 || !root, "{run:#}");
-            continue;
-        }
-        assert_eq!(run["verdict"], "pass", "{run:#}");
-        assert!(
-            !run["observed"]["fired"].as_array().unwrap().is_empty(),
-            "{run:#}"
-        );
-        let j = &run["judgement"];
-        assert_eq!(j["identical"], true, "{run:#}");
-        // Every commit verifies but those damaged on purpose, which verify finds.
-        assert_eq!(
-            j["commits"].as_u64().unwrap(),
-            j["verified"].as_u64().unwrap() + j["detected"].as_u64().unwrap(),
-            "{run:#}"
-        );
-        assert_eq!(
-            j["corrupted"].as_u64().unwrap(),
-            j["detected"].as_u64().unwrap() + j["superseded"].as_u64().unwrap(),
-            "{run:#}"
-        );
+    assert_eq!(runs.len(), 1, "{report:#}");
+    let run = &runs[0];
+    if run["verdict"] == "skip" {
+        // Only where the machine lacks the part: no S3 server (scripts/test starts
+        // one), or not root (namespaces and mounts). As root under scripts/test,
+        // every scenario runs.
+        let why = run["reasons"].to_string();
+        eprintln!("SKIPPED {}: {why}", run["scenario"]);
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        let no_s3 = std::env::var_os("CKPT_TEST_S3_ENDPOINT").is_none() && why.contains("S3");
+        assert!(no_s3 || !root, "{run:#}");
+        return;
     }
-    assert!(output.status.success());
+    assert_eq!(run["verdict"], "pass", "{run:#}");
+    assert!(
+        !run["observed"]["fired"].as_array().unwrap().is_empty(),
+        "{run:#}"
+    );
+    let j = &run["judgement"];
+    assert_eq!(j["identical"], true, "{run:#}");
+    // Every commit verifies but those damaged on purpose, which verify finds.
+    assert_eq!(
+        j["commits"].as_u64().unwrap(),
+        j["verified"].as_u64().unwrap() + j["detected"].as_u64().unwrap(),
+        "{run:#}"
+    );
+    assert_eq!(
+        j["corrupted"].as_u64().unwrap(),
+        j["detected"].as_u64().unwrap() + j["superseded"].as_u64().unwrap(),
+        "{run:#}"
+    );
+    assert!(output.status.success(), "{run:#}");
 }
 
 #[test]
