@@ -690,7 +690,7 @@ mod tests {
         match Network::create(nodes) {
             Ok(n) => Some(n),
             Err(reason) => {
-                eprintln!("\n\n*** SKIPPED: {reason} ***\n");
+                ckpt_testkit::has_probed(ckpt_testkit::Capability::Netns, Some(reason));
                 None
             }
         }

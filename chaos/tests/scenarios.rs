@@ -9,6 +9,7 @@ use std::time::Duration;
 use ckpt_chaos::run::proc_state;
 use ckpt_chaos::scenario::Scenario;
 use ckpt_chaos::{Options, oracle, run_scenario};
+use ckpt_testkit::{Capability, has_probed};
 
 const CHAOS: &str = env!("CARGO_BIN_EXE_ckpt-chaos");
 
@@ -153,12 +154,21 @@ fn the_scenario_passes(test: &str) {
         // Only where the machine lacks the part: no S3 server (scripts/test starts
         // one), or not root (namespaces and mounts). As root under scripts/test,
         // every scenario runs.
+        // The one skip policy: a failure where CKPT_REQUIRE names the capability.
         let why = run["reasons"].to_string();
-        eprintln!("SKIPPED {}: {why}", run["scenario"]);
-        // SAFETY: geteuid has no preconditions.
-        let root = unsafe { libc::geteuid() } == 0;
-        let no_s3 = std::env::var_os("CKPT_TEST_S3_ENDPOINT").is_none() && why.contains("S3");
-        assert!(no_s3 || !root, "{run:#}");
+        // What the harness skips for (chaos/src/env.rs): no S3 server, no etcd binary,
+        // no tmpfs mount (root), no network namespaces.
+        let capability = if why.contains("S3") {
+            Capability::Servers
+        } else if why.contains("etcd") {
+            Capability::Etcd
+        } else if why.contains("mount") {
+            Capability::Root
+        } else {
+            Capability::Netns
+        };
+        let missing = format!("scenario {}: {why}", run["scenario"]);
+        assert!(!has_probed(capability, Some(missing)));
         return;
     }
     assert_eq!(run["verdict"], "pass", "{run:#}");

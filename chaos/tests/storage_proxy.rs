@@ -30,23 +30,13 @@ struct S3Env {
 }
 
 fn s3_env() -> Option<S3Env> {
-    match std::env::var("CKPT_TEST_S3_ENDPOINT") {
-        Ok(endpoint) if !endpoint.is_empty() => Some(S3Env {
-            endpoint,
-            bucket: std::env::var("CKPT_TEST_S3_BUCKET")
-                .ok()
-                .filter(|b| !b.is_empty())
-                .unwrap_or_else(|| "ckpt-test".to_owned()),
-        }),
-        _ => {
-            eprintln!(
-                "\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\
-                 SKIPPED: CKPT_TEST_S3_ENDPOINT not set\n\
-                 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n"
-            );
-            None
-        }
+    if !ckpt_testkit::has(ckpt_testkit::Capability::Servers) {
+        return None;
     }
+    Some(S3Env {
+        endpoint: ckpt_testkit::env("CKPT_TEST_S3_ENDPOINT"),
+        bucket: ckpt_testkit::env("CKPT_TEST_S3_BUCKET"),
+    })
 }
 
 fn start_proxy(env: &S3Env) -> StorageProxy {

@@ -7,14 +7,15 @@ use std::time::Duration;
 use ckpt::storage::{RetrySettings, Store, StoreConfig};
 
 /// The server and bucket the test command started (`CKPT_TEST_S3_ENDPOINT`,
-/// `CKPT_TEST_S3_BUCKET`); `None`, after saying SKIPPED, without them.
+/// `CKPT_TEST_S3_BUCKET`); `None` without them, as ckpt-testkit's skip policy says.
 pub(crate) fn server() -> Option<(String, String)> {
-    let endpoint = std::env::var("CKPT_TEST_S3_ENDPOINT").ok();
-    let bucket = std::env::var("CKPT_TEST_S3_BUCKET").unwrap_or_else(|_| "ckpt-test".into());
-    if endpoint.is_none() {
-        eprintln!("SKIPPED: CKPT_TEST_S3_ENDPOINT not set (run the tests with scripts/test)");
+    if !ckpt_testkit::has(ckpt_testkit::Capability::Servers) {
+        return None;
     }
-    Some((endpoint?, bucket))
+    Some((
+        ckpt_testkit::env("CKPT_TEST_S3_ENDPOINT"),
+        ckpt_testkit::env("CKPT_TEST_S3_BUCKET"),
+    ))
 }
 
 /// A prefix no other run uses: `chaos-NAME-NANOS`.
