@@ -1,0 +1,222 @@
+//! Metadata at scale: a synthetic checkpoint description of many tensors and ranks
+//! built, parsed and planned without tensor data; and one commit by many simulated
+//! ranks, counting requests.
+
+use super::*;
+
+/// Builds a synthetic checkpoint description in a private memory store (parts and
+/// manifest, no data files) and times what a committing rank and a loading rank do.
+pub(super) async fn metadata_scale(
+    config: &BenchConfig,
+    progress: &dyn Fn(&str),
+) -> Result<MetadataReport> {
+    let (tensors, world) = (config.meta_tensors, config.meta_ranks);
+    let name = format!(
+        "memory://ckpt-bench-metadata-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let store = Store::from_url(&name)?;
+    let step = 1u64;
+    let attempt = ckpt::attempt::Attempt::new(step, 0, "bench")?;
+    let dir = attempt.dir();
+    // Each tensor 4096 x 1024 fp32 (16 MiB) when the world allows, else a row per rank.
+    let rows = (world as u64).max(4096);
+    let cols = 1024u64;
+    let shape = [rows, cols];
+    let block = config.block_size;
+    let mut parts = Vec::with_capacity(world);
+    for rank in 0..world {
+        let region = Region::dim0_shard(&shape, rank, world);
+        let bytes_each = region.volume().unwrap_or(0) * 4;
+        let header = 4096u64;
+        let chunks: Vec<Chunk> = (0..tensors)
+            .map(|t| {
+                let begin = header + t as u64 * bytes_each;
+                Chunk {
+                    tensor: format!("model.layers.{t:04}.weight"),
+                    dtype: DType::F32,
+                    shape: shape.to_vec(),
+                    offsets: region.offsets.clone(),
+                    lengths: region.lengths.clone(),
+                    bytes: [begin, begin + bytes_each],
+                }
+            })
+            .collect();
+        let raw_bytes = header + tensors as u64 * bytes_each;
+        let blocks = raw_bytes.div_ceil(block) as usize;
+        let part = RankPart {
+            format_version: FORMAT_VERSION,
+            step,
+            attempt: Some(attempt.name()),
+            rank: rank as u32,
+            world_size: world as u32,
+            generation: 0,
+            block_size: block,
+            codec: Codec::None,
+            file: FileEntry {
+                name: rank_file_name(rank as u32, false),
+                raw_bytes,
+                stored_bytes: raw_bytes,
+                block_crc32: (0..blocks as u32)
+                    .map(|b| b.wrapping_mul(0x9e37_79b9))
+                    .collect(),
+                frame_bytes: Vec::new(),
+            },
+            chunks,
+            global_state: None,
+            rank_state: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+        };
+        let bytes = part.to_bytes();
+        parts.push((bytes, part));
+    }
+    progress("metadata scale: building the manifest");
+    let started = Instant::now();
+    let manifest = ckpt::commit::build_manifest(&attempt, world as u32, &parts)?;
+    manifest.validate(&format!("{dir}/{MANIFEST}"))?;
+    let manifest_bytes = manifest.to_bytes();
+    let build_ms = ms(started.elapsed());
+    let part_bytes = parts[0].0.len() as u64;
+    let manifest_len = manifest_bytes.len() as u64;
+    for (bytes, part) in parts {
+        store
+            .put(&format!("{dir}/{}", rank_part_name(part.rank)), bytes)
+            .await?;
+    }
+    ckpt::commits::append(
+        &store,
+        &ckpt::commits::CommitRecord::new(&attempt, world as u32),
+    )
+    .await?;
+    store
+        .put(&format!("{dir}/{MANIFEST}"), manifest_bytes)
+        .await?;
+
+    progress("metadata scale: open and plan");
+    let plan_for = |load_world: usize| {
+        let store = store.clone();
+        async move {
+            let mut opens = Vec::new();
+            let mut plans = Vec::new();
+            let mut read = 0u64;
+            for _ in 0..config.reps.clamp(1, 5) {
+                let started = Instant::now();
+                let reader = CheckpointReader::open(&store, Some(step)).await?;
+                opens.push(ms(started.elapsed()));
+                // The middle rank: it straddles saved ranks when resharding.
+                let rank = load_world / 2;
+                let started = Instant::now();
+                let request = LoadRequest::dim0_shards(reader.manifest(), rank, load_world);
+                let plan = reader.plan(&request).await?;
+                plans.push(ms(started.elapsed()));
+                read = manifest_len + plan.parts_read() as u64 * part_bytes;
+            }
+            Ok::<_, Error>((median(&opens), median(&plans), read))
+        }
+    };
+    let (open_ms, plan_ms, plan_bytes_read) = plan_for(world).await?;
+    let reshard_ranks = (world * 3 / 4).max(1);
+    let (_, reshard_plan_ms, reshard_plan_bytes_read) = plan_for(reshard_ranks).await?;
+    store.delete_prefix(&dir).await?;
+    Ok(MetadataReport {
+        tensors,
+        ranks: world,
+        chunks: tensors as u64 * world as u64,
+        manifest_bytes: manifest_len,
+        part_bytes,
+        build_ms,
+        open_ms,
+        plan_ms,
+        plan_bytes_read,
+        reshard_ranks,
+        reshard_plan_ms,
+        reshard_plan_bytes_read,
+    })
+}
+
+/// Requests and time of one commit by many simulated ranks.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct CommitScaleReport {
+    /// Simulated ranks (one `Checkpointer` each, in this process).
+    pub ranks: usize,
+    /// From the first `save` to the last rank's `committed()`.
+    pub commit_ms: f64,
+    /// Requests of every rank, summed.
+    pub requests_total: u64,
+    /// Mean requests per rank (data file, part, commit, learning the outcome).
+    pub requests_per_rank: f64,
+    /// Most requests by a rank that only waits for the outcome.
+    pub waiter_requests_max: u64,
+    /// Most requests by a committer (listing the attempt, reading every part,
+    /// checking every data file, the log and the manifest).
+    pub committer_requests_max: u64,
+}
+
+/// `ranks` ranks, each with its own request counter on a shared connection pool,
+/// save one small dim-0 shard of step 1 under a fresh prefix of `store` and wait for
+/// the commit. Counts every request each rank's store handle sends.
+pub(super) async fn commit_scale(store: &Store, ranks: usize) -> Result<CommitScaleReport> {
+    let run = ckpt::attempt::random_run_id();
+    // The generation of the root's newest commit: not fenced, and fencing nobody.
+    let generation = ckpt::commits::newest(store)
+        .await?
+        .map_or(0, |c| c.record.generation);
+    let (rows, cols) = (ranks as u64 * 4, 16u64);
+    let data: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+    let mut checkpointers = Vec::with_capacity(ranks);
+    let mut stores = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let own = store.with_own_counter();
+        let mut config = CheckpointConfig::new(rank, ranks);
+        config.run_id = run.clone();
+        config.block_size = 4096;
+        config.generation = generation;
+        stores.push(own.clone());
+        checkpointers.push(Checkpointer::new(own, config)?);
+    }
+    let started = Instant::now();
+    let mut handles = Vec::with_capacity(ranks);
+    for (rank, checkpointer) in checkpointers.iter().enumerate() {
+        let region = Region::dim0_shard(&[rows, cols], rank, ranks);
+        let begin = (region.offsets[0] * cols) as usize;
+        let end = begin + (region.lengths[0] * cols) as usize;
+        let mut state = State::new();
+        state.add(
+            "w",
+            DType::F32,
+            &[rows, cols],
+            region,
+            as_bytes(&data[begin..end]),
+        )?;
+        let outcome = checkpointer.save(1, &state).await?;
+        handles.push(outcome);
+    }
+    let results = futures::future::join_all(handles.iter().map(|h| h.committed())).await;
+    let commit_ms = ms(started.elapsed());
+    for result in results {
+        result?;
+    }
+    let committers = checkpointers[0].config().committers();
+    let counts: Vec<u64> = stores.iter().map(Store::requests).collect();
+    let total: u64 = counts.iter().sum();
+    let max_of = |committer: bool| {
+        counts
+            .iter()
+            .enumerate()
+            .filter(|(rank, _)| committers.contains(rank) == committer)
+            .map(|(_, &n)| n)
+            .max()
+            .unwrap_or(0)
+    };
+    Ok(CommitScaleReport {
+        ranks,
+        commit_ms,
+        requests_total: total,
+        requests_per_rank: total as f64 / ranks as f64,
+        waiter_requests_max: max_of(false),
+        committer_requests_max: max_of(true),
+    })
+}
