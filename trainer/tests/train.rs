@@ -12,9 +12,10 @@ mod common;
 
 use common::{assert_identical, runtime, tempdir, url};
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Lines};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use ckpt::storage::Store;
 use ckpt::tools::verify::{VerifyOptions, verify};
@@ -56,47 +57,82 @@ fn latest_step(dir: &Path) -> Option<u64> {
     })
 }
 
+/// A launch running in the background, its output read as the test goes.
+struct Running {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+    /// Everything read so far.
+    seen: String,
+}
+
+impl Running {
+    /// `ckpt-train launch --nproc N -- --preset tiny … ARGS`, its stdout piped to
+    /// the test.
+    fn start(nproc: usize, args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .args(["launch", "--nproc", &nproc.to_string(), "--"])
+            .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Running {
+            child,
+            lines,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads up to the first line that contains `marker`; panics with everything
+    /// seen when the output ends first.
+    fn read_until(&mut self, marker: &str) {
+        for line in self.lines.by_ref() {
+            let line = line.unwrap();
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+            if line.contains(marker) {
+                return;
+            }
+        }
+        panic!("never saw {marker:?}:\n{}", self.seen);
+    }
+
+    /// The rank processes' pids the launcher printed so far.
+    fn rank_pids(&self) -> Vec<i32> {
+        self.seen
+            .lines()
+            .filter_map(|l| l.strip_prefix("launch: rank ")?.split(" pid ").nth(1))
+            .map(|pid| pid.trim().parse().unwrap())
+            .collect()
+    }
+
+    /// Reads the rest of the output and reaps the launcher: its status and
+    /// everything it printed.
+    fn finish(mut self) -> (ExitStatus, String) {
+        for line in self.lines {
+            self.seen.push_str(&line.unwrap());
+            self.seen.push('\n');
+        }
+        (self.child.wait().unwrap(), self.seen)
+    }
+}
+
 /// Starts a launch, waits until a line containing `marker` appears on its output,
 /// then SIGKILLs every rank process (by the pids the launcher prints) and reaps the
 /// launcher. Returns everything printed.
 fn kill_all_ranks_at(nproc: usize, args: &[&str], marker: &str) -> String {
-    let mut child = Command::new(BIN)
-        .args(["launch", "--nproc", &nproc.to_string(), "--"])
-        .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut pids = Vec::new();
-    let mut seen = String::new();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        seen.push_str(&line);
-        seen.push('\n');
-        if let Some(pid) = line
-            .strip_prefix("launch: rank ")
-            .and_then(|l| l.split(" pid ").nth(1))
-        {
-            pids.push(pid.trim().parse::<i32>().unwrap());
-        }
-        if line.contains(marker) {
-            break;
-        }
-    }
-    assert!(seen.contains(marker), "never saw {marker:?}:\n{seen}");
-    assert_eq!(pids.len(), nproc, "{seen}");
+    let mut launch = Running::start(nproc, args);
+    launch.read_until(marker);
+    let pids = launch.rank_pids();
+    assert_eq!(pids.len(), nproc, "{}", launch.seen);
     for pid in &pids {
         // SAFETY: kill(2) on rank processes this test started (through the launcher)
         // and that are still running: the launcher has not reaped them.
         assert_eq!(unsafe { libc::kill(*pid, libc::SIGKILL) }, 0);
     }
-    for line in lines {
-        seen.push_str(&line.unwrap());
-        seen.push('\n');
-    }
-    let status = child.wait().unwrap();
+    let (status, seen) = launch.finish();
     assert!(
         !status.success(),
         "killed ranks must fail the launch:\n{seen}"
@@ -307,11 +343,9 @@ fn the_tiny_loss_falls_below_half_of_its_start() {
 fn sigterm_makes_a_final_save_and_exits_with_a_distinct_code() {
     let (run, reference) = (tempdir(), tempdir());
     let run_url = url(run.path());
-    let mut child = Command::new(BIN)
-        .args([
-            "launch", "--nproc", "2", "--", "--preset", "tiny", "--seed", "7",
-        ])
-        .args([
+    let mut launch = Running::start(
+        2,
+        &[
             "--steps",
             "100000",
             "--ckpt",
@@ -320,28 +354,13 @@ fn sigterm_makes_a_final_save_and_exits_with_a_distinct_code() {
             "0",
             "--log-every",
             "1",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut seen = String::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        seen.push_str(&line);
-        seen.push('\n');
-        if line.contains("[rank 0] step 5 loss") {
-            break;
-        }
-    }
+        ],
+    );
+    launch.read_until("[rank 0] step 5 loss");
+    let launcher = launch.child.id() as i32;
     // SAFETY: kill(2) on the launcher this test started and has not reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    for line in lines {
-        seen.push_str(&line.unwrap());
-        seen.push('\n');
-    }
-    let status = child.wait().unwrap();
+    assert_eq!(unsafe { libc::kill(launcher, libc::SIGTERM) }, 0);
+    let (status, seen) = launch.finish();
     assert_eq!(status.code(), Some(75), "{seen}");
     let stopped: u64 = seen
         .lines()
@@ -357,6 +376,78 @@ fn sigterm_makes_a_final_save_and_exits_with_a_distinct_code() {
     train(3, run.path(), target, &["--resume"]);
     train(1, reference.path(), target, &[]);
     assert_identical(reference.path(), run.path());
+}
+
+/// Whether `signal` waits, sent but not yet taken by a handler, on process `pid`
+/// (either pending set of `/proc/PID/status`: the process's or its main thread's).
+fn signal_pending(pid: i32, signal: i32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let bit = 1u64 << (signal - 1);
+    status
+        .lines()
+        .filter_map(|l| l.strip_prefix("SigPnd:").or(l.strip_prefix("ShdPnd:")))
+        .any(|mask| u64::from_str_radix(mask.trim(), 16).unwrap() & bit != 0)
+}
+
+/// A second SIGTERM means "now": a rank that got one and has not finished its final
+/// save (here `--fault-hold` parks it before the save) exits at once with 128 + 15,
+/// and nothing is saved.
+#[test]
+fn a_second_sigterm_exits_at_once_without_the_final_save() {
+    let run = tempdir();
+    let run_url = url(run.path());
+    let mut launch = Running::start(
+        1,
+        &[
+            "--steps",
+            "100",
+            "--ckpt",
+            &run_url,
+            "--fault-hold",
+            "3:0:before-save",
+        ],
+    );
+    launch.read_until("holds before saving step 3");
+    let [pid] = launch.rank_pids()[..] else {
+        panic!("not one rank pid:\n{}", launch.seen);
+    };
+    // A parked rank outlives a failed test: a rank that ignores the second signal is
+    // killed after a minute (and the assertions below report it), and so is one left
+    // behind by a panic (which drops `exited`).
+    let (exited, watch) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if watch.recv_timeout(Duration::from_secs(60)).is_err() {
+            // SAFETY: kill(2) on the rank, which has not exited (so not been reaped).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
+    // SAFETY: kill(2) on the rank this test started (through the launcher), parked
+    // and not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    // Two signals sent before the first is taken merge into one: wait until the
+    // handler has taken the first.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while signal_pending(pid, libc::SIGTERM) {
+        assert!(Instant::now() < deadline, "SIGTERM never taken");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        ckpt_trainer::launch::proc_state(pid as u32).is_some_and(|s| s != 'Z'),
+        "the first SIGTERM only asks for a drain:\n{}",
+        launch.seen
+    );
+    // SAFETY: as above; the rank is still running.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let (status, seen) = launch.finish();
+    // (An error here: the watchdog fired and is gone.)
+    let _ = exited.send(());
+    watchdog.join().unwrap();
+    assert!(
+        seen.contains("launch: rank 0 failed: exit status: 143"),
+        "{seen}"
+    );
+    assert_eq!(status.code(), Some(143), "{seen}");
+    assert_eq!(latest_step(run.path()), None, "{seen}");
 }
 
 /// The resume decision is one decision for the whole world. A byte flipped in the

@@ -1,0 +1,208 @@
+//! One rank's training state and its saved form, both directions in one place.
+//!
+//! What a checkpoint holds is a contract with every later run, at any world size:
+//! each parameter and both Adam moments as dim-0 shards named `PREFIX/NAME`, and as
+//! global state the step, the data position, the generator description, the loss
+//! history and the settings a resume must match. Writing that layout ([`state_of`])
+//! and reading it back ([`store_request`], [`shards_from_store`]) sit side by side so
+//! that they cannot drift apart.
+
+use std::collections::BTreeMap;
+
+use ckpt::{DType, LoadRequest, State, as_bytes};
+use serde_json::json;
+
+use crate::collective::shard_range;
+use crate::memory;
+use crate::model::{self, TensorSpec};
+
+use super::{TrainConfig, TrainError};
+
+/// One rank's training state: its dim-0 shards of parameters and moments.
+pub(super) struct Shards {
+    pub(super) params: Vec<Vec<f32>>,
+    pub(super) m: Vec<Vec<f32>>,
+    pub(super) v: Vec<Vec<f32>>,
+    pub(super) step: u64,
+    pub(super) losses: Vec<f64>,
+}
+
+/// What a model tensor's parameters and Adam moments are saved as: `PREFIX/NAME`, in
+/// the order of a copy's tensors (see [`memory::KINDS`]).
+pub(super) const SAVED_AS: [&str; memory::KINDS] = ["param", "adam_m", "adam_v"];
+
+/// The rows of `spec` that `rank` of `world` owns.
+pub(super) fn owned_rows(spec: &TensorSpec, rank: usize, world: usize) -> std::ops::Range<usize> {
+    shard_range(spec.rows, rank, world)
+}
+
+/// The settings a checkpoint records and a resume must match.
+fn trainer_state(config: &TrainConfig) -> serde_json::Value {
+    let p = &config.preset;
+    json!({
+        "preset": p.name,
+        "seed": config.seed,
+        "global_batch": p.batch,
+        "chunks": p.chunks,
+        "parameters": p.parameters(),
+    })
+}
+
+/// The state at step 0: this rank's rows of the seeded initial parameters, zero
+/// moments.
+pub(super) fn init(
+    config: &TrainConfig,
+    specs: &[TensorSpec],
+    rank: usize,
+    world: usize,
+) -> Shards {
+    let mut params = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        let rows = owned_rows(spec, rank, world);
+        let mut p = vec![0f32; rows.len() * spec.cols];
+        model::init_rows(config.seed, i, spec, rows, &mut p);
+        params.push(p);
+    }
+    let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0f32; p.len()]).collect();
+    Shards {
+        params,
+        m: zeros.clone(),
+        v: zeros,
+        step: 0,
+        losses: Vec::new(),
+    }
+}
+
+/// What a rank saves: its rows of every parameter and both Adam moments, and the
+/// trainer's global state.
+pub(super) fn state_of<'a>(
+    config: &TrainConfig,
+    specs: &[TensorSpec],
+    st: &'a Shards,
+    rank: usize,
+    world: usize,
+) -> Result<State<'a>, TrainError> {
+    let mut state = State::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let shape = spec.shape();
+        for (prefix, data) in SAVED_AS
+            .into_iter()
+            .zip([&st.params[i], &st.m[i], &st.v[i]])
+        {
+            state.add_dim0_shard(
+                format!("{prefix}/{}", spec.name),
+                DType::F32,
+                &shape,
+                rank,
+                world,
+                as_bytes(data),
+            )?;
+        }
+    }
+    let batch = config.preset.batch as u64;
+    state.set_global_json("step", json!(st.step));
+    state.set_global_json("trainer", trainer_state(config));
+    state.set_global_json(
+        "data_position",
+        json!({ "next_step": st.step, "samples_consumed": st.step * batch }),
+    );
+    state.set_global_json(
+        "rng",
+        json!({
+            "algorithm": "counter-based splitmix64 of (seed, stream, step, sample)",
+            "seed": config.seed,
+            "note": "no generator state: step N's data is a function of (seed, N)",
+        }),
+    );
+    state.set_global_json("loss_history", json!(st.losses));
+    state.set_global_json(
+        "optimizer",
+        json!({ "kind": "adam", "lr": config.preset.lr, "beta1": model::BETA1, "beta2": model::BETA2, "eps": model::EPS, "t": st.step }),
+    );
+    Ok(state)
+}
+
+/// Checks a checkpoint loaded from the store against this run and turns it into
+/// this rank's shards.
+pub(super) fn shards_from_store(
+    step: u64,
+    tensors: Vec<Vec<f32>>,
+    global: BTreeMap<String, ckpt::format::StateValue>,
+    config: &TrainConfig,
+    specs: &[TensorSpec],
+) -> Result<Shards, TrainError> {
+    let expect = trainer_state(config);
+    let saved = global.get("trainer").and_then(|v| v.as_json()).cloned();
+    for key in ["preset", "seed", "global_batch", "chunks"] {
+        let saved = saved.as_ref().and_then(|s| s.get(key));
+        if saved != expect.get(key) {
+            return Err(TrainError::Invalid(format!(
+                "checkpoint step {step} was written with {key} = {}, this run has {key} = {}",
+                saved.map_or("nothing".to_string(), |v| v.to_string()),
+                expect[key]
+            )));
+        }
+    }
+    let saved_step = global
+        .get("step")
+        .and_then(|v| v.as_json())
+        .and_then(|v| v.as_u64());
+    if saved_step != Some(step) {
+        return Err(TrainError::Invalid(format!(
+            "checkpoint step {step} records step {saved_step:?} in its global state"
+        )));
+    }
+    let losses: Vec<f64> = global
+        .get("loss_history")
+        .and_then(|v| v.as_json())
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .ok_or_else(|| {
+            TrainError::Invalid(format!("checkpoint step {step} has no loss_history"))
+        })?;
+    let mut tensors = tensors.into_iter();
+    let mut shards = Shards {
+        params: Vec::new(),
+        m: Vec::new(),
+        v: Vec::new(),
+        step,
+        losses,
+    };
+    for _ in specs {
+        let mut next = || tensors.next().expect("three tensors per spec");
+        shards.params.push(next());
+        shards.m.push(next());
+        shards.v.push(next());
+    }
+    Ok(shards)
+}
+
+/// The load of this rank's rows of every parameter and both moments (dtype and shape
+/// checked), and its destinations: the `spare` vectors where they have the right
+/// sizes, new ones otherwise.
+pub(super) fn store_request(
+    specs: &[TensorSpec],
+    rank: usize,
+    world: usize,
+    spare: &mut Vec<Vec<f32>>,
+) -> (LoadRequest, Vec<Vec<f32>>) {
+    let mut request = LoadRequest::new();
+    let mut tensors = Vec::with_capacity(specs.len() * 3);
+    let mut spare = std::mem::take(spare).into_iter();
+    for spec in specs {
+        let shape = spec.shape();
+        let n = owned_rows(spec, rank, world).len() * spec.cols;
+        for prefix in SAVED_AS {
+            request = request.expect(
+                format!("{prefix}/{}", spec.name),
+                DType::F32,
+                &shape,
+                ckpt::Region::dim0_shard(&shape, rank, world),
+            );
+            tensors.push(match spare.next() {
+                Some(v) if v.len() == n => v,
+                _ => vec![0f32; n],
+            });
+        }
+    }
+    (request, tensors)
+}
