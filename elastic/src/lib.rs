@@ -14,8 +14,8 @@
 //! - A [`Coordinator`] (standalone `ckpt coordinator`, or embedded in a launcher)
 //!   forms *generations*: a numbered membership with ranks `0..world_size`.
 //! - Each rank process links an [`Agent`] over a [`ControlPlane`] backend
-//!   ([`TcpControlPlane`] now; a consensus store such as etcd is the path to high
-//!   availability). The agent's own thread heartbeats and watches for [`Directive`]s,
+//!   ([`TcpControlPlane`] to a coordinator, or `EtcdControlPlane` straight to an
+//!   etcd cluster, with no coordinator process, behind the `etcd` feature). The agent's own thread heartbeats and watches for [`Directive`]s,
 //!   so the training thread can be stuck in a collective and still be aborted.
 //!
 //! # Protocol
@@ -225,7 +225,7 @@ pub enum Report {
     },
 }
 
-/// A control-plane backend (TCP coordinator now, etcd next). One value per member
+/// A control-plane backend (a TCP coordinator, or etcd). One value per member
 /// process. Every blocking call is bounded by a timeout or a [`Cancel`].
 pub trait ControlPlane: Send + Sync {
     /// Blocks until a generation newer than `after` includes this member (joining, or
