@@ -9,7 +9,7 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use ckpt_chaos::storage_proxy::{StorageFault, StorageProxy};
 use futures::TryStreamExt;
@@ -73,11 +73,7 @@ fn client(proxy: &StorageProxy, env: &S3Env, max_retries: usize) -> AmazonS3 {
 
 /// A key prefix no other test (or earlier run) uses.
 fn unique_prefix(test: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    format!("s3proxy-tests/{test}-{}-{nanos}", std::process::id())
+    format!("s3proxy-tests/{}", ckpt_testkit::unique(test))
 }
 
 /// Deterministic, non-repeating test data.

@@ -18,19 +18,15 @@ pub(crate) fn server() -> Option<(String, String)> {
     ))
 }
 
-/// A prefix no other run uses: `chaos-NAME-NANOS`.
+/// A prefix no other run uses.
 pub(crate) fn unique_prefix(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("chaos-{name}-{nanos}")
+    ckpt_testkit::unique(&format!("chaos-{name}"))
 }
 
 /// Settings for the server reached at `endpoint`, giving up on a request after
 /// `max_retries` retries, fast.
 pub(crate) fn config_at(endpoint: &str, max_retries: usize) -> StoreConfig {
-    let mut config = StoreConfig {
+    let config = StoreConfig {
         retry: RetrySettings {
             max_retries,
             init_backoff: Duration::from_millis(10),
@@ -39,16 +35,7 @@ pub(crate) fn config_at(endpoint: &str, max_retries: usize) -> StoreConfig {
         },
         ..StoreConfig::default()
     };
-    for (key, value) in [
-        ("aws_endpoint", endpoint),
-        ("aws_allow_http", "true"),
-        ("aws_region", "us-east-1"),
-        ("aws_access_key_id", "test"),
-        ("aws_secret_access_key", "test"),
-    ] {
-        config = config.with_option(key, value.to_string());
-    }
-    config
+    ckpt_testkit::s3_config(endpoint, config)
 }
 
 /// The steps committed in `store`, in commit order.

@@ -6,36 +6,15 @@
 //! `CKPT_REQUIRE` names the servers (as `scripts/test` does). Fixtures that are not
 //! about one backend come from ckpt-testkit.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
-use std::time::Duration;
-
-use ckpt_storage::{RetrySettings, Store, StoreConfig};
-pub use ckpt_testkit::{Capability, env, has, s3_config, unique};
+use ckpt_storage::{Store, StoreConfig};
+pub use ckpt_testkit::{Capability, env, has, s3_config, test_config, unique};
 
 /// The well-known development account of Azurite (documented, not a secret).
 pub const AZURITE_ACCOUNT: &str = "devstoreaccount1";
 pub const AZURITE_KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
-
-/// Retries suited to loopback servers: a few quick ones.
-pub fn quick_retries() -> RetrySettings {
-    RetrySettings {
-        max_retries: 3,
-        retry_timeout: Duration::from_secs(20),
-        init_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(200),
-        backoff_base: 2.0,
-    }
-}
-
-pub fn test_config() -> StoreConfig {
-    StoreConfig {
-        retry: quick_retries(),
-        part_size: ckpt_storage::MIN_PART_SIZE,
-        ..StoreConfig::default()
-    }
-}
 
 pub fn s3_store(name: &str, base: StoreConfig) -> Store {
     let endpoint = env("CKPT_TEST_S3_ENDPOINT");
