@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use bench::BenchConfig;
 use ckpt::probe::probe;
 use ckpt::storage::{Store, StoreConfig};
+use ckpt_elastic::timeouts::{Timeouts, millis, parse_seconds};
 use clap::{Parser, Subcommand};
 use output::{errln, out, outln};
 
@@ -207,32 +208,20 @@ struct CoordinatorArgs {
     max_ranks: usize,
     /// No heartbeat for this long: the rank is lost. Also how long a restarted
     /// coordinator waits for ranks to come back before forming a new generation.
-    #[arg(long, value_name = "S", default_value_t = 5.0, value_parser = seconds)]
+    #[arg(long, value_name = "S", default_value_t = Timeouts::DEFAULT.heartbeat_timeout.as_secs_f64(), value_parser = parse_seconds)]
     heartbeat_timeout_secs: f64,
     /// Idle this long outside a collective: the rank is hung.
-    #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = seconds)]
+    #[arg(long, value_name = "S", default_value_t = Timeouts::DEFAULT.progress_timeout.as_secs_f64(), value_parser = parse_seconds)]
     progress_timeout_secs: f64,
     /// After a restart, ranks that do not rejoin within this are dropped.
-    #[arg(long, value_name = "S", default_value_t = 10.0, value_parser = seconds)]
+    #[arg(long, value_name = "S", default_value_t = Timeouts::DEFAULT.join_timeout.as_secs_f64(), value_parser = parse_seconds)]
     join_timeout_secs: f64,
     /// Once enough ranks wait, how long to wait for more arriving together.
-    #[arg(long, value_name = "MS", default_value_t = 300)]
+    #[arg(long, value_name = "MS", default_value_t = millis(Timeouts::DEFAULT.last_call))]
     last_call_ms: u64,
     /// Fewer than --min-ranks for this long: the job is shut down.
-    #[arg(long, value_name = "S", default_value_t = 120.0, value_parser = seconds)]
+    #[arg(long, value_name = "S", default_value_t = Timeouts::DEFAULT.rendezvous_timeout.as_secs_f64(), value_parser = parse_seconds)]
     rendezvous_timeout_secs: f64,
-}
-
-/// Parses a positive number of seconds (fractions allowed).
-fn seconds(text: &str) -> Result<f64, String> {
-    let value: f64 = text
-        .parse()
-        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
-    if value.is_finite() && value > 0.0 && value <= 1e9 {
-        Ok(value)
-    } else {
-        Err(format!("{text} is not a positive number of seconds"))
-    }
 }
 
 fn main() -> ExitCode {
@@ -273,17 +262,20 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
     use std::io::Write;
     use std::time::Duration;
 
-    let config = ckpt_elastic::CoordinatorConfig {
-        job: args.job,
-        min_ranks: args.min_ranks,
-        max_ranks: args.max_ranks,
+    let timeouts = Timeouts {
         last_call: Duration::from_millis(args.last_call_ms),
         heartbeat_timeout: Duration::from_secs_f64(args.heartbeat_timeout_secs),
         progress_timeout: Duration::from_secs_f64(args.progress_timeout_secs),
         join_timeout: Duration::from_secs_f64(args.join_timeout_secs),
         rendezvous_timeout: Duration::from_secs_f64(args.rendezvous_timeout_secs),
+    };
+    let config = ckpt_elastic::CoordinatorConfig {
+        job: args.job,
+        min_ranks: args.min_ranks,
+        max_ranks: args.max_ranks,
+        timeouts,
         // A restarted coordinator waits as long as a member may stay silent.
-        settle: Duration::from_secs_f64(args.heartbeat_timeout_secs),
+        settle: timeouts.heartbeat_timeout,
     };
     let coordinator = match ckpt_elastic::Coordinator::bind(args.listen, config) {
         Ok(coordinator) => coordinator,

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{error, info, warn};
 
+use super::timeouts::DEFAULT_HEARTBEAT_INTERVAL;
 use super::{Assignment, Cancel, ControlPlane, Directive, ElasticError, Progress, Report};
 
 /// Directives for not-yet-installed generations kept at most.
@@ -36,7 +37,7 @@ pub struct AgentConfig {
 impl Default for AgentConfig {
     fn default() -> Self {
         AgentConfig {
-            heartbeat_interval: Duration::from_millis(500),
+            heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
         }
     }
 }

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{info, warn};
 
 use super::protocol::{self, ClientMessage, LineError, LineReader, ServerMessage};
+use super::timeouts::{Timeouts, validate_ranks};
 use super::{Assignment, Directive, Member, Progress, Report};
 
 /// Lines queued for one member before it counts as not reading and is disconnected.
@@ -55,22 +56,13 @@ pub struct CoordinatorConfig {
     pub min_ranks: usize,
     /// Most members a generation may have; more wait.
     pub max_ranks: usize,
-    /// Once `min_ranks` members wait, how long to wait for more (300 ms): ranks
-    /// arriving together land in one generation.
-    pub last_call: Duration,
-    /// No heartbeat for this long: member lost (SIGSTOP, partition) (5 s). Also the
-    /// settle window of a freshly started coordinator.
-    pub heartbeat_timeout: Duration,
-    /// Idle and not in a collective for this long: member hung (30 s).
-    pub progress_timeout: Duration,
-    /// After a Restart, survivors that do not re-join by then are dropped (10 s).
-    pub join_timeout: Duration,
-    /// Below `min_ranks` this long: Shutdown to all (120 s).
-    pub rendezvous_timeout: Duration,
+    /// The formation and failure windows ([`Timeouts::DEFAULT`] unless set).
+    pub timeouts: Timeouts,
     /// How long a freshly started coordinator waits for the members of a running
-    /// generation to reconnect and announce it before forming a new one (5 s, the
-    /// heartbeat timeout). A launcher that starts a new job with its own coordinator
-    /// sets zero: there is no running generation to adopt.
+    /// generation to reconnect and announce it before forming a new one (by default
+    /// the heartbeat timeout: a member that cannot come back by then would be
+    /// declared lost anyway). A launcher that starts a new job with its own
+    /// coordinator sets zero: there is no running generation to adopt.
     pub settle: Duration,
 }
 
@@ -81,12 +73,8 @@ impl CoordinatorConfig {
             job: job.into(),
             min_ranks,
             max_ranks,
-            last_call: Duration::from_millis(300),
-            heartbeat_timeout: Duration::from_secs(5),
-            progress_timeout: Duration::from_secs(30),
-            join_timeout: Duration::from_secs(10),
-            rendezvous_timeout: Duration::from_secs(120),
-            settle: Duration::from_secs(5),
+            timeouts: Timeouts::DEFAULT,
+            settle: Timeouts::DEFAULT.heartbeat_timeout,
         }
     }
 
@@ -95,26 +83,8 @@ impl CoordinatorConfig {
         if self.job.is_empty() {
             return Err("job id is empty".into());
         }
-        if self.min_ranks == 0 {
-            return Err("min_ranks is 0; a generation needs at least one member".into());
-        }
-        if self.max_ranks < self.min_ranks {
-            return Err(format!(
-                "max_ranks {} is below min_ranks {}",
-                self.max_ranks, self.min_ranks
-            ));
-        }
-        for (name, value) in [
-            ("heartbeat_timeout", self.heartbeat_timeout),
-            ("progress_timeout", self.progress_timeout),
-            ("join_timeout", self.join_timeout),
-            ("rendezvous_timeout", self.rendezvous_timeout),
-        ] {
-            if value.is_zero() {
-                return Err(format!("{name} is zero"));
-            }
-        }
-        Ok(())
+        validate_ranks(self.min_ranks, self.max_ranks)?;
+        self.timeouts.validate()
     }
 }
 
@@ -1059,7 +1029,7 @@ impl Core {
             self.phase = Phase::Rejoin {
                 previous,
                 expected,
-                deadline: now + self.config.join_timeout,
+                deadline: now + self.config.timeouts.join_timeout,
             };
         } else {
             let cause = format!(
@@ -1337,7 +1307,7 @@ impl Core {
             Phase::Rejoin {
                 previous: generation,
                 expected,
-                deadline: now + self.config.join_timeout,
+                deadline: now + self.config.timeouts.join_timeout,
             }
         };
         self.try_form(now);
@@ -1364,7 +1334,8 @@ impl Core {
                     return;
                 }
                 let since = *min_since.get_or_insert(now);
-                if waiting >= self.config.max_ranks || now >= since + self.config.last_call {
+                if waiting >= self.config.max_ranks || now >= since + self.config.timeouts.last_call
+                {
                     self.form(now);
                 }
             }
@@ -1594,7 +1565,7 @@ impl Core {
         self.phase = Phase::Rejoin {
             previous: newest_claim,
             expected,
-            deadline: now + self.config.join_timeout,
+            deadline: now + self.config.timeouts.join_timeout,
         };
         self.try_form(now);
     }
@@ -1612,14 +1583,14 @@ impl Core {
             Phase::Running(running) => {
                 let mut lost = Vec::new();
                 let mut causes = Vec::new();
-                let progress_ms =
-                    u64::try_from(self.config.progress_timeout.as_millis()).unwrap_or(u64::MAX);
+                let progress_ms = u64::try_from(self.config.timeouts.progress_timeout.as_millis())
+                    .unwrap_or(u64::MAX);
                 for id in &running.members {
                     let Some(conn) = self.by_member.get(id).and_then(|c| self.conns.get(c)) else {
                         continue;
                     };
                     let silent = now.saturating_duration_since(conn.last_seen);
-                    if silent > self.config.heartbeat_timeout {
+                    if silent > self.config.timeouts.heartbeat_timeout {
                         lost.push(id.clone());
                         causes.push(format!(
                             "lost member {id}: no heartbeat for {} ms",
@@ -1653,11 +1624,13 @@ impl Core {
                     self.below_min_since = None;
                 } else {
                     let since = *self.below_min_since.get_or_insert(now);
-                    if now.saturating_duration_since(since) >= self.config.rendezvous_timeout {
+                    if now.saturating_duration_since(since)
+                        >= self.config.timeouts.rendezvous_timeout
+                    {
                         let reason = format!(
                             "only {waiting} of at least {} members for {} s",
                             self.config.min_ranks,
-                            self.config.rendezvous_timeout.as_secs_f64()
+                            self.config.timeouts.rendezvous_timeout.as_secs_f64()
                         );
                         self.shut_down(reason);
                     }
@@ -1753,8 +1726,8 @@ mod tests {
     impl Harness {
         fn new(min: usize, max: usize) -> Harness {
             let mut config = CoordinatorConfig::new("job", min, max);
-            config.heartbeat_timeout = Duration::from_secs(1);
-            config.settle = config.heartbeat_timeout;
+            config.timeouts.heartbeat_timeout = Duration::from_secs(1);
+            config.settle = config.timeouts.heartbeat_timeout;
             let t0 = Instant::now();
             Harness {
                 core: Core::new(config, t0),
@@ -1883,7 +1856,7 @@ mod tests {
             h.send(c, ClientMessage::Report { generation, report }, ms);
             h.core.remove(c, "connection closed", h.at(ms));
         }
-        let long_after = 2001 + h.core.config.rendezvous_timeout.as_millis() as u64 * 2;
+        let long_after = 2001 + h.core.config.timeouts.rendezvous_timeout.as_millis() as u64 * 2;
         h.core.tick(h.at(3000));
         h.core.tick(h.at(long_after));
         assert!(h.core.shutdown.is_none(), "{:?}", h.core.shutdown);
@@ -2023,7 +1996,7 @@ mod tests {
     #[test]
     fn a_hung_member_is_blamed_but_one_in_a_collective_is_not() {
         let mut h = Harness::new(2, 2);
-        h.core.config.progress_timeout = Duration::from_millis(500);
+        h.core.config.timeouts.progress_timeout = Duration::from_millis(500);
         let a = h.hello(0, 0, Some(claim(2, &[0, 1], 0)), 0);
         let b = h.hello(1, 0, Some(claim(2, &[0, 1], 1)), 0);
         let progress = |in_collective, idle_ms| Progress {

@@ -82,6 +82,7 @@ pub mod coordinator;
 pub mod etcd;
 pub mod protocol;
 pub mod tcp;
+pub mod timeouts;
 
 use std::time::Duration;
 
@@ -94,6 +95,7 @@ pub use etcd::EtcdUrl;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdControlPlane, EtcdJob, EtcdSettings};
 pub use tcp::{TcpControlPlane, TcpSettings};
+pub use timeouts::Timeouts;
 
 /// Who a member is. `job` must match the coordinator's job id (else a clear error).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

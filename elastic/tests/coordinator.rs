@@ -15,7 +15,7 @@ use ckpt_elastic::protocol::{self, ClientMessage, MAX_LINE, ServerMessage};
 use ckpt_elastic::{
     Agent, AgentConfig, Assignment, Cancel, ControlPlane, Coordinator, CoordinatorConfig,
     CoordinatorHandle, Directive, ElasticError, Event, Member, Progress, Report, TcpControlPlane,
-    TcpSettings,
+    TcpSettings, Timeouts,
 };
 
 const JOB: &str = "elastic-test";
@@ -27,11 +27,13 @@ fn config(min_ranks: usize, max_ranks: usize) -> CoordinatorConfig {
         job: JOB.into(),
         min_ranks,
         max_ranks,
-        last_call: Duration::from_millis(200),
-        heartbeat_timeout: Duration::from_secs(1),
-        progress_timeout: Duration::from_secs(30),
-        join_timeout: Duration::from_secs(2),
-        rendezvous_timeout: Duration::from_secs(30),
+        timeouts: Timeouts {
+            last_call: Duration::from_millis(200),
+            heartbeat_timeout: Duration::from_secs(1),
+            progress_timeout: Duration::from_secs(30),
+            join_timeout: Duration::from_secs(2),
+            rendezvous_timeout: Duration::from_secs(30),
+        },
         settle: Duration::from_secs(1),
     }
 }
@@ -213,7 +215,7 @@ fn four_members_rendezvous_into_one_generation_with_contiguous_ranks() {
 #[test]
 fn members_arriving_within_the_last_call_share_one_generation_and_later_ones_wait() {
     let mut config = config(2, 8);
-    config.last_call = Duration::from_millis(1500);
+    config.timeouts.last_call = Duration::from_millis(1500);
     let coordinator = start(config);
     let addr = coordinator.local_addr();
     let started = Instant::now();
@@ -382,7 +384,7 @@ fn a_member_without_heartbeats_is_dropped_and_told_stale() {
 #[test]
 fn a_member_idle_outside_a_collective_is_dropped_as_hung() {
     let mut config = config(2, 3);
-    config.progress_timeout = Duration::from_secs(1);
+    config.timeouts.progress_timeout = Duration::from_secs(1);
     let coordinator = start(config);
     let agents = agents(coordinator.local_addr(), 0..3);
     let first = rendezvous_all(&agents.iter().collect::<Vec<_>>());
@@ -409,7 +411,7 @@ fn a_member_idle_outside_a_collective_is_dropped_as_hung() {
 #[test]
 fn members_idle_inside_a_collective_are_not_blamed() {
     let mut config = config(2, 2);
-    config.progress_timeout = Duration::from_millis(500);
+    config.timeouts.progress_timeout = Duration::from_millis(500);
     let coordinator = start(config);
     let agents = agents(coordinator.local_addr(), 0..2);
     rendezvous_all(&agents.iter().collect::<Vec<_>>());
@@ -858,8 +860,8 @@ fn fatal_and_leaving_reports_drop_the_reporting_member() {
 #[test]
 fn fewer_than_min_ranks_for_longer_than_the_rendezvous_timeout_shuts_the_job_down() {
     let mut config = config(2, 2);
-    config.join_timeout = Duration::from_millis(500);
-    config.rendezvous_timeout = Duration::from_secs(1);
+    config.timeouts.join_timeout = Duration::from_millis(500);
+    config.timeouts.rendezvous_timeout = Duration::from_secs(1);
     let coordinator = start(config);
     let addr = coordinator.local_addr();
     let mut agents = agents(addr, 0..2);

@@ -50,7 +50,7 @@ fn start_with(
 ) -> (EtcdJob, Vec<Arc<EtcdControlPlane>>, String) {
     let job = job(name);
     let mut config = CoordinatorConfig::new(job.clone(), min, n);
-    config.heartbeat_timeout = heartbeat_timeout;
+    config.timeouts.heartbeat_timeout = heartbeat_timeout;
     let launcher = EtcdJob::connect(&url(), &config, EtcdSettings::default()).unwrap();
     let planes = (0..n)
         .map(|i| {

@@ -711,7 +711,11 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                     serving = true;
                     say(format_args!(
                         "launch: every rank of this node has exited; serving the job's coordinator until the job ends (it shuts the job down after {} s with fewer than {} members)",
-                        elastic.coordinator.rendezvous_timeout.as_secs_f64(),
+                        elastic
+                            .coordinator
+                            .timeouts
+                            .rendezvous_timeout
+                            .as_secs_f64(),
                         elastic.coordinator.min_ranks
                     ));
                 }

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use ckpt::storage::Store;
+use ckpt_elastic::timeouts::{Timeouts, parse_seconds};
 use ckpt_elastic::{Agent, AgentConfig, CoordinatorConfig, Member, TcpControlPlane, TcpSettings};
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
 use ckpt_trainer::elastic::{self as elastic_rank, Exit};
@@ -247,11 +248,11 @@ struct LaunchArgs {
     job_id: Option<String>,
     /// Elastic (hosted coordinator): a rank that sends no heartbeat for this long is
     /// lost (a stopped process, a partitioned node).
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = Timeouts::DEFAULT.heartbeat_timeout.as_secs_f64(), value_parser = parse_seconds)]
     heartbeat_timeout_secs: f64,
     /// Elastic (hosted coordinator): a rank whose training loop makes no progress for
     /// this long outside a collective is hung.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = Timeouts::DEFAULT.progress_timeout.as_secs_f64(), value_parser = parse_seconds)]
     progress_timeout_secs: f64,
     /// The ranks' arguments: training options, or `bench-collectives …`.
     #[arg(last = true)]
@@ -484,14 +485,6 @@ fn parse_tcp_rdzv(text: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("--rdzv {text:?} resolves to no address"))
 }
 
-fn positive_secs(value: f64, flag: &str) -> Result<Duration, String> {
-    if value.is_finite() && value > 0.0 {
-        Ok(Duration::from_secs_f64(value))
-    } else {
-        Err(format!("{flag} must be positive, got {value}"))
-    }
-}
-
 /// The elastic settings, when any elastic flag is given.
 fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
     if args.min_ranks.is_none()
@@ -552,10 +545,9 @@ fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
         // to wait for.
         coordinator.settle = Duration::ZERO;
     }
-    coordinator.heartbeat_timeout =
-        positive_secs(args.heartbeat_timeout_secs, "--heartbeat-timeout-secs")?;
-    coordinator.progress_timeout =
-        positive_secs(args.progress_timeout_secs, "--progress-timeout-secs")?;
+    coordinator.timeouts.heartbeat_timeout = Duration::from_secs_f64(args.heartbeat_timeout_secs);
+    coordinator.timeouts.progress_timeout = Duration::from_secs_f64(args.progress_timeout_secs);
+    coordinator.validate()?;
     // Hosting at the --rdzv address: bind it here (this launcher is the coordinator's
     // home) and let the ranks join it like any other node's.
     let (rdzv, host_at) = match (rdzv, args.host_rdzv) {

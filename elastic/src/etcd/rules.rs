@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::timeouts::{Timeouts, millis, validate_ranks};
 use crate::{Assignment, CoordinatorConfig, Directive, Member, Report};
 
 /// The job's settings, published once under `config` (the first launcher's win).
@@ -34,21 +35,29 @@ pub struct JobConfig {
     pub rendezvous_timeout_ms: u64,
 }
 
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
 impl JobConfig {
     /// The same settings as a built-in coordinator's.
     pub fn from_coordinator(c: &CoordinatorConfig) -> JobConfig {
+        let t = &c.timeouts;
         JobConfig {
             min_ranks: c.min_ranks,
             max_ranks: c.max_ranks,
-            last_call_ms: ms(c.last_call),
-            heartbeat_timeout_ms: ms(c.heartbeat_timeout),
-            progress_timeout_ms: ms(c.progress_timeout),
-            join_timeout_ms: ms(c.join_timeout),
-            rendezvous_timeout_ms: ms(c.rendezvous_timeout),
+            last_call_ms: millis(t.last_call),
+            heartbeat_timeout_ms: millis(t.heartbeat_timeout),
+            progress_timeout_ms: millis(t.progress_timeout),
+            join_timeout_ms: millis(t.join_timeout),
+            rendezvous_timeout_ms: millis(t.rendezvous_timeout),
+        }
+    }
+
+    /// The time windows, as the rules apply them.
+    pub fn timeouts(&self) -> Timeouts {
+        Timeouts {
+            last_call: Duration::from_millis(self.last_call_ms),
+            heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms),
+            progress_timeout: Duration::from_millis(self.progress_timeout_ms),
+            join_timeout: Duration::from_millis(self.join_timeout_ms),
+            rendezvous_timeout: Duration::from_millis(self.rendezvous_timeout_ms),
         }
     }
 
@@ -60,25 +69,11 @@ impl JobConfig {
             .max(2)
     }
 
-    /// Checks the values, naming the bad one.
+    /// Checks the values, naming the bad one (the coordinator's checks: a job's
+    /// settings are valid on one backend exactly when they are on the other).
     pub fn validate(&self) -> Result<(), String> {
-        if self.min_ranks == 0 || self.max_ranks < self.min_ranks {
-            return Err(format!(
-                "ranks: min {} max {} (need 1 <= min <= max)",
-                self.min_ranks, self.max_ranks
-            ));
-        }
-        for (name, v) in [
-            ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
-            ("progress_timeout_ms", self.progress_timeout_ms),
-            ("join_timeout_ms", self.join_timeout_ms),
-            ("rendezvous_timeout_ms", self.rendezvous_timeout_ms),
-        ] {
-            if v == 0 {
-                return Err(format!("{name} is zero"));
-            }
-        }
-        Ok(())
+        validate_ranks(self.min_ranks, self.max_ranks)?;
+        self.timeouts().validate()
     }
 }
 
