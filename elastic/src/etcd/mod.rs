@@ -45,11 +45,26 @@
 
 pub mod rules;
 
+// The client side, in the order it is built up: what a client knows of the job's
+// keys, the connection that keeps it in step, a launcher's handle, a member's
+// writes, and the `ControlPlane` over them.
 #[cfg(feature = "etcd")]
-mod client;
+mod job;
+#[cfg(feature = "etcd")]
+mod member;
+#[cfg(feature = "etcd")]
+mod mirror;
+#[cfg(feature = "etcd")]
+mod plane;
+#[cfg(feature = "etcd")]
+mod store;
 
 #[cfg(feature = "etcd")]
-pub use client::{EtcdControlPlane, EtcdJob, EtcdSettings};
+pub use job::EtcdJob;
+#[cfg(feature = "etcd")]
+pub use plane::EtcdControlPlane;
+#[cfg(feature = "etcd")]
+pub use store::EtcdSettings;
 
 /// Where the etcd cluster is and under which prefix jobs keep their keys: the
 /// `etcd://HOST:PORT[,HOST:PORT…]/PREFIX` of `--rdzv`.

@@ -1,34 +1,24 @@
-//! The coordinator: a TCP server that forms generations and tells members what to do.
+//! The coordinator's decisions: every rule lives in [`Core`], driven by messages and
+//! an explicit clock, so that it can be tested without sockets or threads.
 //!
-//! One thread accepts connections; each connection has a reader thread (parses lines,
-//! applies them to the shared state) and a writer thread (drains a bounded outbox,
-//! so that a member that stops reading can never block the coordinator: when its
-//! outbox is full it is disconnected). A ticker thread applies the timeouts. All
-//! decisions are made by one `Core` under one mutex, from messages and the clock only,
-//! which keeps the rules in one place and testable without sockets.
-//!
-//! The coordinator keeps nothing that matters across its own restart: generation
-//! numbers, the checkpoint-generation floor and the running membership are rebuilt
-//! from what the members announce when they reconnect (see the module docs of
-//! [`crate`]).
+//! The core owns each connection's outbox (the writer thread drains it) and the
+//! state of the job: the phase (settling, gathering, running, rejoining), the
+//! members, the generation numbers and floors, the running generation's key-value
+//! space, and the events a launcher reads.
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::{self, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::time::{Instant, SystemTime};
 
 use tracing::{info, warn};
 
-use super::protocol::{self, ClientMessage, LineError, LineReader, ServerMessage};
-use super::timeouts::{Timeouts, validate_ranks};
-use super::{Assignment, Directive, Member, Progress, Report};
+use super::adopt::claim_is_coherent;
+use super::{CoordinatorConfig, Event};
+use crate::protocol::{self, ClientMessage, ServerMessage};
+use crate::{Assignment, Directive, Member, Progress, Report};
 
-/// Lines queued for one member before it counts as not reading and is disconnected.
-const OUTBOX: usize = 256;
 /// Connections served at once; more are refused with an error line.
 const MAX_CONNECTIONS: usize = 1024;
 /// Keys per generation's key-value space.
@@ -38,469 +28,14 @@ const MAX_KEYS: usize = 4096;
 const MAX_GENERATION: u64 = 1 << 53;
 /// Longest member id accepted.
 const MAX_ID: usize = 256;
-/// Time a new connection has to say hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-/// Bound on one write to a member.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often the timeouts are checked.
-const TICK: Duration = Duration::from_millis(10);
-/// Events kept for [`CoordinatorHandle::events`].
+/// Events kept for [`CoordinatorHandle::events`](super::CoordinatorHandle::events).
 const MAX_EVENTS: usize = 4096;
 
-/// What a coordinator decides with. Durations are wall-clock on the coordinator.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CoordinatorConfig {
-    /// The job id members must announce.
-    pub job: String,
-    /// Fewest members a generation may have.
-    pub min_ranks: usize,
-    /// Most members a generation may have; more wait.
-    pub max_ranks: usize,
-    /// The formation and failure windows ([`Timeouts::DEFAULT`] unless set).
-    pub timeouts: Timeouts,
-    /// How long a freshly started coordinator waits for the members of a running
-    /// generation to reconnect and announce it before forming a new one (by default
-    /// the heartbeat timeout: a member that cannot come back by then would be
-    /// declared lost anyway). A launcher that starts a new job with its own
-    /// coordinator sets zero: there is no running generation to adopt.
-    pub settle: Duration,
-}
-
-impl CoordinatorConfig {
-    /// A configuration for `job` with the default timeouts.
-    pub fn new(job: impl Into<String>, min_ranks: usize, max_ranks: usize) -> Self {
-        CoordinatorConfig {
-            job: job.into(),
-            min_ranks,
-            max_ranks,
-            timeouts: Timeouts::DEFAULT,
-            settle: Timeouts::DEFAULT.heartbeat_timeout,
-        }
-    }
-
-    /// Checks that the settings make sense together; the error names the values.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.job.is_empty() {
-            return Err("job id is empty".into());
-        }
-        validate_ranks(self.min_ranks, self.max_ranks)?;
-        self.timeouts.validate()
-    }
-}
-
-/// A change of generation, for a launcher's recovery summary.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Event {
-    /// A generation formed (or was adopted after a coordinator restart).
-    Formed {
-        /// Its number.
-        generation: u64,
-        /// Member ids, index = rank.
-        members: Vec<String>,
-        /// Why it formed.
-        cause: String,
-        /// True when adopted from reconnecting members rather than formed anew.
-        adopted: bool,
-        /// When.
-        at: SystemTime,
-    },
-    /// A generation ended (Restart sent to its remaining members).
-    Ended {
-        /// Its number.
-        generation: u64,
-        /// Why.
-        cause: String,
-        /// When.
-        at: SystemTime,
-    },
-    /// The job was shut down.
-    Shutdown {
-        /// Why.
-        reason: String,
-        /// When.
-        at: SystemTime,
-    },
-}
-
-/// Why a job is over, as its control plane knows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum JobOver {
-    /// A member trained to the last step: the job succeeded, whatever it recovered
-    /// from on the way.
-    Finished(String),
-    /// The job was shut down without finishing (too few members for too long).
-    ShutDown(String),
-}
-
-impl JobOver {
-    /// True when the job trained to its last step.
-    pub fn finished(&self) -> bool {
-        matches!(self, JobOver::Finished(_))
-    }
-}
-
-impl std::fmt::Display for JobOver {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            JobOver::Finished(reason) => f.write_str(reason),
-            JobOver::ShutDown(reason) => write!(f, "job shut down: {reason}"),
-        }
-    }
-}
-
-/// A bound coordinator, not yet serving.
-pub struct Coordinator {
-    listener: TcpListener,
-    config: CoordinatorConfig,
-}
-
-impl Coordinator {
-    /// Validates `config` and binds `addr` (port 0 picks a free port).
-    pub fn bind(addr: SocketAddr, config: CoordinatorConfig) -> io::Result<Coordinator> {
-        config
-            .validate()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let listener = TcpListener::bind(addr)?;
-        Ok(Coordinator { listener, config })
-    }
-
-    /// The address it listens on.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.listener
-            .local_addr()
-            .expect("a bound listener has an address")
-    }
-
-    /// Serves on background threads. Dropping the handle stops the coordinator.
-    pub fn spawn(self) -> CoordinatorHandle {
-        let addr = self.local_addr();
-        let shared = Arc::new(Shared {
-            core: Mutex::new(Core::new(self.config, Instant::now())),
-            events_changed: Condvar::new(),
-            ticker: Condvar::new(),
-            stopping: AtomicBool::new(false),
-        });
-        let accept = {
-            let shared = shared.clone();
-            let listener = self.listener;
-            std::thread::Builder::new()
-                .name("ckpt-coordinator-accept".into())
-                .spawn(move || accept_loop(&shared, &listener))
-        };
-        let ticker = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("ckpt-coordinator-tick".into())
-                .spawn(move || tick_loop(&shared))
-        };
-        let mut threads = Vec::new();
-        let mut spawn_error = None;
-        for thread in [accept, ticker] {
-            match thread {
-                Ok(thread) => threads.push(thread),
-                Err(e) => spawn_error = Some(e),
-            }
-        }
-        let handle = CoordinatorHandle {
-            shared,
-            addr,
-            threads,
-            spawn_error,
-        };
-        if handle.spawn_error.is_some() {
-            handle.stop();
-        }
-        handle
-    }
-
-    /// Serves on this thread until stopped (the `ckpt coordinator` command).
-    pub fn run(self) -> io::Result<()> {
-        self.spawn().join()
-    }
-}
-
-/// A running coordinator.
-pub struct CoordinatorHandle {
-    shared: Arc<Shared>,
-    addr: SocketAddr,
-    threads: Vec<JoinHandle<()>>,
-    spawn_error: Option<io::Error>,
-}
-
-impl CoordinatorHandle {
-    /// The address it listens on.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Stops serving: closes the listener and every connection (members see what
-    /// they would see if the coordinator process died). Idempotent.
-    pub fn stop(&self) {
-        if self.shared.stopping.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        {
-            let core = self.shared.lock();
-            for conn in core.conns.values() {
-                conn.close();
-            }
-        }
-        self.shared.ticker.notify_all();
-        self.shared.events_changed.notify_all();
-        // Wake the accept loop, which then sees `stopping`.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
-    }
-
-    /// Waits for the coordinator's threads to end (after [`CoordinatorHandle::stop`],
-    /// or never).
-    pub fn join(mut self) -> io::Result<()> {
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
-        match self.spawn_error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// The newest generation number known.
-    pub fn generation(&self) -> u64 {
-        self.shared.lock().newest
-    }
-
-    /// Members waiting for a generation (new members while one runs, members
-    /// beyond `max_ranks`, survivors between generations).
-    pub fn waiting(&self) -> usize {
-        self.shared.lock().waiting()
-    }
-
-    /// Why the job is over, once it is: it trained to its last step, or it was shut
-    /// down (too few members for too long, a fatal report). `None` while it may
-    /// still train.
-    pub fn job_over(&self) -> Option<JobOver> {
-        let core = self.shared.lock();
-        core.finished
-            .clone()
-            .map(JobOver::Finished)
-            .or_else(|| core.shutdown.clone().map(JobOver::ShutDown))
-    }
-
-    /// Members connected now (training, waiting or between generations), from every
-    /// node.
-    pub fn members(&self) -> usize {
-        self.shared
-            .lock()
-            .conns
-            .values()
-            .filter(|c| c.member.is_some())
-            .count()
-    }
-
-    /// Every event so far (the newest 4096), oldest first.
-    pub fn events(&self) -> Vec<Event> {
-        self.shared.lock().events.clone()
-    }
-
-    /// Blocks until an event (past or future) satisfies `predicate`, or `timeout`
-    /// passes.
-    pub fn wait_for_event(
-        &self,
-        timeout: Duration,
-        mut predicate: impl FnMut(&Event) -> bool,
-    ) -> Option<Event> {
-        let deadline = Instant::now() + timeout;
-        let mut core = self.shared.lock();
-        loop {
-            if let Some(event) = core.events.iter().find(|e| predicate(e)) {
-                return Some(event.clone());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.shared.stopping.load(Ordering::SeqCst) {
-                return None;
-            }
-            core = self
-                .shared
-                .events_changed
-                .wait_timeout(core, left)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
-    }
-}
-
-impl Drop for CoordinatorHandle {
-    fn drop(&mut self) {
-        self.stop();
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
-    }
-}
-
-struct Shared {
-    core: Mutex<Core>,
-    events_changed: Condvar,
-    ticker: Condvar,
-    stopping: AtomicBool,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Core> {
-        // Core's methods leave it consistent between statements that can panic (none
-        // should); keep serving rather than poison every connection.
-        self.core.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Runs `f` on the core and wakes event waiters if it logged events.
-    fn with_core<T>(&self, f: impl FnOnce(&mut Core) -> T) -> T {
-        let mut core = self.lock();
-        let before = core.event_count;
-        let result = f(&mut core);
-        let changed = core.event_count != before;
-        drop(core);
-        if changed {
-            self.events_changed.notify_all();
-        }
-        result
-    }
-}
-
-fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
-    loop {
-        let accepted = listener.accept();
-        if shared.stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        match accepted {
-            Ok((stream, peer)) => {
-                let shared = shared.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("ckpt-coordinator-conn".into())
-                    .spawn(move || serve_connection(&shared, stream, peer));
-                if let Err(e) = spawned {
-                    warn!(%peer, error = %e, "cannot start a thread for a connection");
-                }
-            }
-            Err(e) => {
-                // Out of file descriptors and the like: wait a little, keep serving.
-                warn!(error = %e, "accept failed");
-                let core = shared.lock();
-                let _ = shared.ticker.wait_timeout(core, Duration::from_millis(100));
-            }
-        }
-    }
-}
-
-fn tick_loop(shared: &Shared) {
-    loop {
-        if shared.stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        shared.with_core(|core| core.tick(Instant::now()));
-        let core = shared.lock();
-        if shared.stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        let _ = shared.ticker.wait_timeout(core, TICK);
-    }
-}
-
-fn write_lines(mut socket: TcpStream, outbox: Receiver<Arc<str>>) {
-    // A member that stops reading fills its socket buffer, then this times out.
-    let _ = socket.set_write_timeout(Some(WRITE_TIMEOUT));
-    for line in outbox {
-        if socket.write_all(line.as_bytes()).is_err() {
-            break;
-        }
-    }
-    // The core dropped the connection (or the peer stopped reading): close it, so
-    // its reader thread ends too.
-    let _ = socket.shutdown(Shutdown::Both);
-}
-
-fn refuse(mut stream: TcpStream, message: &str) {
-    let error = ServerMessage::Error {
-        message: message.to_owned(),
-        fatal: true,
-    };
-    if let Ok(line) = protocol::encode(&error) {
-        let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
-        let _ = stream.write_all(line.as_bytes());
-    }
-    let _ = stream.shutdown(Shutdown::Both);
-}
-
-fn serve_connection(shared: &Shared, stream: TcpStream, peer: SocketAddr) {
-    let _ = stream.set_nodelay(true);
-    let clones = (stream.try_clone(), stream.try_clone());
-    let (Ok(for_writer), Ok(for_core)) = clones else {
-        warn!(%peer, "cannot clone a connection's socket");
-        return;
-    };
-    let (outbox, lines) = sync_channel(OUTBOX);
-    let id = shared.with_core(|core| core.register(Some(for_core), outbox, peer));
-    let Some(id) = id else {
-        warn!(%peer, "too many connections; refused");
-        refuse(stream, "too many connections");
-        return;
-    };
-    let writer = std::thread::Builder::new()
-        .name("ckpt-coordinator-write".into())
-        .spawn(move || write_lines(for_writer, lines));
-    if writer.is_err() {
-        shared.with_core(|core| core.remove(id, "no thread to write", Instant::now()));
-        return;
-    }
-    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
-    let mut reader = LineReader::new(stream);
-    let reason = loop {
-        match reader.next_line() {
-            Ok(None) => break "connection closed".to_owned(),
-            Ok(Some(line)) => {
-                let message = protocol::decode::<ClientMessage>(line);
-                let outcome = shared.with_core(|core| match message {
-                    Ok(message) => core.handle(id, message, Instant::now()),
-                    Err(e) => {
-                        core.error(id, &e.to_string(), false);
-                        Outcome::Continue
-                    }
-                });
-                match outcome {
-                    Outcome::Continue => {}
-                    Outcome::Welcomed => {
-                        let _ = reader.get_ref().set_read_timeout(None);
-                    }
-                    Outcome::Close(reason) => break reason,
-                }
-            }
-            Err(LineError::TooLong { max }) => {
-                let message = format!("line longer than {max} bytes; closing the connection");
-                shared.with_core(|core| core.error(id, &message, true));
-                break message;
-            }
-            Err(LineError::Io(e))
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                let message = format!("no hello within {HELLO_TIMEOUT:?}");
-                shared.with_core(|core| core.error(id, &message, true));
-                break message;
-            }
-            Err(e) => break e.to_string(),
-        }
-    };
-    if !shared.stopping.load(Ordering::SeqCst) {
-        shared.with_core(|core| core.remove(id, &reason, Instant::now()));
-    }
-}
-
-type ConnId = u64;
+pub(super) type ConnId = u64;
 
 /// What the connection's reader does after a message.
 #[derive(Debug, PartialEq, Eq)]
-enum Outcome {
+pub(super) enum Outcome {
     Continue,
     /// Hello accepted: the connection may now be quiet for long.
     Welcomed,
@@ -508,48 +43,48 @@ enum Outcome {
     Close(String),
 }
 
-struct Conn {
-    outbox: SyncSender<Arc<str>>,
+pub(super) struct Conn {
+    pub(super) outbox: SyncSender<Arc<str>>,
     /// `None` only in unit tests of [`Core`].
-    socket: Option<TcpStream>,
-    peer: SocketAddr,
-    member: Option<Member>,
-    last_seen: Instant,
-    progress: Option<Progress>,
+    pub(super) socket: Option<TcpStream>,
+    pub(super) peer: SocketAddr,
+    pub(super) member: Option<Member>,
+    pub(super) last_seen: Instant,
+    pub(super) progress: Option<Progress>,
     /// The generation it announced in hello (only kept while settling).
-    claim: Option<Assignment>,
+    pub(super) claim: Option<Assignment>,
     /// Waiting for a generation: (after, arrival order).
-    wants: Option<(u64, u64)>,
+    pub(super) wants: Option<(u64, u64)>,
     /// The generation it is in (running, or ended and rejoining from).
-    generation: Option<u64>,
+    pub(super) generation: Option<u64>,
     /// The newest generation it was told Stale for.
-    stale_for: Option<u64>,
+    pub(super) stale_for: Option<u64>,
 }
 
 impl Conn {
-    fn close(&self) {
+    pub(super) fn close(&self) {
         if let Some(socket) = &self.socket {
             let _ = socket.shutdown(Shutdown::Both);
         }
     }
 
-    fn id(&self) -> &str {
+    pub(super) fn id(&self) -> &str {
         self.member.as_ref().map_or("?", |m| m.id.as_str())
     }
 }
 
-struct Running {
-    generation: u64,
+pub(super) struct Running {
+    pub(super) generation: u64,
     /// Member ids, index = rank.
-    members: Vec<String>,
-    regroup_sent: bool,
+    pub(super) members: Vec<String>,
+    pub(super) regroup_sent: bool,
     /// A member ended the generation at an agreed checkpoint boundary (a regroup,
     /// a stop, a member leaving after its final save): those who come to the
     /// rendezvous are not a failure, and the others are not aborted.
-    at_boundary: bool,
+    pub(super) at_boundary: bool,
 }
 
-enum Phase {
+pub(super) enum Phase {
     /// Freshly started: collecting claims of running generations until `until`.
     Settling {
         until: Instant,
@@ -569,36 +104,36 @@ enum Phase {
 
 /// The coordinator's decisions: every rule lives here, driven by messages and an
 /// explicit clock.
-struct Core {
-    config: CoordinatorConfig,
-    phase: Phase,
-    conns: HashMap<ConnId, Conn>,
-    by_member: HashMap<String, ConnId>,
-    next_conn: ConnId,
-    next_arrival: u64,
+pub(super) struct Core {
+    pub(super) config: CoordinatorConfig,
+    pub(super) phase: Phase,
+    pub(super) conns: HashMap<ConnId, Conn>,
+    pub(super) by_member: HashMap<String, ConnId>,
+    pub(super) next_conn: ConnId,
+    pub(super) next_arrival: u64,
     /// Newest generation number issued, adopted or announced by any member.
-    newest: u64,
+    pub(super) newest: u64,
     /// This coordinator formed or adopted a generation (else, after a restart, it
     /// knows nothing of how the members' last one ended).
-    formed_any: bool,
+    pub(super) formed_any: bool,
     /// Max checkpoint generation reported + 1.
-    floor: u64,
+    pub(super) floor: u64,
     /// The running generation's key-value space.
-    kv: HashMap<String, String>,
+    pub(super) kv: HashMap<String, String>,
     /// Why the next generation forms.
-    cause: String,
-    below_min_since: Option<Instant>,
-    members_seen: bool,
-    shutdown: Option<String>,
+    pub(super) cause: String,
+    pub(super) below_min_since: Option<Instant>,
+    pub(super) members_seen: bool,
+    pub(super) shutdown: Option<String>,
     /// The job finished (a member reported its final step): who asks to join now is
     /// told to shut down.
-    finished: Option<String>,
-    events: Vec<Event>,
-    event_count: u64,
+    pub(super) finished: Option<String>,
+    pub(super) events: Vec<Event>,
+    pub(super) event_count: u64,
 }
 
 impl Core {
-    fn new(config: CoordinatorConfig, now: Instant) -> Core {
+    pub(super) fn new(config: CoordinatorConfig, now: Instant) -> Core {
         let until = now + config.settle;
         Core {
             config,
@@ -621,7 +156,7 @@ impl Core {
         }
     }
 
-    fn register(
+    pub(super) fn register(
         &mut self,
         socket: Option<TcpStream>,
         outbox: SyncSender<Arc<str>>,
@@ -650,7 +185,7 @@ impl Core {
         Some(id)
     }
 
-    fn event(&mut self, event: Event) {
+    pub(super) fn event(&mut self, event: Event) {
         if self.events.len() >= MAX_EVENTS {
             self.events.remove(0);
         }
@@ -658,7 +193,7 @@ impl Core {
         self.event_count += 1;
     }
 
-    fn send(&mut self, c: ConnId, message: &ServerMessage) {
+    pub(super) fn send(&mut self, c: ConnId, message: &ServerMessage) {
         let Some(conn) = self.conns.get(&c) else {
             return;
         };
@@ -678,11 +213,11 @@ impl Core {
         }
     }
 
-    fn directive(&mut self, c: ConnId, directive: Directive) {
+    pub(super) fn directive(&mut self, c: ConnId, directive: Directive) {
         self.send(c, &ServerMessage::Directive { directive });
     }
 
-    fn error(&mut self, c: ConnId, message: &str, fatal: bool) {
+    pub(super) fn error(&mut self, c: ConnId, message: &str, fatal: bool) {
         if let Some(conn) = self.conns.get(&c) {
             warn!(member = conn.id(), peer = %conn.peer, fatal, "refused: {message}");
         }
@@ -695,11 +230,11 @@ impl Core {
         );
     }
 
-    fn conn_of(&self, id: &str) -> Option<ConnId> {
+    pub(super) fn conn_of(&self, id: &str) -> Option<ConnId> {
         self.by_member.get(id).copied()
     }
 
-    fn handle(&mut self, c: ConnId, message: ClientMessage, now: Instant) -> Outcome {
+    pub(super) fn handle(&mut self, c: ConnId, message: ClientMessage, now: Instant) -> Outcome {
         let Some(conn) = self.conns.get_mut(&c) else {
             return Outcome::Close("unknown connection".into());
         };
@@ -765,7 +300,7 @@ impl Core {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn hello(
+    pub(super) fn hello(
         &mut self,
         c: ConnId,
         version: u32,
@@ -899,7 +434,7 @@ impl Core {
         Outcome::Welcomed
     }
 
-    fn tell_stale(&mut self, c: ConnId, generation: u64) {
+    pub(super) fn tell_stale(&mut self, c: ConnId, generation: u64) {
         let current = self.newest;
         let Some(conn) = self.conns.get_mut(&c) else {
             return;
@@ -919,7 +454,7 @@ impl Core {
     }
 
     /// A message about a generation this connection is not in.
-    fn not_in_generation(&mut self, c: ConnId, generation: u64, what: &str) {
+    pub(super) fn not_in_generation(&mut self, c: ConnId, generation: u64, what: &str) {
         if matches!(self.phase, Phase::Settling { .. }) {
             // Members announce numbers from before the restart; they are not errors.
             self.newest = self.newest.max(generation);
@@ -936,7 +471,7 @@ impl Core {
         }
     }
 
-    fn rendezvous(&mut self, c: ConnId, after: u64, now: Instant) {
+    pub(super) fn rendezvous(&mut self, c: ConnId, after: u64, now: Instant) {
         if let Some(reason) = self.shutdown.clone().or_else(|| self.finished.clone()) {
             self.directive(c, Directive::Shutdown { reason });
             return;
@@ -976,7 +511,7 @@ impl Core {
         self.try_form(now);
     }
 
-    fn assign_again(&mut self, c: ConnId, generation: u64) {
+    pub(super) fn assign_again(&mut self, c: ConnId, generation: u64) {
         let Phase::Running(running) = &self.phase else {
             return;
         };
@@ -1007,7 +542,7 @@ impl Core {
     }
 
     /// A running member asked for a new generation: the running one is over.
-    fn leave_running(&mut self, id: &str, now: Instant) {
+    pub(super) fn leave_running(&mut self, id: &str, now: Instant) {
         let Phase::Running(running) = &self.phase else {
             return;
         };
@@ -1040,14 +575,14 @@ impl Core {
         }
     }
 
-    fn connected(&self, ids: &[String]) -> BTreeSet<String> {
+    pub(super) fn connected(&self, ids: &[String]) -> BTreeSet<String> {
         ids.iter()
             .filter(|id| self.by_member.contains_key(*id))
             .cloned()
             .collect()
     }
 
-    fn heartbeat(&mut self, c: ConnId, generation: u64, progress: Progress) {
+    pub(super) fn heartbeat(&mut self, c: ConnId, generation: u64, progress: Progress) {
         self.floor = self
             .floor
             .max(progress.checkpoint_generation.saturating_add(1));
@@ -1067,7 +602,7 @@ impl Core {
         }
     }
 
-    fn report(&mut self, c: ConnId, generation: u64, report: Report, now: Instant) {
+    pub(super) fn report(&mut self, c: ConnId, generation: u64, report: Report, now: Instant) {
         let Some(conn) = self.conns.get_mut(&c) else {
             return;
         };
@@ -1152,7 +687,7 @@ impl Core {
 
     /// The job is done: members waiting to join (and any that ask later) are told
     /// to shut down; the running generation's members leave by themselves.
-    fn finish(&mut self, reason: String) {
+    pub(super) fn finish(&mut self, reason: String) {
         if self.finished.is_some() {
             return;
         }
@@ -1177,7 +712,7 @@ impl Core {
         }
     }
 
-    fn maybe_regroup(&mut self, step: u64) {
+    pub(super) fn maybe_regroup(&mut self, step: u64) {
         let Phase::Running(running) = &mut self.phase else {
             return;
         };
@@ -1207,7 +742,7 @@ impl Core {
         }
     }
 
-    fn kv_set(&mut self, c: ConnId, generation: u64, key: String, value: String) {
+    pub(super) fn kv_set(&mut self, c: ConnId, generation: u64, key: String, value: String) {
         let Some(conn) = self.conns.get(&c) else {
             return;
         };
@@ -1258,7 +793,7 @@ impl Core {
 
     /// Ends the running generation: drops `dropped` (telling them Stale when
     /// `stale`), sends Restart to the rest and waits for them to rejoin.
-    fn restart(&mut self, cause: String, dropped: &[String], stale: bool, now: Instant) {
+    pub(super) fn restart(&mut self, cause: String, dropped: &[String], stale: bool, now: Instant) {
         let Phase::Running(running) = &self.phase else {
             return;
         };
@@ -1313,14 +848,14 @@ impl Core {
         self.try_form(now);
     }
 
-    fn waiting(&self) -> usize {
+    pub(super) fn waiting(&self) -> usize {
         self.conns
             .values()
             .filter(|c| c.wants.is_some() && c.member.is_some())
             .count()
     }
 
-    fn try_form(&mut self, now: Instant) {
+    pub(super) fn try_form(&mut self, now: Instant) {
         if self.shutdown.is_some() {
             return;
         }
@@ -1381,7 +916,7 @@ impl Core {
         }
     }
 
-    fn form(&mut self, now: Instant) {
+    pub(super) fn form(&mut self, now: Instant) {
         let preferred = match &self.phase {
             Phase::Rejoin { expected, .. } => expected.clone(),
             _ => BTreeSet::new(),
@@ -1451,126 +986,7 @@ impl Core {
         });
     }
 
-    /// While settling: adopts the newest claimed generation once all its members are
-    /// back with the same view of it.
-    fn try_adopt(&mut self, now: Instant) {
-        let Some(newest_claim) = self
-            .conns
-            .values()
-            .filter_map(|c| c.claim.as_ref().map(|a| a.generation))
-            .max()
-        else {
-            return;
-        };
-        let claimants: Vec<(ConnId, &Assignment)> = self
-            .conns
-            .iter()
-            .filter_map(|(&c, conn)| Some((c, conn.claim.as_ref()?)))
-            .filter(|(_, claim)| claim.generation == newest_claim)
-            .collect();
-        let Some(&(_, first)) = claimants.first() else {
-            return;
-        };
-        let complete = claimants.len() == first.members.len()
-            && claimants
-                .iter()
-                .all(|(_, claim)| claim.members == first.members);
-        if !complete {
-            return;
-        }
-        let ids: Vec<String> = first.members.iter().map(|m| m.id.clone()).collect();
-        let adopted: Vec<ConnId> = claimants.iter().map(|&(c, _)| c).collect();
-        let older: Vec<(ConnId, u64)> = self
-            .conns
-            .iter()
-            .filter_map(|(&c, conn)| Some((c, conn.claim.as_ref()?.generation)))
-            .filter(|(c, _)| !adopted.contains(c))
-            .collect();
-        for c in adopted {
-            if let Some(conn) = self.conns.get_mut(&c) {
-                conn.generation = Some(newest_claim);
-                conn.claim = None;
-                conn.last_seen = now;
-                conn.progress = None;
-            }
-        }
-        self.newest = self.newest.max(newest_claim);
-        self.formed_any = true;
-        let cause = "adopted after a coordinator restart".to_owned();
-        info!(generation = newest_claim, members = ?ids, "generation {cause}");
-        self.event(Event::Formed {
-            generation: newest_claim,
-            members: ids.clone(),
-            cause: cause.clone(),
-            adopted: true,
-            at: SystemTime::now(),
-        });
-        self.cause = cause;
-        self.phase = Phase::Running(Running {
-            generation: newest_claim,
-            members: ids,
-            regroup_sent: false,
-            at_boundary: false,
-        });
-        for (c, generation) in older {
-            if let Some(conn) = self.conns.get_mut(&c) {
-                conn.claim = None;
-            }
-            self.tell_stale(c, generation);
-        }
-    }
-
-    /// The settle window passed without an adoption: restart every claimant into a
-    /// new generation numbered above every claim.
-    fn end_settling(&mut self, now: Instant) {
-        let claimants: Vec<(ConnId, String, u64)> = self
-            .conns
-            .iter()
-            .filter_map(|(&c, conn)| {
-                let claim = conn.claim.as_ref()?;
-                Some((c, conn.id().to_owned(), claim.generation))
-            })
-            .collect();
-        let Some(newest_claim) = claimants.iter().map(|&(_, _, g)| g).max() else {
-            self.phase = Phase::Gathering { min_since: None };
-            self.try_form(now);
-            return;
-        };
-        let cause = format!(
-            "coordinator restarted; generation {newest_claim} could not be adopted (not all of its members came back)"
-        );
-        info!(generation = newest_claim, "generation ended: {cause}");
-        self.event(Event::Ended {
-            generation: newest_claim,
-            cause: cause.clone(),
-            at: SystemTime::now(),
-        });
-        self.cause = cause.clone();
-        let mut expected = BTreeSet::new();
-        for (c, id, generation) in claimants {
-            if let Some(conn) = self.conns.get_mut(&c) {
-                conn.claim = None;
-            }
-            if generation == newest_claim {
-                expected.insert(id);
-            }
-            self.directive(
-                c,
-                Directive::Restart {
-                    generation,
-                    cause: cause.clone(),
-                },
-            );
-        }
-        self.phase = Phase::Rejoin {
-            previous: newest_claim,
-            expected,
-            deadline: now + self.config.timeouts.join_timeout,
-        };
-        self.try_form(now);
-    }
-
-    fn tick(&mut self, now: Instant) {
+    pub(super) fn tick(&mut self, now: Instant) {
         if self.shutdown.is_some() {
             return;
         }
@@ -1639,7 +1055,7 @@ impl Core {
         }
     }
 
-    fn shut_down(&mut self, reason: String) {
+    pub(super) fn shut_down(&mut self, reason: String) {
         warn!("job shut down: {reason}");
         self.event(Event::Shutdown {
             reason: reason.clone(),
@@ -1669,7 +1085,7 @@ impl Core {
     }
 
     /// The connection is gone (closed, broken, replaced).
-    fn remove(&mut self, c: ConnId, reason: &str, now: Instant) {
+    pub(super) fn remove(&mut self, c: ConnId, reason: &str, now: Instant) {
         let Some(conn) = self.conns.remove(&c) else {
             return;
         };
@@ -1691,361 +1107,5 @@ impl Core {
             Phase::Settling { .. } | Phase::Running(_) => {}
             Phase::Gathering { .. } | Phase::Rejoin { .. } => self.try_form(now),
         }
-    }
-}
-
-/// True when `claim` is internally consistent and names `member` at its rank.
-fn claim_is_coherent(claim: &Assignment, member: &Member) -> bool {
-    claim.generation > 0
-        && claim.world_size == claim.members.len()
-        && claim.members.get(claim.rank).map(|m| &m.id) == Some(&member.id)
-        && claim.members.iter().all(|m| m.job == member.job)
-}
-
-#[cfg(test)]
-mod tests {
-    //! The rules of [`Core`] with an explicit clock and no sockets.
-
-    use super::*;
-
-    struct Harness {
-        core: Core,
-        t0: Instant,
-        inboxes: HashMap<ConnId, Receiver<Arc<str>>>,
-    }
-
-    fn member(i: usize) -> Member {
-        Member {
-            job: "job".into(),
-            id: format!("m{i}"),
-            host: "h".into(),
-            node: format!("n{}", 9 - i),
-        }
-    }
-
-    impl Harness {
-        fn new(min: usize, max: usize) -> Harness {
-            let mut config = CoordinatorConfig::new("job", min, max);
-            config.timeouts.heartbeat_timeout = Duration::from_secs(1);
-            config.settle = config.timeouts.heartbeat_timeout;
-            let t0 = Instant::now();
-            Harness {
-                core: Core::new(config, t0),
-                t0,
-                inboxes: HashMap::new(),
-            }
-        }
-
-        fn at(&self, ms: u64) -> Instant {
-            self.t0 + Duration::from_millis(ms)
-        }
-
-        fn hello(&mut self, i: usize, seen: u64, claim: Option<Assignment>, ms: u64) -> ConnId {
-            let (tx, rx) = sync_channel(OUTBOX);
-            let c = self
-                .core
-                .register(None, tx, "127.0.0.1:1".parse().unwrap())
-                .unwrap();
-            self.inboxes.insert(c, rx);
-            let hello = ClientMessage::Hello {
-                version: protocol::VERSION,
-                member: member(i),
-                seen,
-                checkpoint_generation: 0,
-                claim,
-            };
-            assert_eq!(self.core.handle(c, hello, self.at(ms)), Outcome::Welcomed);
-            c
-        }
-
-        fn send(&mut self, c: ConnId, message: ClientMessage, ms: u64) {
-            let now = self.at(ms);
-            assert_eq!(self.core.handle(c, message, now), Outcome::Continue);
-        }
-
-        /// Messages sent to `c` since the last call, Welcome left out.
-        fn received(&self, c: ConnId) -> Vec<ServerMessage> {
-            self.inboxes[&c]
-                .try_iter()
-                .map(|line| protocol::decode(line.trim_end().as_bytes()).unwrap())
-                .filter(|m| !matches!(m, ServerMessage::Welcome { .. }))
-                .collect()
-        }
-
-        /// Members 0 and 1 join at 0 ms and run a generation from 1000 ms (the
-        /// settle window): their connections and its number.
-        fn two_running(&mut self) -> (ConnId, ConnId, u64) {
-            let a = self.hello(0, 0, None, 0);
-            let b = self.hello(1, 0, None, 0);
-            self.send(a, ClientMessage::Rendezvous { after: 0 }, 0);
-            self.send(b, ClientMessage::Rendezvous { after: 0 }, 0);
-            self.core.tick(self.at(1000));
-            let generation = self.assigned(a).unwrap().generation;
-            (a, b, generation)
-        }
-
-        fn assigned(&self, c: ConnId) -> Option<Assignment> {
-            self.received(c).into_iter().find_map(|m| match m {
-                ServerMessage::Assigned { assignment } => Some(assignment),
-                _ => None,
-            })
-        }
-    }
-
-    fn claim(generation: u64, ids: &[usize], rank: usize) -> Assignment {
-        let members: Vec<Member> = ids.iter().map(|&i| member(i)).collect();
-        Assignment {
-            generation,
-            rank,
-            world_size: members.len(),
-            members,
-            checkpoint_generation_floor: 3,
-            cause: "initial".into(),
-        }
-    }
-
-    fn restart(generation: u64) -> impl Fn(&ServerMessage) -> bool {
-        move |m| matches!(m, ServerMessage::Directive { directive: Directive::Restart { generation: g, .. } } if *g == generation)
-    }
-
-    #[test]
-    fn a_finished_job_sends_waiting_members_away_and_leaves_running_ones_alone() {
-        // Found by the chaos harness: a member that rejoined as a newcomer just before
-        // the others finished waited out the whole rendezvous timeout.
-        let mut h = Harness::new(2, 2);
-        let (a, b, generation) = h.two_running();
-        let late = h.hello(2, 0, None, 1100);
-        h.send(late, ClientMessage::Rendezvous { after: 0 }, 1100);
-        assert!(
-            h.received(late).is_empty(),
-            "waits while the generation runs"
-        );
-        let finished = ClientMessage::Report {
-            generation,
-            report: Report::Finished { step: 60 },
-        };
-        h.send(a, finished, 1200);
-        let shutdown = |m: &ServerMessage| matches!(m, ServerMessage::Directive { directive: Directive::Shutdown { reason } } if reason.contains("finished"));
-        assert!(
-            h.received(late).iter().any(shutdown),
-            "{:?}",
-            h.received(late)
-        );
-        assert!(
-            !h.received(b).iter().any(shutdown),
-            "running members are not interrupted"
-        );
-        // A member asking later is sent away too.
-        let later = h.hello(3, 0, None, 1300);
-        h.send(later, ClientMessage::Rendezvous { after: 0 }, 1300);
-        assert!(h.received(later).iter().any(shutdown));
-    }
-
-    #[test]
-    fn a_finished_job_whose_members_left_is_not_shut_down_for_lack_of_members() {
-        // Found from outside: a job that trained to its end logged "job shut down:
-        // only 0 of at least 2 members for 120 s" once its members had left.
-        let mut h = Harness::new(2, 2);
-        let (a, b, generation) = h.two_running();
-        for (c, ms) in [(a, 2000), (b, 2001)] {
-            let report = Report::Finished { step: 60 };
-            h.send(c, ClientMessage::Report { generation, report }, ms);
-            let report = Report::Leaving {
-                reason: "finished".into(),
-            };
-            h.send(c, ClientMessage::Report { generation, report }, ms);
-            h.core.remove(c, "connection closed", h.at(ms));
-        }
-        let long_after = 2001 + h.core.config.timeouts.rendezvous_timeout.as_millis() as u64 * 2;
-        h.core.tick(h.at(3000));
-        h.core.tick(h.at(long_after));
-        assert!(h.core.shutdown.is_none(), "{:?}", h.core.shutdown);
-        assert!(
-            !h.core
-                .events
-                .iter()
-                .any(|e| matches!(e, Event::Shutdown { .. })),
-            "{:?}",
-            h.core.events
-        );
-        assert!(h.core.finished.is_some());
-    }
-
-    #[test]
-    fn a_generation_formed_by_a_restarted_coordinator_for_members_of_an_older_one_says_so() {
-        // The members lost generation 3 while the coordinator was down (found by the
-        // chaos harness: the new generation's cause read "initial").
-        let mut h = Harness::new(2, 4);
-        let a = h.hello(0, 3, None, 0);
-        let b = h.hello(1, 3, None, 0);
-        h.send(a, ClientMessage::Rendezvous { after: 3 }, 0);
-        h.send(b, ClientMessage::Rendezvous { after: 3 }, 0);
-        h.core.tick(h.at(1000));
-        h.core.tick(h.at(1300));
-        let assigned = h.assigned(a).unwrap();
-        assert_eq!(assigned.generation, 4);
-        assert!(
-            assigned.cause.contains("generation 3") && assigned.cause.contains("restarted"),
-            "{}",
-            assigned.cause
-        );
-    }
-
-    #[test]
-    fn a_generation_forms_when_the_last_call_after_min_ranks_ends() {
-        let mut h = Harness::new(2, 4);
-        let a = h.hello(0, 0, None, 0);
-        let b = h.hello(1, 0, None, 0);
-        h.send(a, ClientMessage::Rendezvous { after: 0 }, 0);
-        h.send(b, ClientMessage::Rendezvous { after: 0 }, 0);
-        // Settling until 1 s, then the last call (300 ms) runs from there.
-        h.core.tick(h.at(999));
-        h.core.tick(h.at(1000));
-        h.core.tick(h.at(1299));
-        assert!(h.received(a).is_empty());
-        h.core.tick(h.at(1300));
-        let (ra, rb) = (h.assigned(a).unwrap(), h.assigned(b).unwrap());
-        assert_eq!((ra.generation, rb.generation), (1, 1));
-        // Nodes are n9 (m0) and n8 (m1): m1 gets rank 0.
-        assert_eq!((ra.rank, rb.rank), (1, 0));
-        assert_eq!(ra.members, vec![member(1), member(0)]);
-    }
-
-    #[test]
-    fn a_complete_consistent_claim_is_adopted_and_numbers_continue_above_it() {
-        let mut h = Harness::new(1, 4);
-        let a = h.hello(0, 7, Some(claim(7, &[0, 1], 0)), 10);
-        assert!(matches!(h.core.phase, Phase::Settling { .. }));
-        let b = h.hello(1, 7, Some(claim(7, &[0, 1], 1)), 20);
-        assert!(matches!(&h.core.phase, Phase::Running(r) if r.generation == 7));
-        assert!(matches!(
-            &h.core.events[..],
-            [Event::Formed {
-                generation: 7,
-                adopted: true,
-                ..
-            }]
-        ));
-        assert!(h.received(a).is_empty(), "adopted members are told nothing");
-        // A member of an older generation is stale.
-        let c = h.hello(2, 5, Some(claim(5, &[2], 0)), 30);
-        assert_eq!(
-            h.received(c),
-            vec![ServerMessage::Directive {
-                directive: Directive::Stale { current: 7 }
-            }]
-        );
-        h.core.remove(b, "connection closed", h.at(40));
-        assert!(h.received(a).iter().any(restart(7)));
-        h.send(a, ClientMessage::Rendezvous { after: 7 }, 50);
-        let next = h.assigned(a).unwrap();
-        assert_eq!(next.generation, 8);
-        assert_eq!(
-            next.checkpoint_generation_floor, 3,
-            "the claimed floor survives"
-        );
-    }
-
-    #[test]
-    fn an_incomplete_claim_is_restarted_above_every_number_announced() {
-        let mut h = Harness::new(2, 4);
-        let a = h.hello(0, 7, Some(claim(7, &[0, 1], 0)), 0);
-        let b = h.hello(2, 9, None, 0);
-        h.send(b, ClientMessage::Rendezvous { after: 0 }, 10);
-        h.core.tick(h.at(500));
-        assert!(h.received(a).is_empty(), "still settling");
-        h.core.tick(h.at(1000));
-        assert!(h.received(a).iter().any(restart(7)));
-        h.send(a, ClientMessage::Rendezvous { after: 7 }, 1100);
-        let assignment = h.assigned(a).unwrap();
-        assert_eq!(assignment.generation, 10);
-        assert_eq!(assignment.world_size, 2);
-    }
-
-    #[test]
-    fn late_heartbeats_are_ignored_and_stale_is_said_once() {
-        let mut h = Harness::new(1, 1);
-        let a = h.hello(0, 0, Some(claim(4, &[0], 0)), 0);
-        let heartbeat = |generation| ClientMessage::Heartbeat {
-            generation,
-            progress: Progress::default(),
-        };
-        // Sent before it read its newer assignment.
-        h.send(a, heartbeat(3), 10);
-        assert!(h.received(a).is_empty());
-        // Silent for longer than the heartbeat timeout: dropped, told Stale once.
-        h.core.tick(h.at(1200));
-        let stale = ServerMessage::Directive {
-            directive: Directive::Stale { current: 4 },
-        };
-        assert_eq!(h.received(a), vec![stale]);
-        h.send(a, heartbeat(4), 1300);
-        h.send(a, heartbeat(4), 1400);
-        assert!(h.received(a).is_empty());
-        h.send(a, heartbeat(u64::MAX), 1450);
-        assert!(
-            matches!(&h.received(a)[..], [ServerMessage::Error { message, .. }] if message.contains("out of range"))
-        );
-        h.send(a, heartbeat(40), 1500);
-        assert!(matches!(
-            &h.received(a)[..],
-            [ServerMessage::Error { fatal: false, .. }]
-        ));
-    }
-
-    #[test]
-    fn a_hung_member_is_blamed_but_one_in_a_collective_is_not() {
-        let mut h = Harness::new(2, 2);
-        h.core.config.timeouts.progress_timeout = Duration::from_millis(500);
-        let a = h.hello(0, 0, Some(claim(2, &[0, 1], 0)), 0);
-        let b = h.hello(1, 0, Some(claim(2, &[0, 1], 1)), 0);
-        let progress = |in_collective, idle_ms| Progress {
-            step: 1,
-            in_collective,
-            idle_ms,
-            checkpoint_generation: 0,
-        };
-        let heartbeat = |p| ClientMessage::Heartbeat {
-            generation: 2,
-            progress: p,
-        };
-        h.send(a, heartbeat(progress(true, 5000)), 100);
-        h.send(b, heartbeat(progress(false, 100)), 100);
-        h.core.tick(h.at(150));
-        assert!(matches!(h.core.phase, Phase::Running(_)));
-        h.send(b, heartbeat(progress(false, 600)), 200);
-        h.core.tick(h.at(210));
-        assert!(h.received(a).iter().any(restart(2)));
-        assert!(matches!(
-            &h.received(b)[..],
-            [ServerMessage::Directive {
-                directive: Directive::Stale { current: 2 }
-            }]
-        ));
-    }
-
-    #[test]
-    fn messages_before_hello_and_wrong_jobs_close_the_connection() {
-        let mut h = Harness::new(1, 1);
-        let (tx, _rx) = sync_channel(OUTBOX);
-        let c = h
-            .core
-            .register(None, tx, "127.0.0.1:1".parse().unwrap())
-            .unwrap();
-        let early = h
-            .core
-            .handle(c, ClientMessage::Rendezvous { after: 0 }, h.t0);
-        assert!(matches!(early, Outcome::Close(reason) if reason.contains("hello")));
-        let mut stranger = member(0);
-        stranger.job = "other".into();
-        let hello = ClientMessage::Hello {
-            version: protocol::VERSION,
-            member: stranger,
-            seen: 0,
-            checkpoint_generation: 0,
-            claim: None,
-        };
-        let refused = h.core.handle(c, hello, h.t0);
-        assert!(matches!(refused, Outcome::Close(reason) if reason.contains("job mismatch")));
     }
 }

@@ -1,0 +1,146 @@
+//! What only a restarted coordinator does: while its settle window runs, it collects
+//! the generations its reconnecting members claim, adopts the newest one once all of
+//! its members are back with the same view (training never stops), or, when the
+//! window ends without that, restarts every claimant into a generation numbered above
+//! every claim.
+//!
+//! A separate file because it is one story of its own, read apart from the rules of
+//! a coordinator that formed its generations itself.
+
+use std::collections::BTreeSet;
+use std::time::{Instant, SystemTime};
+
+use tracing::info;
+
+use super::Event;
+use super::core::{ConnId, Core, Phase, Running};
+use crate::{Assignment, Directive, Member};
+
+impl Core {
+    /// While settling: adopts the newest claimed generation once all its members are
+    /// back with the same view of it.
+    pub(super) fn try_adopt(&mut self, now: Instant) {
+        let Some(newest_claim) = self
+            .conns
+            .values()
+            .filter_map(|c| c.claim.as_ref().map(|a| a.generation))
+            .max()
+        else {
+            return;
+        };
+        let claimants: Vec<(ConnId, &Assignment)> = self
+            .conns
+            .iter()
+            .filter_map(|(&c, conn)| Some((c, conn.claim.as_ref()?)))
+            .filter(|(_, claim)| claim.generation == newest_claim)
+            .collect();
+        let Some(&(_, first)) = claimants.first() else {
+            return;
+        };
+        let complete = claimants.len() == first.members.len()
+            && claimants
+                .iter()
+                .all(|(_, claim)| claim.members == first.members);
+        if !complete {
+            return;
+        }
+        let ids: Vec<String> = first.members.iter().map(|m| m.id.clone()).collect();
+        let adopted: Vec<ConnId> = claimants.iter().map(|&(c, _)| c).collect();
+        let older: Vec<(ConnId, u64)> = self
+            .conns
+            .iter()
+            .filter_map(|(&c, conn)| Some((c, conn.claim.as_ref()?.generation)))
+            .filter(|(c, _)| !adopted.contains(c))
+            .collect();
+        for c in adopted {
+            if let Some(conn) = self.conns.get_mut(&c) {
+                conn.generation = Some(newest_claim);
+                conn.claim = None;
+                conn.last_seen = now;
+                conn.progress = None;
+            }
+        }
+        self.newest = self.newest.max(newest_claim);
+        self.formed_any = true;
+        let cause = "adopted after a coordinator restart".to_owned();
+        info!(generation = newest_claim, members = ?ids, "generation {cause}");
+        self.event(Event::Formed {
+            generation: newest_claim,
+            members: ids.clone(),
+            cause: cause.clone(),
+            adopted: true,
+            at: SystemTime::now(),
+        });
+        self.cause = cause;
+        self.phase = Phase::Running(Running {
+            generation: newest_claim,
+            members: ids,
+            regroup_sent: false,
+            at_boundary: false,
+        });
+        for (c, generation) in older {
+            if let Some(conn) = self.conns.get_mut(&c) {
+                conn.claim = None;
+            }
+            self.tell_stale(c, generation);
+        }
+    }
+
+    /// The settle window passed without an adoption: restart every claimant into a
+    /// new generation numbered above every claim.
+    pub(super) fn end_settling(&mut self, now: Instant) {
+        let claimants: Vec<(ConnId, String, u64)> = self
+            .conns
+            .iter()
+            .filter_map(|(&c, conn)| {
+                let claim = conn.claim.as_ref()?;
+                Some((c, conn.id().to_owned(), claim.generation))
+            })
+            .collect();
+        let Some(newest_claim) = claimants.iter().map(|&(_, _, g)| g).max() else {
+            self.phase = Phase::Gathering { min_since: None };
+            self.try_form(now);
+            return;
+        };
+        let cause = format!(
+            "coordinator restarted; generation {newest_claim} could not be adopted (not all of its members came back)"
+        );
+        info!(generation = newest_claim, "generation ended: {cause}");
+        self.event(Event::Ended {
+            generation: newest_claim,
+            cause: cause.clone(),
+            at: SystemTime::now(),
+        });
+        self.cause = cause.clone();
+        let mut expected = BTreeSet::new();
+        for (c, id, generation) in claimants {
+            if let Some(conn) = self.conns.get_mut(&c) {
+                conn.claim = None;
+            }
+            if generation == newest_claim {
+                expected.insert(id);
+            }
+            self.directive(
+                c,
+                Directive::Restart {
+                    generation,
+                    cause: cause.clone(),
+                },
+            );
+        }
+        self.phase = Phase::Rejoin {
+            previous: newest_claim,
+            expected,
+            deadline: now + self.config.timeouts.join_timeout,
+        };
+        self.try_form(now);
+    }
+}
+
+/// True when `claim` is internally consistent and names `member` at its rank.
+pub(super) fn claim_is_coherent(claim: &Assignment, member: &Member) -> bool {
+    claim.generation > 0
+        && claim.world_size == claim.members.len()
+        && claim.members.get(claim.rank).map(|m| &m.id) == Some(&member.id)
+        && claim.members.iter().all(|m| m.job == member.job)
+}

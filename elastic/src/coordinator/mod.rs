@@ -1,0 +1,359 @@
+//! The coordinator: a TCP server that forms generations and tells members what to do.
+//!
+//! One thread accepts connections; each connection has a reader thread (parses lines,
+//! applies them to the shared state) and a writer thread (drains a bounded outbox,
+//! so that a member that stops reading can never block the coordinator: when its
+//! outbox is full it is disconnected). A ticker thread applies the timeouts. All
+//! decisions are made by one `Core` under one mutex, from messages and the clock only,
+//! which keeps the rules in one place and testable without sockets.
+//!
+//! The coordinator keeps nothing that matters across its own restart: generation
+//! numbers, the checkpoint-generation floor and the running membership are rebuilt
+//! from what the members announce when they reconnect (see the module docs of
+//! [`crate`]).
+//!
+//! # Files
+//!
+//! - this one: the public face (configuration, events, the bound coordinator and the
+//!   handle of a running one) and the state the threads share;
+//! - `server.rs`: the threads and the sockets, which decide nothing;
+//! - `core.rs`: every decision, driven by messages and an explicit clock;
+//! - `adopt.rs`: the part of the decisions that only a restarted coordinator takes
+//!   (adopting the generation its reconnecting members claim), kept apart because it
+//!   reads as one story of its own;
+//! - `tests.rs`: the core's rules with an explicit clock and no sockets.
+
+mod adopt;
+mod core;
+mod server;
+#[cfg(test)]
+mod tests;
+
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use self::core::Core;
+use self::server::{accept_loop, tick_loop};
+use super::timeouts::{Timeouts, validate_ranks};
+
+/// What a coordinator decides with. Durations are wall-clock on the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoordinatorConfig {
+    /// The job id members must announce.
+    pub job: String,
+    /// Fewest members a generation may have.
+    pub min_ranks: usize,
+    /// Most members a generation may have; more wait.
+    pub max_ranks: usize,
+    /// The formation and failure windows ([`Timeouts::DEFAULT`] unless set).
+    pub timeouts: Timeouts,
+    /// How long a freshly started coordinator waits for the members of a running
+    /// generation to reconnect and announce it before forming a new one (by default
+    /// the heartbeat timeout: a member that cannot come back by then would be
+    /// declared lost anyway). A launcher that starts a new job with its own
+    /// coordinator sets zero: there is no running generation to adopt.
+    pub settle: Duration,
+}
+
+impl CoordinatorConfig {
+    /// A configuration for `job` with the default timeouts.
+    pub fn new(job: impl Into<String>, min_ranks: usize, max_ranks: usize) -> Self {
+        CoordinatorConfig {
+            job: job.into(),
+            min_ranks,
+            max_ranks,
+            timeouts: Timeouts::DEFAULT,
+            settle: Timeouts::DEFAULT.heartbeat_timeout,
+        }
+    }
+
+    /// Checks that the settings make sense together; the error names the values.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.job.is_empty() {
+            return Err("job id is empty".into());
+        }
+        validate_ranks(self.min_ranks, self.max_ranks)?;
+        self.timeouts.validate()
+    }
+}
+
+/// A change of generation, for a launcher's recovery summary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A generation formed (or was adopted after a coordinator restart).
+    Formed {
+        /// Its number.
+        generation: u64,
+        /// Member ids, index = rank.
+        members: Vec<String>,
+        /// Why it formed.
+        cause: String,
+        /// True when adopted from reconnecting members rather than formed anew.
+        adopted: bool,
+        /// When.
+        at: SystemTime,
+    },
+    /// A generation ended (Restart sent to its remaining members).
+    Ended {
+        /// Its number.
+        generation: u64,
+        /// Why.
+        cause: String,
+        /// When.
+        at: SystemTime,
+    },
+    /// The job was shut down.
+    Shutdown {
+        /// Why.
+        reason: String,
+        /// When.
+        at: SystemTime,
+    },
+}
+
+/// Why a job is over, as its control plane knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobOver {
+    /// A member trained to the last step: the job succeeded, whatever it recovered
+    /// from on the way.
+    Finished(String),
+    /// The job was shut down without finishing (too few members for too long).
+    ShutDown(String),
+}
+
+impl JobOver {
+    /// True when the job trained to its last step.
+    pub fn finished(&self) -> bool {
+        matches!(self, JobOver::Finished(_))
+    }
+}
+
+impl std::fmt::Display for JobOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobOver::Finished(reason) => f.write_str(reason),
+            JobOver::ShutDown(reason) => write!(f, "job shut down: {reason}"),
+        }
+    }
+}
+
+/// A bound coordinator, not yet serving.
+pub struct Coordinator {
+    listener: TcpListener,
+    config: CoordinatorConfig,
+}
+
+impl Coordinator {
+    /// Validates `config` and binds `addr` (port 0 picks a free port).
+    pub fn bind(addr: SocketAddr, config: CoordinatorConfig) -> io::Result<Coordinator> {
+        config
+            .validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let listener = TcpListener::bind(addr)?;
+        Ok(Coordinator { listener, config })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    /// Serves on background threads. Dropping the handle stops the coordinator.
+    pub fn spawn(self) -> CoordinatorHandle {
+        let addr = self.local_addr();
+        let shared = Arc::new(Shared {
+            core: Mutex::new(Core::new(self.config, Instant::now())),
+            events_changed: Condvar::new(),
+            ticker: Condvar::new(),
+            stopping: AtomicBool::new(false),
+        });
+        let accept = {
+            let shared = shared.clone();
+            let listener = self.listener;
+            std::thread::Builder::new()
+                .name("ckpt-coordinator-accept".into())
+                .spawn(move || accept_loop(&shared, &listener))
+        };
+        let ticker = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("ckpt-coordinator-tick".into())
+                .spawn(move || tick_loop(&shared))
+        };
+        let mut threads = Vec::new();
+        let mut spawn_error = None;
+        for thread in [accept, ticker] {
+            match thread {
+                Ok(thread) => threads.push(thread),
+                Err(e) => spawn_error = Some(e),
+            }
+        }
+        let handle = CoordinatorHandle {
+            shared,
+            addr,
+            threads,
+            spawn_error,
+        };
+        if handle.spawn_error.is_some() {
+            handle.stop();
+        }
+        handle
+    }
+
+    /// Serves on this thread until stopped (the `ckpt coordinator` command).
+    pub fn run(self) -> io::Result<()> {
+        self.spawn().join()
+    }
+}
+
+/// A running coordinator.
+pub struct CoordinatorHandle {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    threads: Vec<JoinHandle<()>>,
+    spawn_error: Option<io::Error>,
+}
+
+impl CoordinatorHandle {
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops serving: closes the listener and every connection (members see what
+    /// they would see if the coordinator process died). Idempotent.
+    pub fn stop(&self) {
+        if self.shared.stopping.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        {
+            let core = self.shared.lock();
+            for conn in core.conns.values() {
+                conn.close();
+            }
+        }
+        self.shared.ticker.notify_all();
+        self.shared.events_changed.notify_all();
+        // Wake the accept loop, which then sees `stopping`.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+    }
+
+    /// Waits for the coordinator's threads to end (after [`CoordinatorHandle::stop`],
+    /// or never).
+    pub fn join(mut self) -> io::Result<()> {
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+        match self.spawn_error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The newest generation number known.
+    pub fn generation(&self) -> u64 {
+        self.shared.lock().newest
+    }
+
+    /// Members waiting for a generation (new members while one runs, members
+    /// beyond `max_ranks`, survivors between generations).
+    pub fn waiting(&self) -> usize {
+        self.shared.lock().waiting()
+    }
+
+    /// Why the job is over, once it is: it trained to its last step, or it was shut
+    /// down (too few members for too long, a fatal report). `None` while it may
+    /// still train.
+    pub fn job_over(&self) -> Option<JobOver> {
+        let core = self.shared.lock();
+        core.finished
+            .clone()
+            .map(JobOver::Finished)
+            .or_else(|| core.shutdown.clone().map(JobOver::ShutDown))
+    }
+
+    /// Members connected now (training, waiting or between generations), from every
+    /// node.
+    pub fn members(&self) -> usize {
+        self.shared
+            .lock()
+            .conns
+            .values()
+            .filter(|c| c.member.is_some())
+            .count()
+    }
+
+    /// Every event so far (the newest 4096), oldest first.
+    pub fn events(&self) -> Vec<Event> {
+        self.shared.lock().events.clone()
+    }
+
+    /// Blocks until an event (past or future) satisfies `predicate`, or `timeout`
+    /// passes.
+    pub fn wait_for_event(
+        &self,
+        timeout: Duration,
+        mut predicate: impl FnMut(&Event) -> bool,
+    ) -> Option<Event> {
+        let deadline = Instant::now() + timeout;
+        let mut core = self.shared.lock();
+        loop {
+            if let Some(event) = core.events.iter().find(|e| predicate(e)) {
+                return Some(event.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.shared.stopping.load(Ordering::SeqCst) {
+                return None;
+            }
+            core = self
+                .shared
+                .events_changed
+                .wait_timeout(core, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+impl Drop for CoordinatorHandle {
+    fn drop(&mut self) {
+        self.stop();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct Shared {
+    core: Mutex<Core>,
+    events_changed: Condvar,
+    ticker: Condvar,
+    stopping: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        // Core's methods leave it consistent between statements that can panic (none
+        // should); keep serving rather than poison every connection.
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the core and wakes event waiters if it logged events.
+    fn with_core<T>(&self, f: impl FnOnce(&mut Core) -> T) -> T {
+        let mut core = self.lock();
+        let before = core.event_count;
+        let result = f(&mut core);
+        let changed = core.event_count != before;
+        drop(core);
+        if changed {
+            self.events_changed.notify_all();
+        }
+        result
+    }
+}

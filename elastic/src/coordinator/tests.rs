@@ -1,0 +1,353 @@
+//! The rules of [`Core`] with an explicit clock and no sockets.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, sync_channel};
+use std::time::{Duration, Instant};
+
+use super::core::{ConnId, Core, Outcome, Phase};
+use super::server::OUTBOX;
+use super::{CoordinatorConfig, Event};
+use crate::protocol::{self, ClientMessage, ServerMessage};
+use crate::{Assignment, Directive, Member, Progress, Report};
+
+struct Harness {
+    core: Core,
+    t0: Instant,
+    inboxes: HashMap<ConnId, Receiver<Arc<str>>>,
+}
+
+fn member(i: usize) -> Member {
+    Member {
+        job: "job".into(),
+        id: format!("m{i}"),
+        host: "h".into(),
+        node: format!("n{}", 9 - i),
+    }
+}
+
+impl Harness {
+    fn new(min: usize, max: usize) -> Harness {
+        let mut config = CoordinatorConfig::new("job", min, max);
+        config.timeouts.heartbeat_timeout = Duration::from_secs(1);
+        config.settle = config.timeouts.heartbeat_timeout;
+        let t0 = Instant::now();
+        Harness {
+            core: Core::new(config, t0),
+            t0,
+            inboxes: HashMap::new(),
+        }
+    }
+
+    fn at(&self, ms: u64) -> Instant {
+        self.t0 + Duration::from_millis(ms)
+    }
+
+    fn hello(&mut self, i: usize, seen: u64, claim: Option<Assignment>, ms: u64) -> ConnId {
+        let (tx, rx) = sync_channel(OUTBOX);
+        let c = self
+            .core
+            .register(None, tx, "127.0.0.1:1".parse().unwrap())
+            .unwrap();
+        self.inboxes.insert(c, rx);
+        let hello = ClientMessage::Hello {
+            version: protocol::VERSION,
+            member: member(i),
+            seen,
+            checkpoint_generation: 0,
+            claim,
+        };
+        assert_eq!(self.core.handle(c, hello, self.at(ms)), Outcome::Welcomed);
+        c
+    }
+
+    fn send(&mut self, c: ConnId, message: ClientMessage, ms: u64) {
+        let now = self.at(ms);
+        assert_eq!(self.core.handle(c, message, now), Outcome::Continue);
+    }
+
+    /// Messages sent to `c` since the last call, Welcome left out.
+    fn received(&self, c: ConnId) -> Vec<ServerMessage> {
+        self.inboxes[&c]
+            .try_iter()
+            .map(|line| protocol::decode(line.trim_end().as_bytes()).unwrap())
+            .filter(|m| !matches!(m, ServerMessage::Welcome { .. }))
+            .collect()
+    }
+
+    /// Members 0 and 1 join at 0 ms and run a generation from 1000 ms (the
+    /// settle window): their connections and its number.
+    fn two_running(&mut self) -> (ConnId, ConnId, u64) {
+        let a = self.hello(0, 0, None, 0);
+        let b = self.hello(1, 0, None, 0);
+        self.send(a, ClientMessage::Rendezvous { after: 0 }, 0);
+        self.send(b, ClientMessage::Rendezvous { after: 0 }, 0);
+        self.core.tick(self.at(1000));
+        let generation = self.assigned(a).unwrap().generation;
+        (a, b, generation)
+    }
+
+    fn assigned(&self, c: ConnId) -> Option<Assignment> {
+        self.received(c).into_iter().find_map(|m| match m {
+            ServerMessage::Assigned { assignment } => Some(assignment),
+            _ => None,
+        })
+    }
+}
+
+fn claim(generation: u64, ids: &[usize], rank: usize) -> Assignment {
+    let members: Vec<Member> = ids.iter().map(|&i| member(i)).collect();
+    Assignment {
+        generation,
+        rank,
+        world_size: members.len(),
+        members,
+        checkpoint_generation_floor: 3,
+        cause: "initial".into(),
+    }
+}
+
+fn restart(generation: u64) -> impl Fn(&ServerMessage) -> bool {
+    move |m| matches!(m, ServerMessage::Directive { directive: Directive::Restart { generation: g, .. } } if *g == generation)
+}
+
+#[test]
+fn a_finished_job_sends_waiting_members_away_and_leaves_running_ones_alone() {
+    // Found by the chaos harness: a member that rejoined as a newcomer just before
+    // the others finished waited out the whole rendezvous timeout.
+    let mut h = Harness::new(2, 2);
+    let (a, b, generation) = h.two_running();
+    let late = h.hello(2, 0, None, 1100);
+    h.send(late, ClientMessage::Rendezvous { after: 0 }, 1100);
+    assert!(
+        h.received(late).is_empty(),
+        "waits while the generation runs"
+    );
+    let finished = ClientMessage::Report {
+        generation,
+        report: Report::Finished { step: 60 },
+    };
+    h.send(a, finished, 1200);
+    let shutdown = |m: &ServerMessage| matches!(m, ServerMessage::Directive { directive: Directive::Shutdown { reason } } if reason.contains("finished"));
+    assert!(
+        h.received(late).iter().any(shutdown),
+        "{:?}",
+        h.received(late)
+    );
+    assert!(
+        !h.received(b).iter().any(shutdown),
+        "running members are not interrupted"
+    );
+    // A member asking later is sent away too.
+    let later = h.hello(3, 0, None, 1300);
+    h.send(later, ClientMessage::Rendezvous { after: 0 }, 1300);
+    assert!(h.received(later).iter().any(shutdown));
+}
+
+#[test]
+fn a_finished_job_whose_members_left_is_not_shut_down_for_lack_of_members() {
+    // Found from outside: a job that trained to its end logged "job shut down:
+    // only 0 of at least 2 members for 120 s" once its members had left.
+    let mut h = Harness::new(2, 2);
+    let (a, b, generation) = h.two_running();
+    for (c, ms) in [(a, 2000), (b, 2001)] {
+        let report = Report::Finished { step: 60 };
+        h.send(c, ClientMessage::Report { generation, report }, ms);
+        let report = Report::Leaving {
+            reason: "finished".into(),
+        };
+        h.send(c, ClientMessage::Report { generation, report }, ms);
+        h.core.remove(c, "connection closed", h.at(ms));
+    }
+    let long_after = 2001 + h.core.config.timeouts.rendezvous_timeout.as_millis() as u64 * 2;
+    h.core.tick(h.at(3000));
+    h.core.tick(h.at(long_after));
+    assert!(h.core.shutdown.is_none(), "{:?}", h.core.shutdown);
+    assert!(
+        !h.core
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::Shutdown { .. })),
+        "{:?}",
+        h.core.events
+    );
+    assert!(h.core.finished.is_some());
+}
+
+#[test]
+fn a_generation_formed_by_a_restarted_coordinator_for_members_of_an_older_one_says_so() {
+    // The members lost generation 3 while the coordinator was down (found by the
+    // chaos harness: the new generation's cause read "initial").
+    let mut h = Harness::new(2, 4);
+    let a = h.hello(0, 3, None, 0);
+    let b = h.hello(1, 3, None, 0);
+    h.send(a, ClientMessage::Rendezvous { after: 3 }, 0);
+    h.send(b, ClientMessage::Rendezvous { after: 3 }, 0);
+    h.core.tick(h.at(1000));
+    h.core.tick(h.at(1300));
+    let assigned = h.assigned(a).unwrap();
+    assert_eq!(assigned.generation, 4);
+    assert!(
+        assigned.cause.contains("generation 3") && assigned.cause.contains("restarted"),
+        "{}",
+        assigned.cause
+    );
+}
+
+#[test]
+fn a_generation_forms_when_the_last_call_after_min_ranks_ends() {
+    let mut h = Harness::new(2, 4);
+    let a = h.hello(0, 0, None, 0);
+    let b = h.hello(1, 0, None, 0);
+    h.send(a, ClientMessage::Rendezvous { after: 0 }, 0);
+    h.send(b, ClientMessage::Rendezvous { after: 0 }, 0);
+    // Settling until 1 s, then the last call (300 ms) runs from there.
+    h.core.tick(h.at(999));
+    h.core.tick(h.at(1000));
+    h.core.tick(h.at(1299));
+    assert!(h.received(a).is_empty());
+    h.core.tick(h.at(1300));
+    let (ra, rb) = (h.assigned(a).unwrap(), h.assigned(b).unwrap());
+    assert_eq!((ra.generation, rb.generation), (1, 1));
+    // Nodes are n9 (m0) and n8 (m1): m1 gets rank 0.
+    assert_eq!((ra.rank, rb.rank), (1, 0));
+    assert_eq!(ra.members, vec![member(1), member(0)]);
+}
+
+#[test]
+fn a_complete_consistent_claim_is_adopted_and_numbers_continue_above_it() {
+    let mut h = Harness::new(1, 4);
+    let a = h.hello(0, 7, Some(claim(7, &[0, 1], 0)), 10);
+    assert!(matches!(h.core.phase, Phase::Settling { .. }));
+    let b = h.hello(1, 7, Some(claim(7, &[0, 1], 1)), 20);
+    assert!(matches!(&h.core.phase, Phase::Running(r) if r.generation == 7));
+    assert!(matches!(
+        &h.core.events[..],
+        [Event::Formed {
+            generation: 7,
+            adopted: true,
+            ..
+        }]
+    ));
+    assert!(h.received(a).is_empty(), "adopted members are told nothing");
+    // A member of an older generation is stale.
+    let c = h.hello(2, 5, Some(claim(5, &[2], 0)), 30);
+    assert_eq!(
+        h.received(c),
+        vec![ServerMessage::Directive {
+            directive: Directive::Stale { current: 7 }
+        }]
+    );
+    h.core.remove(b, "connection closed", h.at(40));
+    assert!(h.received(a).iter().any(restart(7)));
+    h.send(a, ClientMessage::Rendezvous { after: 7 }, 50);
+    let next = h.assigned(a).unwrap();
+    assert_eq!(next.generation, 8);
+    assert_eq!(
+        next.checkpoint_generation_floor, 3,
+        "the claimed floor survives"
+    );
+}
+
+#[test]
+fn an_incomplete_claim_is_restarted_above_every_number_announced() {
+    let mut h = Harness::new(2, 4);
+    let a = h.hello(0, 7, Some(claim(7, &[0, 1], 0)), 0);
+    let b = h.hello(2, 9, None, 0);
+    h.send(b, ClientMessage::Rendezvous { after: 0 }, 10);
+    h.core.tick(h.at(500));
+    assert!(h.received(a).is_empty(), "still settling");
+    h.core.tick(h.at(1000));
+    assert!(h.received(a).iter().any(restart(7)));
+    h.send(a, ClientMessage::Rendezvous { after: 7 }, 1100);
+    let assignment = h.assigned(a).unwrap();
+    assert_eq!(assignment.generation, 10);
+    assert_eq!(assignment.world_size, 2);
+}
+
+#[test]
+fn late_heartbeats_are_ignored_and_stale_is_said_once() {
+    let mut h = Harness::new(1, 1);
+    let a = h.hello(0, 0, Some(claim(4, &[0], 0)), 0);
+    let heartbeat = |generation| ClientMessage::Heartbeat {
+        generation,
+        progress: Progress::default(),
+    };
+    // Sent before it read its newer assignment.
+    h.send(a, heartbeat(3), 10);
+    assert!(h.received(a).is_empty());
+    // Silent for longer than the heartbeat timeout: dropped, told Stale once.
+    h.core.tick(h.at(1200));
+    let stale = ServerMessage::Directive {
+        directive: Directive::Stale { current: 4 },
+    };
+    assert_eq!(h.received(a), vec![stale]);
+    h.send(a, heartbeat(4), 1300);
+    h.send(a, heartbeat(4), 1400);
+    assert!(h.received(a).is_empty());
+    h.send(a, heartbeat(u64::MAX), 1450);
+    assert!(
+        matches!(&h.received(a)[..], [ServerMessage::Error { message, .. }] if message.contains("out of range"))
+    );
+    h.send(a, heartbeat(40), 1500);
+    assert!(matches!(
+        &h.received(a)[..],
+        [ServerMessage::Error { fatal: false, .. }]
+    ));
+}
+
+#[test]
+fn a_hung_member_is_blamed_but_one_in_a_collective_is_not() {
+    let mut h = Harness::new(2, 2);
+    h.core.config.timeouts.progress_timeout = Duration::from_millis(500);
+    let a = h.hello(0, 0, Some(claim(2, &[0, 1], 0)), 0);
+    let b = h.hello(1, 0, Some(claim(2, &[0, 1], 1)), 0);
+    let progress = |in_collective, idle_ms| Progress {
+        step: 1,
+        in_collective,
+        idle_ms,
+        checkpoint_generation: 0,
+    };
+    let heartbeat = |p| ClientMessage::Heartbeat {
+        generation: 2,
+        progress: p,
+    };
+    h.send(a, heartbeat(progress(true, 5000)), 100);
+    h.send(b, heartbeat(progress(false, 100)), 100);
+    h.core.tick(h.at(150));
+    assert!(matches!(h.core.phase, Phase::Running(_)));
+    h.send(b, heartbeat(progress(false, 600)), 200);
+    h.core.tick(h.at(210));
+    assert!(h.received(a).iter().any(restart(2)));
+    assert!(matches!(
+        &h.received(b)[..],
+        [ServerMessage::Directive {
+            directive: Directive::Stale { current: 2 }
+        }]
+    ));
+}
+
+#[test]
+fn messages_before_hello_and_wrong_jobs_close_the_connection() {
+    let mut h = Harness::new(1, 1);
+    let (tx, _rx) = sync_channel(OUTBOX);
+    let c = h
+        .core
+        .register(None, tx, "127.0.0.1:1".parse().unwrap())
+        .unwrap();
+    let early = h
+        .core
+        .handle(c, ClientMessage::Rendezvous { after: 0 }, h.t0);
+    assert!(matches!(early, Outcome::Close(reason) if reason.contains("hello")));
+    let mut stranger = member(0);
+    stranger.job = "other".into();
+    let hello = ClientMessage::Hello {
+        version: protocol::VERSION,
+        member: stranger,
+        seen: 0,
+        checkpoint_generation: 0,
+        claim: None,
+    };
+    let refused = h.core.handle(c, hello, h.t0);
+    assert!(matches!(refused, Outcome::Close(reason) if reason.contains("job mismatch")));
+}

@@ -1,0 +1,131 @@
+//! [`EtcdJob`]: a launcher's handle on a job kept in etcd (the job's settings, the
+//! ranks' leases, the generations seen as events, the end of the job).
+//!
+//! Apart from the member side because a launcher takes no part in the rules: it
+//! publishes settings, holds leases and watches.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tracing::debug;
+
+use super::EtcdUrl;
+use super::rules::{GenState, JobConfig};
+use super::store::{Core, EtcdSettings, Runtime, settings_of};
+use crate::{CoordinatorConfig, ElasticError, Event, JobOver};
+
+/// A launcher's handle on a job kept in etcd: publishes (or adopts) the job's
+/// settings, grants and revokes its ranks' leases, and reports the generations it
+/// sees as [`Event`]s.
+pub struct EtcdJob {
+    core: Arc<Core>,
+    _runtime: Runtime,
+    config: JobConfig,
+    adopted: bool,
+}
+
+impl EtcdJob {
+    /// Connects and publishes `config` as the job's settings unless a launcher
+    /// already did (then its settings are used: see [`EtcdJob::adopted`]).
+    pub fn connect(
+        url: &EtcdUrl,
+        config: &CoordinatorConfig,
+        settings: EtcdSettings,
+    ) -> Result<EtcdJob, ElasticError> {
+        config.validate().map_err(ElasticError::Rejected)?;
+        let (core, runtime) = Core::connect(url, &config.job, settings)?;
+        let mine = JobConfig::from_coordinator(config);
+        let deadline = Instant::now() + core.settings.connect_timeout;
+        let (config, adopted) = {
+            let core2 = core.clone();
+            core.call(async move { settings_of(&core2, Some(&mine), deadline).await })?
+        };
+        core.handle.spawn(core.clone().follow());
+        Ok(EtcdJob {
+            core,
+            _runtime: runtime,
+            config,
+            adopted,
+        })
+    }
+
+    /// The job's settings (this launcher's, or the first launcher's).
+    pub fn config(&self) -> &JobConfig {
+        &self.config
+    }
+
+    /// True when another launcher published different settings first: this
+    /// launcher's ranks follow those.
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+
+    /// Grants a lease for one rank process (its time to live is the job's heartbeat
+    /// timeout).
+    pub fn grant_lease(&self) -> Result<i64, ElasticError> {
+        let core = self.core.clone();
+        let ttl = self.config.lease_ttl_secs();
+        self.core.call(async move {
+            Ok(core
+                .request_any("lease grant", |mut client| async move {
+                    client.lease_grant(ttl, None).await
+                })
+                .await?
+                .id())
+        })
+    }
+
+    /// Revokes `lease` in the background, retrying until etcd answers (a lease
+    /// outlives an etcd outage): the rank's record disappears at once, which ends
+    /// its generation.
+    pub fn revoke_soon(&self, lease: i64) {
+        let core = self.core.clone();
+        self.core.handle.spawn(async move {
+            let mut backoff = Duration::from_millis(20);
+            loop {
+                let mut client = core.client.clone();
+                match core
+                    .request("lease revoke", client.lease_revoke(lease))
+                    .await
+                {
+                    Ok(_) => return,
+                    Err(e) if e.to_string().contains("not found") => return,
+                    Err(e) => debug!(lease, error = %e, "lease revoke failed; retrying"),
+                }
+                if core.closing.load(Ordering::Relaxed) {
+                    return;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        });
+    }
+
+    /// Generations formed and ended (and a shutdown) seen so far, oldest first.
+    pub fn events(&self) -> Vec<Event> {
+        self.core.lock().events.clone()
+    }
+
+    /// Why the job is over, once this launcher has seen it end (finished, or shut
+    /// down); `None` while it may still train.
+    pub fn job_over(&self) -> Option<JobOver> {
+        let current = self.core.lock().current();
+        match (&current.finished, &current.state) {
+            (Some(reason), _) => Some(JobOver::Finished(reason.clone())),
+            (None, GenState::Shutdown { reason }) => Some(JobOver::ShutDown(reason.clone())),
+            _ => None,
+        }
+    }
+
+    /// Requests sent to etcd so far.
+    pub fn requests(&self) -> u64 {
+        self.core.requests.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for EtcdJob {
+    fn drop(&mut self) {
+        self.core.closing.store(true, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,516 @@
+//! The connection to etcd that an [`EtcdControlPlane`](super::EtcdControlPlane) and an
+//! [`EtcdJob`](super::EtcdJob) share: the client and its runtime, bounded and
+//! retried requests, the watch that keeps the [`Mirror`] in step (a full read at
+//! revision R, then a watch from R + 1, again after every break), the
+//! compare-and-swap of the generation record, and the job's published settings.
+//!
+//! Calls run on a small runtime of their own and are each bounded by
+//! [`EtcdSettings::request_timeout`].
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, Txn, TxnOp,
+    WatchOptions,
+};
+use tracing::{debug, warn};
+
+use super::EtcdUrl;
+use super::mirror::{Keys, Mirror, apply_kv};
+use super::rules::{GenRecord, JobConfig};
+use crate::cancel::{Waker, wait_on};
+use crate::{Cancel, ElasticError};
+
+/// How the backend talks to etcd.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdSettings {
+    /// How long connecting waits for etcd and the job's settings (30 s).
+    pub connect_timeout: Duration,
+    /// Bound on one request (3 s): longer than an etcd leader election.
+    pub request_timeout: Duration,
+}
+
+impl Default for EtcdSettings {
+    fn default() -> Self {
+        EtcdSettings {
+            connect_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// What an [`EtcdControlPlane`](super::EtcdControlPlane) and an
+/// [`EtcdJob`](super::EtcdJob) share: the client, its runtime, the mirror.
+pub(super) struct Core {
+    pub(super) handle: tokio::runtime::Handle,
+    pub(super) client: Client,
+    pub(super) keys: Keys,
+    pub(super) settings: EtcdSettings,
+    pub(super) mirror: Mutex<Mirror>,
+    pub(super) changed: Condvar,
+    /// Wakes the rules task on a change.
+    pub(super) notify: tokio::sync::Notify,
+    pub(super) closing: AtomicBool,
+    /// Requests sent to etcd (watch and keep-alive messages included).
+    pub(super) requests: AtomicU64,
+}
+
+/// The request did not reach a serving member: the endpoint refused the connection
+/// or answered `Unavailable` (gRPC code 14).
+pub(super) fn unreachable_endpoint(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) => true,
+        etcd_client::Error::GRpcStatus(status) => i32::from(status.code()) == 14,
+        _ => false,
+    }
+}
+
+pub(super) fn io(what: &str, e: impl std::fmt::Display) -> ElasticError {
+    ElasticError::Io(format!("etcd {what}: {e}"))
+}
+
+impl Core {
+    /// Connects; the runtime returned runs the client and must outlive the core's
+    /// use (its owner shuts it down on drop, which ends the background tasks).
+    pub(super) fn connect(
+        url: &EtcdUrl,
+        job: &str,
+        settings: EtcdSettings,
+    ) -> Result<(Arc<Core>, Runtime), ElasticError> {
+        let root = url.root(job).map_err(ElasticError::Rejected)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ckpt-etcd")
+            .enable_all()
+            .build()
+            .map_err(|e| io("runtime", e))?;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(settings.request_timeout)
+            .with_timeout(settings.request_timeout)
+            // HTTP/2 pings find a dead connection; etcd closes connections that
+            // ping more often than every 5 s (--grpc-keepalive-min-time).
+            .with_keep_alive(Duration::from_secs(10), settings.request_timeout)
+            .with_require_leader(true);
+        let endpoints = url.endpoints.clone();
+        let what = format!("connect to {url}");
+        let client = block(runtime.handle(), async move {
+            Client::connect(endpoints, Some(options))
+                .await
+                .map_err(|e| io(&what, e))
+        })?;
+        let core = Arc::new(Core {
+            handle: runtime.handle().clone(),
+            client,
+            keys: Keys { root },
+            settings,
+            mirror: Mutex::new(Mirror::default()),
+            changed: Condvar::new(),
+            notify: tokio::sync::Notify::new(),
+            closing: AtomicBool::new(false),
+            requests: AtomicU64::new(0),
+        });
+        Ok((core, Runtime(Some(runtime))))
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, Mirror> {
+        self.mirror.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(super) fn changed(&self) {
+        self.changed.notify_all();
+        self.notify.notify_waiters();
+    }
+
+    /// Runs `future` on the runtime and waits for it.
+    pub(super) fn call<T: Send + 'static>(
+        &self,
+        future: impl Future<Output = Result<T, ElasticError>> + Send + 'static,
+    ) -> Result<T, ElasticError> {
+        block(&self.handle, future)
+    }
+
+    /// One request, counted and bounded.
+    pub(super) async fn request<T>(
+        &self,
+        what: &str,
+        future: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, ElasticError> {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        match tokio::time::timeout(self.settings.request_timeout, future).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(io(what, e)),
+            Err(_) => Err(io(
+                what,
+                format!(
+                    "no answer within {} ms",
+                    self.settings.request_timeout.as_millis()
+                ),
+            )),
+        }
+    }
+
+    /// One request, retried on another endpoint while the one it reached is down.
+    ///
+    /// The client balances requests over every endpoint of the URL but keeps a dead
+    /// member's endpoint in its rotation, so a request can land on a member that is
+    /// down (connection refused, `Unavailable`) while the other two serve a quorum.
+    /// Such a request never reached etcd: it is sent again, within the request
+    /// timeout. Every request retried here is safe to repeat: reads, puts of the
+    /// same value, and transactions guarded by a comparison (a repeat of one that
+    /// took effect fails its comparison, which callers treat as a lost race).
+    pub(super) async fn request_any<T, F, Fut>(
+        &self,
+        what: &str,
+        mut make: F,
+    ) -> Result<T, ElasticError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.settings.request_timeout;
+        // A request routed to a member that just died can also hang rather than
+        // fail (its connection is not known dead yet): each attempt gets a third of
+        // the budget, so that two more can go elsewhere.
+        let attempt_limit = (self.settings.request_timeout / 3).max(Duration::from_millis(300));
+        let mut pause = Duration::from_millis(20);
+        loop {
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let limit = deadline.min(tokio::time::Instant::now() + attempt_limit);
+            let error = match tokio::time::timeout_at(limit, make(self.client.clone())).await {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(e)) if unreachable_endpoint(&e) => e.to_string(),
+                Ok(Err(e)) => return Err(io(what, e)),
+                Err(_) => format!(
+                    "no answer within {} ms",
+                    limit.duration_since(started).as_millis()
+                ),
+            };
+            if tokio::time::Instant::now() + pause >= deadline {
+                return Err(io(what, error));
+            }
+            debug!(error = %error, "etcd {what}: no answer from the endpoint reached; trying again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(200));
+        }
+    }
+
+    /// Reads every key of the job and replaces the mirror; returns the revision.
+    pub(super) async fn resync(&self) -> Result<i64, ElasticError> {
+        let root = self.keys.root.clone();
+        let response = self
+            .request_any("read", |mut client| {
+                let root = root.clone();
+                async move {
+                    client
+                        .get(root, Some(GetOptions::new().with_prefix()))
+                        .await
+                }
+            })
+            .await?;
+        let revision = response.header().map(|h| h.revision()).unwrap_or(0);
+        let mut mirror = self.lock();
+        let events = std::mem::take(&mut mirror.events);
+        let gen_before = (mirror.current.clone(), ());
+        let history = std::mem::take(&mut mirror.history);
+        *mirror = Mirror {
+            events,
+            history,
+            ..Mirror::default()
+        };
+        // Keep the generation's transitions continuous for the events.
+        if let (Some(current), _) = gen_before {
+            mirror.current = Some(current);
+        }
+        for kv in response.kvs() {
+            apply_kv(&mut mirror, &self.keys, kv, false);
+        }
+        mirror.revision = revision;
+        drop(mirror);
+        self.changed();
+        Ok(revision)
+    }
+
+    /// Keeps the mirror in step: a full read, then a watch from the next revision;
+    /// again, with backoff, after every break.
+    pub(super) async fn follow(self: Arc<Self>) {
+        let mut backoff = Duration::from_millis(50);
+        let mut failing = false;
+        while !self.closing.load(Ordering::Relaxed) {
+            let started = Instant::now();
+            let result = self.follow_once().await;
+            if started.elapsed() > Duration::from_secs(5) {
+                // It worked for a while: a new break is news, and retried quickly.
+                failing = false;
+                backoff = Duration::from_millis(50);
+            }
+            if let Err(e) = result {
+                if !failing {
+                    warn!(error = %e, "etcd watch broken; re-reading and watching again");
+                }
+                failing = true;
+            }
+            {
+                let mut mirror = self.lock();
+                mirror.synced = false;
+            }
+            self.changed();
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    pub(super) async fn follow_once(&self) -> Result<(), ElasticError> {
+        let revision = self.resync().await?;
+        let mut client = self.client.clone();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let mut stream = self
+            .request("watch", client.watch(self.keys.root.clone(), Some(options)))
+            .await?;
+        {
+            let mut mirror = self.lock();
+            mirror.synced = true;
+        }
+        self.changed();
+        debug!(revision, "etcd watch established");
+        loop {
+            let message = stream.message().await.map_err(|e| io("watch", e))?;
+            let Some(response) = message else {
+                return Err(io("watch", "stream ended"));
+            };
+            if response.canceled() {
+                return Err(io(
+                    "watch",
+                    format!("cancelled: {}", response.cancel_reason()),
+                ));
+            }
+            let mut mirror = self.lock();
+            for event in response.events() {
+                if let Some(kv) = event.kv() {
+                    apply_kv(
+                        &mut mirror,
+                        &self.keys,
+                        kv,
+                        event.event_type() == EventType::Delete,
+                    );
+                }
+            }
+            if let Some(header) = response.header() {
+                mirror.revision = mirror.revision.max(header.revision());
+            }
+            drop(mirror);
+            self.changed();
+        }
+    }
+
+    /// Waits on the mirror until `done` gives a result, `cancel` fires or
+    /// `deadline` passes (then `on_timeout`).
+    pub(super) fn wait<T>(
+        self: &Arc<Self>,
+        cancel: Option<&Cancel>,
+        deadline: Option<Instant>,
+        mut done: impl FnMut(&Mirror) -> Option<Result<T, ElasticError>>,
+        on_timeout: impl FnOnce() -> Result<T, ElasticError>,
+    ) -> Result<T, ElasticError> {
+        let cancel = cancel.map(|cancel| {
+            let core = self.clone();
+            let wake: Waker = Box::new(move || {
+                let _lock = core.lock();
+                core.changed.notify_all();
+            });
+            (cancel, wake)
+        });
+        wait_on(
+            &self.mirror,
+            &self.changed,
+            cancel,
+            deadline,
+            Duration::from_millis(500),
+            |mirror, _| done(mirror),
+            on_timeout,
+        )
+    }
+
+    /// Writes `next` as the generation record if the record is still at `revision`
+    /// (0: absent). Also deletes the bootstrap keys of generations before the
+    /// previous one. Returns whether this write won.
+    pub(super) async fn swap(&self, revision: i64, next: &GenRecord) -> Result<bool, ElasticError> {
+        let key = self.keys.generation();
+        let compare = if revision == 0 {
+            Compare::create_revision(key.clone(), CompareOp::Equal, 0)
+        } else {
+            Compare::mod_revision(key.clone(), CompareOp::Equal, revision)
+        };
+        let value = serde_json::to_vec(next).map_err(|e| io("encode", e))?;
+        let mut ops = vec![TxnOp::put(key, value, None)];
+        if next.generation >= 2 {
+            ops.push(TxnOp::delete(
+                self.keys.kv_of(0),
+                Some(DeleteOptions::new().with_range(self.keys.kv_of(next.generation - 1))),
+            ));
+        }
+        let txn = Txn::new().when(vec![compare]).and_then(ops);
+        let response = self
+            .request_any("transaction", |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
+            .await?;
+        if response.succeeded() {
+            let at = response.header().map(|h| h.revision()).unwrap_or(0);
+            let mut mirror = self.lock();
+            mirror.set_gen(next.clone(), at);
+            mirror.changes += 1;
+            drop(mirror);
+            self.changed();
+        }
+        Ok(response.succeeded())
+    }
+
+    /// Re-reads the generation record alone (after a lost comparison).
+    pub(super) async fn reread_generation(&self) -> Result<(), ElasticError> {
+        let key = self.keys.generation();
+        let response = self
+            .request_any("read", |mut client| {
+                let key = key.clone();
+                async move { client.get(key, None).await }
+            })
+            .await?;
+        let mut mirror = self.lock();
+        for kv in response.kvs() {
+            apply_kv(&mut mirror, &self.keys, kv, false);
+        }
+        Ok(())
+    }
+
+    /// Applies `change` to the newest generation record until a write wins or
+    /// `change` has nothing to do; true when this call changed the record.
+    pub(super) async fn transition(
+        &self,
+        change: impl Fn(&Mirror) -> Option<GenRecord>,
+    ) -> Result<bool, ElasticError> {
+        for _ in 0..16 {
+            let (next, revision) = {
+                let mirror = self.lock();
+                (change(&mirror), mirror.gen_revision)
+            };
+            let Some(next) = next else {
+                return Ok(false);
+            };
+            if self.swap(revision, &next).await? {
+                return Ok(true);
+            }
+            self.reread_generation().await?;
+        }
+        Err(ElasticError::Io(
+            "the generation record kept changing under 16 attempts".into(),
+        ))
+    }
+}
+
+/// Runs `future` on `handle` and waits for its result, from any thread that is not
+/// one of the runtime's own (also from inside another runtime).
+pub(super) fn block<T: Send + 'static>(
+    handle: &tokio::runtime::Handle,
+    future: impl Future<Output = Result<T, ElasticError>> + Send + 'static,
+) -> Result<T, ElasticError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    handle.spawn(async move {
+        let _ = tx.send(future.await);
+    });
+    rx.recv()
+        .unwrap_or_else(|_| Err(ElasticError::Io("the etcd client is shutting down".into())))
+}
+
+/// The client's runtime: shut down (ending the background tasks) when its owner is
+/// dropped.
+pub(super) struct Runtime(Option<tokio::runtime::Runtime>);
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Reads the job's settings, publishing `publish` first when none exist. Returns
+/// them and whether they were someone else's (different from `publish`).
+pub(super) async fn settings_of(
+    core: &Core,
+    publish: Option<&JobConfig>,
+    deadline: Instant,
+) -> Result<(JobConfig, bool), ElasticError> {
+    let key = core.keys.config();
+    let mut last_error = None;
+    while Instant::now() < deadline {
+        let attempt = async {
+            if let Some(config) = publish {
+                let value = serde_json::to_vec(config).map_err(|e| io("encode", e))?;
+                let txn = Txn::new()
+                    .when(vec![Compare::create_revision(
+                        key.clone(),
+                        CompareOp::Equal,
+                        0,
+                    )])
+                    .and_then(vec![TxnOp::put(key.clone(), value, None)]);
+                if core
+                    .request_any("transaction", |mut client| {
+                        let txn = txn.clone();
+                        async move { client.txn(txn).await }
+                    })
+                    .await?
+                    .succeeded()
+                {
+                    return Ok(Some((config.clone(), false)));
+                }
+            }
+            let response = core
+                .request_any("read", |mut client| {
+                    let key = key.clone();
+                    async move { client.get(key, None).await }
+                })
+                .await?;
+            match response.kvs().first() {
+                None => Ok(None),
+                Some(kv) => {
+                    let theirs: JobConfig = serde_json::from_slice(kv.value()).map_err(|e| {
+                        ElasticError::Rejected(format!(
+                            "the job settings at {key} are unreadable: {e}"
+                        ))
+                    })?;
+                    theirs.validate().map_err(|e| {
+                        ElasticError::Rejected(format!("the job settings at {key}: {e}"))
+                    })?;
+                    let differ = publish.is_some_and(|mine| *mine != theirs);
+                    Ok(Some((theirs, differ)))
+                }
+            }
+        };
+        match attempt.await {
+            Ok(Some(found)) => return Ok(found),
+            Ok(None) => last_error = Some(format!("no job settings at {key}")),
+            Err(ElasticError::Io(e)) => last_error = Some(e),
+            Err(e) => return Err(e),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(match publish {
+        None => ElasticError::Rejected(format!(
+            "{}; start the ranks with `ckpt-train launch --rdzv etcd://…`, which publishes them",
+            last_error.unwrap_or_default()
+        )),
+        Some(_) => ElasticError::Io(last_error.unwrap_or_default()),
+    })
+}
