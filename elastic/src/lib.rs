@@ -80,8 +80,11 @@ pub mod agent;
 mod cancel;
 pub mod coordinator;
 pub mod etcd;
+pub mod policy;
 pub mod protocol;
 pub mod tcp;
+#[cfg(test)]
+mod testing;
 pub mod timeouts;
 
 use std::time::Duration;

@@ -186,6 +186,9 @@ fn summarize(event: &Event, last_ended: &mut Option<(u64, std::time::SystemTime)
                 )),
             }
         }
+        Event::Left {
+            generation, cause, ..
+        } => say(format_args!("launch: generation {generation}: {cause}")),
         Event::Shutdown { reason, .. } => say(format_args!("launch: job shut down: {reason}")),
     }
 }

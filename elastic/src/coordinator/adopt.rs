@@ -72,12 +72,7 @@ impl Core {
             at: SystemTime::now(),
         });
         self.cause = cause;
-        self.phase = Phase::Running(Running {
-            generation: newest_claim,
-            members: ids,
-            regroup_sent: false,
-            at_boundary: false,
-        });
+        self.phase = Phase::Running(Running::new(newest_claim, ids));
         for (c, generation) in older {
             if let Some(conn) = self.conns.get_mut(&c) {
                 conn.claim = None;
@@ -98,7 +93,7 @@ impl Core {
             })
             .collect();
         let Some(newest_claim) = claimants.iter().map(|&(_, _, g)| g).max() else {
-            self.phase = Phase::Gathering { min_since: None };
+            self.phase = Phase::Gathering { after: self.newest };
             self.try_form(now);
             return;
         };
@@ -131,7 +126,6 @@ impl Core {
         self.phase = Phase::Rejoin {
             previous: newest_claim,
             expected,
-            deadline: now + self.config.timeouts.join_timeout,
         };
         self.try_form(now);
     }

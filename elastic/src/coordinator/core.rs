@@ -16,6 +16,10 @@ use tracing::{info, warn};
 
 use super::adopt::claim_is_coherent;
 use super::{CoordinatorConfig, Event};
+use crate::policy::{
+    Action, Between, Candidate, Effect, End, Standing, Timers, ends_membership, hung_member,
+    job_finished, lost_member, withdrawal,
+};
 use crate::protocol::{self, ClientMessage, ServerMessage};
 use crate::{Assignment, Directive, Member, Progress, Report};
 
@@ -77,11 +81,38 @@ pub(super) struct Running {
     pub(super) generation: u64,
     /// Member ids, index = rank.
     pub(super) members: Vec<String>,
-    pub(super) regroup_sent: bool,
+    /// Why a regroup was asked, once it was.
+    pub(super) regroup: Option<String>,
+    /// Why the last member that left on purpose left.
+    pub(super) left: Option<String>,
     /// A member ended the generation at an agreed checkpoint boundary (a regroup,
     /// a stop, a member leaving after its final save): those who come to the
     /// rendezvous are not a failure, and the others are not aborted.
     pub(super) at_boundary: bool,
+}
+
+impl Running {
+    /// A generation that just formed (or was adopted).
+    pub(super) fn new(generation: u64, members: Vec<String>) -> Running {
+        Running {
+            generation,
+            members,
+            regroup: None,
+            left: None,
+            at_boundary: false,
+        }
+    }
+
+    /// Where it stands, for the policy.
+    fn standing(&self) -> Standing<'_> {
+        Standing {
+            generation: self.generation,
+            world_size: self.members.len(),
+            regroup: self.regroup.as_deref(),
+            left: self.left.as_deref(),
+            at_boundary: self.at_boundary,
+        }
+    }
 }
 
 pub(super) enum Phase {
@@ -89,16 +120,18 @@ pub(super) enum Phase {
     Settling {
         until: Instant,
     },
-    /// No generation: waiting for `min_ranks` members (and the last call).
+    /// No generation, nobody in particular to wait for: waiting for `min_ranks`
+    /// members (and the last call). `after`: the generation that ended last (the
+    /// policy's windows are measured per ended generation).
     Gathering {
-        min_since: Option<Instant>,
+        after: u64,
     },
     Running(Running),
-    /// A generation ended: waiting for its survivors to ask for the next one.
+    /// A generation ended: waiting for its survivors to ask for the next one (until
+    /// the join timeout).
     Rejoin {
         previous: u64,
         expected: BTreeSet<String>,
-        deadline: Instant,
     },
 }
 
@@ -122,7 +155,8 @@ pub(super) struct Core {
     pub(super) kv: HashMap<String, String>,
     /// Why the next generation forms.
     pub(super) cause: String,
-    pub(super) below_min_since: Option<Instant>,
+    /// The policy's windows between generations.
+    pub(super) timers: Timers,
     pub(super) members_seen: bool,
     pub(super) shutdown: Option<String>,
     /// The job finished (a member reported its final step): who asks to join now is
@@ -148,7 +182,7 @@ impl Core {
             floor: 0,
             kv: HashMap::new(),
             cause: "initial".into(),
-            below_min_since: None,
+            timers: Timers::default(),
             members_seen: false,
             shutdown: None,
             events: Vec::new(),
@@ -546,32 +580,29 @@ impl Core {
         let Phase::Running(running) = &self.phase else {
             return;
         };
-        if running.regroup_sent || running.at_boundary {
-            // Everybody comes at their checkpoint boundary: no abort.
-            let previous = running.generation;
-            let expected = self.connected(&running.members);
-            info!(
-                generation = previous,
-                "generation ended for regroup: {}", self.cause
-            );
-            let cause = self.cause.clone();
-            self.event(Event::Ended {
-                generation: previous,
-                cause,
-                at: SystemTime::now(),
-            });
-            self.kv.clear();
-            self.phase = Phase::Rejoin {
-                previous,
-                expected,
-                deadline: now + self.config.timeouts.join_timeout,
-            };
-        } else {
-            let cause = format!(
-                "member {id} left generation {} to rendezvous again",
-                running.generation
-            );
-            self.restart(cause, &[id.to_owned()], false, now);
+        match self
+            .config
+            .policy()
+            .on_rendezvous_while_running(id, &running.standing())
+        {
+            End::AtBoundary { cause } => {
+                // Everybody comes at their checkpoint boundary: no abort.
+                let previous = running.generation;
+                let expected = self.connected(&running.members);
+                info!(
+                    generation = previous,
+                    "generation ended at a checkpoint boundary: {cause}"
+                );
+                self.event(Event::Ended {
+                    generation: previous,
+                    cause: cause.clone(),
+                    at: SystemTime::now(),
+                });
+                self.cause = cause;
+                self.kv.clear();
+                self.phase = Phase::Rejoin { previous, expected };
+            }
+            End::Abort { cause } => self.restart(cause, &[id.to_owned()], false, now),
         }
     }
 
@@ -603,76 +634,80 @@ impl Core {
     }
 
     pub(super) fn report(&mut self, c: ConnId, generation: u64, report: Report, now: Instant) {
+        let waiting = self.waiting();
+        let policy = self.config.policy();
         let Some(conn) = self.conns.get_mut(&c) else {
             return;
         };
         let id = conn.id().to_owned();
-        if matches!(report, Report::Fatal { .. } | Report::Leaving { .. }) {
+        if ends_membership(&report) {
             conn.wants = None;
         }
         let in_it = generation != 0 && conn.generation == Some(generation);
         if let Report::Finished { step } = report {
+            // Whatever the phase: the job is over once a member of a generation
+            // trained to the last step in it.
             if in_it {
-                self.finish(format!(
-                    "the job finished: member {id} trained to step {step}"
-                ));
+                self.finish(job_finished(&id, step));
             }
             return;
         }
         match &mut self.phase {
             Phase::Running(running) if in_it && running.generation == generation => {
                 let rank = running.members.iter().position(|m| *m == id).unwrap_or(0);
-                match report {
-                    Report::CollectiveFailed { peer, reason } => {
-                        let peer = peer.map(|p| format!(" with rank {p}")).unwrap_or_default();
-                        let cause =
-                            format!("member {id} (rank {rank}): collective failed{peer}: {reason}");
-                        self.restart(cause, &[], false, now);
+                match policy.on_report(&id, rank, &report, &running.standing(), waiting) {
+                    Effect::None | Effect::Finished { .. } => {}
+                    Effect::Restart {
+                        cause,
+                        drop_reporter,
+                    } => {
+                        let dropped = if drop_reporter { vec![id] } else { Vec::new() };
+                        self.restart(cause, &dropped, false, now);
                     }
-                    Report::Fatal { reason } => {
-                        let cause = format!("member {id} (rank {rank}) failed: {reason}");
-                        self.restart(cause, &[id], false, now);
-                    }
-                    Report::Leaving { reason } => {
+                    Effect::Leave { cause } => {
                         // Leaving is not a failure: the member leaves at a point the
                         // whole world agreed on (its final save committed, or the job
                         // finished), so the others are not aborted; they rendezvous
                         // again by themselves and form the next generation without
                         // it. (If they went on training instead, the member's exit
                         // would fail their next collective, which they report.)
-                        let cause = format!("member {id} (rank {rank}) left: {reason}");
                         info!(generation, "{cause}");
                         running.members.retain(|m| *m != id);
                         running.at_boundary = true;
+                        running.left = Some(cause.clone());
+                        let emptied = running.members.is_empty();
                         if let Some(conn) = self.conns.get_mut(&c) {
                             conn.generation = None;
                         }
-                        self.cause = cause;
-                        if running.members.is_empty() {
-                            self.phase = Phase::Gathering { min_since: None };
+                        self.cause = cause.clone();
+                        self.event(Event::Left {
+                            generation,
+                            member: id,
+                            cause,
+                            at: SystemTime::now(),
+                        });
+                        if emptied {
+                            self.phase = Phase::Gathering { after: generation };
                         }
                     }
-                    Report::Committed { step } => self.maybe_regroup(step),
-                    Report::Finished { .. } => {}
-                    Report::Ended { step } => {
+                    Effect::Regroup { cause } => {
+                        running.regroup = Some(cause.clone());
+                        self.regroup(generation, cause);
+                    }
+                    Effect::AtBoundary => {
                         info!(
                             generation,
-                            step, "member {id} (rank {rank}) ended the generation at a checkpoint"
+                            "member {id} (rank {rank}) ended the generation at a checkpoint"
                         );
                         running.at_boundary = true;
                     }
                 }
             }
-            Phase::Rejoin {
-                previous, expected, ..
-            } if in_it && *previous == generation => {
-                if let Report::Fatal { reason } = &report {
-                    // The root cause of the restart, when the peers' collective
-                    // errors reached the coordinator before the failed member's own
-                    // report: the next generation names it.
-                    self.cause = format!("member {id} failed: {reason}");
-                }
-                if matches!(report, Report::Fatal { .. } | Report::Leaving { .. }) {
+            Phase::Rejoin { previous, expected } if in_it && *previous == generation => {
+                if let Some(root_cause) = withdrawal(&id, &report) {
+                    if let Some(root_cause) = root_cause {
+                        self.cause = root_cause;
+                    }
                     expected.remove(&id);
                     if let Some(conn) = self.conns.get_mut(&c) {
                         conn.generation = None;
@@ -712,25 +747,19 @@ impl Core {
         }
     }
 
-    pub(super) fn maybe_regroup(&mut self, step: u64) {
-        let Phase::Running(running) = &mut self.phase else {
+    /// Asks the members of the running generation to regroup at their next
+    /// checkpoint (members wait to join).
+    fn regroup(&mut self, generation: u64, cause: String) {
+        let Phase::Running(running) = &self.phase else {
             return;
         };
-        let waiting = self.conns.values().filter(|c| c.wants.is_some()).count();
-        if waiting == 0 || running.regroup_sent || running.members.len() >= self.config.max_ranks {
-            return;
-        }
-        running.regroup_sent = true;
-        let generation = running.generation;
-        let plural = if waiting == 1 { "" } else { "s" };
-        let cause = format!("grow: {waiting} waiting member{plural} (after step {step} committed)");
         info!(generation, "regroup: {cause}");
-        self.cause = cause.clone();
         let members: Vec<ConnId> = running
             .members
             .iter()
             .filter_map(|id| self.by_member.get(id).copied())
             .collect();
+        self.cause = cause.clone();
         for c in members {
             self.directive(
                 c,
@@ -837,12 +866,11 @@ impl Core {
             }
         }
         self.phase = if expected.is_empty() {
-            Phase::Gathering { min_since: None }
+            Phase::Gathering { after: generation }
         } else {
             Phase::Rejoin {
                 previous: generation,
                 expected,
-                deadline: now + self.config.timeouts.join_timeout,
             }
         };
         self.try_form(now);
@@ -855,88 +883,68 @@ impl Core {
             .count()
     }
 
+    /// Between generations: asks the policy whether the next one forms (or the job
+    /// is shut down), and does what it says.
     pub(super) fn try_form(&mut self, now: Instant) {
-        if self.shutdown.is_some() {
+        // Before any member said hello there is nobody to form with or to shut down
+        // for; once the job finished, nobody is awaited.
+        if self.shutdown.is_some() || self.finished.is_some() || !self.members_seen {
             return;
         }
-        let waiting = self.waiting();
-        let min = self.config.min_ranks;
-        match &mut self.phase {
-            Phase::Settling { .. } | Phase::Running(_) => {}
-            Phase::Gathering { min_since } => {
-                if waiting < min {
-                    *min_since = None;
-                    return;
-                }
-                let since = *min_since.get_or_insert(now);
-                if waiting >= self.config.max_ranks || now >= since + self.config.timeouts.last_call
-                {
-                    self.form(now);
-                }
-            }
-            Phase::Rejoin {
-                expected, deadline, ..
-            } => {
+        let (ended, survivors) = match &mut self.phase {
+            Phase::Settling { .. } | Phase::Running(_) => return,
+            Phase::Gathering { after } => (*after, None),
+            Phase::Rejoin { previous, expected } => {
                 expected.retain(|id| self.by_member.contains_key(id));
-                let all_in = expected.iter().all(|id| {
-                    self.by_member
-                        .get(id)
-                        .and_then(|c| self.conns.get(c))
-                        .is_some_and(|c| c.wants.is_some())
-                });
-                if all_in && waiting >= min {
-                    self.form(now);
-                } else if now >= *deadline {
-                    let missing: Vec<String> = expected
-                        .iter()
-                        .filter(|id| {
-                            self.by_member
-                                .get(*id)
-                                .and_then(|c| self.conns.get(c))
-                                .is_some_and(|c| c.wants.is_none())
-                        })
-                        .cloned()
-                        .collect();
-                    let previous = match &self.phase {
-                        Phase::Rejoin { previous, .. } => *previous,
-                        _ => 0,
-                    };
-                    for id in &missing {
-                        warn!(member = %id, generation = previous, "member did not rejoin in time; dropped");
-                        if let Some(c) = self.conn_of(id) {
-                            self.tell_stale(c, previous);
-                        }
-                    }
-                    self.phase = Phase::Gathering { min_since: None };
-                    if waiting >= min {
-                        self.form(now);
-                    }
-                }
+                (
+                    *previous,
+                    Some(expected.iter().cloned().collect::<Vec<_>>()),
+                )
             }
+        };
+        let waiting: Vec<(ConnId, &Member, u64)> = self
+            .conns
+            .iter()
+            .filter_map(|(&c, conn)| Some((c, conn.member.as_ref()?, conn.wants?.1)))
+            .collect();
+        let candidates: Vec<Candidate<'_>> = waiting
+            .iter()
+            .map(|&(_, member, arrival)| Candidate { member, arrival })
+            .collect();
+        let between = Between {
+            ended,
+            survivors: survivors.as_deref(),
+            waiting: &candidates,
+        };
+        let decision = self.config.policy().decide(&between, &mut self.timers, now);
+        let chosen: Vec<(Member, ConnId)> = match &decision.action {
+            Action::Form(members) => members
+                .iter()
+                .filter_map(|m| {
+                    let &(c, _, _) = waiting.iter().find(|(_, w, _)| w.id == m.id)?;
+                    Some((m.clone(), c))
+                })
+                .collect(),
+            Action::Wait | Action::ShutDown(_) => Vec::new(),
+        };
+        for id in &decision.late {
+            warn!(member = %id, generation = ended, "member did not rejoin in time; dropped");
+            if let Phase::Rejoin { expected, .. } = &mut self.phase {
+                expected.remove(id);
+            }
+            if let Some(c) = self.conn_of(id) {
+                self.tell_stale(c, ended);
+            }
+        }
+        match decision.action {
+            Action::Wait => {}
+            Action::Form(_) => self.form(chosen, now),
+            Action::ShutDown(reason) => self.shut_down(reason),
         }
     }
 
-    pub(super) fn form(&mut self, now: Instant) {
-        let preferred = match &self.phase {
-            Phase::Rejoin { expected, .. } => expected.clone(),
-            _ => BTreeSet::new(),
-        };
-        let mut candidates: Vec<(bool, u64, ConnId)> = self
-            .conns
-            .iter()
-            .filter_map(|(&c, conn)| {
-                let (_, arrival) = conn.wants?;
-                let member = conn.member.as_ref()?;
-                Some((!preferred.contains(&member.id), arrival, c))
-            })
-            .collect();
-        candidates.sort();
-        candidates.truncate(self.config.max_ranks);
-        let mut chosen: Vec<(Member, ConnId)> = candidates
-            .iter()
-            .filter_map(|&(_, _, c)| Some((self.conns.get(&c)?.member.clone()?, c)))
-            .collect();
-        chosen.sort_by(|(a, _), (b, _)| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
+    /// Forms the next generation of `chosen`, in rank order.
+    pub(super) fn form(&mut self, chosen: Vec<(Member, ConnId)>, now: Instant) {
         let generation = self.newest + 1;
         self.newest = generation;
         self.formed_any = true;
@@ -977,13 +985,8 @@ impl Core {
         });
         self.cause = cause;
         self.kv.clear();
-        self.below_min_since = None;
-        self.phase = Phase::Running(Running {
-            generation,
-            members: ids,
-            regroup_sent: false,
-            at_boundary: false,
-        });
+        self.timers.running();
+        self.phase = Phase::Running(Running::new(generation, ids));
     }
 
     pub(super) fn tick(&mut self, now: Instant) {
@@ -997,30 +1000,25 @@ impl Core {
                 }
             }
             Phase::Running(running) => {
+                let policy = self.config.policy();
                 let mut lost = Vec::new();
                 let mut causes = Vec::new();
-                let progress_ms = u64::try_from(self.config.timeouts.progress_timeout.as_millis())
-                    .unwrap_or(u64::MAX);
                 for id in &running.members {
                     let Some(conn) = self.by_member.get(id).and_then(|c| self.conns.get(c)) else {
                         continue;
                     };
                     let silent = now.saturating_duration_since(conn.last_seen);
-                    if silent > self.config.timeouts.heartbeat_timeout {
+                    if silent > policy.timeouts.heartbeat_timeout {
                         lost.push(id.clone());
-                        causes.push(format!(
-                            "lost member {id}: no heartbeat for {} ms",
-                            silent.as_millis()
+                        causes.push(lost_member(
+                            id,
+                            format_args!("no heartbeat for {} ms", silent.as_millis()),
                         ));
                     } else if let Some(p) = &conn.progress
-                        && !p.in_collective
-                        && p.idle_ms > progress_ms
+                        && policy.hung(p)
                     {
                         lost.push(id.clone());
-                        causes.push(format!(
-                            "lost member {id}: hung (training thread idle {} ms outside a collective)",
-                            p.idle_ms
-                        ));
+                        causes.push(hung_member(id, p.idle_ms));
                     }
                 }
                 if !lost.is_empty() {
@@ -1029,29 +1027,8 @@ impl Core {
             }
             Phase::Gathering { .. } | Phase::Rejoin { .. } => self.try_form(now),
         }
-        match self.phase {
-            Phase::Running(_) | Phase::Settling { .. } => self.below_min_since = None,
-            // A finished job is over already: nobody is awaited, and it is not
-            // shut down for lack of members once they have left.
-            _ if !self.members_seen || self.finished.is_some() => {}
-            _ => {
-                let waiting = self.waiting();
-                if waiting >= self.config.min_ranks {
-                    self.below_min_since = None;
-                } else {
-                    let since = *self.below_min_since.get_or_insert(now);
-                    if now.saturating_duration_since(since)
-                        >= self.config.timeouts.rendezvous_timeout
-                    {
-                        let reason = format!(
-                            "only {waiting} of at least {} members for {} s",
-                            self.config.min_ranks,
-                            self.config.timeouts.rendezvous_timeout.as_secs_f64()
-                        );
-                        self.shut_down(reason);
-                    }
-                }
-            }
+        if matches!(self.phase, Phase::Running(_) | Phase::Settling { .. }) {
+            self.timers.running();
         }
     }
 
@@ -1063,7 +1040,7 @@ impl Core {
         });
         self.shutdown = Some(reason.clone());
         self.kv.clear();
-        self.phase = Phase::Gathering { min_since: None };
+        self.phase = Phase::Gathering { after: self.newest };
         let all: Vec<ConnId> = self
             .conns
             .iter()
@@ -1101,7 +1078,7 @@ impl Core {
         let id = member.id;
         match &self.phase {
             Phase::Running(running) if running.members.contains(&id) => {
-                let cause = format!("lost member {id}: {reason}");
+                let cause = lost_member(&id, reason);
                 self.restart(cause, std::slice::from_ref(&id), false, now);
             }
             Phase::Settling { .. } | Phase::Running(_) => {}

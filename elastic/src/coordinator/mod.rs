@@ -38,6 +38,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use self::core::Core;
 use self::server::{accept_loop, tick_loop};
+use super::policy::Policy;
 use super::timeouts::{Timeouts, validate_ranks};
 
 /// What a coordinator decides with. Durations are wall-clock on the coordinator.
@@ -79,6 +80,15 @@ impl CoordinatorConfig {
         validate_ranks(self.min_ranks, self.max_ranks)?;
         self.timeouts.validate()
     }
+
+    /// The formation policy these settings give.
+    pub fn policy(&self) -> Policy {
+        Policy {
+            min_ranks: self.min_ranks,
+            max_ranks: self.max_ranks,
+            timeouts: self.timeouts,
+        }
+    }
 }
 
 /// A change of generation, for a launcher's recovery summary.
@@ -94,6 +104,21 @@ pub enum Event {
         cause: String,
         /// True when adopted from reconnecting members rather than formed anew.
         adopted: bool,
+        /// When.
+        at: SystemTime,
+    },
+    /// A member of the running generation left it on purpose ([`Report::Leaving`]:
+    /// preempted after its final save, or finished): it is no longer a member, and the
+    /// others were not aborted.
+    ///
+    /// [`Report::Leaving`]: crate::Report::Leaving
+    Left {
+        /// The generation it left.
+        generation: u64,
+        /// Its id.
+        member: String,
+        /// Why, as the next generation's cause will say it.
+        cause: String,
         /// When.
         at: SystemTime,
     },

@@ -9,6 +9,7 @@ use super::core::{ConnId, Core, Outcome, Phase};
 use super::server::OUTBOX;
 use super::{CoordinatorConfig, Event};
 use crate::protocol::{self, ClientMessage, ServerMessage};
+use crate::testing;
 use crate::{Assignment, Directive, Member, Progress, Report};
 
 struct Harness {
@@ -17,13 +18,9 @@ struct Harness {
     inboxes: HashMap<ConnId, Receiver<Arc<str>>>,
 }
 
+/// Member `i` on node `n{9 - i}`: ranks run against the ids.
 fn member(i: usize) -> Member {
-    Member {
-        job: "job".into(),
-        id: format!("m{i}"),
-        host: "h".into(),
-        node: format!("n{}", 9 - i),
-    }
+    testing::member("job", i, format!("n{}", 9 - i))
 }
 
 impl Harness {

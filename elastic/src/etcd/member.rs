@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use etcd_client::{LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use tracing::{debug, info, warn};
 
-use super::rules::{self, JobConfig, MemberRecord, Timers};
+use super::rules::{self, JobConfig, MemberRecord};
 use super::store::{Core, io};
+use crate::policy::Timers;
 use crate::{Directive, ElasticError, Member, Report};
 
 /// How often the rules are evaluated without a change (for their time windows).

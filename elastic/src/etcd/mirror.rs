@@ -74,6 +74,29 @@ impl Mirror {
         }
         let previous = self.current();
         let at = SystemTime::now();
+        if previous.is_running() && previous.generation == record.generation {
+            // Members that left the running generation on purpose (a lost member
+            // ends the generation instead, and keeps its place in the record).
+            let cause = match &record.state {
+                GenState::Running { left, .. } => left.clone(),
+                GenState::Ended { cause, .. } => Some(cause.clone()),
+                GenState::Shutdown { .. } => None,
+            };
+            for gone in previous
+                .members
+                .iter()
+                .filter(|m| record.rank_of(&m.id).is_none())
+            {
+                self.push(Event::Left {
+                    generation: record.generation,
+                    member: gone.id.clone(),
+                    cause: cause
+                        .clone()
+                        .unwrap_or_else(|| format!("member {} left", gone.id)),
+                    at,
+                });
+            }
+        }
         match &record.state {
             GenState::Running { .. }
                 if record.generation != previous.generation || !previous.is_running() =>

@@ -15,6 +15,7 @@ use super::member::Plane;
 use super::mirror::{MAX_VALUE, Mirror};
 use super::rules::{self, GenState, JobConfig, MemberRecord};
 use super::store::{Core, EtcdSettings, Runtime, settings_of};
+use crate::policy::ends_membership;
 use crate::{Assignment, Cancel, ControlPlane, Directive, ElasticError, Member, Progress, Report};
 
 /// The [`ControlPlane`] on etcd: one per member process.
@@ -193,7 +194,7 @@ impl ControlPlane for EtcdControlPlane {
                     .transition(|mirror| {
                         let current = mirror.current();
                         (current.generation <= after)
-                            .then(|| rules::on_leave_running(&current, &id))
+                            .then(|| rules::on_leave_running(&current, &id, &plane.config))
                             .flatten()
                     })
                     .await
@@ -239,8 +240,7 @@ impl ControlPlane for EtcdControlPlane {
             r.checkpoint_generation = r.checkpoint_generation.max(progress.checkpoint_generation)
         });
         let hung = generation > 0
-            && !progress.in_collective
-            && progress.idle_ms > self.inner.config.progress_timeout_ms
+            && self.inner.config.policy().hung(progress)
             && self.inner.hung_in.swap(generation, Ordering::SeqCst) != generation;
         let plane = self.inner.clone();
         let idle = progress.idle_ms;
@@ -302,7 +302,7 @@ impl ControlPlane for EtcdControlPlane {
     }
 
     fn report(&self, generation: u64, report: &Report) -> Result<(), ElasticError> {
-        if matches!(report, Report::Fatal { .. } | Report::Leaving { .. }) {
+        if ends_membership(report) {
             self.inner.update(|r| r.wants = None);
         }
         self.inner

@@ -4,15 +4,23 @@
 //! proposes the resulting generation record in a transaction that compares the
 //! record's revision: the first proposal wins, the others fail their comparison,
 //! re-read, and find nothing left to do. Keeping the rules free of I/O is what lets
-//! them be tested without etcd, and keeps them next to the built-in coordinator's
-//! (`coordinator.rs`) for comparison: same formation windows, same preference for the
-//! survivors of the last generation, same ordering of ranks, same floors.
+//! them be tested without etcd.
+//!
+//! What a generation is and when it forms is not decided here: that is the
+//! [formation policy](crate::policy), which the built-in coordinator follows too.
+//! This module translates the job's keys into the policy's terms and its answers
+//! into the next generation record, and decides what only etcd has: which records
+//! mean a member is gone, and what each member is told from the records it sees.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::policy::{
+    Action, Between, Candidate, Effect, End, Policy, Standing, Timers, hung_member, lost_member,
+    withdrawal,
+};
 use crate::timeouts::{Timeouts, millis, validate_ranks};
 use crate::{Assignment, CoordinatorConfig, Directive, Member, Report};
 
@@ -69,6 +77,15 @@ impl JobConfig {
             .max(2)
     }
 
+    /// The formation policy these settings give.
+    pub fn policy(&self) -> Policy {
+        Policy {
+            min_ranks: self.min_ranks,
+            max_ranks: self.max_ranks,
+            timeouts: self.timeouts(),
+        }
+    }
+
     /// Checks the values, naming the bad one (the coordinator's checks: a job's
     /// settings are valid on one backend exactly when they are on the other).
     pub fn validate(&self) -> Result<(), String> {
@@ -120,6 +137,10 @@ pub enum GenState {
         regroup: Option<String>,
         /// A member ended the generation at an agreed checkpoint boundary.
         at_boundary: bool,
+        /// Why the last member that left on purpose left (the next generation's
+        /// cause). Absent in records of older versions.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        left: Option<String>,
     },
     /// Over. `abort`: the members were told to restart (a failure); `expected`: who
     /// the next generation waits for; `dropped`: who was declared lost (told stale).
@@ -211,24 +232,28 @@ pub struct Live {
     pub revision: i64,
 }
 
-/// Local observation times: each agent measures the formation windows from when it
-/// saw their condition start; any agent's proposal is valid, the transaction picks one.
-#[derive(Debug, Default, Clone)]
-pub struct Timers {
-    /// (record generation, when `min_ranks` members were first seen waiting).
-    min_since: Option<(u64, Instant)>,
-    /// (generation, when its end was first seen): the join deadline's start.
-    ended_seen: Option<(u64, Instant)>,
-    /// When fewer than `min_ranks` members were first seen waiting.
-    below_min_since: Option<Instant>,
-}
-
-fn rank_order(members: &mut [Member]) {
-    members.sort_by(|a, b| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
+/// Where the running generation `current` stands, for the policy.
+fn standing(current: &GenRecord) -> Option<Standing<'_>> {
+    let GenState::Running {
+        regroup,
+        at_boundary,
+        left,
+    } = &current.state
+    else {
+        return None;
+    };
+    Some(Standing {
+        generation: current.generation,
+        world_size: current.members.len(),
+        regroup: regroup.as_deref(),
+        left: left.as_deref(),
+        at_boundary: *at_boundary,
+    })
 }
 
 /// What the world's state asks for, if anything: the next generation record.
-/// `live` holds every member record present in etcd.
+/// `live` holds every member record present in etcd; `timers` are this agent's
+/// observations of the policy's windows.
 pub fn next(
     current: &GenRecord,
     live: &BTreeMap<String, Live>,
@@ -242,8 +267,7 @@ pub fn next(
     match &current.state {
         GenState::Shutdown { .. } => None,
         GenState::Running { .. } => {
-            timers.min_since = None;
-            timers.below_min_since = None;
+            timers.running();
             let lost: Vec<&str> = current
                 .members
                 .iter()
@@ -255,7 +279,12 @@ pub fn next(
             }
             let cause = lost
                 .iter()
-                .map(|id| format!("lost member {id}: its lease ended (process gone, or silent for the heartbeat timeout)"))
+                .map(|id| {
+                    lost_member(
+                        id,
+                        "its lease ended (process gone, or silent for the heartbeat timeout)",
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join("; ");
             Some(current.ended(true, cause, &[], &lost))
@@ -264,72 +293,41 @@ pub fn next(
             expected, cause, ..
         } => {
             let waiting: Vec<&Live> = live.values().filter(|l| l.record.wants.is_some()).collect();
-            let min = config.min_ranks;
-            if waiting.len() < min {
-                timers.min_since = None;
-                let since = *timers.below_min_since.get_or_insert(now);
-                let limit = Duration::from_millis(config.rendezvous_timeout_ms);
-                if now.saturating_duration_since(since) >= limit {
-                    let reason = format!(
-                        "only {} of at least {min} members for {} s",
-                        waiting.len(),
-                        limit.as_secs_f64()
-                    );
+            let candidates: Vec<Candidate<'_>> = waiting
+                .iter()
+                .map(|l| Candidate {
+                    member: &l.record.member,
+                    arrival: u64::try_from(l.revision).unwrap_or(0),
+                })
+                .collect();
+            // Survivors to wait for: those the record names that are still there.
+            // None named (the first generation, or one that ended with nobody
+            // left): the last call.
+            let survivors: Option<Vec<String>> = (current.generation != 0 && !expected.is_empty())
+                .then(|| {
+                    expected
+                        .iter()
+                        .filter(|id| live.contains_key(*id))
+                        .cloned()
+                        .collect()
+                });
+            let between = Between {
+                ended: current.generation,
+                survivors: survivors.as_deref(),
+                waiting: &candidates,
+            };
+            // Who did not come by the join timeout is simply not in the next
+            // record: `directive` tells them they are stale once it forms.
+            let members = match config.policy().decide(&between, timers, now).action {
+                Action::Wait => return None,
+                Action::ShutDown(reason) => {
                     return Some(GenRecord {
                         state: GenState::Shutdown { reason },
                         ..current.clone()
                     });
                 }
-                return None;
-            }
-            timers.below_min_since = None;
-            let expected: Vec<&String> = expected
-                .iter()
-                .filter(|id| live.contains_key(*id))
-                .collect();
-            let ready =
-                if current.generation == 0 || expected.is_empty() && !ended_by_failure(current) {
-                    // Nothing to wait for but late starters: the last call.
-                    let since = match timers.min_since {
-                        Some((g, at)) if g == current.generation => at,
-                        _ => {
-                            timers.min_since = Some((current.generation, now));
-                            now
-                        }
-                    };
-                    waiting.len() >= config.max_ranks
-                        || now.saturating_duration_since(since)
-                            >= Duration::from_millis(config.last_call_ms)
-                } else {
-                    let all_in = expected
-                        .iter()
-                        .all(|id| live.get(*id).is_some_and(|l| l.record.wants.is_some()));
-                    let seen = match timers.ended_seen {
-                        Some((g, at)) if g == current.generation => at,
-                        _ => {
-                            timers.ended_seen = Some((current.generation, now));
-                            now
-                        }
-                    };
-                    all_in
-                        || now.saturating_duration_since(seen)
-                            >= Duration::from_millis(config.join_timeout_ms)
-                };
-            if !ready {
-                return None;
-            }
-            // Survivors first, then arrival order (the revision of the request).
-            let mut candidates: Vec<(bool, i64, &Live)> = waiting
-                .iter()
-                .map(|l| (!expected.contains(&&l.record.member.id), l.revision, *l))
-                .collect();
-            candidates.sort_by_key(|(late, revision, _)| (*late, *revision));
-            candidates.truncate(config.max_ranks);
-            let mut members: Vec<Member> = candidates
-                .iter()
-                .map(|(_, _, l)| l.record.member.clone())
-                .collect();
-            rank_order(&mut members);
+                Action::Form(members) => members,
+            };
             let newest_known = waiting
                 .iter()
                 .filter_map(|l| l.record.wants)
@@ -352,15 +350,12 @@ pub fn next(
                 state: GenState::Running {
                     regroup: None,
                     at_boundary: false,
+                    left: None,
                 },
                 finished: None,
             })
         }
     }
-}
-
-fn ended_by_failure(current: &GenRecord) -> bool {
-    matches!(current.state, GenState::Ended { abort: true, .. })
 }
 
 /// The record after `id`, a member of `generation`, reports `report`; `None`: no
@@ -377,93 +372,68 @@ pub fn on_report(
         return None;
     }
     let rank = current.rank_of(id)?;
-    if let Report::Finished { step } = report {
-        return (current.finished.is_none() && current.is_running()).then(|| GenRecord {
-            finished: Some(format!(
-                "the job finished: member {id} trained to step {step}"
-            )),
-            ..current.clone()
-        });
-    }
-    match (&current.state, report) {
-        (
-            GenState::Running {
-                regroup,
-                at_boundary,
-            },
-            _,
-        ) => match report {
-            Report::CollectiveFailed { peer, reason } => {
-                let peer = peer.map(|p| format!(" with rank {p}")).unwrap_or_default();
-                let cause = format!("member {id} (rank {rank}): collective failed{peer}: {reason}");
-                Some(current.ended(true, cause, &[], &[]))
-            }
-            Report::Fatal { reason } => {
-                let cause = format!("member {id} (rank {rank}) failed: {reason}");
-                Some(current.ended(true, cause, &[id], &[]))
-            }
-            Report::Leaving { reason } => {
-                // Not a failure: the others rendezvous by themselves at the boundary
-                // every member agreed on.
-                let mut next = current.clone();
-                next.members.retain(|m| m.id != id);
-                next.state = if next.members.is_empty() {
-                    GenState::Ended {
-                        abort: false,
-                        cause: format!("member {id} (rank {rank}) left: {reason}"),
-                        expected: Vec::new(),
-                        dropped: Vec::new(),
-                    }
-                } else {
-                    GenState::Running {
-                        regroup: regroup.clone(),
-                        at_boundary: true,
-                    }
-                };
-                Some(next)
-            }
-            Report::Committed { step } => {
-                if waiting == 0 || regroup.is_some() || current.members.len() >= config.max_ranks {
-                    return None;
-                }
-                let plural = if waiting == 1 { "" } else { "s" };
-                let cause =
-                    format!("grow: {waiting} waiting member{plural} (after step {step} committed)");
-                Some(GenRecord {
+    match &current.state {
+        GenState::Running {
+            regroup,
+            at_boundary,
+            left,
+        } => {
+            let standing = standing(current)?;
+            let running =
+                |regroup: Option<String>, at_boundary: bool, left: Option<String>| GenRecord {
                     state: GenState::Running {
-                        regroup: Some(cause),
-                        at_boundary: *at_boundary,
+                        regroup,
+                        at_boundary,
+                        left,
                     },
                     ..current.clone()
-                })
+                };
+            match config
+                .policy()
+                .on_report(id, rank, report, &standing, waiting)
+            {
+                Effect::None => None,
+                Effect::Restart {
+                    cause,
+                    drop_reporter,
+                } => {
+                    let leaving: &[&str] = if drop_reporter { &[id] } else { &[] };
+                    Some(current.ended(true, cause, leaving, &[]))
+                }
+                Effect::Leave { cause } => {
+                    // Not a failure: the others rendezvous by themselves at the
+                    // boundary every member agreed on.
+                    let mut next = running(regroup.clone(), true, Some(cause.clone()));
+                    next.members.retain(|m| m.id != id);
+                    if next.members.is_empty() {
+                        next.state = GenState::Ended {
+                            abort: false,
+                            cause,
+                            expected: Vec::new(),
+                            dropped: Vec::new(),
+                        };
+                    }
+                    Some(next)
+                }
+                Effect::Regroup { cause } => Some(running(Some(cause), *at_boundary, left.clone())),
+                Effect::AtBoundary => Some(running(regroup.clone(), true, left.clone())),
+                Effect::Finished { reason } => current.finished.is_none().then(|| GenRecord {
+                    finished: Some(reason),
+                    ..current.clone()
+                }),
             }
-            Report::Ended { .. } if !at_boundary => Some(GenRecord {
-                state: GenState::Running {
-                    regroup: regroup.clone(),
-                    at_boundary: true,
-                },
-                ..current.clone()
-            }),
-            Report::Ended { .. } | Report::Finished { .. } => None,
-        },
-        (
-            GenState::Ended {
-                abort,
-                cause,
-                expected,
-                dropped,
-            },
-            Report::Fatal { .. } | Report::Leaving { .. },
-        ) if expected.iter().any(|e| e == id) => {
-            let cause = match report {
-                // The root cause, when the peers' collective errors came first.
-                Report::Fatal { reason } => format!("member {id} failed: {reason}"),
-                _ => cause.clone(),
-            };
+        }
+        GenState::Ended {
+            abort,
+            cause,
+            expected,
+            dropped,
+        } if expected.iter().any(|e| e == id) => {
+            let root_cause = withdrawal(id, report)?;
             Some(GenRecord {
                 state: GenState::Ended {
                     abort: *abort,
-                    cause,
+                    cause: root_cause.unwrap_or_else(|| cause.clone()),
                     expected: expected.iter().filter(|e| *e != id).cloned().collect(),
                     dropped: dropped.clone(),
                 },
@@ -476,27 +446,15 @@ pub fn on_report(
 
 /// The record after `id`, running `current`, asks for a newer generation: the running
 /// one is over (without an abort at an agreed boundary, else with one).
-pub fn on_leave_running(current: &GenRecord, id: &str) -> Option<GenRecord> {
-    let GenState::Running {
-        regroup,
-        at_boundary,
-    } = &current.state
-    else {
-        return None;
-    };
+pub fn on_leave_running(current: &GenRecord, id: &str, config: &JobConfig) -> Option<GenRecord> {
+    let standing = standing(current)?;
     current.rank_of(id)?;
-    Some(if regroup.is_some() || *at_boundary {
-        let cause = regroup
-            .clone()
-            .unwrap_or_else(|| format!("generation {} ended at a checkpoint", current.generation));
-        current.ended(false, cause, &[], &[])
-    } else {
-        let cause = format!(
-            "member {id} left generation {} to rendezvous again",
-            current.generation
-        );
-        current.ended(true, cause, &[id], &[])
-    })
+    Some(
+        match config.policy().on_rendezvous_while_running(id, &standing) {
+            End::AtBoundary { cause } => current.ended(false, cause, &[], &[]),
+            End::Abort { cause } => current.ended(true, cause, &[id], &[]),
+        },
+    )
 }
 
 /// The record after `id` found its own training thread hung.
@@ -505,9 +463,7 @@ pub fn on_hung(current: &GenRecord, id: &str, idle_ms: u64) -> Option<GenRecord>
         return None;
     }
     current.rank_of(id)?;
-    let cause =
-        format!("lost member {id}: hung (training thread idle {idle_ms} ms outside a collective)");
-    Some(current.ended(true, cause, &[], &[id]))
+    Some(current.ended(true, hung_member(id, idle_ms), &[], &[id]))
 }
 
 /// What `id`, running `generation`, is told: from the newest record seen for that
@@ -584,13 +540,9 @@ pub fn directive(
 mod tests {
     use super::*;
 
+    /// Member `i`, two per node.
     fn member(i: usize) -> Member {
-        Member {
-            job: "j".into(),
-            id: format!("m{i}"),
-            host: "127.0.0.1".into(),
-            node: format!("n{}", i / 2),
-        }
+        crate::testing::member("j", i, format!("n{}", i / 2))
     }
 
     fn config(min: usize, max: usize) -> JobConfig {
@@ -627,6 +579,7 @@ mod tests {
             state: GenState::Running {
                 regroup: None,
                 at_boundary: false,
+                left: None,
             },
             finished: None,
         }
@@ -748,11 +701,11 @@ mod tests {
             matches!(d, Some(Directive::Regroup { generation: 2, .. })),
             "{d:?}"
         );
-        let ended = on_leave_running(&regroup, "m0").unwrap();
+        let ended = on_leave_running(&regroup, "m0", &c).unwrap();
         assert!(matches!(ended.state, GenState::Ended { abort: false, .. }));
         assert_eq!(directive("m1", 2, Some(&ended), &ended, false, false), None);
         // A member leaving a running generation on its own aborts the others.
-        let left = on_leave_running(&current, "m1").unwrap();
+        let left = on_leave_running(&current, "m1", &c).unwrap();
         let d = directive("m0", 2, Some(&left), &left, false, false);
         assert!(matches!(d, Some(Directive::Restart { .. })), "{d:?}");
         // Reports for another generation or from a non-member change nothing.
