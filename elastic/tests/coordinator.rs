@@ -839,6 +839,15 @@ fn fatal_and_leaving_reports_drop_the_reporting_member() {
             reason: "preempted".into(),
         })
         .unwrap();
+    // The report and the other member's rendezvous travel on different connections:
+    // wait until the coordinator has taken the leave, as a launcher sees it.
+    let left = coordinator.wait_for_event(PATIENCE, |e| {
+        matches!(e, Event::Left { generation, member, .. } if *generation == g2 && member == "m1")
+    });
+    assert!(
+        matches!(&left, Some(Event::Left { cause, .. }) if cause.contains("preempted")),
+        "{left:?}"
+    );
     let started = Instant::now();
     let g3 = assert_one_generation(&rendezvous_all(&[&agents[0]]), &["m0"]);
     assert!(g3 > g2);
