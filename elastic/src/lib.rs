@@ -82,6 +82,8 @@ pub mod coordinator;
 pub mod etcd;
 pub mod policy;
 pub mod protocol;
+#[cfg(test)]
+mod scenarios;
 pub mod tcp;
 #[cfg(test)]
 mod testing;

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use super::core::{ConnId, Core, Outcome, Phase};
 use super::server::OUTBOX;
 use super::{CoordinatorConfig, Event};
+use crate::policy::Policy;
 use crate::protocol::{self, ClientMessage, ServerMessage};
+use crate::scenarios::{self, Backend, Told};
 use crate::testing;
 use crate::{Assignment, Directive, Member, Progress, Report};
 
@@ -347,4 +349,115 @@ fn messages_before_hello_and_wrong_jobs_close_the_connection() {
     };
     let refused = h.core.handle(c, hello, h.t0);
     assert!(matches!(refused, Outcome::Close(reason) if reason.contains("job mismatch")));
+}
+
+/// The coordinator's `Core` as a [`Backend`] of the shared scenarios: one connection
+/// per member, its outbox read back as what the member is told.
+struct Scenarios {
+    core: Core,
+    conns: HashMap<String, ConnId>,
+    inboxes: Vec<(String, Receiver<Arc<str>>)>,
+}
+
+impl Scenarios {
+    fn send(&mut self, id: &str, message: ClientMessage, now: Instant) {
+        let c = self.conns[id];
+        self.core.handle(c, message, now);
+    }
+}
+
+impl Backend for Scenarios {
+    fn start(policy: Policy, t0: Instant) -> Self {
+        let mut config = CoordinatorConfig::new("job", policy.min_ranks, policy.max_ranks);
+        config.timeouts = policy.timeouts;
+        // A coordinator a launcher starts for a new job: nothing to adopt.
+        config.settle = Duration::ZERO;
+        Scenarios {
+            core: Core::new(config, t0),
+            conns: HashMap::new(),
+            inboxes: Vec::new(),
+        }
+    }
+
+    fn join(&mut self, member: &Member, now: Instant) {
+        let (tx, rx) = sync_channel(OUTBOX);
+        let c = self
+            .core
+            .register(None, tx, "127.0.0.1:1".parse().unwrap())
+            .unwrap();
+        self.conns.insert(member.id.clone(), c);
+        self.inboxes.push((member.id.clone(), rx));
+        let hello = ClientMessage::Hello {
+            version: protocol::VERSION,
+            member: member.clone(),
+            seen: 0,
+            checkpoint_generation: 0,
+            claim: None,
+        };
+        self.send(&member.id, hello, now);
+        self.send(&member.id, ClientMessage::Rendezvous { after: 0 }, now);
+    }
+
+    fn rendezvous(&mut self, id: &str, after: u64, now: Instant) {
+        self.send(id, ClientMessage::Rendezvous { after }, now);
+    }
+
+    fn heartbeat(&mut self, id: &str, generation: u64, progress: &Progress, now: Instant) {
+        let progress = progress.clone();
+        self.send(
+            id,
+            ClientMessage::Heartbeat {
+                generation,
+                progress,
+            },
+            now,
+        );
+    }
+
+    fn report(&mut self, id: &str, generation: u64, report: &Report, now: Instant) {
+        let report = report.clone();
+        self.send(id, ClientMessage::Report { generation, report }, now);
+    }
+
+    fn stop(&mut self, _: &str) {
+        // A stopped member sends nothing; what the coordinator sends waits in its
+        // socket, which the runner holds back until it wakes.
+    }
+
+    fn wake(&mut self, id: &str, generation: u64, now: Instant) {
+        self.heartbeat(id, generation, &Progress::default(), now);
+    }
+
+    fn exit(&mut self, id: &str, now: Instant) {
+        if let Some(c) = self.conns.remove(id) {
+            self.core.remove(c, "connection closed", now);
+        }
+    }
+
+    fn tick(&mut self, now: Instant) {
+        self.core.tick(now);
+    }
+
+    fn told(&mut self) -> Vec<(String, Told)> {
+        let mut told = Vec::new();
+        for (id, inbox) in &self.inboxes {
+            for line in inbox.try_iter() {
+                match protocol::decode(line.trim_end().as_bytes()).unwrap() {
+                    ServerMessage::Assigned { assignment } => {
+                        told.push((id.clone(), Told::Assigned(assignment)));
+                    }
+                    ServerMessage::Directive { directive } => {
+                        told.push((id.clone(), Told::Directive(directive)));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        told
+    }
+}
+
+#[test]
+fn the_shared_scenarios_hold_on_the_coordinator() {
+    scenarios::check_all::<Scenarios>("coordinator");
 }
