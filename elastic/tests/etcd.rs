@@ -99,12 +99,12 @@ fn concurrent_members_converge_on_one_generation_and_its_keys() {
         planes[1].kv_set(g + 1, "addr", "x"),
         Err(ElasticError::Rejected(_))
     ));
-    let formed = launcher
-        .events()
-        .iter()
-        .filter(|e| matches!(e, ckpt_elastic::Event::Formed { .. }))
-        .count();
-    assert!(formed >= 1, "the launcher sees the generation form");
+    // The launcher follows the job on a watch of its own, which may lag the members'.
+    let formed = launcher.wait_for_event(
+        Duration::from_secs(10),
+        |e| matches!(e, ckpt_elastic::Event::Formed { generation, .. } if *generation == g),
+    );
+    assert!(formed.is_some(), "the launcher sees the generation form");
 }
 
 #[test]

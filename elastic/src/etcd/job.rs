@@ -102,9 +102,29 @@ impl EtcdJob {
         });
     }
 
-    /// Generations formed and ended (and a shutdown) seen so far, oldest first.
+    /// Generations formed and ended, members that left, and a shutdown, seen so far,
+    /// oldest first.
     pub fn events(&self) -> Vec<Event> {
         self.core.lock().events.clone()
+    }
+
+    /// Blocks until an event (past or future) satisfies `predicate`, or `timeout`
+    /// passes (as [`CoordinatorHandle::wait_for_event`](crate::CoordinatorHandle::wait_for_event)).
+    pub fn wait_for_event(
+        &self,
+        timeout: Duration,
+        mut predicate: impl FnMut(&Event) -> bool,
+    ) -> Option<Event> {
+        let found = self.core.wait(
+            None,
+            Some(Instant::now() + timeout),
+            |mirror| {
+                let event = mirror.events.iter().find(|e| predicate(e))?;
+                Some(Ok(Some(event.clone())))
+            },
+            || Ok(None),
+        );
+        found.ok().flatten()
     }
 
     /// Why the job is over, once this launcher has seen it end (finished, or shut
