@@ -2,7 +2,6 @@
 //! `ckpt coordinator` binary where it must die and come back) and members made of
 //! [`TcpControlPlane`]s and [`Agent`]s, with timeouts of about a second.
 
-use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -11,12 +10,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
+mod common;
+
 use ckpt_elastic::protocol::{self, ClientMessage, MAX_LINE, ServerMessage};
 use ckpt_elastic::{
     Agent, AgentConfig, Assignment, Cancel, ControlPlane, Coordinator, CoordinatorConfig,
     CoordinatorHandle, Directive, ElasticError, Event, Member, Progress, Report, TcpControlPlane,
     TcpSettings, Timeouts,
 };
+use common::assert_one_generation;
 
 const JOB: &str = "elastic-test";
 /// Bound on waits for something that must happen.
@@ -44,14 +46,9 @@ fn start(config: CoordinatorConfig) -> CoordinatorHandle {
         .spawn()
 }
 
-/// Member `i`; two members per node, so ranks follow (node, id).
+/// Member `i` of this file's job.
 fn member(i: usize) -> Member {
-    Member {
-        job: JOB.into(),
-        id: format!("m{i}"),
-        host: "127.0.0.1".into(),
-        node: format!("node{}", i / 2),
-    }
+    common::member(JOB, i)
 }
 
 fn settings() -> TcpSettings {
@@ -103,26 +100,6 @@ fn spawn_rendezvous(
         let _ = tx.send(plane.rendezvous(after, &cancel));
     });
     rx
-}
-
-/// Asserts one generation: same number and members for all, ranks 0..n, members
-/// sorted by (node, id), each member at its rank.
-fn assert_one_generation(assignments: &[Assignment], ids: &[&str]) -> u64 {
-    let first = &assignments[0];
-    let mut ranks = BTreeSet::new();
-    for a in assignments {
-        assert_eq!(a.generation, first.generation, "{assignments:#?}");
-        assert_eq!(a.members, first.members);
-        assert_eq!(a.world_size, assignments.len());
-        ranks.insert(a.rank);
-    }
-    assert_eq!(ranks, (0..assignments.len()).collect::<BTreeSet<_>>());
-    let mut sorted = first.members.clone();
-    sorted.sort_by(|a, b| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
-    assert_eq!(first.members, sorted, "ranks follow (node, id)");
-    let got: BTreeSet<&str> = first.members.iter().map(|m| m.id.as_str()).collect();
-    assert_eq!(got, ids.iter().copied().collect::<BTreeSet<_>>());
-    first.generation
 }
 
 fn assert_rank_matches(agent: &Agent, id: &str) {

@@ -8,33 +8,19 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use ckpt_testkit::{Capability, has};
 
 use ckpt_elastic::{
     Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, EtcdControlPlane, EtcdJob,
-    EtcdSettings, EtcdUrl, Member,
+    EtcdSettings, EtcdUrl,
 };
+use common::{member, unique_job};
 
 fn url() -> EtcdUrl {
     // The tests check `has(Capability::Etcd)` first.
     EtcdUrl::parse(&ckpt_testkit::env("CKPT_TEST_ETCD")).unwrap()
-}
-
-fn job(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{name}-{}-{nanos}", std::process::id())
-}
-
-fn member(job: &str, i: usize) -> Member {
-    Member {
-        job: job.into(),
-        id: format!("m{i}"),
-        host: "127.0.0.1".into(),
-        node: format!("n{}", i / 2),
-    }
 }
 
 /// Publishes the job's settings and connects `n` members.
@@ -48,7 +34,7 @@ fn start_with(
     min: usize,
     heartbeat_timeout: Duration,
 ) -> (EtcdJob, Vec<Arc<EtcdControlPlane>>, String) {
-    let job = job(name);
+    let job = unique_job(name);
     let mut config = CoordinatorConfig::new(job.clone(), min, n);
     config.timeouts.heartbeat_timeout = heartbeat_timeout;
     let launcher = EtcdJob::connect(&url(), &config, EtcdSettings::default()).unwrap();
@@ -181,7 +167,7 @@ fn garbage_in_the_jobs_keys_is_ignored_and_a_settingsless_job_is_refused() {
         connect_timeout: Duration::from_millis(500),
         ..EtcdSettings::default()
     };
-    let lonely = EtcdControlPlane::connect(&url, member(&job("lonely"), 0), None, settings);
+    let lonely = EtcdControlPlane::connect(&url, member(&unique_job("lonely"), 0), None, settings);
     match lonely {
         Err(ElasticError::Rejected(e)) => assert!(e.contains("ckpt-train launch"), "{e}"),
         Err(e) => panic!("{e}"),
