@@ -15,8 +15,12 @@
 //!   forms *generations*: a numbered membership with ranks `0..world_size`.
 //! - Each rank process links an [`Agent`] over a [`ControlPlane`] backend
 //!   ([`TcpControlPlane`] to a coordinator, or `EtcdControlPlane` straight to an
-//!   etcd cluster, with no coordinator process, behind the `etcd` feature). The agent's own thread heartbeats and watches for [`Directive`]s,
-//!   so the training thread can be stuck in a collective and still be aborted.
+//!   etcd cluster, with no coordinator process, behind the `etcd` feature). The agent's own thread
+//!   heartbeats and watches for [`Directive`]s, so the training thread can be stuck
+//!   in a collective and still be aborted.
+//! - The [`policy`] decides, for both backends, when a generation forms, who is in
+//!   it, what a report does and when a job is shut down; [`timeouts`] holds the
+//!   windows it decides with, their defaults and their checks.
 //!
 //! # Protocol
 //!
@@ -25,7 +29,8 @@
 //! the generation it is running, if any), then asks to `rendezvous` for a generation
 //! newer than the one it had, heartbeats with its [`Progress`], sends [`Report`]s and
 //! sets keys. The coordinator answers with assignments, directives, key-value updates
-//! and errors. A generation forms when:
+//! and errors. A generation forms (by the rules of the [`policy`], which the etcd
+//! backend follows too) when:
 //!
 //! - no generation runs: at least `min_ranks` members wait and either `max_ranks`
 //!   are there or the `last_call` window since `min_ranks` was reached has passed (so
@@ -233,7 +238,8 @@ pub enum Report {
 }
 
 /// A control-plane backend (a TCP coordinator, or etcd). One value per member
-/// process. Every blocking call is bounded by a timeout or a [`Cancel`].
+/// process. Every blocking call is bounded by a timeout or a [`Cancel`]. Both backends
+/// pass the same conformance suite (`elastic/tests/conformance.rs`).
 pub trait ControlPlane: Send + Sync {
     /// Blocks until a generation newer than `after` includes this member (joining, or
     /// waiting as a new member while a generation runs). Err on cancel / timeout / bad
