@@ -15,9 +15,9 @@
 //!   forms *generations*: a numbered membership with ranks `0..world_size`.
 //! - Each rank process links an [`Agent`] over a [`ControlPlane`] backend
 //!   ([`TcpControlPlane`] to a coordinator, or `EtcdControlPlane` straight to an
-//!   etcd cluster, with no coordinator process, behind the `etcd` feature). The agent's own thread
-//!   heartbeats and watches for [`Directive`]s, so the training thread can be stuck
-//!   in a collective and still be aborted.
+//!   etcd cluster, with no coordinator process, behind the `etcd` feature). The
+//!   agent's own thread heartbeats and watches for [`Directive`]s, so the training
+//!   thread can be stuck in a collective and still be aborted.
 //! - The [`policy`] decides, for both backends, when a generation forms, who is in
 //!   it, what a report does and when a job is shut down; [`timeouts`] holds the
 //!   windows it decides with, their defaults and their checks.
