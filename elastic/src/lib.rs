@@ -86,6 +86,9 @@ mod cancel;
 pub mod coordinator;
 pub mod etcd;
 pub mod policy;
+// The wire format: public for the tests that speak it raw and for the peers that
+// reuse its line reader; not part of the API.
+#[doc(hidden)]
 pub mod protocol;
 #[cfg(test)]
 mod scenarios;
