@@ -51,6 +51,22 @@ impl BlockMap {
         }
     }
 
+    /// The blocks of `part`'s data file as raw bytes, whatever its codec: how a copy
+    /// of the staged file (raw, `crate::copies`) is laid out.
+    pub(crate) fn raw(part: &RankPart) -> Self {
+        Self {
+            block: part.block_size,
+            raw_len: part.file.raw_bytes,
+            codec: Codec::None,
+            frame_offsets: Vec::new(),
+        }
+    }
+
+    /// True when the blocks are stored as compressed frames.
+    pub(crate) fn is_compressed(&self) -> bool {
+        matches!(self.codec, Codec::Zstd { .. })
+    }
+
     /// Number of blocks.
     pub(crate) fn blocks(&self) -> u64 {
         self.raw_len.div_ceil(self.block)

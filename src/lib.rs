@@ -27,9 +27,14 @@
 //!
 //! **Loading.** Any rank of any later world size loads exactly the boxes it wants
 //! with a [`CheckpointReader`] ([`LoadRequest`] names tensors and [`Region`]s),
-//! verified block by block, or in place into its own buffers; bytes that come from
-//! elsewhere (a peer's in-memory copy of what it saved) are held to the same block
-//! checksums by [`copies`].
+//! verified block by block, or in place into its own buffers.
+//!
+//! **Recovering from memory.** With [`CheckpointConfig::keep_copy`] each rank keeps
+//! the file its save staged as an in-memory copy (no extra copy made), a
+//! [`copies::Copies`] holder pulls a replica of its ring predecessor's, and after a
+//! failure [`copies::load_into`] loads the survivors' new boxes from those copies,
+//! held to the same block checksums as the store, falling back to the store for
+//! whatever they cannot deliver ([`copies`]).
 //!
 //! **Offline.** [`tools`] has what the `ckpt` command runs: inspect, verify, diff,
 //! export, import, convert, reshard, gc. [`probe`] checks that a store supports what

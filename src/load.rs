@@ -192,11 +192,11 @@ pub struct Loaded {
 #[derive(Debug, Clone)]
 pub struct LoadPlan {
     /// (object key, its rank part, runs sorted by source offset) per data file.
-    files: Vec<(String, Arc<RankPart>, Vec<Run>)>,
+    pub(crate) files: Vec<(String, Arc<RankPart>, Vec<Run>)>,
     /// Bytes of each want's output, in request order.
-    sizes: Vec<u64>,
+    pub(crate) sizes: Vec<u64>,
     /// Counters so far (requested bytes, parts read).
-    stats: LoadStats,
+    pub(crate) stats: LoadStats,
 }
 
 impl LoadPlan {
@@ -263,11 +263,11 @@ pub struct CheckpointReader {
 /// A contiguous run of bytes: `len` bytes at raw file offset `src` go to byte `dst`
 /// of want `want`.
 #[derive(Debug, Clone, Copy)]
-struct Run {
-    src: u64,
-    len: u64,
-    want: usize,
-    dst: u64,
+pub(crate) struct Run {
+    pub(crate) src: u64,
+    pub(crate) len: u64,
+    pub(crate) want: usize,
+    pub(crate) dst: u64,
 }
 
 impl CheckpointReader {
@@ -304,6 +304,11 @@ impl CheckpointReader {
     /// The manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// The read tuning.
+    pub fn read_config(&self) -> &ReadConfig {
+        &self.config
     }
 
     /// The step.
@@ -449,18 +454,28 @@ impl CheckpointReader {
         request: &LoadRequest,
         outputs: &mut [&mut [u8]],
     ) -> Result<LoadStats> {
-        let sizes = request
-            .wants
-            .iter()
-            .map(|want| self.check_want(want).map(|(_, bytes)| bytes))
-            .collect::<Result<Vec<u64>>>()?;
-        check_outputs(request, &sizes, outputs)?;
+        self.check_outputs_of(request, outputs)?;
         let started = Instant::now();
         let plan = self.plan(request).await?;
         let planned = started.elapsed();
         let mut stats = self.execute_into(request, plan, outputs).await?;
         stats.timings.plan = planned;
         Ok(stats)
+    }
+
+    /// Checks the count and sizes of `outputs` against `request`'s wants, as the
+    /// manifest describes them (no I/O): the first check of a load in place.
+    pub(crate) fn check_outputs_of(
+        &self,
+        request: &LoadRequest,
+        outputs: &[&mut [u8]],
+    ) -> Result<()> {
+        let sizes = request
+            .wants
+            .iter()
+            .map(|want| self.check_want(want).map(|(_, bytes)| bytes))
+            .collect::<Result<Vec<u64>>>()?;
+        check_outputs(request, &sizes, outputs)
     }
 
     /// Checks one want against the manifest; returns its tensor and its size in
@@ -741,7 +756,7 @@ impl CheckpointReader {
 
     /// Compares each data file's stored size with what its part records (once per
     /// file and reader: tools load a checkpoint in many slabs).
-    async fn check_stored_sizes(&self, plan: &LoadPlan) -> Result<()> {
+    pub(crate) async fn check_stored_sizes(&self, plan: &LoadPlan) -> Result<()> {
         let claimed: Vec<(String, u64)> = {
             let sized = self.sized.lock().unwrap_or_else(|p| p.into_inner());
             plan.files
@@ -798,7 +813,11 @@ impl CheckpointReader {
     /// the poll that received them. So no thread can write into the outputs once
     /// the future is dropped, or even leaked with `mem::forget`, and the borrow of
     /// `outputs` ends.
-    async fn read_plan(&self, plan: LoadPlan, outputs: &mut [&mut [u8]]) -> Result<LoadStats> {
+    pub(crate) async fn read_plan(
+        &self,
+        plan: LoadPlan,
+        outputs: &mut [&mut [u8]],
+    ) -> Result<LoadStats> {
         let LoadPlan {
             files, mut stats, ..
         } = plan;
@@ -853,7 +872,7 @@ impl CheckpointReader {
 /// Runs `work`, which writes into a load's outputs, to its end within the current
 /// poll: through `block_in_place` on a multi-threaded runtime (the runtime moves its
 /// other tasks off this worker meanwhile), inline elsewhere.
-fn in_this_poll<T>(work: impl FnOnce() -> T) -> T {
+pub(crate) fn in_this_poll<T>(work: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
@@ -863,7 +882,7 @@ fn in_this_poll<T>(work: impl FnOnce() -> T) -> T {
 /// Runs `work` on every item, on at most `threads` scoped threads taking items in
 /// order, and returns the results in item order; after a failure no new item starts.
 /// Every thread is joined before this returns.
-fn on_threads<I: Send, T: Send>(
+pub(crate) fn on_threads<I: Send, T: Send>(
     items: Vec<I>,
     threads: usize,
     work: impl Fn(I) -> Result<T> + Sync,
@@ -911,7 +930,11 @@ fn check_plan(request: &LoadRequest, plan: &LoadPlan) -> Result<()> {
 }
 
 /// Checks the caller's buffers against the wants' sizes.
-fn check_outputs(request: &LoadRequest, sizes: &[u64], outputs: &[&mut [u8]]) -> Result<()> {
+pub(crate) fn check_outputs(
+    request: &LoadRequest,
+    sizes: &[u64],
+    outputs: &[&mut [u8]],
+) -> Result<()> {
     if outputs.len() != sizes.len() {
         return Err(Error::invalid(format!(
             "{} output buffers for {} requested boxes: load_into takes one per want, in request order",
@@ -968,7 +991,7 @@ fn zeroed(n: u64, tensor: &str) -> Result<Vec<u8>> {
 /// writes them meanwhile; (3) every write happens within a poll of the load's future
 /// (`in_this_poll`: scoped threads joined before the poll returns), so none can
 /// outlive the borrow, even when the future is dropped or leaked.
-struct Outputs {
+pub(crate) struct Outputs {
     buffers: Vec<(*mut u8, usize)>,
 }
 
@@ -980,7 +1003,7 @@ unsafe impl Send for Outputs {}
 unsafe impl Sync for Outputs {}
 
 impl Outputs {
-    fn new(outputs: &mut [&mut [u8]]) -> Self {
+    pub(crate) fn new(outputs: &mut [&mut [u8]]) -> Self {
         Self {
             buffers: outputs
                 .iter_mut()
@@ -998,7 +1021,7 @@ impl Outputs {
     /// before the poll of the load's future that made it returns. Bounds are checked
     /// here.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, want: usize, dst: u64, len: u64) -> &mut [u8] {
+    pub(crate) unsafe fn slice(&self, want: usize, dst: u64, len: u64) -> &mut [u8] {
         let (ptr, size) = self.buffers[want];
         let (dst, len) = (dst as usize, len as usize);
         assert!(
@@ -1013,15 +1036,15 @@ impl Outputs {
 
 /// What reading one file (or one batch) did.
 #[derive(Debug, Default)]
-struct Tally {
-    read: u64,
-    verified: u64,
-    copied: u64,
-    timings: LoadTimings,
+pub(crate) struct Tally {
+    pub(crate) read: u64,
+    pub(crate) verified: u64,
+    pub(crate) copied: u64,
+    pub(crate) timings: LoadTimings,
 }
 
 impl Tally {
-    fn add(&mut self, other: &Tally) {
+    pub(crate) fn add(&mut self, other: &Tally) {
         self.read += other.read;
         self.verified += other.verified;
         self.copied += other.copied;
@@ -1055,7 +1078,7 @@ enum Piece {
 /// A copy out of a batch's verified bytes: `len` bytes at offset `at` of the batch
 /// into bytes `dst..` of output `want`.
 #[derive(Debug, Clone, Copy)]
-struct Scatter {
+pub(crate) struct Scatter {
     at: u64,
     want: usize,
     dst: u64,
@@ -1068,19 +1091,19 @@ struct Scatter {
 const MAX_PIECES: usize = 256;
 
 /// One data file of a load.
-struct FileRead {
-    object: Arc<str>,
-    part: Arc<RankPart>,
-    map: Arc<BlockMap>,
+pub(crate) struct FileRead {
+    pub(crate) object: Arc<str>,
+    pub(crate) part: Arc<RankPart>,
+    pub(crate) map: Arc<BlockMap>,
     /// Sorted by source offset.
-    runs: Vec<Run>,
-    dest: Arc<Outputs>,
+    pub(crate) runs: Vec<Run>,
+    pub(crate) dest: Arc<Outputs>,
 }
 
 impl FileRead {
     /// The batches of whole blocks to read: the blocks the runs touch, merged, cut
     /// into pieces of at most `batch_bytes` raw bytes.
-    fn batches(&self, batch_bytes: u64) -> Vec<Range<u64>> {
+    pub(crate) fn batches(&self, batch_bytes: u64) -> Vec<Range<u64>> {
         let block = self.part.block_size;
         let mut needed: Vec<Range<u64>> = Vec::new();
         for run in &self.runs {
@@ -1103,7 +1126,7 @@ impl FileRead {
     }
 
     /// Raw byte range of `blocks`.
-    fn raw_range(&self, blocks: &Range<u64>) -> Range<u64> {
+    pub(crate) fn raw_range(&self, blocks: &Range<u64>) -> Range<u64> {
         let block = self.part.block_size;
         blocks.start * block..(blocks.end * block).min(self.part.file.raw_bytes)
     }
@@ -1111,7 +1134,7 @@ impl FileRead {
     /// The runs' pieces inside raw bytes `raw`, as copies out of a buffer holding
     /// exactly those bytes. `cursor` is the first run that may still matter; it only
     /// moves forward as batches do.
-    fn copies(&self, raw: &Range<u64>, cursor: &mut usize) -> Vec<Scatter> {
+    pub(crate) fn copies(&self, raw: &Range<u64>, cursor: &mut usize) -> Vec<Scatter> {
         while *cursor < self.runs.len()
             && self.runs[*cursor].src + self.runs[*cursor].len <= raw.start
         {
@@ -1190,8 +1213,8 @@ impl FileRead {
             })
             .collect();
         let batches = on_threads(jobs, config.batches_in_flight, |(blocks, raw, copies)| {
-            read_batch_local(
-                &file,
+            read_batch(
+                &mut |at, buffers| crate::blocks::read_into(&file, &self.object, at, buffers),
                 &self.object,
                 &self.part,
                 &self.map,
@@ -1266,12 +1289,17 @@ impl FileRead {
     }
 }
 
-/// Reads one batch of a plain local file: in place when its runs allow (one
-/// vectored read into the outputs and scratch for the bytes between them, then the
-/// CRC32 of each block over that memory), else into scratch, verified, then copied.
+/// A reader of raw bytes of a plain file into memory: `read(at, buffers)` fills
+/// `buffers`, back to back, with the bytes from raw offset `at` on.
+pub(crate) type ReadRaw<'a> = dyn FnMut(u64, &mut [&mut [u8]]) -> Result<()> + 'a;
+
+/// Reads one batch of a plain file (a local file, a peer's in-memory copy) through
+/// `read`: in place when its runs allow (one vectored read into the outputs and
+/// scratch for the bytes between them, then the CRC32 of each block over that
+/// memory), else into scratch, verified, then copied.
 #[allow(clippy::too_many_arguments)]
-fn read_batch_local(
-    file: &std::fs::File,
+pub(crate) fn read_batch(
+    read: &mut ReadRaw<'_>,
     object: &str,
     part: &RankPart,
     map: &BlockMap,
@@ -1324,7 +1352,7 @@ fn read_batch_local(
             })
             .collect();
         let (started, cpu) = (Instant::now(), thread_cpu());
-        crate::blocks::read_into(file, object, raw.start, &mut buffers)?;
+        read(raw.start, &mut buffers)?;
         tally.timings.read += started.elapsed();
         tally.timings.read_cpu += thread_cpu().saturating_sub(cpu);
         let started = Instant::now();
@@ -1350,9 +1378,10 @@ fn read_batch_local(
     Ok(tally)
 }
 
-/// Checks (and decompresses) the stored bytes of `blocks`, then copies the runs out
-/// of the verified raw bytes into the outputs.
-fn verify_and_copy(
+/// Checks (and decompresses, when `map` says the blocks are stored compressed) the
+/// stored bytes of `blocks`, then copies the runs out of the verified raw bytes into
+/// the outputs.
+pub(crate) fn verify_and_copy(
     object: &str,
     part: &RankPart,
     map: &BlockMap,
@@ -1361,7 +1390,7 @@ fn verify_and_copy(
     stored: Bytes,
     copies: &[Scatter],
 ) -> Result<Tally> {
-    let compressed = matches!(part.codec, Codec::Zstd { .. });
+    let compressed = map.is_compressed();
     let crcs = &part.file.block_crc32[blocks.start as usize..blocks.end as usize];
     let mut tally = Tally {
         read: stored.len() as u64,

@@ -20,7 +20,11 @@
 //!
 //! Memory is bounded by the staging pool: at most `max_in_flight` buffers, each the
 //! size of the rank's file, reused from save to save (capacity is kept, so after the
-//! first save no allocation or page fault happens on the hot path).
+//! first save no allocation or page fault happens on the hot path). With
+//! [`CheckpointConfig::keep_copy`] a save's buffer is also lent out as the rank's
+//! in-memory copy of the save ([`SaveHandle::copy`], `crate::copies`), and comes back
+//! to the pool when the last holder of that copy lets it go: the pool then holds one
+//! more buffer per copy kept.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -34,12 +38,13 @@ use tracing::{Instrument, debug, info_span, warn};
 use crate::attempt::{Attempt, data_file_name};
 use crate::codec::{block_crcs, compress_block};
 use crate::commit::{Outcome, Retry};
+use crate::copies::{CopyKey, RankCopy};
 use crate::error::{Error, Result};
 use crate::format::{
     Chunk, Codec, FORMAT_VERSION, FileEntry, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
     rank_part_name,
 };
-use crate::staging::{Source, StagingBuffer, copy_sources};
+use crate::staging::{Pool, Pooled, Source, StagingBuffer, copy_sources};
 use crate::writer::{PlannedBox, check_header, rank_file_header};
 
 /// Settings of a rank's checkpointer.
@@ -96,6 +101,16 @@ pub struct CheckpointConfig {
     /// bytes. A mismatch fails the save with [`Error::Mutated`], naming the tensor.
     /// Default: on in debug builds, off in release builds.
     pub check_staging: bool,
+    /// Keep each save's staged data file (header and boxes, raw, as the block CRC32s
+    /// cover it) as this rank's in-memory copy of the save: [`SaveHandle::copy`] hands
+    /// out a shared reference to the staging buffer itself, no byte copied, and the
+    /// buffer returns to the pool only when the save's upload and every holder of the
+    /// copy are done with it. So each copy kept costs one staging buffer (the size of
+    /// this rank's data file) for as long as it is kept, and a save while copies are
+    /// held takes a fresh buffer (page faults in its copy) unless
+    /// [`Checkpointer::warm_up`] prepared it. `crate::copies` keeps, replicates and
+    /// recovers from these copies. Default false.
+    pub keep_copy: bool,
 }
 
 impl CheckpointConfig {
@@ -115,6 +130,7 @@ impl CheckpointConfig {
             direct_io: true,
             copy_threads: (encode_threads()).clamp(1, 4),
             check_staging: cfg!(debug_assertions),
+            keep_copy: false,
             run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| {
                 if world_size == 1 {
                     crate::attempt::random_run_id()
@@ -207,6 +223,8 @@ pub struct SaveHandle {
     store: Store,
     status: watch::Receiver<Status>,
     staging: watch::Receiver<Staging>,
+    /// The staged file as an in-memory copy, once staged (with `keep_copy`).
+    copy: Option<watch::Receiver<Option<RankCopy>>>,
     role: Role,
     world_size: usize,
     commit_timeout: Duration,
@@ -298,6 +316,48 @@ impl SaveHandle {
     /// True once the staging copy has ended (successfully or not).
     pub fn is_staged(&self) -> bool {
         !matches!(*self.staging.borrow(), Staging::Copying)
+    }
+
+    /// This rank's data file of the save as it was staged, shared with the save
+    /// (with [`CheckpointConfig::keep_copy`]; no byte is copied): `None` until the
+    /// staging copy (and with device tensors, their device-to-host copies) has ended,
+    /// when staging failed, and without `keep_copy`. While this handle or any clone of
+    /// the copy lives, its staging buffer does not go back to the pool.
+    pub fn copy(&self) -> Option<RankCopy> {
+        self.copy.as_ref().and_then(|copy| copy.borrow().clone())
+    }
+
+    /// Waits for [`SaveHandle::copy`]. Errors: [`Error::Invalid`] without
+    /// [`CheckpointConfig::keep_copy`]; the staging error when staging failed.
+    pub async fn staged_copy(&self) -> Result<RankCopy> {
+        let Some(copy) = &self.copy else {
+            return Err(Error::invalid(format!(
+                "step {}: no in-memory copy without CheckpointConfig::keep_copy",
+                self.attempt.step
+            )));
+        };
+        let mut copy = copy.clone();
+        loop {
+            if let Some(held) = copy.borrow_and_update().clone() {
+                return Ok(held);
+            }
+            if copy.changed().await.is_err() {
+                if let Some(held) = copy.borrow().clone() {
+                    return Ok(held);
+                }
+                self.staged().await?;
+                return Err(Error::Failed(format!(
+                    "step {}: the save ended before its staged file could be kept",
+                    self.attempt.step
+                )));
+            }
+        }
+    }
+
+    /// The channel [`SaveHandle::copy`] reads, for a holder of copies that takes the
+    /// copy once it is there (`crate::copies::Copies::keep`).
+    pub(crate) fn copy_channel(&self) -> Option<watch::Receiver<Option<RankCopy>>> {
+        self.copy.clone()
     }
 
     /// The event recorded after the device-to-host copies of the save's device
@@ -448,7 +508,7 @@ fn outcome_result(attempt: &Attempt, outcome: Outcome) -> Result<()> {
 pub struct Checkpointer {
     store: Store,
     config: Arc<CheckpointConfig>,
-    pool: Arc<Mutex<Vec<StagingBuffer>>>,
+    pool: Arc<Pool>,
     slots: Arc<Semaphore>,
     /// The background task of every save not known to have ended, for
     /// [`Checkpointer::close`].
@@ -461,7 +521,7 @@ pub struct Checkpointer {
 }
 
 /// The staging buffer, shared with the upload as zero-copy `Bytes`.
-struct Staged(Arc<StagingBuffer>);
+struct Staged(Arc<Pooled>);
 
 impl AsRef<[u8]> for Staged {
     fn as_ref(&self) -> &[u8] {
@@ -474,7 +534,9 @@ struct Job {
     config: Arc<CheckpointConfig>,
     attempt: Attempt,
     role: Role,
-    buffer: Arc<StagingBuffer>,
+    buffer: Arc<Pooled>,
+    /// Where the staged file is published as an in-memory copy (with `keep_copy`).
+    copy: Option<watch::Sender<Option<RankCopy>>>,
     chunks: Vec<Chunk>,
     global: Option<BTreeMap<String, crate::format::StateValue>>,
     rank_state: BTreeMap<String, crate::format::StateValue>,
@@ -610,13 +672,17 @@ impl Checkpointer {
     /// Allocates the staging pool for saves of `state`'s size (its shape, not its
     /// values, matters) and faults every page in now, so that the first save of a
     /// job is not its slowest: `max_in_flight` buffers, each the size of this rank's
-    /// data file. Returns how long that took. Later saves of a larger state grow the
-    /// buffers again.
+    /// data file (two more with [`CheckpointConfig::keep_copy`], for the copies kept).
+    /// Returns how long that took. Later saves of a larger state grow the buffers
+    /// again.
     pub fn warm_up(&self, state: &crate::State<'_>) -> Result<Duration> {
         let started = Instant::now();
         let total = self.plan(0, state).total;
         let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-        while pool.len() < self.config.max_in_flight {
+        // Kept copies hold buffers of their own: the newest and the newest committed
+        // checkpoint's, as `crate::copies::Copies` keeps them.
+        let wanted = self.config.max_in_flight + if self.config.keep_copy { 2 } else { 0 };
+        while pool.len() < wanted {
             pool.push(StagingBuffer::new());
         }
         #[cfg(feature = "cuda")]
@@ -763,12 +829,19 @@ impl Checkpointer {
             None => Role::Waiter,
         };
         let (tx, rx) = watch::channel(Status::Writing);
+        let (copy_tx, copy_rx) = if self.config.keep_copy {
+            let (tx, rx) = watch::channel(None);
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
         let job = Job {
             store: self.store.clone(),
             config: self.config.clone(),
             attempt: attempt.clone(),
             role,
-            buffer: Arc::new(StagingBuffer::new()),
+            buffer: Arc::new(Pooled::unpooled(StagingBuffer::new())),
+            copy: copy_tx,
             chunks,
             // Global state is identical on every rank: rank 0's copy is stored.
             global: (self.config.rank == 0
@@ -791,6 +864,7 @@ impl Checkpointer {
             store: self.store.clone(),
             status: rx,
             staging: staging_rx,
+            copy: copy_rx,
             role,
             world_size: self.config.world_size,
             commit_timeout: self.config.commit_timeout,
@@ -1003,7 +1077,7 @@ fn check_staged(
 async fn run_job(
     mut job: Job,
     filled: Filled,
-    pool: Arc<Mutex<Vec<StagingBuffer>>>,
+    pool: Arc<Pool>,
     permit: OwnedSemaphorePermit,
     status: watch::Sender<Status>,
 ) {
@@ -1016,7 +1090,7 @@ async fn run_job(
             .unwrap_or_else(|e| Err(Error::Failed(format!("waiting for device copies: {e}")))),
         None => Ok(()),
     };
-    job.buffer = Arc::new(match filled {
+    let buffer = match filled {
         Filled::Ready(buffer) => buffer,
         Filled::Copying(copy) => {
             let failed = match copy.await {
@@ -1039,13 +1113,23 @@ async fn run_job(
                 }
             }
         }
-    });
+    };
     if let Err(e) = device_copies {
-        // The buffer is dropped with the job, not pooled: its copies failed.
+        // The buffer is dropped here, not pooled: its copies failed.
+        drop(buffer);
         drop(permit);
         warn!(step, error = %e, "checkpoint save failed while staging device tensors");
         give_up(&job.store, &job.config, &job.attempt, e, &status).await;
         return;
+    }
+    job.buffer = Arc::new(Pooled::new(buffer, &pool));
+    if let Some(copy) = job.copy.take() {
+        let key = CopyKey {
+            dir: job.attempt.dir(),
+            world: job.config.world_size as u32,
+            rank: job.config.rank as u32,
+        };
+        copy.send_replace(Some(RankCopy::staged(key, job.buffer.clone())));
     }
     let written = write_rank(&job).await;
     let Job {
@@ -1056,10 +1140,9 @@ async fn run_job(
         role,
         ..
     } = job;
-    // Give the buffer back before the slot, so the next save finds it.
-    if let Ok(buffer) = Arc::try_unwrap(buffer) {
-        pool.lock().unwrap_or_else(|p| p.into_inner()).push(buffer);
-    }
+    // Give the buffer back before the slot, so the next save finds it (unless an
+    // in-memory copy still holds it: it comes back when that is let go).
+    drop(buffer);
     drop(permit);
     let result = match (written, role) {
         (Ok(()), Role::Committer { index }) => {
@@ -1342,7 +1425,7 @@ async fn write_plain(job: &Job, file_key: &str) -> Result<u64> {
 /// unprivileged thread cannot raise its priority back), and the pool's I/O stays at
 /// normal priority.
 async fn encode(
-    buffer: Arc<StagingBuffer>,
+    buffer: Arc<Pooled>,
     block: usize,
     codec: Codec,
 ) -> Result<(Vec<u32>, Option<Vec<Bytes>>)> {
@@ -1462,4 +1545,70 @@ async fn upload(store: &Store, key: &str, pieces: &[Bytes]) -> Result<()> {
     }
     upload.finish().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pooled(checkpointer: &Checkpointer) -> usize {
+        checkpointer
+            .pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// A kept copy is the staged file, byte for byte what the store holds, and its
+    /// staging buffer goes back to the pool only once the copy is let go.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_copy_is_the_staged_file_and_its_buffer_returns_when_let_go() {
+        // On local disk: a memory store may keep the uploaded bytes themselves.
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::from_url(&format!("file://{}", dir.path().display())).unwrap();
+        let mut config = CheckpointConfig::new(0, 1);
+        config.keep_copy = true;
+        config.block_size = 4096;
+        let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
+        let mut state = crate::State::new();
+        state
+            .add_dim0_shard("t", crate::DType::U8, &[10_000], 0, 1, &data)
+            .unwrap();
+        let handle = checkpointer.save(1, &state).await.unwrap();
+        let copy = handle.staged_copy().await.unwrap();
+        handle.committed().await.unwrap();
+        assert!(copy.is_staging_buffer());
+        assert_eq!(copy.key().dir, handle.attempt().dir());
+        let reader = crate::CheckpointReader::open(&store, None).await.unwrap();
+        let part = reader.part(0).await.unwrap();
+        let stored = store
+            .get(&format!("{}/{}", handle.attempt().dir(), part.file.name))
+            .await
+            .unwrap();
+        assert!(copy.bytes() == &stored[..]);
+        // Held by the copy (and the handle): the next save takes a fresh buffer.
+        assert_eq!(pooled(&checkpointer), 0);
+        drop(handle);
+        assert_eq!(pooled(&checkpointer), 0, "the copy still holds the buffer");
+        drop(copy);
+        assert_eq!(pooled(&checkpointer), 1, "back to the pool");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_keep_copy_a_save_keeps_no_copy_and_pools_its_buffer() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::from_url(&format!("file://{}", dir.path().display())).unwrap();
+        let checkpointer = Checkpointer::new(store, CheckpointConfig::new(0, 1)).unwrap();
+        let data = [1u8; 100];
+        let mut state = crate::State::new();
+        state
+            .add_dim0_shard("t", crate::DType::U8, &[100], 0, 1, &data)
+            .unwrap();
+        let handle = checkpointer.save(1, &state).await.unwrap();
+        handle.committed().await.unwrap();
+        assert!(handle.copy().is_none());
+        assert!(matches!(handle.staged_copy().await, Err(Error::Invalid(_))));
+        assert_eq!(pooled(&checkpointer), 1);
+    }
 }

@@ -24,6 +24,7 @@
 
 use std::ops::Deref;
 use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, Weak};
 
 /// Alignment of staging buffers: the page size and the largest logical block size
 /// direct I/O needs.
@@ -208,6 +209,64 @@ impl std::fmt::Debug for StagingBuffer {
         f.debug_struct("StagingBuffer")
             .field("len", &self.len)
             .field("cap", &self.cap)
+            .finish()
+    }
+}
+
+/// A checkpointer's free staging buffers.
+pub(crate) type Pool = Mutex<Vec<StagingBuffer>>;
+
+/// A staging buffer on loan from a checkpointer's [`Pool`]: it goes back to the pool
+/// when the last reference to it is dropped, whoever holds that reference (the save's
+/// upload, or an in-memory copy of the save kept after it, `crate::copies`). A
+/// buffer whose checkpointer is gone is freed instead.
+pub(crate) struct Pooled {
+    buffer: StagingBuffer,
+    pool: Weak<Pool>,
+}
+
+impl Pooled {
+    /// `buffer`, to be given back to `pool`.
+    pub(crate) fn new(buffer: StagingBuffer, pool: &Arc<Pool>) -> Self {
+        Self {
+            buffer,
+            pool: Arc::downgrade(pool),
+        }
+    }
+
+    /// `buffer`, freed when dropped (a buffer that must not be reused).
+    pub(crate) fn unpooled(buffer: StagingBuffer) -> Self {
+        Self {
+            buffer,
+            pool: Weak::new(),
+        }
+    }
+}
+
+impl Deref for Pooled {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.buffer
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.upgrade() {
+            let buffer = std::mem::replace(&mut self.buffer, StagingBuffer::new());
+            if buffer.capacity() > 0 {
+                pool.lock().unwrap_or_else(|p| p.into_inner()).push(buffer);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Pooled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pooled")
+            .field("buffer", &self.buffer)
+            .field("pooled", &(self.pool.strong_count() > 0))
             .finish()
     }
 }

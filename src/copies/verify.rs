@@ -1,21 +1,17 @@
-//! Bytes of a committed data file that come from somewhere other than the store,
-//! checked against the block CRC32s its save computed.
+//! Checking bytes of a committed data file that come from somewhere other than the
+//! store against the block CRC32s its save computed, for copies of a rank's *boxes*
+//! kept outside the library.
 //!
-//! Why: a trainer that keeps in-memory copies of its newest checkpoint (every rank its
-//! own rows, and a replica of a neighbour's) rebuilds a failed world from RAM instead
-//! of the store. RAM is not more trustworthy than a disk: a peer's memory can rot, a
-//! buggy or stale peer can answer with the wrong rows, and nothing on the wire
-//! catches either. The save already wrote what the bytes must be, as the CRC32 of
-//! every block of the rank's data file (`docs/FORMAT.md` section 3.1); reading a copy
-//! through [`read_verified`] holds it to the same check as a read from the store, and
-//! a mismatch is an error the caller answers by reading the store instead.
-//!
-//! A copy holds a rank's boxes (the tensors' data), not its file. The file's raw bytes
-//! are the safetensors header followed by the boxes back to back, so every block is
-//! rebuilt from the header — a function of the rank part, rebuilt here with the
-//! writer's own code — and the boxes' bytes, which the caller reads from wherever it
-//! keeps them. Blocks straddle boxes, so checking one box's bytes costs reading the
-//! neighbouring bytes its first and last blocks share (at most two blocks more).
+//! The copies this module's parent keeps are whole staged files, checked block by
+//! block as they are read ([`super::load_into`]). A trainer may instead keep copies of
+//! its tensors' data only (the boxes, not the file), in memory of its own. The file's
+//! raw bytes are the safetensors header followed by the boxes back to back, so every
+//! block is rebuilt from the header — a function of the rank part, rebuilt here with
+//! the writer's own code ([`file_header`]) — and the boxes' bytes, which the caller
+//! reads from wherever it keeps them ([`read_verified`]). Blocks straddle boxes, so
+//! checking one box's bytes costs reading the neighbouring bytes its first and last
+//! blocks share (at most two blocks more). A mismatch is an error the caller answers
+//! by reading the store instead.
 
 use std::ops::Range;
 

@@ -1,0 +1,489 @@
+//! The holder of one rank's copies: which it keeps, for how long, within what memory.
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::net::{Pull, Server, pull_replicas};
+use super::{CopyKey, RankCopy};
+use crate::error::{Error, Result};
+use crate::save::SaveHandle;
+
+/// Settings of a [`Copies`] holder.
+#[derive(Debug, Clone)]
+pub struct CopyConfig {
+    /// Most bytes of copies (own copies and replicas together) held at once; a copy
+    /// that would pass it is not kept. Default: no bound (two checkpoints' own copies
+    /// and replicas, about four times the rank's share of a checkpoint).
+    pub max_bytes: u64,
+    /// How long a peer may take to accept a connection or answer one request before it
+    /// is given up on. Default 5 s.
+    pub peer_timeout: Duration,
+    /// How long a replica pull waits for its source to have staged the copy. Default
+    /// 30 s.
+    pub pull_patience: Duration,
+    /// Peer connections the copy server serves at once; further ones are answered
+    /// with an error and closed. Default 64.
+    pub max_connections: usize,
+}
+
+impl Default for CopyConfig {
+    fn default() -> Self {
+        Self {
+            max_bytes: u64::MAX,
+            peer_timeout: Duration::from_secs(5),
+            pull_patience: Duration::from_secs(30),
+            max_connections: 64,
+        }
+    }
+}
+
+/// The copies one rank holds, shared with its copy server and replica puller.
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    /// Own copies and replicas (true for a replica).
+    copies: Vec<(RankCopy, bool)>,
+    /// Own copies of saves still staging: (attempt directory, where the copy comes).
+    pending: Vec<(String, watch::Receiver<Option<RankCopy>>)>,
+    /// The newest checkpoint this rank saved.
+    newest: Option<String>,
+    /// The newest checkpoint this rank knows to be committed.
+    confirmed: Option<String>,
+    max_bytes: u64,
+    /// Replica pulls asked for, and ended (arrived or given up).
+    pulls_asked: u64,
+    pulls_ended: u64,
+}
+
+impl Held {
+    /// True when copies of the save in `dir` are kept.
+    pub(crate) fn kept(&self, dir: &str) -> bool {
+        self.newest.as_deref() == Some(dir) || self.confirmed.as_deref() == Some(dir)
+    }
+
+    /// Bytes of the copies held.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.copies.iter().map(|(c, _)| c.len()).sum()
+    }
+
+    /// Takes the own copies whose saves have staged since the last look; drops those
+    /// whose saves failed to stage.
+    pub(crate) fn settle(&mut self) {
+        let mut staged = Vec::new();
+        self.pending.retain(|(_, copy)| {
+            if let Some(copy) = copy.borrow().clone() {
+                staged.push(copy);
+                return false;
+            }
+            // Closed without a copy: the save failed while staging.
+            copy.has_changed().is_ok()
+        });
+        for copy in staged {
+            if let Err(why) = self.put(copy, false) {
+                tracing::info!("{why}");
+            }
+        }
+    }
+
+    /// Lets go of every copy of a checkpoint that is neither the newest saved nor the
+    /// newest committed.
+    fn evict(&mut self) {
+        let (newest, confirmed) = (self.newest.take(), self.confirmed.take());
+        let kept = |dir: &str| newest.as_deref() == Some(dir) || confirmed.as_deref() == Some(dir);
+        self.copies.retain(|(c, _)| kept(&c.key.dir));
+        self.pending.retain(|(dir, _)| kept(dir));
+        (self.newest, self.confirmed) = (newest, confirmed);
+    }
+
+    /// Holds `copy` (an own copy, or a `replica`), replacing one of the same key, if
+    /// its checkpoint is kept and it fits the budget; says why not otherwise. Own
+    /// copies come first: to fit one, replicas are let go (an own copy serves this
+    /// rank's recovery and its successor's replica; a replica only a neighbour's).
+    pub(crate) fn put(&mut self, copy: RankCopy, replica: bool) -> std::result::Result<(), String> {
+        if !self.kept(&copy.key.dir) {
+            return Err(format!(
+                "copy of {} not kept: neither the newest nor the committed checkpoint",
+                copy.key
+            ));
+        }
+        self.copies.retain(|(c, _)| c.key != copy.key);
+        if !replica {
+            while self.fits(copy.len()).is_err() {
+                let Some(at) = self.copies.iter().position(|(_, replica)| *replica) else {
+                    break;
+                };
+                let (evicted, _) = self.copies.remove(at);
+                tracing::info!(
+                    "replica of {} let go to make room for this rank's own copy",
+                    evicted.key
+                );
+            }
+        }
+        self.fits(copy.len())
+            .map_err(|why| format!("copy of {} not kept: {why}", copy.key))?;
+        self.copies.push((copy, replica));
+        Ok(())
+    }
+
+    /// Whether `len` more bytes fit the budget.
+    pub(crate) fn fits(&self, len: u64) -> std::result::Result<(), String> {
+        let held = self.bytes();
+        if held.saturating_add(len) > self.max_bytes {
+            return Err(format!(
+                "{len} bytes would pass the budget of {} bytes ({held} held)",
+                self.max_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// The copy named `key`, if held.
+    pub(crate) fn get(&mut self, key: &CopyKey) -> Option<RankCopy> {
+        self.settle();
+        self.copies
+            .iter()
+            .find(|(c, _)| &c.key == key)
+            .map(|(c, _)| c.clone())
+    }
+}
+
+/// A lock on the held copies, with the condition signalled whenever one arrives.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    held: Mutex<Held>,
+    arrived: Condvar,
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Holds a replica that just arrived, and wakes whoever waits for it.
+    pub(crate) fn put_replica(&self, copy: RankCopy) -> std::result::Result<(), String> {
+        let result = self.lock().put(copy, true);
+        self.arrived.notify_all();
+        result
+    }
+
+    /// Counts a replica pull as ended, and wakes whoever waits for that.
+    pub(crate) fn pull_ended(&self) {
+        self.lock().pulls_ended += 1;
+        self.arrived.notify_all();
+    }
+}
+
+/// This rank's in-memory copies: its own copies of its saves, the replicas it pulled
+/// of its ring predecessor's, and (with [`Copies::serve`]) the server that hands
+/// them to peers. See the [module docs](super) for what is kept and why.
+///
+/// Dropping it stops its server and its replica puller (a pull under way ends at its
+/// next request).
+#[derive(Debug)]
+pub struct Copies {
+    config: CopyConfig,
+    shared: Arc<Shared>,
+    server: Option<Server>,
+    pulls: Option<Mutex<mpsc::Sender<Pull>>>,
+}
+
+impl Copies {
+    /// A holder without a server: it keeps its own copies and reads peers' at a
+    /// recovery, but serves none and pulls no replica.
+    pub fn new(config: CopyConfig) -> Self {
+        let shared = Arc::new(Shared::default());
+        shared.lock().max_bytes = config.max_bytes;
+        Self {
+            config,
+            shared,
+            server: None,
+            pulls: None,
+        }
+    }
+
+    /// A holder whose copies are served to peers on `ip` (any free port, see
+    /// [`Copies::addr`]), with a background thread that pulls the replicas asked for
+    /// by [`Copies::replicate`].
+    pub fn serve(ip: IpAddr, config: CopyConfig) -> std::io::Result<Self> {
+        let mut copies = Self::new(config);
+        let listener = TcpListener::bind((ip, 0))?;
+        copies.server = Some(Server::start(
+            listener,
+            copies.shared.clone(),
+            copies.config.clone(),
+        )?);
+        let (tx, rx) = mpsc::channel::<Pull>();
+        let (shared, config) = (copies.shared.clone(), copies.config.clone());
+        std::thread::Builder::new()
+            .name("ckpt-copy-pull".into())
+            .spawn(move || pull_replicas(rx, &shared, &config))?;
+        copies.pulls = Some(Mutex::new(tx));
+        Ok(copies)
+    }
+
+    /// Where peers fetch this rank's copies (`None` without a server).
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(Server::addr)
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CopyConfig {
+        &self.config
+    }
+
+    /// Keeps the save `handle` follows as this rank's own copy, once it has staged
+    /// (the holder takes it then, without waiting here); its checkpoint is now the
+    /// newest, and copies of checkpoints neither newest nor committed are let go.
+    ///
+    /// Errors: [`Error::Invalid`] when the save keeps no copy (its checkpointer lacks
+    /// [`CheckpointConfig::keep_copy`](crate::CheckpointConfig::keep_copy)).
+    pub fn keep(&self, handle: &SaveHandle) -> Result<()> {
+        let copy = handle.copy_channel().ok_or_else(|| {
+            Error::invalid(format!(
+                "step {}: the save keeps no copy (CheckpointConfig::keep_copy is off)",
+                handle.step()
+            ))
+        })?;
+        let dir = handle.attempt().dir();
+        let mut held = self.shared.lock();
+        held.newest = Some(dir.clone());
+        held.pending.retain(|(d, _)| *d != dir);
+        held.pending.push((dir, copy));
+        held.evict();
+        held.settle();
+        Ok(())
+    }
+
+    /// Keeps `copy` as this rank's own copy of a save (made elsewhere: an adapter's,
+    /// or a test's); its checkpoint is now the newest. Returns false, with the reason
+    /// logged, when it does not fit [`CopyConfig::max_bytes`].
+    pub fn keep_copy(&self, copy: RankCopy) -> bool {
+        let mut held = self.shared.lock();
+        held.newest = Some(copy.key.dir.clone());
+        held.evict();
+        held.settle();
+        let kept = held.put(copy, false);
+        drop(held);
+        self.shared.arrived.notify_all();
+        match kept {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::info!("{why}");
+                false
+            }
+        }
+    }
+
+    /// Notes that the checkpoint saved in `dir` is committed: a failure resumes from
+    /// it until a newer one is, so its copies are kept until then.
+    pub fn confirm(&self, dir: &str) {
+        let mut held = self.shared.lock();
+        held.confirmed = Some(dir.to_string());
+        held.evict();
+    }
+
+    /// Starts pulling, in the background, a replica of `key`'s copy from the copy
+    /// server at `from` (which may not have staged it yet: the pull waits up to
+    /// [`CopyConfig::pull_patience`]). Does nothing on a holder without a server. A
+    /// replica is kept only while its checkpoint is (see [`Copies::keep`]) and within
+    /// the budget; it is logged at debug level when it arrives ("replica pulled"), and
+    /// at info level when it does not.
+    pub fn replicate(&self, from: SocketAddr, key: CopyKey) {
+        if let Some(pulls) = &self.pulls {
+            let pulls = pulls.lock().unwrap_or_else(|p| p.into_inner());
+            self.shared.lock().pulls_asked += 1;
+            if pulls.send(Pull { from, key }).is_err() {
+                self.shared.pull_ended();
+            }
+        }
+    }
+
+    /// Waits up to `timeout` until every replica asked for so far has arrived or been
+    /// given up; true once they have.
+    pub fn wait_for_pulls(&self, timeout: Duration) -> bool {
+        self.wait_until(timeout, |held| held.pulls_ended >= held.pulls_asked)
+    }
+
+    /// The copy named `key`, if held.
+    pub fn get(&self, key: &CopyKey) -> Option<RankCopy> {
+        self.shared.lock().get(key)
+    }
+
+    /// Waits up to `timeout` for the copy named `key` to be held (a replica being
+    /// pulled, an own copy still staging); true once it is.
+    pub fn wait_for(&self, key: &CopyKey, timeout: Duration) -> bool {
+        self.wait_until(timeout, |held| held.get(key).is_some())
+    }
+
+    /// Waits up to `timeout` for `done` to hold of the held copies.
+    fn wait_until(&self, timeout: Duration, mut done: impl FnMut(&mut Held) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut held = self.shared.lock();
+        loop {
+            if done(&mut held) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            // Own copies settle without a signal: look again at least every 10 ms.
+            let pause = left.min(Duration::from_millis(10));
+            held = self
+                .shared
+                .arrived
+                .wait_timeout(held, pause)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Bytes of the copies held.
+    pub fn held_bytes(&self) -> u64 {
+        let mut held = self.shared.lock();
+        held.settle();
+        held.bytes()
+    }
+
+    /// This rank's record for the table of holdings: its server and every copy held.
+    pub fn holding(&self) -> Holding {
+        let mut held = self.shared.lock();
+        held.settle();
+        Holding {
+            addr: self.addr(),
+            held: held.copies.iter().map(|(c, _)| c.key.clone()).collect(),
+        }
+    }
+}
+
+impl Drop for Copies {
+    fn drop(&mut self) {
+        // The puller ends when its channel closes; the server is stopped by its own
+        // drop.
+        self.pulls = None;
+    }
+}
+
+/// What one rank holds, as published to the others at the start of a recovery (an
+/// all-gather of fixed-size records, [`Holding::encode`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holding {
+    /// Its copy server, if it has one.
+    pub addr: Option<SocketAddr>,
+    /// The copies it holds.
+    pub held: Vec<CopyKey>,
+}
+
+/// Size of one rank's record in the table of holdings (JSON, padded with spaces).
+const RECORD: usize = 1024;
+
+impl Holding {
+    /// Size of one record.
+    pub const SIZE: usize = RECORD;
+
+    /// The fixed-size record ([`Holding::SIZE`] bytes) exchanged with an all-gather.
+    /// Copies that do not fit are left out: they are only an optimization.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut record = self.clone();
+        loop {
+            let mut bytes = serde_json::to_vec(&record).expect("a holding serializes");
+            if bytes.len() <= RECORD {
+                bytes.resize(RECORD, b' ');
+                return bytes;
+            }
+            record.held.pop();
+        }
+    }
+
+    /// Reads a record; a malformed one holds nothing.
+    pub fn decode(record: &[u8]) -> Self {
+        serde_json::from_slice(record.trim_ascii_end()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(dir: &str, rank: u32) -> CopyKey {
+        CopyKey {
+            dir: dir.into(),
+            world: 2,
+            rank,
+        }
+    }
+
+    fn copy(dir: &str, rank: u32, len: usize) -> RankCopy {
+        RankCopy::new(key(dir, rank), vec![rank as u8; len])
+    }
+
+    #[test]
+    fn only_the_newest_and_the_confirmed_checkpoints_are_kept() {
+        let copies = Copies::new(CopyConfig::default());
+        assert!(copies.keep_copy(copy("a", 0, 10)));
+        copies.confirm("a");
+        assert!(copies.keep_copy(copy("b", 0, 10)));
+        assert!(copies.get(&key("a", 0)).is_some() && copies.get(&key("b", 0)).is_some());
+        assert!(copies.keep_copy(copy("c", 0, 10)));
+        assert!(copies.get(&key("a", 0)).is_some(), "confirmed: kept");
+        assert!(
+            copies.get(&key("b", 0)).is_none(),
+            "neither newest nor confirmed"
+        );
+        copies.confirm("c");
+        assert!(copies.get(&key("a", 0)).is_none());
+        assert_eq!(copies.holding().held, vec![key("c", 0)]);
+        assert_eq!(copies.held_bytes(), 10);
+        // A replica of a checkpoint that is not kept is refused.
+        let refused = copies.shared.put_replica(copy("b", 1, 10)).unwrap_err();
+        assert!(refused.contains("neither the newest"), "{refused}");
+        copies.shared.put_replica(copy("c", 1, 10)).unwrap();
+        assert_eq!(copies.holding().held, vec![key("c", 0), key("c", 1)]);
+    }
+
+    #[test]
+    fn copies_past_the_budget_are_not_kept() {
+        let copies = Copies::new(CopyConfig {
+            max_bytes: 25,
+            ..CopyConfig::default()
+        });
+        assert!(copies.keep_copy(copy("a", 0, 10)));
+        copies.shared.put_replica(copy("a", 1, 10)).unwrap();
+        let over = copies.shared.put_replica(copy("a", 1, 16)).unwrap_err();
+        assert!(over.contains("budget of 25 bytes"), "{over}");
+        assert!(copies.held_bytes() <= 25);
+        // A newer save lets the old copies go, and its own fits again.
+        assert!(copies.keep_copy(copy("b", 0, 20)));
+        assert_eq!(copies.held_bytes(), 20);
+        assert!(!copies.keep_copy(copy("b", 0, 26)), "alone over the budget");
+        assert!(copies.held_bytes() <= 25);
+        // An own copy that arrives after a replica takes its room.
+        copies.shared.put_replica(copy("b", 1, 20)).unwrap();
+        assert!(copies.keep_copy(copy("b", 0, 10)));
+        assert_eq!(copies.holding().held, vec![key("b", 0)]);
+    }
+
+    #[test]
+    fn oversized_holdings_drop_copies_instead_of_failing() {
+        let held: Vec<CopyKey> = (0..100)
+            .map(|r| CopyKey {
+                dir: format!("step-{r}/g00000001-some-long-run-id"),
+                world: 100,
+                rank: r,
+            })
+            .collect();
+        let h = Holding {
+            addr: Some("127.0.0.1:1".parse().unwrap()),
+            held,
+        };
+        let record = h.encode();
+        assert_eq!(record.len(), Holding::SIZE);
+        let back = Holding::decode(&record);
+        assert!(!back.held.is_empty() && back.held.len() < 100);
+        assert_eq!(back.held[..], h.held[..back.held.len()]);
+        assert_eq!(Holding::decode(b"garbage"), Holding::default());
+    }
+}

@@ -1,0 +1,204 @@
+//! In-memory copies of the newest checkpoints, so that the survivors of a failure
+//! rebuild their state from RAM instead of reading it back from the store.
+//!
+//! # Why
+//!
+//! When one rank of N dies, the survivors already hold almost all of the checkpoint
+//! they are about to resume from (each saved its share a few steps ago), and the store
+//! is the slowest place to read it back from. So with
+//! [`CheckpointConfig::keep_copy`](crate::CheckpointConfig::keep_copy) every rank
+//! keeps, through a [`Copies`] holder:
+//!
+//! - its **own copy** of each save: the rank's data file exactly as the
+//!   [`Checkpointer`](crate::Checkpointer) staged it (safetensors header and boxes,
+//!   raw, whatever the dtypes, the boxes and the codec), shared with the save rather
+//!   than copied ([`SaveHandle::copy`](crate::SaveHandle::copy));
+//! - a **replica** of its ring predecessor's copy, pulled in the background over TCP
+//!   from the predecessor's copy server once the predecessor has staged it
+//!   ([`Copies::replicate`]).
+//!
+//! Any set of lost ranks of which no two are ring neighbours therefore loses no byte.
+//! At a recovery the ranks publish which copies they hold ([`Holding`], exchanged by
+//! the trainer's own collective), and each rank loads what it needs in the new world
+//! with [`load_into`]: the same [`LoadRequest`](crate::LoadRequest) and in-place
+//! outputs as [`CheckpointReader::load_into`](crate::CheckpointReader::load_into),
+//! each saved rank's file taken from its own copy, else a peer's, else the store.
+//!
+//! # Safety rules
+//!
+//! - **Memory never decides what is committed.** The caller opens the checkpoint to
+//!   resume from through the store's commit log, as for any load; copies are only a
+//!   faster place to read the committed bytes from.
+//! - **Memory is not trusted more than the store.** Every block taken from a copy, a
+//!   peer's or the rank's own, is checked against the block CRC32s that the committed
+//!   rank part records before its bytes count; a copy that differs (memory that
+//!   rotted, a peer serving other bytes) is named in a [`Fallback`], with its holder
+//!   and the block, and that file is read from the next holder or the store. A copy's
+//!   block checks as exactly what the save wrote, so the sources may be mixed: the
+//!   result is bitwise the store's.
+//! - **A copy is named by its save** ([`CopyKey`]): the attempt directory
+//!   (`step-N/gG-RUN`, which names exactly one commit) and the layout (world size and
+//!   rank) of the save. Copies of another attempt or another world than the commit's
+//!   are never used, and a copy whose length is not the committed file's is refused.
+//! - **Two checkpoints held at most**: the newest this rank saved, and the newest it
+//!   knows to be committed (the one a failure would resume from). Older copies and
+//!   replicas are let go as soon as a newer save or commit supersedes them.
+//! - **Bounded memory**: [`CopyConfig::max_bytes`] caps the bytes of copies held; a
+//!   copy or replica that does not fit is not kept (recovery then reads the store for
+//!   it). The copy server streams from the held bytes, allocates nothing per request
+//!   beyond a 1 KiB request line, serves at most [`CopyConfig::max_connections`]
+//!   peers at once, and answers a bad request with an error line (the connection
+//!   stays usable) or, for an overlong line, an error and a close.
+//!
+//! # Bytes copied, per path
+//!
+//! - Own copy at a save: **none**. The staging buffer the save copied the tensors into
+//!   is kept instead of going back to the pool; it returns when the copy is let go.
+//!   The price is memory: one staging buffer per copy held, so the save after a copy
+//!   is kept takes another buffer from the pool (or maps a fresh one; see
+//!   [`Checkpointer::warm_up`](crate::Checkpointer::warm_up)).
+//! - Replica: one copy, from the predecessor's memory through the socket into a buffer
+//!   of the holder's own (the file's raw length), off the training thread.
+//! - Recovery from an own copy: one CRC32 pass over the copy's blocks that the request
+//!   touches, then one copy of the requested bytes into the outputs.
+//! - Recovery from a peer: the blocks the request touches travel once, from the
+//!   peer's memory through the socket straight into the outputs (the bytes between
+//!   the requested runs into scratch), and are checked there; a block that fails
+//!   leaves those outputs to be overwritten by the next source.
+//!
+//! Compressed saves (zstd) need nothing special: the staging buffer holds the raw
+//! file and the block CRC32s are of raw blocks, so a copy of a compressed save is
+//! checked and read exactly like one of a plain save (and replicas move raw bytes).
+//!
+//! # The copy server and its protocol
+//!
+//! One request line, at most 1 KiB, and one answer per exchange, many exchanges per
+//! connection; `DIR WORLD RANK` is a [`CopyKey`]:
+//!
+//! - `len DIR WORLD RANK` is answered by `ok N`, the copy's length in bytes;
+//! - `raw DIR WORLD RANK START END` by `ok N` (N = END − START) and the copy's bytes
+//!   START..END;
+//! - anything else, a copy not held, or a range outside the copy, by `no REASON`.
+//!
+//! It lives here, with the data path, rather than beside the control plane's line
+//! protocol in `ckpt-elastic`: the holder, the server and the recovery are one piece
+//! any trainer uses (the Python one too) whether or not it runs the elastic control
+//! plane, and the exchange of holdings goes through the trainer's collective, not the
+//! control plane. Depending on `ckpt-elastic` for its line reader would pull the
+//! control plane into every user of the library; the reverse would pull the data
+//! path (zstd, the object store) into the coordinator. The bounded read of a request
+//! line is a few lines on top of the standard library, so the copy server has its
+//! own, and the library's default build gains no dependency. Like the training ring,
+//! the copy servers trust the cluster network: they answer any peer that connects.
+
+mod held;
+mod load;
+mod net;
+mod verify;
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::staging::Pooled;
+
+pub use held::{Copies, CopyConfig, Holding};
+pub use load::{Fallback, FallbackReason, FromCopies, Sources, load_into};
+pub use verify::{ReadBox, VerifiedBytes, file_header, read_verified};
+
+/// Which copy: the save (its attempt directory) and the layout of the file.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CopyKey {
+    /// The attempt directory of the save, `step-N/gG-RUN`
+    /// ([`Attempt::dir`](crate::Attempt::dir)).
+    pub dir: String,
+    /// World size of the save.
+    pub world: u32,
+    /// Rank whose data file this is.
+    pub rank: u32,
+}
+
+impl std::fmt::Display for CopyKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (rank {} of {})", self.dir, self.rank, self.world)
+    }
+}
+
+/// One rank's data file of one save, held in memory: the raw bytes the save's block
+/// CRC32s cover (safetensors header, then the boxes). Cheap to clone (shared).
+#[derive(Clone)]
+pub struct RankCopy {
+    key: CopyKey,
+    bytes: Bytes,
+}
+
+/// Where a copy's bytes live.
+#[derive(Clone)]
+enum Bytes {
+    /// A save's staging buffer, lent out (back to the pool when the last clone goes).
+    Staged(Arc<Pooled>),
+    /// Memory of the copy's own: a replica, or bytes given to [`RankCopy::new`].
+    Owned(Arc<Vec<u8>>),
+}
+
+impl RankCopy {
+    /// A copy of `key`'s file made of `bytes` (a replica, or a file kept elsewhere).
+    pub fn new(key: CopyKey, bytes: Vec<u8>) -> Self {
+        Self {
+            key,
+            bytes: Bytes::Owned(Arc::new(bytes)),
+        }
+    }
+
+    /// A save's staged file, shared with the save.
+    pub(crate) fn staged(key: CopyKey, buffer: Arc<Pooled>) -> Self {
+        Self {
+            key,
+            bytes: Bytes::Staged(buffer),
+        }
+    }
+
+    /// Which copy this is.
+    pub fn key(&self) -> &CopyKey {
+        &self.key
+    }
+
+    /// The file's raw bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.bytes {
+            Bytes::Staged(buffer) => buffer,
+            Bytes::Owned(bytes) => bytes,
+        }
+    }
+
+    /// Length of the file in bytes.
+    pub fn len(&self) -> u64 {
+        self.bytes().len() as u64
+    }
+
+    /// True for a file of no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.bytes().is_empty()
+    }
+
+    /// True when the bytes are a save's staging buffer, shared rather than copied.
+    pub fn is_staging_buffer(&self) -> bool {
+        matches!(self.bytes, Bytes::Staged(_))
+    }
+}
+
+impl AsRef<[u8]> for RankCopy {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
+impl std::fmt::Debug for RankCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankCopy")
+            .field("key", &self.key)
+            .field("len", &self.len())
+            .field("staged", &self.is_staging_buffer())
+            .finish()
+    }
+}

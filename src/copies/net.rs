@@ -1,0 +1,432 @@
+//! The copy server, its client, and the replica puller (the protocol is in the
+//! [module docs](super)).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use super::held::Shared;
+use super::{CopyConfig, CopyKey, RankCopy};
+
+/// Longest request or answer line, newline included.
+const MAX_LINE: usize = 1024;
+/// A peer connection idle this long is closed by the server.
+const IDLE: Duration = Duration::from_secs(60);
+/// Bytes a replica pull asks for per request.
+const PULL_PIECE: u64 = 16 << 20;
+
+/// Reads one line of at most `max` bytes (newline included) into `line`, without
+/// its newline. `Ok(false)` at the end of the stream (a torn last line included:
+/// the peer died in the middle of it); an error for a longer line.
+fn read_line(reader: &mut impl BufRead, max: usize, line: &mut Vec<u8>) -> std::io::Result<bool> {
+    line.clear();
+    let n = reader.by_ref().take(max as u64).read_until(b'\n', line)?;
+    if line.last() != Some(&b'\n') {
+        if n == max {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("line longer than {max} bytes"),
+            ));
+        }
+        return Ok(false);
+    }
+    line.pop();
+    Ok(true)
+}
+
+/// A running copy server: a thread accepting peers, and one thread per peer.
+#[derive(Debug)]
+pub(crate) struct Server {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl Server {
+    pub(crate) fn start(
+        listener: TcpListener,
+        shared: Arc<Shared>,
+        config: CopyConfig,
+    ) -> std::io::Result<Self> {
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        std::thread::Builder::new()
+            .name("ckpt-copy-server".into())
+            .spawn(move || accept(listener, &shared, &config, &stopped))?;
+        Ok(Self { addr, stop })
+    }
+
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the accepting thread so that it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+    }
+}
+
+fn accept(listener: TcpListener, shared: &Arc<Shared>, config: &CopyConfig, stop: &AtomicBool) {
+    let serving = Arc::new(AtomicUsize::new(0));
+    for stream in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(mut stream) = stream else { continue };
+        if serving.fetch_add(1, Ordering::SeqCst) >= config.max_connections {
+            serving.fetch_sub(1, Ordering::SeqCst);
+            let _ = stream.write_all(b"no too many connections\n");
+            continue;
+        }
+        let (shared, serving) = (shared.clone(), serving.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ckpt-copy-peer".into())
+            .spawn(move || {
+                if let Err(e) = serve_peer(stream, &shared) {
+                    tracing::debug!(error = %e, "copy peer connection ended");
+                }
+                serving.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            tracing::warn!("cannot start a thread for a copy peer");
+        }
+    }
+}
+
+fn serve_peer(stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(IDLE))?;
+    let mut out = stream.try_clone()?;
+    let mut reader = BufReader::with_capacity(MAX_LINE, stream);
+    let mut line = Vec::with_capacity(MAX_LINE);
+    loop {
+        match read_line(&mut reader, MAX_LINE, &mut line) {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                out.write_all(format!("no {e}\n").as_bytes())?;
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+        match answer(&String::from_utf8_lossy(&line), shared) {
+            Ok(Answer::Len(len)) => out.write_all(format!("ok {len}\n").as_bytes())?,
+            Ok(Answer::Raw(copy, start, end)) => {
+                out.write_all(format!("ok {}\n", end - start).as_bytes())?;
+                out.write_all(&copy.bytes()[start..end])?;
+            }
+            Err(why) => out.write_all(format!("no {why}\n").as_bytes())?,
+        }
+    }
+}
+
+enum Answer {
+    Len(u64),
+    Raw(RankCopy, usize, usize),
+}
+
+/// What to answer `request` (one line, without its newline).
+fn answer(request: &str, shared: &Shared) -> Result<Answer, String> {
+    let bad = || {
+        format!(
+            "bad request {:?}",
+            request.chars().take(200).collect::<String>()
+        )
+    };
+    let words: Vec<&str> = request.split(' ').collect();
+    let number = |i: usize| -> Result<u64, String> {
+        words.get(i).and_then(|w| w.parse().ok()).ok_or_else(bad)
+    };
+    let key = || -> Result<CopyKey, String> {
+        Ok(CopyKey {
+            dir: words.get(1).ok_or_else(bad)?.to_string(),
+            world: u32::try_from(number(2)?).map_err(|_| bad())?,
+            rank: u32::try_from(number(3)?).map_err(|_| bad())?,
+        })
+    };
+    let find = |key: &CopyKey| -> Result<RankCopy, String> {
+        shared
+            .lock()
+            .get(key)
+            .ok_or_else(|| format!("not held: {key}"))
+    };
+    match words.first().copied() {
+        Some("len") if words.len() == 4 => Ok(Answer::Len(find(&key()?)?.len())),
+        Some("raw") if words.len() == 6 => {
+            let copy = find(&key()?)?;
+            let (start, end) = (number(4)?, number(5)?);
+            if start > end || end > copy.len() {
+                return Err(format!(
+                    "bytes {start}..{end} outside the copy's 0..{}",
+                    copy.len()
+                ));
+            }
+            Ok(Answer::Raw(copy, start as usize, end as usize))
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Why a request to a peer failed.
+#[derive(Debug)]
+pub(crate) enum Asked {
+    /// The peer answered `no`: it does not hold the copy (yet), or the request was bad.
+    Refused(String),
+    /// The peer did not answer, or not in the protocol.
+    Failed(String),
+}
+
+impl std::fmt::Display for Asked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(why) | Self::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+/// A connection to one peer's copy server.
+pub(crate) struct Peer {
+    addr: SocketAddr,
+    out: TcpStream,
+    reader: BufReader<TcpStream>,
+    line: Vec<u8>,
+}
+
+impl Peer {
+    /// Connects to `addr`; every later read or write waits at most `timeout`.
+    pub(crate) fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, Asked> {
+        let failed = |e: std::io::Error| Asked::Failed(format!("{addr}: {e}"));
+        let stream = TcpStream::connect_timeout(&addr, timeout).map_err(failed)?;
+        stream.set_nodelay(true).map_err(failed)?;
+        stream.set_read_timeout(Some(timeout)).map_err(failed)?;
+        stream.set_write_timeout(Some(timeout)).map_err(failed)?;
+        let reader = BufReader::with_capacity(64 << 10, stream.try_clone().map_err(failed)?);
+        Ok(Self {
+            addr,
+            out: stream,
+            reader,
+            line: Vec::with_capacity(MAX_LINE),
+        })
+    }
+
+    /// Sends `request` and reads the number of its `ok` answer.
+    pub(crate) fn ask(&mut self, request: &str) -> Result<u64, Asked> {
+        let addr = self.addr;
+        let failed = |e: std::io::Error| Asked::Failed(format!("{addr}: {e}"));
+        self.out
+            .write_all(format!("{request}\n").as_bytes())
+            .map_err(failed)?;
+        let answered = read_line(&mut self.reader, MAX_LINE, &mut self.line).map_err(failed)?;
+        let line = String::from_utf8_lossy(&self.line);
+        if !answered {
+            return Err(Asked::Failed(format!("{addr}: connection closed")));
+        }
+        if let Some(n) = line.strip_prefix("ok ") {
+            return n
+                .parse()
+                .map_err(|_| Asked::Failed(format!("{addr}: bad answer {line:?}")));
+        }
+        match line.strip_prefix("no ") {
+            Some(why) => Err(Asked::Refused(format!("{addr}: {why}"))),
+            None => Err(Asked::Failed(format!("{addr}: bad answer {line:?}"))),
+        }
+    }
+
+    /// Length of `key`'s copy.
+    pub(crate) fn len(&mut self, key: &CopyKey) -> Result<u64, Asked> {
+        self.ask(&format!("len {} {} {}", key.dir, key.world, key.rank))
+    }
+
+    /// Reads bytes `at..` of `key`'s copy into `pieces`, back to back.
+    pub(crate) fn raw(
+        &mut self,
+        key: &CopyKey,
+        at: u64,
+        pieces: &mut [&mut [u8]],
+    ) -> Result<(), Asked> {
+        let len: u64 = pieces.iter().map(|p| p.len() as u64).sum();
+        let n = self.ask(&format!(
+            "raw {} {} {} {at} {}",
+            key.dir,
+            key.world,
+            key.rank,
+            at + len
+        ))?;
+        if n != len {
+            return Err(Asked::Failed(format!(
+                "{}: sent {n} bytes of {key}, {len} were asked for",
+                self.addr
+            )));
+        }
+        for piece in pieces.iter_mut() {
+            self.reader
+                .read_exact(piece)
+                .map_err(|e| Asked::Failed(format!("{}: {e}", self.addr)))?;
+        }
+        Ok(())
+    }
+}
+
+/// A replica to pull: `key`'s copy from the copy server at `from`.
+#[derive(Debug)]
+pub(crate) struct Pull {
+    pub(crate) from: SocketAddr,
+    pub(crate) key: CopyKey,
+}
+
+/// Pulls the replicas sent on `pulls`, one at a time, until the channel closes.
+pub(crate) fn pull_replicas(pulls: mpsc::Receiver<Pull>, shared: &Shared, config: &CopyConfig) {
+    for pull in pulls {
+        let started = Instant::now();
+        match pull_one(&pull, shared, config) {
+            Ok(bytes) => tracing::debug!(
+                key = ?pull.key,
+                bytes,
+                ms = started.elapsed().as_millis() as u64,
+                "replica pulled"
+            ),
+            Err(why) => tracing::info!(
+                key = ?pull.key,
+                from = %pull.from,
+                error = %why,
+                "no replica of the predecessor's copy"
+            ),
+        }
+        shared.pull_ended();
+    }
+}
+
+/// Pulls one whole copy, waiting (up to the patience) for its source to have staged
+/// it, and holds it. Returns its length.
+fn pull_one(pull: &Pull, shared: &Shared, config: &CopyConfig) -> Result<u64, String> {
+    let deadline = Instant::now() + config.pull_patience;
+    let mut pause = Duration::from_millis(10);
+    let mut peer = Peer::connect(pull.from, config.peer_timeout).map_err(|e| e.to_string())?;
+    let len = loop {
+        match peer.len(&pull.key) {
+            Ok(len) => break len,
+            Err(Asked::Refused(why)) => {
+                if Instant::now() + pause > deadline {
+                    return Err(why);
+                }
+                // The source has not staged it yet: nothing signals across
+                // machines, so ask again a little later.
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    };
+    // Refused before anything is allocated: a replica of a checkpoint no longer kept,
+    // or one that does not fit.
+    {
+        let mut held = shared.lock();
+        held.settle();
+        if !held.kept(&pull.key.dir) {
+            return Err(format!("{} is no longer kept", pull.key));
+        }
+        held.fits(len)?;
+    }
+    let size = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))?;
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(size)
+        .map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
+    bytes.resize(size, 0);
+    let mut at = 0u64;
+    while at < len {
+        let end = (at + PULL_PIECE).min(len);
+        peer.raw(&pull.key, at, &mut [&mut bytes[at as usize..end as usize]])
+            .map_err(|e| e.to_string())?;
+        at = end;
+    }
+    shared.put_replica(RankCopy::new(pull.key.clone(), bytes))?;
+    Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::copies::Copies;
+
+    #[test]
+    fn lines_are_bounded_and_a_torn_last_line_is_dropped() {
+        let mut line = Vec::new();
+        let mut wire: &[u8] = b"ok 3\nabc";
+        assert!(read_line(&mut wire, 16, &mut line).unwrap());
+        assert_eq!(line, b"ok 3");
+        assert!(!read_line(&mut wire, 16, &mut line).unwrap(), "torn");
+        let long = [b'x'; 40];
+        let err = read_line(&mut &long[..], 16, &mut line).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+        let mut exact: &[u8] = b"123456789012345\n";
+        assert!(read_line(&mut exact, 16, &mut line).unwrap());
+    }
+
+    #[test]
+    fn a_server_answers_bad_requests_with_an_error_and_stays_up() {
+        let copies = Copies::serve("127.0.0.1".parse().unwrap(), CopyConfig::default()).unwrap();
+        let key = CopyKey {
+            dir: "step-1/g1-a".into(),
+            world: 1,
+            rank: 0,
+        };
+        copies.keep_copy(RankCopy::new(key.clone(), (0..100u8).collect()));
+        let addr = copies.addr().unwrap();
+        let mut peer = Peer::connect(addr, Duration::from_secs(5)).unwrap();
+        for bad in [
+            "raw step-1/g1-a 1 0 5 1",
+            "raw step-1/g1-a 1 0 0 101",
+            "raw step-1/g1-a 1 0 18446744073709551615 0",
+            "raw step-2/g1-a 1 0 0 1",
+            "raw step-1/g1-a 2 0 0 1",
+            "len step-1/g1-a 1 1",
+            "len step-1/g1-a x 0",
+            "len step-1/g1-a 99999999999 0",
+            "raw step-1/g1-a 1 0 0",
+            "hello",
+            "",
+        ] {
+            assert!(matches!(peer.ask(bad), Err(Asked::Refused(_))), "{bad}");
+        }
+        assert_eq!(peer.len(&key).unwrap(), 100);
+        let (mut a, mut b) = ([0u8; 3], [0u8; 4]);
+        peer.raw(&key, 10, &mut [&mut a, &mut b]).unwrap();
+        assert_eq!((a, b), ([10, 11, 12], [13, 14, 15, 16]));
+        // An overlong line: an error, then the server closes this connection only.
+        let long = "x".repeat(2 * MAX_LINE);
+        assert!(peer.ask(&long).is_err());
+        let mut peer = Peer::connect(addr, Duration::from_secs(5)).unwrap();
+        assert_eq!(peer.len(&key).unwrap(), 100);
+    }
+
+    #[test]
+    fn a_replica_is_pulled_once_its_source_has_it() {
+        let ip = "127.0.0.1".parse().unwrap();
+        let source = Copies::serve(ip, CopyConfig::default()).unwrap();
+        let successor = Copies::serve(ip, CopyConfig::default()).unwrap();
+        let key = CopyKey {
+            dir: "step-1/g1-a".into(),
+            world: 2,
+            rank: 0,
+        };
+        // The successor saved the same checkpoint; the source has not staged yet.
+        successor.keep_copy(RankCopy::new(
+            CopyKey {
+                rank: 1,
+                ..key.clone()
+            },
+            vec![1; 10],
+        ));
+        successor.replicate(source.addr().unwrap(), key.clone());
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(PULL_PIECE as usize + 5).collect();
+        source.keep_copy(RankCopy::new(key.clone(), bytes.clone()));
+        assert!(successor.wait_for(&key, Duration::from_secs(20)));
+        assert_eq!(successor.get(&key).unwrap().bytes(), &bytes[..]);
+    }
+}
