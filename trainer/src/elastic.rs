@@ -26,11 +26,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use ckpt::copies::{Copies, CopyConfig};
 use ckpt::storage::Store;
 use ckpt_elastic::{Agent, Assignment, Cancel, Directive, ElasticError, Report};
 
 use crate::collective::{Collective, TcpCollective, TcpConfig};
-use crate::memory::Memory;
 use crate::train::{
     Checkpointing, Outcome, Stats, Supervisor, TrainConfig, TrainError, run_supervised,
 };
@@ -220,8 +220,8 @@ pub fn run(
 ) -> Exit {
     let mut checkpointing = Checkpointing::default();
     if config.memory_copies && store.is_some() {
-        match Memory::start(ip) {
-            Ok(memory) => checkpointing.memory = Some(memory),
+        match Copies::serve(ip, CopyConfig::default()) {
+            Ok(copies) => checkpointing.copies = Some(Arc::new(copies)),
             Err(e) => {
                 tracing::warn!(%ip, error = %e, "no in-memory copies (recoveries read the store)")
             }

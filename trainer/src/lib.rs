@@ -16,7 +16,8 @@
 //!   async checkpoints and resharding resume through ckpt's public API;
 //! - [`launch`]: a torchrun-like launcher of rank processes, fixed or elastic;
 //! - [`elastic`](mod@elastic): one rank of an elastic job, driven by ckpt's control
-//!   plane through as many generations (world sizes) as failures require;
+//!   plane through as many generations (world sizes) as failures require, recovering
+//!   from the survivors' in-memory copies (`ckpt::copies`) where it can;
 //! - [`bench`](mod@bench): collective bandwidth against raw loopback TCP; with feature
 //!   `cuda`, `nccl_bench`: the time to build, abort and rebuild an NCCL communicator.
 //!
@@ -28,7 +29,6 @@ pub mod collective;
 pub mod elastic;
 pub mod fixed;
 pub mod launch;
-pub mod memory;
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nccl_bench;

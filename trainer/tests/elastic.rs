@@ -102,7 +102,7 @@ impl Launch {
             // a rank did not rebuild from memory, when a test expects it to.
             .env(
                 "RUST_LOG",
-                "warn,ckpt_trainer::memory=debug,ckpt_trainer::train=info",
+                "warn,ckpt::copies=debug,ckpt_trainer::train=info",
             )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -34,7 +34,7 @@
 //!   periodic save may fail, the last one of a generation may not);
 //! - `shards`: a rank's state and its saved form, written and read in one place;
 //! - `resume`: the world's one decision on the checkpoint to resume from;
-//! - `copies`: the trainer's side of in-memory copies ([`crate::memory`]).
+//! - `copies`: the trainer's side of in-memory copies ([`ckpt::copies`]).
 
 use std::io::Write;
 use std::sync::atomic::AtomicBool;
@@ -106,7 +106,7 @@ pub struct TrainConfig {
     /// failpoint of the save protocol before its first save at or after that step.
     pub save_stage: Option<(String, u64, usize)>,
     /// Elastic ranks: keep in-memory copies of the newest checkpoints (see
-    /// [`crate::memory`]), so that a recovery rebuilds from RAM where it can.
+    /// [`ckpt::copies`]), so that a recovery rebuilds from RAM where it can.
     pub memory_copies: bool,
     /// Overlapped saves ([`Checkpointer::save_overlapped`]): the copy into the staging
     /// buffer runs while the next step gathers and computes, and the rank waits for

@@ -11,11 +11,12 @@ use std::collections::BTreeMap;
 
 use ckpt::storage::Store;
 
+use ckpt::copies::{Copies, FromCopies, Holding};
+
 use crate::collective::{Collective, CollectiveExt};
-use crate::memory::{self, Holding, Memory};
 use crate::model::TensorSpec;
 
-use super::copies::from_memory;
+use super::copies::load_from_copies;
 use super::shards::{Shards, shards_from_store, store_request};
 use super::supervisor::{or_cancelled, unless_cancelled};
 use super::{Supervisor, TrainConfig, TrainError, say};
@@ -40,7 +41,7 @@ pub(super) fn load(
     config: &TrainConfig,
     specs: &[TensorSpec],
     supervisor: &dyn Supervisor,
-    memory: Option<(&Memory, &[Holding])>,
+    copies: Option<(&Copies, &[Holding])>,
     mut spare: Vec<Vec<f32>>,
 ) -> Result<Option<(Shards, u64)>, TrainError> {
     const NONE: u64 = u64::MAX;
@@ -92,24 +93,8 @@ pub(super) fn load(
             }
         };
         let dir = commit.as_ref().map(|c| c.dir.clone());
-        let in_memory = match (&commit, memory) {
-            (Some(commit), Some((memory, table))) => from_memory(
-                memory,
-                table,
-                runtime,
-                store,
-                commit,
-                rank,
-                world,
-                specs,
-                supervisor,
-                std::mem::take(&mut spare),
-            ),
-            _ => None,
-        };
-        let attempt = match (in_memory, commit) {
-            (Some(found), _) => Ok(found),
-            (None, Some(commit)) => or_cancelled(runtime, supervisor, "loading", async {
+        let attempt = match commit {
+            Some(commit) => or_cancelled(runtime, supervisor, "loading", async {
                 let manifest = ckpt::catalog::read_commit(store, &commit).await?;
                 let generation = manifest.generation;
                 let reader = ckpt::CheckpointReader::from_manifest(store, manifest);
@@ -118,19 +103,39 @@ pub(super) fn load(
                 let (request, mut tensors) = store_request(specs, rank, world, &mut spare);
                 let mut outputs: Vec<&mut [u8]> =
                     tensors.iter_mut().map(|t| ckpt::as_bytes_mut(t)).collect();
-                reader.load_into(&request, &mut outputs).await?;
+                // From the copies where the world keeps them; only a
+                // generation-stamped attempt names one commit exactly.
+                let from_copies = match copies {
+                    Some((own, table)) if commit.attempt().is_some() => Some(
+                        load_from_copies(
+                            &reader,
+                            &request,
+                            &mut outputs,
+                            own,
+                            table,
+                            rank,
+                            supervisor,
+                        )
+                        .await?,
+                    ),
+                    _ => {
+                        reader.load_into(&request, &mut outputs).await?;
+                        None
+                    }
+                };
                 let global = reader.global_state().await?;
                 Ok::<_, ckpt::Error>((
-                    Found::Store {
+                    Found {
                         step: reader.step(),
                         saved_world: reader.manifest().world_size,
                         tensors,
                         global,
+                        from_copies,
                     },
                     generation,
                 ))
             })?,
-            (None, None) => Err(ckpt::Error::NotFound(format!(
+            None => Err(ckpt::Error::NotFound(format!(
                 "rank {rank} cannot find commit {seq} (step {step}) that rank 0 proposed"
             ))),
         };
@@ -161,29 +166,24 @@ pub(super) fn load(
             ));
         }
     };
-    let (step, saved_world, shards, rebuilt) = match found {
-        Found::Store {
-            step,
-            saved_world,
-            tensors,
-            global,
-        } => (
-            step,
-            saved_world,
-            shards_from_store(step, tensors, global, config, specs)?,
-            [0, 0, 0],
-        ),
-        Found::Memory {
-            step,
-            assembled,
-            global,
-        } => {
-            let rebuilt = [1, assembled.local_bytes as i64, assembled.peer_bytes as i64];
-            let saved_world = assembled.saved_world as u32;
-            let shards = shards_from_store(step, assembled.tensors, global, config, specs)?;
-            (step, saved_world, shards, rebuilt)
-        }
-    };
+    let Found {
+        step,
+        saved_world,
+        tensors,
+        global,
+        from_copies,
+    } = found;
+    // Ranks whose every byte came from memory, bytes from own copies, from peers'
+    // and from the store.
+    let rebuilt = from_copies.as_ref().map_or([0; 4], |got| {
+        [
+            i64::from(got.all_from_memory()),
+            got.own_bytes as i64,
+            got.peer_bytes as i64,
+            got.store.bytes_read as i64,
+        ]
+    });
+    let shards = shards_from_store(step, tensors, global, config, specs)?;
     if shards.losses.len() as u64 != step {
         return Err(TrainError::Invalid(format!(
             "checkpoint step {step} records {} losses",
@@ -192,11 +192,16 @@ pub(super) fn load(
     }
     // Where the rows came from, summed over the world, for the resume line.
     let mut source = String::new();
-    if let Some((memory, _)) = memory {
+    if let Some((own, _)) = copies {
         let mut rebuilt = rebuilt;
         comm.all_reduce_i64(&mut rebuilt)?;
+        let from_store = if rebuilt[3] > 0 {
+            format!(", {:.1} MB from the store", rebuilt[3] as f64 / 1e6)
+        } else {
+            String::new()
+        };
         source = format!(
-            "; rows rebuilt from memory on {} of {world} ranks ({:.1} MB own, {:.1} MB from peers)",
+            "; rows rebuilt from memory on {} of {world} ranks ({:.1} MB own, {:.1} MB from peers{from_store})",
             rebuilt[0],
             rebuilt[1] as f64 / 1e6,
             rebuilt[2] as f64 / 1e6
@@ -205,7 +210,7 @@ pub(super) fn load(
             source.push_str(", read from the store on the others");
         }
         if let Some(dir) = &committed_dir {
-            memory.confirm(dir);
+            own.confirm(dir);
         }
     }
     if rank == 0 {
@@ -217,19 +222,14 @@ pub(super) fn load(
     Ok(Some((shards, generation)))
 }
 
-/// What a rank loaded: from the store, or rebuilt from in-memory copies.
-pub(super) enum Found {
-    Store {
-        step: u64,
-        saved_world: u32,
-        /// Parameters, first and second moments of each spec in turn.
-        tensors: Vec<Vec<f32>>,
-        global: BTreeMap<String, ckpt::format::StateValue>,
-    },
-    Memory {
-        step: u64,
-        assembled: memory::Assembled,
-        /// The non-tensor state, from the store (copies hold only rows).
-        global: BTreeMap<String, ckpt::format::StateValue>,
-    },
+/// What a rank loaded.
+struct Found {
+    step: u64,
+    saved_world: u32,
+    /// Parameters, first and second moments of each spec in turn.
+    tensors: Vec<Vec<f32>>,
+    /// The non-tensor state, from the store (its checksum covers it).
+    global: BTreeMap<String, ckpt::format::StateValue>,
+    /// Where the rows came from, when the world keeps in-memory copies.
+    from_copies: Option<FromCopies>,
 }

@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use ckpt::{Checkpointer, SaveHandle};
 
-use crate::memory::{Holding, Memory};
+use ckpt::copies::{Copies, Holding};
+
 use crate::model::TensorSpec;
 
 use super::copies::keep_copy;
@@ -28,7 +29,7 @@ pub(super) struct Saves<'a> {
     /// `None` without a store: nothing is saved.
     pub(super) checkpointer: Option<Checkpointer>,
     /// The in-memory copies and every rank's holding, when the world keeps them.
-    pub(super) copies: Option<(&'a Memory, &'a [Holding])>,
+    pub(super) copies: Option<(&'a Copies, &'a [Holding])>,
     pub(super) pending: &'a mut Option<SaveHandle>,
     pub(super) failed_in_a_row: &'a mut u32,
 }
@@ -65,25 +66,19 @@ impl Saves<'_> {
         }
         let checkpointer = self.checkpointer.as_ref().expect("checked above");
         let handle = start_save(runtime, checkpointer, config, specs, st, rank, world)?;
-        let copied = Instant::now();
-        let copy = self.copies.map(|(memory, table)| {
+        if let Some((copies, table)) = self.copies {
             let rot = config
                 .rot_copy
                 .is_some_and(|(from, at)| st.step >= from && rank == at);
-            keep_copy(memory, table, &handle, specs, st, rank, world, rot);
-            copied.elapsed()
-        });
+            keep_copy(runtime, copies, table, &handle, rank, world, rot)?;
+        }
         stats.ckpt_blocked += blocked.elapsed();
         stats.saves += 1;
         if rank == 0 {
             say(format_args!(
-                "saving step {} (stall {:.1} ms{})",
+                "saving step {} (stall {:.1} ms)",
                 st.step,
                 handle.stall().as_secs_f64() * 1e3,
-                copy.map_or(String::new(), |d| format!(
-                    ", in-memory copy {:.1} ms",
-                    d.as_secs_f64() * 1e3
-                ))
             ));
         }
         *self.pending = Some(handle);
@@ -141,8 +136,8 @@ impl Saves<'_> {
         } = self.ctx;
         let committed = or_cancelled(runtime, supervisor, what, handle.committed())?;
         if committed.is_ok() {
-            if let Some((memory, _)) = self.copies {
-                memory.confirm(&handle.attempt().dir());
+            if let Some((copies, _)) = self.copies {
+                copies.confirm(&handle.attempt().dir());
             }
             if rank == 0 {
                 supervisor.committed(handle.step());

@@ -13,7 +13,6 @@ use ckpt::{DType, LoadRequest, State, as_bytes};
 use serde_json::json;
 
 use crate::collective::shard_range;
-use crate::memory;
 use crate::model::{self, TensorSpec};
 
 use super::{TrainConfig, TrainError};
@@ -28,8 +27,8 @@ pub(super) struct Shards {
 }
 
 /// What a model tensor's parameters and Adam moments are saved as: `PREFIX/NAME`, in
-/// the order of a copy's tensors (see [`memory::KINDS`]).
-pub(super) const SAVED_AS: [&str; memory::KINDS] = ["param", "adam_m", "adam_v"];
+/// the order a rank's state lists them.
+pub(super) const SAVED_AS: [&str; 3] = ["param", "adam_m", "adam_v"];
 
 /// The rows of `spec` that `rank` of `world` owns.
 pub(super) fn owned_rows(spec: &TensorSpec, rank: usize, world: usize) -> std::ops::Range<usize> {

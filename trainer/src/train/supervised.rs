@@ -15,7 +15,8 @@ use ckpt::{CheckpointConfig, Checkpointer};
 
 use crate::collective::{Collective, CollectiveExt, shard_counts};
 use crate::fixed;
-use crate::memory::{Holding, Memory};
+use ckpt::copies::{Copies, Holding};
+
 use crate::model::{self, GradSink, Preset, Teacher, TensorSpec};
 
 use super::checkpointing::{Checkpointing, Recycled, Workspace};
@@ -53,11 +54,11 @@ pub fn run_supervised(
         world: comm.world_size(),
     };
     let layout = Layout::new(&config.preset, ctx.world)?;
-    let start = agree_on_start(ctx, checkpointing.memory.as_ref())?;
+    let start = agree_on_start(ctx, checkpointing.copies.as_ref())?;
     let copies = start
         .copies
         .as_ref()
-        .map(|(memory, table)| (memory.as_ref(), table.as_slice()));
+        .map(|(copies, table)| (copies.as_ref(), table.as_slice()));
     let (shards, generation) =
         starting_state(ctx, &layout.specs, copies, start.resume, checkpointing)?;
     let Checkpointing {
@@ -71,7 +72,7 @@ pub fn run_supervised(
     supervisor.checkpoint_generation(generation);
     supervisor.progress(st.step);
     let checkpointer = store
-        .map(|store| checkpointer(ctx, store, generation, &layout.specs, &st))
+        .map(|store| checkpointer(ctx, store, generation, copies.is_some(), &layout.specs, &st))
         .transpose()?;
     announce(ctx, st.step);
     let teacher = Teacher::new(config.seed, &config.preset);
@@ -163,7 +164,7 @@ struct Start {
     /// Load the newest committed checkpoint.
     resume: bool,
     /// The in-memory copies and every rank's holding, when every rank keeps them.
-    copies: Option<(Arc<Memory>, Vec<Holding>)>,
+    copies: Option<(Arc<Copies>, Vec<Holding>)>,
 }
 
 /// Whether to resume is decided together: in an elastic world a member that just
@@ -171,18 +172,18 @@ struct Start {
 /// of them must run the same collectives. So is whether to keep in-memory copies:
 /// only when every rank has them (their table of holdings is one more collective).
 /// Without a store there is neither.
-fn agree_on_start(ctx: Context<'_>, memory: Option<&Arc<Memory>>) -> Result<Start, TrainError> {
+fn agree_on_start(ctx: Context<'_>, copies: Option<&Arc<Copies>>) -> Result<Start, TrainError> {
     if ctx.store.is_none() {
         return Ok(Start {
             resume: false,
             copies: None,
         });
     }
-    let mut wanted = [i64::from(ctx.config.resume), i64::from(memory.is_some())];
+    let mut wanted = [i64::from(ctx.config.resume), i64::from(copies.is_some())];
     ctx.comm.all_reduce_i64(&mut wanted)?;
-    let copies = match memory {
-        Some(memory) if wanted[1] == ctx.world as i64 => {
-            Some((Arc::clone(memory), holdings(ctx.comm, memory)?))
+    let copies = match copies {
+        Some(copies) if wanted[1] == ctx.world as i64 => {
+            Some((Arc::clone(copies), holdings(ctx.comm, copies)?))
         }
         _ => None,
     };
@@ -198,7 +199,7 @@ fn agree_on_start(ctx: Context<'_>, memory: Option<&Arc<Memory>>) -> Result<Star
 fn starting_state(
     ctx: Context<'_>,
     specs: &[TensorSpec],
-    copies: Option<(&Memory, &[Holding])>,
+    copies: Option<(&Copies, &[Holding])>,
     resume: bool,
     checkpointing: &mut Checkpointing,
 ) -> Result<(Shards, u64), TrainError> {
@@ -236,11 +237,13 @@ fn starting_state(
 }
 
 /// The checkpointer of the generation's saves, its staging pool allocated and faulted
-/// in now: the first checkpoint of the generation is not its slowest save.
+/// in now: the first checkpoint of the generation is not its slowest save. With
+/// `keep_copies` each save's staged file stays as this rank's in-memory copy.
 fn checkpointer(
     ctx: Context<'_>,
     store: &Store,
     generation: u64,
+    keep_copies: bool,
     specs: &[TensorSpec],
     st: &Shards,
 ) -> Result<Checkpointer, TrainError> {
@@ -253,6 +256,7 @@ fn checkpointer(
         c.run_id = run_id.clone();
     }
     c.check_staging = config.check_staging;
+    c.keep_copy = keep_copies;
     let checkpointer = Checkpointer::new(store.clone(), c)?;
     checkpointer.warm_up(&state_of(config, specs, st, ctx.rank, ctx.world)?)?;
     Ok(checkpointer)
