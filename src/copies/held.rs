@@ -180,8 +180,9 @@ impl Shared {
 /// of its ring predecessor's, and (with [`Copies::serve`]) the server that hands
 /// them to peers. See the [module docs](super) for what is kept and why.
 ///
-/// Dropping it stops its server and its replica puller (a pull under way ends at its
-/// next request).
+/// Dropping it stops its server and its replica puller: the puller ends after the
+/// pull under way, and a peer connection still open is closed before its next request
+/// (an idle one within a minute).
 #[derive(Debug)]
 pub struct Copies {
     config: CopyConfig,

@@ -71,23 +71,36 @@ impl Drop for Server {
     }
 }
 
-fn accept(listener: TcpListener, shared: &Arc<Shared>, config: &CopyConfig, stop: &AtomicBool) {
+fn accept(
+    listener: TcpListener,
+    shared: &Arc<Shared>,
+    config: &CopyConfig,
+    stop: &Arc<AtomicBool>,
+) {
     let serving = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(mut stream) = stream else { continue };
+        let mut stream = match stream {
+            Ok(stream) => stream,
+            Err(e) => {
+                // Out of descriptors, say: let some connections end before the next.
+                tracing::debug!(error = %e, "copy server cannot accept");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
         if serving.fetch_add(1, Ordering::SeqCst) >= config.max_connections {
             serving.fetch_sub(1, Ordering::SeqCst);
             let _ = stream.write_all(b"no too many connections\n");
             continue;
         }
-        let (shared, serving) = (shared.clone(), serving.clone());
+        let (shared, serving, stop) = (shared.clone(), serving.clone(), stop.clone());
         let spawned = std::thread::Builder::new()
             .name("ckpt-copy-peer".into())
             .spawn(move || {
-                if let Err(e) = serve_peer(stream, &shared) {
+                if let Err(e) = serve_peer(stream, &shared, &stop) {
                     tracing::debug!(error = %e, "copy peer connection ended");
                 }
                 serving.fetch_sub(1, Ordering::SeqCst);
@@ -98,13 +111,18 @@ fn accept(listener: TcpListener, shared: &Arc<Shared>, config: &CopyConfig, stop
     }
 }
 
-fn serve_peer(stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+/// Answers one peer's requests until it hangs up, stays idle for [`IDLE`], or the
+/// server is stopped (checked between requests).
+fn serve_peer(stream: TcpStream, shared: &Shared, stop: &AtomicBool) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(IDLE))?;
     let mut out = stream.try_clone()?;
     let mut reader = BufReader::with_capacity(MAX_LINE, stream);
     let mut line = Vec::with_capacity(MAX_LINE);
     loop {
+        if stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         match read_line(&mut reader, MAX_LINE, &mut line) {
             Ok(true) => {}
             Ok(false) => return Ok(()),
