@@ -672,16 +672,19 @@ impl Checkpointer {
     /// Allocates the staging pool for saves of `state`'s size (its shape, not its
     /// values, matters) and faults every page in now, so that the first save of a
     /// job is not its slowest: `max_in_flight` buffers, each the size of this rank's
-    /// data file (two more with [`CheckpointConfig::keep_copy`], for the copies kept).
-    /// Returns how long that took. Later saves of a larger state grow the buffers
+    /// data file (one more with [`CheckpointConfig::keep_copy`], for the copy of the
+    /// committed checkpoint held while the next save stages). Returns how long that
+    /// took. Later saves of a larger state grow the buffers
     /// again.
     pub fn warm_up(&self, state: &crate::State<'_>) -> Result<Duration> {
         let started = Instant::now();
         let total = self.plan(0, state).total;
         let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-        // Kept copies hold buffers of their own: the newest and the newest committed
-        // checkpoint's, as `crate::copies::Copies` keeps them.
-        let wanted = self.config.max_in_flight + if self.config.keep_copy { 2 } else { 0 };
+        // A kept copy holds its buffer: while a save stages, the copy of the newest
+        // committed checkpoint is held (one more buffer). A third, for a save that
+        // starts before the previous one is known to be committed, is mapped when
+        // needed rather than faulted in here for every job.
+        let wanted = self.config.max_in_flight + usize::from(self.config.keep_copy);
         while pool.len() < wanted {
             pool.push(StagingBuffer::new());
         }

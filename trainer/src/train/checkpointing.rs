@@ -131,7 +131,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// is fresh mapped memory, which the kernel zeroes as it faults each (huge) page in on
 /// first write, and with 4 KiB pages those faults cost several times the writes
 /// themselves (on a small machine, 60 ms against 10 ms for 100 MB).
-fn huge_zeros<T: Clone + Default>(n: usize) -> Vec<T> {
+pub(super) fn huge_zeros<T: Clone + Default>(n: usize) -> Vec<T> {
     let v = vec![T::default(); n];
     let bytes = n * std::mem::size_of::<T>();
     #[cfg(target_os = "linux")]

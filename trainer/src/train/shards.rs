@@ -15,6 +15,7 @@ use serde_json::json;
 use crate::collective::shard_range;
 use crate::model::{self, TensorSpec};
 
+use super::checkpointing::huge_zeros;
 use super::{TrainConfig, TrainError};
 
 /// One rank's training state: its dim-0 shards of parameters and moments.
@@ -176,8 +177,10 @@ pub(super) fn shards_from_store(
 }
 
 /// The load of this rank's rows of every parameter and both moments (dtype and shape
-/// checked), and its destinations: the `spare` vectors where they have the right
-/// sizes, new ones otherwise.
+/// checked), and its destinations: the `spare` vectors, sized anew (after a change of
+/// world their sizes differ, but their memory is already faulted in, which makes the
+/// load several times faster to write than fresh pages), or new ones backed by huge
+/// pages.
 pub(super) fn store_request(
     specs: &[TensorSpec],
     rank: usize,
@@ -198,8 +201,13 @@ pub(super) fn store_request(
                 ckpt::Region::dim0_shard(&shape, rank, world),
             );
             tensors.push(match spare.next() {
-                Some(v) if v.len() == n => v,
-                _ => vec![0f32; n],
+                Some(mut v) if v.capacity() > 0 => {
+                    v.clear();
+                    v.reserve_exact(n);
+                    v.resize(n, 0f32);
+                    v
+                }
+                _ => huge_zeros(n),
             });
         }
     }
