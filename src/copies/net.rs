@@ -290,29 +290,6 @@ impl Peer {
     }
 }
 
-/// Asks the kernel to back the whole huge pages inside the `bytes` bytes at `addr` with
-/// transparent huge pages, before they are first written. A replica is written once,
-/// off the training thread, and read at a recovery: huge pages make its page faults
-/// and, when the process dies, its unmapping several times cheaper (which shortens
-/// how long the survivors take to notice a killed rank). Best effort.
-fn advise_huge_pages(addr: usize, bytes: usize) {
-    const HUGE_PAGE: usize = 2 << 20;
-    #[cfg(target_os = "linux")]
-    {
-        let start = addr.next_multiple_of(HUGE_PAGE);
-        let end = (addr + bytes) / HUGE_PAGE * HUGE_PAGE;
-        if end > start {
-            // SAFETY: the caller's range is one live allocation, and MADV_HUGEPAGE
-            // only changes how the kernel backs its pages, never their contents.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (addr, bytes, HUGE_PAGE);
-}
-
 /// A replica to pull: `key`'s copy from the copy server at `from`.
 #[derive(Debug)]
 pub(crate) struct Pull {
@@ -374,12 +351,11 @@ fn pull_one(pull: &Pull, shared: &Shared, config: &CopyConfig) -> Result<u64, St
         held.fits(len)?;
     }
     let size = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))?;
-    let mut bytes = Vec::new();
-    bytes
-        .try_reserve_exact(size)
-        .map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
-    advise_huge_pages(bytes.as_ptr() as usize, bytes.capacity());
-    bytes.resize(size, 0);
+    // Huge pages: a replica is written once, off the training thread, and read at a
+    // recovery; they make its page faults and, when the process dies, its unmapping
+    // several times cheaper (which shortens how long survivors take to notice a
+    // killed rank).
+    let mut bytes: Vec<u8> = crate::load::zeroed_huge(size).map_err(|e| e.to_string())?;
     let mut at = 0u64;
     while at < len {
         let end = (at + PULL_PIECE).min(len);

@@ -110,7 +110,7 @@ pub(super) struct Workspace {
 impl Workspace {
     /// Sizes the buffers for `total` parameters (contents unspecified).
     pub(super) fn prepare(&mut self, total: usize, deterministic: bool) {
-        fn sized<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+        fn sized<T: ckpt::Element>(v: &mut Vec<T>, n: usize) {
             if v.len() != n {
                 *v = huge_zeros(n);
             }
@@ -121,34 +121,10 @@ impl Workspace {
     }
 }
 
-/// Below this many bytes a buffer is left to the allocator as it is.
-const HUGE_MIN: usize = 4 << 20;
-/// The huge page size (x86-64 and most aarch64 kernels).
-const HUGE_PAGE: usize = 2 << 20;
-
-/// `n` default values (zeros, for numbers) in memory the kernel is asked to back with
-/// transparent huge pages. The zeros cost nothing up front: a large zeroed allocation
-/// is fresh mapped memory, which the kernel zeroes as it faults each (huge) page in on
-/// first write, and with 4 KiB pages those faults cost several times the writes
-/// themselves (on a small machine, 60 ms against 10 ms for 100 MB).
-pub(super) fn huge_zeros<T: Clone + Default>(n: usize) -> Vec<T> {
-    let v = vec![T::default(); n];
-    let bytes = n * std::mem::size_of::<T>();
-    #[cfg(target_os = "linux")]
-    if bytes >= HUGE_MIN {
-        let addr = v.as_ptr() as usize;
-        let start = addr.next_multiple_of(HUGE_PAGE);
-        let end = (addr + bytes) / HUGE_PAGE * HUGE_PAGE;
-        if end > start {
-            // SAFETY: the range lies inside `v`'s live allocation, and MADV_HUGEPAGE
-            // only changes how the kernel backs its pages, never their contents; a
-            // failure leaves ordinary pages.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (bytes, HUGE_MIN, HUGE_PAGE);
-    v
+/// `n` zeros in memory backed by huge pages (`ckpt::load::zeroed_huge`): these
+/// buffers are written in full at once, and with 4 KiB pages the page faults cost
+/// several times the writes themselves (on a small machine, 60 ms against 10 ms for
+/// 100 MB).
+pub(super) fn huge_zeros<T: ckpt::Element>(n: usize) -> Vec<T> {
+    ckpt::load::zeroed_huge(n).unwrap_or_else(|e| panic!("{e}"))
 }
