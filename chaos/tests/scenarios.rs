@@ -27,7 +27,7 @@ fn trainer() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(Path::parent).unwrap();
     // `ckpt coordinator` too, for the scenarios with a standalone coordinator.
-    for (package, bin) in [("ckpt-trainer", "ckpt-train"), ("ckpt", "ckpt")] {
+    for (package, bin) in [("ckpt-trainer", "ckpt-train"), ("ckpt-cli", "ckpt")] {
         if !dir.join(bin).exists() {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let status = Command::new(cargo)
