@@ -213,7 +213,7 @@ struct LaunchArgs {
     master_port: Option<u16>,
     /// Seconds between SIGTERM and SIGKILL of the other ranks after one fails; in
     /// elastic mode also how long a rank may run on after the job is over.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = parse_grace)]
     grace_secs: f64,
     /// Elastic: keep training while at least this many ranks (all nodes together)
     /// remain. Without it a lost rank stops the job (after its restarts, if any).
@@ -921,5 +921,15 @@ fn run_elastic_rank(
         }
         Exit::Left(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
         Exit::Failed(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
+    }
+}
+
+/// `--grace-secs`: a number of seconds, 0 (no grace) included; anything
+/// `Duration::from_secs_f64` would refuse is a usage error here instead.
+fn parse_grace(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if value.is_finite() && (0.0..=1e9).contains(&value) => Ok(value),
+        Ok(_) => Err(format!("{text} is not between 0 and 1e9 seconds")),
+        Err(_) => Err(format!("{text:?} is not a number of seconds")),
     }
 }

@@ -495,13 +495,29 @@ fn a_checkpoint_damaged_where_only_some_ranks_read_makes_the_whole_world_fall_ba
 fn a_grace_that_is_not_a_number_of_seconds_is_a_usage_error_not_a_panic() {
     for grace in ["-1", "nan", "inf", "soon"] {
         let output = Command::new(BIN)
-            .args(["launch", "--nproc", "1", "--grace-secs", grace, "--"])
+            .args([
+                "launch",
+                "--nproc",
+                "1",
+                &format!("--grace-secs={grace}"),
+                "--",
+            ])
             .args(["--preset", "tiny", "--steps", "1"])
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "--grace-secs {grace}: {stderr}");
-        assert!(stderr.contains("--grace-secs"), "--grace-secs {grace}: {stderr}");
-        assert!(!stderr.contains("panicked"), "--grace-secs {grace}: {stderr}");
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "--grace-secs {grace}: {stderr}"
+        );
+        assert!(
+            stderr.contains("--grace-secs"),
+            "--grace-secs {grace}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("panicked"),
+            "--grace-secs {grace}: {stderr}"
+        );
     }
 }
