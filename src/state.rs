@@ -68,6 +68,9 @@ pub struct DeviceShard {
 #[derive(Debug, Clone, Default)]
 pub struct State<'a> {
     pub(crate) tensors: Vec<TensorShard<'a>>,
+    /// Every tensor name added (host and device), so that adding one more checks for
+    /// a duplicate in constant time rather than against every box before it.
+    names: std::collections::HashSet<String>,
     #[cfg(feature = "cuda")]
     pub(crate) device: Vec<DeviceShard>,
     pub(crate) global: BTreeMap<String, StateValue>,
@@ -146,6 +149,7 @@ impl<'a> State<'a> {
     ) -> Result<&mut Self> {
         let name = name.into();
         self.check(&name, dtype, shape, &region, buffer.len())?;
+        self.names.insert(name.clone());
         self.device.push(DeviceShard {
             name,
             dtype,
@@ -164,11 +168,7 @@ impl<'a> State<'a> {
     }
 
     fn has_tensor(&self, name: &str) -> bool {
-        #[cfg(feature = "cuda")]
-        if self.device.iter().any(|t| t.name == name) {
-            return true;
-        }
-        self.tensors.iter().any(|t| t.name == name)
+        self.names.contains(name)
     }
 
     fn push(
@@ -181,6 +181,7 @@ impl<'a> State<'a> {
         write: bool,
     ) -> Result<&mut Self> {
         self.check(&name, dtype, shape, &region, data.len())?;
+        self.names.insert(name.clone());
         self.tensors.push(TensorShard {
             name,
             dtype,
@@ -293,5 +294,39 @@ impl<'a> State<'a> {
                 .map(|t| t.buffer.len() as u64)
                 .sum::<u64>();
         host
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_added_twice_is_refused_among_many_host_and_replica_boxes() {
+        const BOXES: usize = 50_000;
+        let data = [0u8; 4];
+        let names: Vec<String> = (0..BOXES).map(|i| format!("layer.{i}.scale")).collect();
+        let started = std::time::Instant::now();
+        let mut state = State::new();
+        for name in &names {
+            state
+                .add(name.as_str(), DType::F32, &[1], Region::full(&[1]), &data)
+                .unwrap();
+        }
+        eprintln!("{BOXES} boxes added in {:?}", started.elapsed());
+        for twice in [&names[0], &names[BOXES / 2], &names[BOXES - 1]] {
+            let err = state
+                .add_replica(
+                    twice.as_str(),
+                    DType::F32,
+                    &[1],
+                    Region::full(&[1]),
+                    &data,
+                    true,
+                )
+                .unwrap_err();
+            assert!(err.to_string().contains("added twice"), "{err}");
+        }
+        assert_eq!(state.tensors.len(), BOXES);
     }
 }
