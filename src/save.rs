@@ -513,8 +513,6 @@ pub struct Checkpointer {
     /// The background task of every save not known to have ended, for
     /// [`Checkpointer::close`].
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
-    /// Set by [`Checkpointer::close`]: no save starts after it.
-    closed: std::sync::atomic::AtomicBool,
     /// Side streams for the device-to-host copies of device tensors.
     #[cfg(feature = "cuda")]
     side: Mutex<crate::cuda::device::SideStreams>,
@@ -560,7 +558,6 @@ impl Checkpointer {
             pool: Arc::new(Mutex::new(Vec::new())),
             slots,
             tasks: Mutex::new(Vec::new()),
-            closed: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "cuda")]
             side: Mutex::new(Default::default()),
         })
@@ -610,7 +607,14 @@ impl Checkpointer {
     /// of each save is its handle's; this returns an error only when a save's task
     /// died (a panic), naming how many.
     pub async fn close(&self) -> Result<()> {
-        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Every slot taken means no save is between its start and its task's
+        // registration; closing the slots then refuses (and wakes) any later save.
+        // A second close finds them closed already.
+        let all = u32::try_from(self.config.max_in_flight).unwrap_or(u32::MAX);
+        if let Ok(slots) = self.slots.acquire_many(all).await {
+            self.slots.close();
+            drop(slots);
+        }
         let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
         let mut died = 0;
         for task in tasks {
@@ -712,22 +716,23 @@ impl Checkpointer {
         overlapped: bool,
         wait: bool,
     ) -> Result<Option<SaveHandle>> {
-        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(Error::Failed(format!(
+        let closed = || {
+            Error::Failed(format!(
                 "save of step {step}: the checkpointer of rank {} was closed",
                 self.config.rank
-            )));
-        }
+            ))
+        };
         let permit = if wait {
             self.slots
                 .clone()
                 .acquire_owned()
                 .await
-                .map_err(|_| Error::Failed("checkpointer closed".into()))?
+                .map_err(|_| closed())?
         } else {
             match self.slots.clone().try_acquire_owned() {
                 Ok(permit) => permit,
-                Err(_) => {
+                Err(tokio::sync::TryAcquireError::Closed) => return Err(closed()),
+                Err(tokio::sync::TryAcquireError::NoPermits) => {
                     debug!(step, "save skipped: a save is still running");
                     return Ok(None);
                 }

@@ -60,6 +60,11 @@ async fn close_waits_for_every_save_to_end_and_refuses_saves_after_it() {
         .await
         .expect_err("a closed checkpointer saves nothing");
     assert!(refused.to_string().contains("closed"), "{refused}");
+    let skipped = checkpointer
+        .try_save(3, &common::dim0_state(&tensors, 3, 0, 1))
+        .await
+        .expect_err("a closed checkpointer does not skip a save: it refuses it");
+    assert!(skipped.to_string().contains("closed"), "{skipped}");
     // Closing again is harmless.
     checkpointer.close().await.unwrap();
 }
