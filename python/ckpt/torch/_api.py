@@ -1,0 +1,340 @@
+"""The native torch API: ``Checkpointer``, ``SaveHandle``, ``load``, ``latest``, ``list``.
+
+Shaped like the Rust API. A save blocks the caller only while the rank's tensors
+are copied into the library's staging buffer (``overlapped=False``), or not even for
+that (``overlapped=True``, the default: the copy runs on the library's threads while
+the caller computes, and ``SaveHandle.wait_staged()`` says when the tensors may
+change again — call it before the optimizer step). Checksumming, upload and the
+commit run in the background; ``wait_committed()`` says when the whole checkpoint
+exists for readers.
+
+What each path copies (bytes of tensor data; see docs/PYTHON.md):
+
+- save: one copy of this rank's boxes into a staging buffer (the library's own;
+  nothing in Python), plus one more for each non-contiguous tensor;
+- load from local disk, uncompressed: none — positioned reads land in the
+  destination tensors, verified there;
+- load from an object store, or compressed: one copy out of the fetched (or
+  decompressed) block into the destination.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckpt import _native
+from ckpt.torch import _state
+
+# What a checkpoint written through DCP says in its manifest's metadata: its
+# non-tensor values are torch-pickled bytes (DCP's way), not JSON.
+DCP_MARK = "ckpt.torch.dcp"
+
+
+def _url(url: str | os.PathLike) -> str:
+    return os.fspath(url)
+
+
+def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    return rank, world_size
+
+
+class SaveHandle:
+    """Follows one rank's save. Holds the saved tensors until they are staged."""
+
+    def __init__(self, native: _native.SaveHandle, keep_alive: list | None):
+        self._native = native
+        self._keep_alive = keep_alive
+        self.bytes_copied = 0
+
+    @property
+    def step(self) -> int:
+        return self._native.step
+
+    @property
+    def stall(self) -> float:
+        """Seconds the caller was blocked by ``save``."""
+        return self._native.stall
+
+    def wait_staged(self) -> float:
+        """Waits until the tensors are copied (they may be written again after this);
+        returns the seconds the copy took."""
+        secs = self._native.wait_staged()
+        self._keep_alive = None
+        return secs
+
+    def is_staged(self) -> bool:
+        return self._native.is_staged()
+
+    def wait_durable(self) -> None:
+        """Waits until this rank's part is durable in the store."""
+        self._native.wait_durable()
+        self._keep_alive = None
+
+    def wait_committed(self) -> None:
+        """Waits until the checkpoint is committed; raises if the save failed."""
+        self._native.wait_committed()
+        self._keep_alive = None
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed, False while the save runs; raises if
+        it failed."""
+        finished = self._native.done()
+        if finished:
+            self._keep_alive = None
+        return finished
+
+    def __del__(self):
+        # Dropping the native handle waits for the copy: release it before the
+        # tensors it reads.
+        self._native = None
+        self._keep_alive = None
+
+
+@dataclass
+class ExtraState:
+    """What a load returns besides the tensors: the step and the non-tensor state.
+
+    ``ranks[r]`` is saved rank ``r``'s non-tensor state (flattened names, as saved),
+    whatever the world size now; ``mine`` is the entry of the rank with this rank's
+    number when the saving world had one (those values were also put back into the
+    state dict in place), else empty.
+    """
+
+    step: int
+    world_size: int
+    generation: int
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    mine: dict[str, Any] = field(default_factory=dict)
+    global_state: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def _decoder(metadata: Mapping[str, Any]):
+    """Values of a DCP-written checkpoint are torch-pickled; the native API's are JSON
+    or bytes."""
+    if metadata.get(DCP_MARK):
+        import io
+
+        def decode(kind: str, payload: Any) -> Any:
+            if kind == "bytes":
+                return torch.load(io.BytesIO(payload), weights_only=True)
+            return json.loads(payload)
+
+        return decode
+    return _state.decode_value
+
+
+class Checkpointer:
+    """One rank's checkpointer over ``url`` (``file://``, a local path, ``s3://``,
+    ``gs://``, ``az://``, ``memory://``).
+
+    ``rank`` and ``world_size`` default to ``torch.distributed``'s when it is
+    initialised (else 0 of 1). ``config`` keywords are the library's settings:
+    ``generation``, ``run_id``, ``block_size``, ``codec`` (``"none"``, ``"zstd"``,
+    ``"zstd:LEVEL"``), ``max_in_flight``, ``keep_last``, ``commit_timeout``,
+    ``commit_takeover``, ``retention_grace`` (seconds), ``direct_io``,
+    ``copy_threads``, ``check_staging``. Every rank of a world must use the same
+    ``run_id`` (default: the ``CKPT_RUN_ID`` variable, else ``"0"``), different for
+    every run that saves under the same URL with the same generation.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **config: Any,
+    ):
+        self.url = _url(url)
+        self.rank, self.world_size = _world(rank, world_size)
+        self._native = _native.Checkpointer(self.url, self.rank, self.world_size, config)
+
+    def save(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        *,
+        overlapped: bool = True,
+        global_state: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Saves this rank's part of ``state_dict`` as checkpoint ``step``.
+
+        Tensors and DTensors are saved as boxes of global tensors; every other leaf
+        is this rank's non-tensor state (JSON-able values, or bytes), readable by
+        every rank of a later world. ``global_state`` is state every rank has the
+        same (written once); ``metadata`` goes into the manifest.
+
+        With ``overlapped`` (the default) this returns before the tensors are
+        copied: do not write them until ``wait_staged()`` returns.
+        """
+        tensors, rank_state, keep_alive, copied = [], {}, [], 0
+        for leaf in _state.leaves(state_dict):
+            if isinstance(leaf.value, torch.Tensor):
+                b = _state.box(leaf.fqn, leaf.value, self.rank)
+                if b is None:
+                    continue
+                _check_device(b)
+                if not b.local.is_contiguous():
+                    b.local = b.local.contiguous()
+                    copied += b.local.numel() * b.local.element_size()
+                keep_alive.append(b.local)
+                tensors.append(b.for_save())
+            else:
+                rank_state[leaf.fqn] = _state.encode_value(leaf.fqn, leaf.value)
+        global_values = {k: _state.encode_value(k, v) for k, v in (global_state or {}).items()}
+        native = self._native.save(
+            step,
+            tensors,
+            rank_state,
+            global_values,
+            json.dumps(dict(metadata or {})),
+            overlapped,
+        )
+        handle = SaveHandle(native, keep_alive if overlapped else None)
+        handle.bytes_copied = copied
+        return handle
+
+    def load(self, state_dict: Mapping[str, Any], *, step: int | None = None) -> ExtraState:
+        """Loads checkpoint ``step`` (default: the newest committed one, agreed by
+        every rank when ``torch.distributed`` is initialised) into ``state_dict`` in
+        place; see :func:`load`."""
+        return load(self.url, state_dict, step=step, rank=self.rank)
+
+    def close(self) -> None:
+        """Waits for every save's background work (commit, retention), then refuses
+        further saves. Call it before the process exits."""
+        self._native.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_device(b: _state.Box) -> None:
+    if b.local.device.type != "cpu":
+        raise _native.InvalidError(
+            f"tensor {b.fqn!r} is on {b.local.device}; this build of ckpt saves and loads "
+            "CPU tensors (the cuda feature stages device tensors)"
+        )
+
+
+def _agreed_step(url: str, step: int | None) -> int | None:
+    """Every rank of an initialised process group loads the same step: rank 0
+    chooses the newest commit and broadcasts it."""
+    import torch.distributed as dist
+
+    if step is not None or not (dist.is_available() and dist.is_initialized()):
+        return step
+    if dist.get_world_size() == 1:
+        return step
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            newest = _native.latest(url)
+            choice[0] = ("ok", newest["step"] if newest else None)
+        except _native.CkptError as e:
+            choice[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(choice, src=0)
+    status, value = choice[0]
+    if status == "error":
+        raise _native.CkptError(f"rank 0 could not choose the checkpoint to load: {value}")
+    if value is None:
+        raise _native.NotFoundError(f"no committed checkpoint in {url}")
+    return value
+
+
+def load(
+    url: str | os.PathLike,
+    state_dict: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    rank: int | None = None,
+) -> ExtraState:
+    """Loads checkpoint ``step`` under ``url`` (default: the newest committed one)
+    into ``state_dict`` in place, resharded from whatever world saved it.
+
+    Every tensor and DTensor of ``state_dict`` receives its box (this rank's shard
+    of a DTensor, the whole of a plain tensor), read and verified block by block;
+    the dtype and global shape must match the checkpoint's. Non-tensor leaves get
+    the values saved by the rank with this rank's number, when there was one. The
+    returned :class:`ExtraState` has every saved rank's non-tensor state.
+
+    A corrupt block raises ``CorruptionError`` naming the object and offset; the
+    tensors are then partly written and must be loaded again before use.
+    """
+    url = _url(url)
+    rank, _ = _world(rank, None)
+    reader = _native.Reader(url, _agreed_step(url, step))
+    wants, fixups, keep_alive = [], [], []
+    for leaf in _state.leaves(state_dict):
+        if not isinstance(leaf.value, torch.Tensor):
+            continue
+        b = _state.box(leaf.fqn, leaf.value, rank)
+        if b is None or b.local.numel() == 0:
+            continue
+        _check_device(b)
+        into = b.local
+        if not into.is_contiguous():
+            into = torch.empty(b.lengths, dtype=b.local.dtype)
+            fixups.append((b.local, into))
+        keep_alive.append(into)
+        wants.append(b.for_load(into))
+    stats = reader.load_into(wants)
+    with torch.no_grad():
+        for dest, loaded in fixups:
+            dest.copy_(loaded)
+            stats["bytes_copied"] += loaded.numel() * loaded.element_size()
+    del keep_alive
+    metadata = json.loads(reader.metadata)
+    decode = _decoder(metadata)
+    ranks: list[dict[str, Any]] = []
+    for saved_rank, values in reader.rank_states():
+        while len(ranks) < saved_rank:
+            ranks.append({})
+        ranks.append({k: decode(kind, v) for k, (kind, v) in values.items()})
+    mine = ranks[rank] if rank < len(ranks) else {}
+    for leaf in _state.leaves(state_dict):
+        if not isinstance(leaf.value, torch.Tensor) and leaf.fqn in mine:
+            leaf.container[leaf.key] = mine[leaf.fqn]
+    global_state = {k: decode(kind, v) for k, (kind, v) in reader.global_state().items()}
+    return ExtraState(
+        step=reader.step,
+        world_size=reader.world_size,
+        generation=reader.generation,
+        ranks=ranks,
+        mine=mine,
+        global_state=global_state,
+        metadata=metadata,
+        stats=stats,
+    )
+
+
+def latest(url: str | os.PathLike) -> dict[str, Any] | None:
+    """The newest committed checkpoint under ``url`` (``step``, ``generation``,
+    ``world_size``, ``tensors``, ``created_unix_ms``), or None."""
+    return _native.latest(_url(url))
+
+
+def list(url: str | os.PathLike) -> builtins.list[dict[str, Any]]:  # noqa: A001
+    """Every checkpoint under ``url``, commits first in commit order (``step``,
+    ``dir``, ``status``, ``committed``, ``generation``, ``ranks_present``, ``bytes``)."""
+    return _native.list(_url(url))

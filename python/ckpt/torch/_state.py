@@ -1,0 +1,225 @@
+"""How a torch state dict maps onto ckpt's boxes of global tensors.
+
+A state dict is flattened the way DCP flattens it (keys joined by ``.``, lists that
+hold tensors or mappings entered by index, tuples and other lists kept whole), so
+that a tensor has the same name whether it was saved natively or through DCP, and a
+checkpoint written one way loads the other way.
+
+Each tensor leaf becomes one box of a global tensor:
+
+- a ``DTensor`` with ``Shard(d)`` / ``Replicate()`` placements on any mesh: its
+  local tensor is the box DTensor's own sharding rule gives this rank; of the ranks
+  holding the same replicated box, the one at coordinate 0 of every replicated mesh
+  dimension writes it;
+- a plain tensor: the whole tensor, taken to be the same on every rank (as DCP takes
+  it), written by rank 0.
+
+The box's memory is passed to the library by address: a contiguous CPU tensor is
+read (save) or written (load) where it lies. A non-contiguous one costs a copy,
+which is counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt._native import InvalidError
+
+# torch dtype -> safetensors name (every one ckpt's format has).
+_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _DTYPES[torch.float8_e8m0fnu] = "F8_E8M0"
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype, fqn: str) -> str:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in _DTYPES))
+        raise InvalidError(
+            f"tensor {fqn!r} has dtype {dtype}, which ckpt's format cannot hold ({names})"
+        ) from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise InvalidError(f"dtype {name} has no torch equivalent here") from None
+
+
+def _is_terminal(value: Any) -> bool:
+    """DCP's rule: a mapping is entered, a list is entered only when it holds a
+    tensor or something that is entered, anything else is a leaf."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, torch.Tensor):
+            return False
+        if isinstance(entry, (Mapping, list)) and not _is_terminal(entry):
+            return False
+    return True
+
+
+@dataclass
+class Leaf:
+    """One leaf of a state dict: its flattened name, value, and where it sits (so a
+    load can replace a non-tensor value in place)."""
+
+    fqn: str
+    value: Any
+    container: Any
+    key: Any
+
+
+def leaves(state_dict: Mapping[str, Any]) -> Iterator[Leaf]:
+    """The leaves of ``state_dict`` in order, named as DCP names them."""
+
+    def visit(path: tuple, container: Any, key: Any, value: Any) -> Iterator[Leaf]:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                yield from visit(path + (str(k),), value, k, v)
+        elif _is_terminal(value):
+            yield Leaf(".".join(map(str, path)), value, container, key)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                yield from visit(path + (i,), value, i, v)
+
+    seen: set[str] = set()
+    for key, value in state_dict.items():
+        for leaf in visit((str(key),), state_dict, key, value):
+            if leaf.fqn in seen:
+                raise InvalidError(f"two entries of the state dict flatten to {leaf.fqn!r}")
+            seen.add(leaf.fqn)
+            yield leaf
+
+
+@dataclass
+class Box:
+    """This rank's box of one global tensor, over memory ckpt can address."""
+
+    fqn: str
+    dtype: str
+    shape: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    local: torch.Tensor  # the box's data, row-major over `lengths`
+    write: bool
+
+    def for_save(self) -> tuple:
+        """The box for the native save: where it sits, its memory, and whether this
+        rank writes it."""
+        return (*self.for_load(self.local), self.write)
+
+    def for_load(self, into: torch.Tensor) -> tuple:
+        """The box for the native load, landing in ``into`` (contiguous)."""
+        return (
+            self.fqn,
+            self.dtype,
+            self.shape,
+            self.offsets,
+            self.lengths,
+            into.data_ptr(),
+            into.numel() * into.element_size(),
+        )
+
+
+def _dtensor_types():
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # a torch without DTensor
+        return None
+    return DTensor, Replicate, Shard, compute_local_shape_and_global_offset
+
+
+_DT = _dtensor_types()
+
+
+def is_dtensor(value: Any) -> bool:
+    return _DT is not None and isinstance(value, _DT[0])
+
+
+def box(fqn: str, value: torch.Tensor, rank: int) -> Box | None:
+    """The box of tensor ``value`` this rank holds; None when it holds none (a
+    DTensor on a mesh without this rank)."""
+    if is_dtensor(value):
+        _, replicate, shard, local_shape_and_offset = _DT
+        mesh, placements = value.device_mesh, value.placements
+        for p in placements:
+            # _StridedShard (FSDP2 over TP) subclasses Shard but is not a plain split.
+            if not (type(p) is shard or isinstance(p, replicate)):
+                raise InvalidError(
+                    f"tensor {fqn!r} has placement {p}; ckpt saves Shard(d) and Replicate()"
+                )
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return None
+        local = value._local_tensor
+        shape, offsets = local_shape_and_offset(value.shape, mesh, placements)
+        if tuple(local.shape) != tuple(shape):
+            raise InvalidError(
+                f"tensor {fqn!r}: the local tensor has shape {tuple(local.shape)}, but its "
+                f"placements {placements} give this rank a box of {tuple(shape)} (padded shards "
+                "are not supported)"
+            )
+        write = all(
+            coordinate[i] == 0 for i, p in enumerate(placements) if isinstance(p, replicate)
+        )
+        global_shape = list(value.shape)
+    else:
+        local = value
+        global_shape = list(value.shape)
+        offsets = [0] * len(global_shape)
+        shape = global_shape
+        write = rank == 0
+    return Box(
+        fqn=fqn,
+        dtype=dtype_name(value.dtype, fqn),
+        shape=[int(s) for s in global_shape],
+        offsets=[int(o) for o in offsets],
+        lengths=[int(s) for s in shape],
+        local=local,
+        write=write,
+    )
+
+
+def encode_value(fqn: str, value: Any) -> str | bytes:
+    """A non-tensor leaf as ckpt stores it: bytes as they are, anything else as JSON."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    try:
+        return json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise InvalidError(
+            f"non-tensor state {fqn!r} ({type(value).__name__}) is not JSON-able: {e}; "
+            "save it as bytes, or as JSON-able values"
+        ) from None
+
+
+def decode_value(kind: str, payload: Any) -> Any:
+    return json.loads(payload) if kind == "json" else payload

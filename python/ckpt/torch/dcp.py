@@ -1,0 +1,327 @@
+"""ckpt as a storage plugin of ``torch.distributed.checkpoint`` (DCP).
+
+::
+
+    import torch.distributed.checkpoint as dcp
+    from ckpt.torch.dcp import StorageReader, StorageWriter
+
+    dcp.save(state_dict, storage_writer=StorageWriter("s3://bucket/run1"))
+    dcp.async_save(state_dict, storage_writer=StorageWriter("s3://bucket/run1"))
+    dcp.load(state_dict, storage_reader=StorageReader("s3://bucket/run1"))
+
+DCP plans (which rank writes which chunk, which chunk each rank reads); ckpt stores.
+A save through the writer is an ordinary ckpt save: every rank writes its chunks as
+one safetensors rank file with CRC32 block checksums and a manifest part, and the
+checkpoint is committed by ckpt's fenced, atomic commit (create-if-absent on every
+store, S3 included: no rename). ``ckpt verify``, ``inspect`` and ``export`` work on
+it, and the native API loads it. The other way round, the reader builds DCP's
+``Metadata`` from ckpt's manifest, so a checkpoint saved natively loads through
+``dcp.load``, resharded by DCP's planner and read by ckpt's verified reader.
+
+The URL is the checkpoint root (many steps), as for the native API. Each save is a
+new step: ``StorageWriter(url, step=N)`` (or setting ``writer.step``) names it;
+otherwise it is the step after the newest commit. ``StorageReader(url, step=None)``
+reads the newest commit unless told a step. A ``checkpoint_id`` given to
+``dcp.save`` / ``dcp.load`` replaces the URL.
+
+Non-tensor values are saved the way DCP saves them (``torch.save`` bytes, one rank
+each), as ckpt rank state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import secrets
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader as _DcpReader
+from torch.distributed.checkpoint.storage import StorageWriter as _DcpWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckpt import _native
+from ckpt.torch import _state
+from ckpt.torch._api import DCP_MARK, _agreed_step, _url
+
+_SCHEMES = ("file://", "memory://", "s3://", "gs://", "az://", "azure://", "abfs://")
+
+
+def _dist_rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveTarget:
+    """What the coordinator decides for one save and every rank's plan carries."""
+
+    step: int
+    run_id: str
+    world_size: int
+
+
+class StorageWriter(_DcpWriter):
+    """DCP's ``StorageWriter`` over a ckpt checkpoint root.
+
+    ``config`` keywords are the native ``Checkpointer``'s settings (``generation``,
+    ``run_id``, ``codec``, ``keep_last``, ``block_size``, …).
+    """
+
+    def __init__(self, url: str | os.PathLike, *, step: int | None = None, **config: Any):
+        super().__init__()
+        self.url = _url(url)
+        self.step = step
+        self._config = config
+        self._rank = 0
+        self._is_coordinator = True
+        self._checkpointer: _native.Checkpointer | None = None
+        self._checkpointer_key: tuple | None = None
+        self._handle: _native.SaveHandle | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = _url(checkpoint_id)
+        self._handle = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+        self._rank = kwargs.get("rank", _dist_rank()[0])
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        step = self.step
+        if step is None:
+            newest = _native.latest(self.url)
+            step = newest["step"] + 1 if newest else 0
+        run_id = self._config.get("run_id") or os.environ.get("CKPT_RUN_ID") or secrets.token_hex(8)
+        target = _SaveTarget(step=step, run_id=run_id, world_size=len(plans))
+        return [dataclasses.replace(plan, storage_data=target) for plan in plans]
+
+    def _native_checkpointer(self, target: _SaveTarget) -> _native.Checkpointer:
+        # One checkpointer per (root, rank, world, run): its staging buffers are reused
+        # by the next save through this writer.
+        key = (self.url, self._rank, target.world_size, target.run_id)
+        if self._checkpointer_key != key:
+            config = dict(self._config, run_id=target.run_id)
+            self._checkpointer = _native.Checkpointer(
+                self.url, self._rank, target.world_size, config
+            )
+            self._checkpointer_key = key
+        return self._checkpointer
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target = plan.storage_data
+        if not isinstance(target, _SaveTarget):
+            raise _native.InvalidError(
+                "the save plan carries no ckpt target: prepare_global_plan did not run"
+            )
+        tensors, rank_state, keep_alive, results = [], {}, [], []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                rank_state[item.index.fqn] = payload
+                results.append(WriteResult(item.index, len(payload), None))
+                continue
+            tensor = data.detach()
+            if tensor.device.type != "cpu":
+                raise _native.InvalidError(
+                    f"tensor {item.index.fqn!r} is on {tensor.device}; this build of ckpt "
+                    "writes CPU tensors (stage with dcp.async_save, or the cuda feature)"
+                )
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            chunk = item.tensor_data.chunk
+            keep_alive.append(tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            tensors.append(
+                (
+                    item.index.fqn,
+                    _state.dtype_name(tensor.dtype, item.index.fqn),
+                    [int(s) for s in item.tensor_data.size],
+                    [int(o) for o in chunk.offsets],
+                    [int(s) for s in chunk.sizes],
+                    tensor.data_ptr(),
+                    nbytes,
+                    True,
+                )
+            )
+            results.append(WriteResult(item.index, nbytes, None))
+        checkpointer = self._native_checkpointer(target)
+        metadata = json.dumps({DCP_MARK: True})
+        handle = checkpointer.save(target.step, tensors, rank_state, {}, metadata, False)
+        # DCP gathers the results on the coordinator and then calls `finish`: once
+        # every rank's part is durable the commit follows at once.
+        handle.wait_durable()
+        del keep_alive
+        self._handle = handle
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # The coordinator returns once the checkpoint is committed (ckpt's commit
+        # runs on its own committer ranks, rank 0 first); DCP's metadata is not
+        # stored: the reader rebuilds it from ckpt's manifest.
+        if self._handle is not None:
+            self._handle.wait_committed()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _looks_like_root(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.url)
+
+
+def _looks_like_root(checkpoint_id: str | os.PathLike) -> bool:
+    text = os.fspath(checkpoint_id)
+    if not isinstance(text, str):
+        return False
+    return text.startswith(_SCHEMES) or "://" not in text
+
+
+class StorageReader(_DcpReader):
+    """DCP's ``StorageReader`` over a ckpt checkpoint root: the newest commit, or
+    ``step``."""
+
+    def __init__(self, url: str | os.PathLike, *, step: int | None = None):
+        super().__init__()
+        self.url = _url(url)
+        self.step = step
+        self._reader: _native.Reader | None = None
+        self._rank = 0
+        self._values: dict[str, tuple[str, Any]] = {}
+        self._dcp_written = False
+        self._meta_cache: dict[str, tuple[torch.dtype, list[int]]] = {}
+        self.stats: dict[str, int] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = _url(checkpoint_id)
+        self._reader = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        reader = _native.Reader(self.url, _agreed_step(self.url, self.step))
+        self._reader = reader
+        self._dcp_written = bool(json.loads(reader.metadata).get(DCP_MARK))
+        state: dict[str, Any] = {}
+        self._meta_cache = {}
+        for name, dtype, shape, chunks in reader.tensors():
+            self._meta_cache[name] = (_state.torch_dtype(dtype), [int(s) for s in shape])
+            state[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=_state.torch_dtype(dtype)),
+                size=torch.Size(shape),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                    for _, o, s in chunks
+                ],
+            )
+        rank, _ = _dist_rank()
+        self._values = {}
+        # A value per name: this rank's own where the saving world had this rank,
+        # else the lowest saved rank's (DCP writes each value from one rank).
+        for saved_rank, values in reader.rank_states():
+            for key, value in values.items():
+                if key not in self._values or saved_rank == rank:
+                    self._values[key] = value
+        for key in self._values:
+            state.setdefault(key, BytesStorageMetadata())
+        return Metadata(state_dict_metadata=state, storage_meta=StorageMeta(checkpoint_id=self.url))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
+        self._rank = kwargs.get("rank", _dist_rank()[0])
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _value_bytes(self, fqn: str) -> bytes:
+        kind, payload = self._values[fqn]
+        if kind == "bytes" and self._dcp_written:
+            return payload  # DCP's own torch.save bytes
+        value = json.loads(payload) if kind == "json" else payload
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        return buffer.getvalue()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._reader is None:
+            raise _native.InvalidError("read_data before read_metadata")
+        wants, pending, keep_alive = [], [], []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(self._value_bytes(item.storage_index.fqn)))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            meta = self._tensor_meta(item.storage_index)
+            offsets = [
+                int(c) + int(o)
+                for c, o in zip(item.storage_index.offset or (), item.storage_offsets, strict=True)
+            ]
+            lengths = [int(n) for n in item.lengths]
+            direct = (
+                target.device.type == "cpu" and target.is_contiguous() and target.dtype == meta[0]
+            )
+            into = target if direct else torch.empty(lengths, dtype=meta[0])
+            keep_alive.append(into)
+            wants.append(
+                (
+                    item.storage_index.fqn,
+                    _state.dtype_name(meta[0], item.storage_index.fqn),
+                    meta[1],
+                    offsets,
+                    lengths,
+                    into.data_ptr(),
+                    into.numel() * into.element_size(),
+                )
+            )
+            pending.append((item, target, into, direct))
+        self.stats = self._reader.load_into(wants) if wants else {}
+        for item, target, into, direct in pending:
+            if not direct:
+                with torch.no_grad():
+                    target.copy_(into)
+                self.stats["bytes_copied"] = self.stats.get("bytes_copied", 0) + (
+                    into.numel() * into.element_size()
+                )
+            planner.commit_tensor(item, target)
+        del keep_alive
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _tensor_meta(self, index: MetadataIndex) -> tuple[torch.dtype, list[int]]:
+        return self._meta_cache[index.fqn]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _looks_like_root(checkpoint_id)

@@ -1,0 +1,779 @@
+//! `ckpt._native`: the Python binding of the ckpt library, as thin as it can be.
+//!
+//! The torch-facing API (`ckpt.torch`, the DCP plugin) is pure Python on top of this
+//! module; this module only moves what the library needs across the boundary and
+//! back. Three rules shape it:
+//!
+//! - **Tensor memory is never copied here.** Python passes each tensor as its address
+//!   and length (`tensor.data_ptr()`, `tensor.nbytes`) and keeps the tensor alive for
+//!   as long as the library may touch it (until a save is staged, until a load
+//!   returns); the library reads or writes that memory where it lies. The only copy
+//!   of a save is the library's own one into its staging buffer, and a load from
+//!   local disk reads straight into the destination.
+//! - **The GIL is released for every copy and I/O.** Every call that waits runs its
+//!   work as a task on one shared tokio runtime and waits for it with the GIL
+//!   released, waking every [`SIGNAL_POLL`] to let Python run its signal handlers: a
+//!   `KeyboardInterrupt` there cancels the wait (and a load itself: the call returns
+//!   only once nothing writes into the caller's tensors any more).
+//! - **Errors keep the library's kind.** Each [`ckpt::Error`] variant becomes its own
+//!   exception class under `CkptError`, with the library's message (a corrupt block
+//!   names the object and offset) and a `kind` attribute.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use ckpt::storage::Store;
+use ckpt::{CheckpointConfig, CheckpointReader, Codec, DType, LoadRequest, Region, StateValue};
+use futures::FutureExt;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+create_exception!(_native, CkptError, PyException, "A ckpt operation failed.");
+create_exception!(
+    _native,
+    CorruptionError,
+    CkptError,
+    "A checkpoint object is corrupt, truncated or hostile; the message names the object and offset. An older checkpoint may load."
+);
+create_exception!(
+    _native,
+    NotFoundError,
+    CkptError,
+    "No such checkpoint, step or tensor."
+);
+create_exception!(
+    _native,
+    MismatchError,
+    CkptError,
+    "The request does not match the checkpoint (dtype, shape, box)."
+);
+create_exception!(
+    _native,
+    InvalidError,
+    CkptError,
+    "An argument or setting is invalid."
+);
+create_exception!(
+    _native,
+    StorageError,
+    CkptError,
+    "The store failed; `transient` says whether retrying may help."
+);
+create_exception!(
+    _native,
+    CommitTimeoutError,
+    CkptError,
+    "Waiting for a commit took longer than allowed."
+);
+create_exception!(
+    _native,
+    SaveFailedError,
+    CkptError,
+    "A background save failed."
+);
+create_exception!(
+    _native,
+    FencedError,
+    CkptError,
+    "The save was fenced off by a newer generation or a reused run id."
+);
+create_exception!(
+    _native,
+    MutatedError,
+    CkptError,
+    "An overlapped save's tensor changed before it was staged."
+);
+create_exception!(_native, DeviceError, CkptError, "The GPU path failed.");
+
+/// How often a blocking wait wakes to let Python handle signals (Ctrl-C).
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// The runtime every call runs its work on, started on first use.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("ckpt")
+            .enable_all()
+            .build()
+            .expect("starting the tokio runtime of ckpt")
+    })
+}
+
+/// The Python exception for a library error: its class by variant, the library's
+/// message, and `kind` and `transient` attributes.
+fn to_py(py: Python<'_>, error: ckpt::Error) -> PyErr {
+    let message = error.to_string();
+    let (err, kind) = match &error {
+        ckpt::Error::Storage(_) => (StorageError::new_err(message), "storage"),
+        ckpt::Error::Corrupt(_) => (CorruptionError::new_err(message), "corrupt"),
+        ckpt::Error::NotFound(_) => (NotFoundError::new_err(message), "not_found"),
+        ckpt::Error::Mismatch(_) => (MismatchError::new_err(message), "mismatch"),
+        ckpt::Error::Invalid(_) => (InvalidError::new_err(message), "invalid"),
+        ckpt::Error::Timeout(_) => (CommitTimeoutError::new_err(message), "timeout"),
+        ckpt::Error::Failed(_) => (SaveFailedError::new_err(message), "failed"),
+        ckpt::Error::Fenced(_) => (FencedError::new_err(message), "fenced"),
+        ckpt::Error::Mutated(_) => (MutatedError::new_err(message), "mutated"),
+        ckpt::Error::Device(_) => (DeviceError::new_err(message), "device"),
+    };
+    let value = err.value(py);
+    // Setting attributes on a fresh exception instance cannot fail.
+    let _ = value.setattr("kind", kind);
+    let _ = value.setattr("transient", error.is_transient());
+    err
+}
+
+fn invalid(message: impl Into<String>) -> PyErr {
+    InvalidError::new_err(message.into())
+}
+
+/// Runs `work` on the runtime and waits for it with the GIL released. A signal
+/// handler that raises (Ctrl-C) aborts the task, waits until it has stopped (so
+/// nothing it borrowed is touched after this returns) and raises.
+fn run<T: Send + 'static>(
+    py: Python<'_>,
+    work: impl Future<Output = ckpt::Result<T>> + Send + 'static,
+) -> PyResult<T> {
+    let mut task = runtime().spawn(work);
+    loop {
+        let polled = py.detach(|| {
+            runtime().block_on(async { tokio::time::timeout(SIGNAL_POLL, &mut task).await })
+        });
+        match polled {
+            Ok(Ok(result)) => return result.map_err(|e| to_py(py, e)),
+            Ok(Err(join)) => {
+                return Err(CkptError::new_err(format!("a ckpt task failed: {join}")));
+            }
+            Err(_still_running) => {
+                if let Err(interrupt) = py.check_signals() {
+                    task.abort();
+                    let _ = py.detach(|| runtime().block_on(&mut task));
+                    return Err(interrupt);
+                }
+            }
+        }
+    }
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::ALL
+        .into_iter()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| {
+            invalid(format!(
+                "unknown dtype {name:?} (safetensors names: F32, BF16, …)"
+            ))
+        })
+}
+
+/// One tensor box as Python describes it: where its memory lies and where the box
+/// sits in the global tensor.
+struct TensorView {
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    region: Region,
+    ptr: usize,
+    nbytes: usize,
+    write: bool,
+}
+
+/// A box to save: `(name, dtype, shape, offsets, lengths, ptr, nbytes, write)`.
+type TensorTuple = (
+    String,
+    String,
+    Vec<u64>,
+    Vec<u64>,
+    Vec<u64>,
+    usize,
+    usize,
+    bool,
+);
+/// A box to load: `(name, dtype, shape, offsets, lengths, ptr, nbytes)`.
+type WantTuple = (String, String, Vec<u64>, Vec<u64>, Vec<u64>, usize, usize);
+
+impl TensorView {
+    fn from_tuple(
+        (name, dtype_name, shape, offsets, lengths, ptr, nbytes, write): TensorTuple,
+    ) -> PyResult<Self> {
+        if offsets.len() != shape.len() || lengths.len() != shape.len() {
+            return Err(invalid(format!(
+                "tensor {name:?}: box offsets {offsets:?} and lengths {lengths:?} do not match shape {shape:?}"
+            )));
+        }
+        if ptr == 0 && nbytes != 0 {
+            return Err(invalid(format!("tensor {name:?}: null data pointer")));
+        }
+        Ok(Self {
+            dtype: dtype(&dtype_name)?,
+            name,
+            shape,
+            region: Region::new(offsets, lengths),
+            ptr,
+            nbytes,
+            write,
+        })
+    }
+
+    /// The tensor's bytes.
+    ///
+    /// # Safety
+    /// The memory at `ptr` must hold `nbytes` readable bytes for `'static`, i.e. for
+    /// as long as the library uses the slice: the Python layer keeps the tensor alive
+    /// and unwritten until the save is staged.
+    unsafe fn bytes(&self) -> &'static [u8] {
+        if self.nbytes == 0 {
+            return &[];
+        }
+        // SAFETY: the caller's contract above.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.nbytes) }
+    }
+
+    /// The tensor's bytes, for writing.
+    ///
+    /// # Safety
+    /// As for [`TensorView::bytes`], for writing, and no other slice may alias it
+    /// while the load runs (the Python layer passes distinct, contiguous tensors).
+    unsafe fn bytes_mut(&self) -> &'static mut [u8] {
+        if self.nbytes == 0 {
+            return &mut [];
+        }
+        // SAFETY: the caller's contract above.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.nbytes) }
+    }
+}
+
+/// A non-tensor value from Python: a JSON text or bytes.
+fn state_value(key: &str, value: &Bound<'_, PyAny>) -> PyResult<StateValue> {
+    if let Ok(bytes) = value.cast::<PyBytes>() {
+        return Ok(StateValue::bytes(bytes.as_bytes()));
+    }
+    let text: String = value.extract().map_err(|_| {
+        invalid(format!(
+            "non-tensor state {key:?}: expected a JSON text or bytes"
+        ))
+    })?;
+    serde_json::from_str(&text)
+        .map(StateValue::Json)
+        .map_err(|e| invalid(format!("non-tensor state {key:?} is not valid JSON: {e}")))
+}
+
+/// A stored non-tensor value for Python: `("json", text)` or `("bytes", bytes)`.
+fn state_to_py<'py>(py: Python<'py>, value: &StateValue) -> PyResult<Bound<'py, PyAny>> {
+    match value {
+        StateValue::Json(json) => ("json", json.to_string())
+            .into_pyobject(py)
+            .map(|t| t.into_any()),
+        StateValue::Base64(_) => {
+            let bytes = value.to_bytes().map_err(|e| {
+                CorruptionError::new_err(format!("non-tensor state is not valid base64: {e}"))
+            })?;
+            ("bytes", PyBytes::new(py, &bytes))
+                .into_pyobject(py)
+                .map(|t| t.into_any())
+        }
+    }
+}
+
+fn seconds(key: &str, value: &Bound<'_, PyAny>) -> PyResult<Duration> {
+    let secs: f64 = value.extract()?;
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        invalid(format!(
+            "{key} must be a non-negative number of seconds, got {secs}"
+        ))
+    })
+}
+
+fn codec(text: &str) -> PyResult<Codec> {
+    match text.split_once(':') {
+        None if text == "none" => Ok(Codec::None),
+        None if text == "zstd" => Ok(Codec::Zstd {
+            level: 3,
+            shuffle: 0,
+        }),
+        Some(("zstd", level)) => level
+            .parse()
+            .map(|level| Codec::Zstd { level, shuffle: 0 })
+            .map_err(|_| invalid(format!("codec {text:?}: the zstd level is not a number"))),
+        _ => Err(invalid(format!(
+            "codec {text:?}: expected \"none\", \"zstd\" or \"zstd:LEVEL\""
+        ))),
+    }
+}
+
+/// The settings of a checkpointer from keyword arguments, named as
+/// `ckpt::CheckpointConfig`'s fields (durations in seconds, the codec as text).
+fn config(
+    rank: usize,
+    world_size: usize,
+    settings: Option<&Bound<'_, PyDict>>,
+) -> PyResult<CheckpointConfig> {
+    let mut config = CheckpointConfig::new(rank, world_size);
+    for (key, value) in settings.into_iter().flat_map(|d| d.iter()) {
+        let key: String = key.extract()?;
+        match key.as_str() {
+            "generation" => config.generation = value.extract()?,
+            "run_id" => config.run_id = value.extract()?,
+            "block_size" => config.block_size = value.extract()?,
+            "codec" => config.codec = codec(&value.extract::<String>()?)?,
+            "max_in_flight" => config.max_in_flight = value.extract()?,
+            "keep_last" => config.keep_last = value.extract()?,
+            "commit_timeout" => config.commit_timeout = seconds(&key, &value)?,
+            "commit_takeover" => config.commit_takeover = seconds(&key, &value)?,
+            "retention_grace" => config.retention_grace = seconds(&key, &value)?,
+            "direct_io" => config.direct_io = value.extract()?,
+            "copy_threads" => config.copy_threads = value.extract()?,
+            "check_staging" => config.check_staging = value.extract()?,
+            other => {
+                return Err(invalid(format!(
+                    "unknown setting {other:?}; the settings are generation, run_id, block_size, \
+                     codec, max_in_flight, keep_last, commit_timeout, commit_takeover, \
+                     retention_grace, direct_io, copy_threads, check_staging"
+                )));
+            }
+        }
+    }
+    Ok(config)
+}
+
+fn open_store(url: &str) -> PyResult<Store> {
+    let py_err = |e: ckpt::storage::Error| Python::attach(|py| to_py(py, ckpt::Error::from(e)));
+    Store::from_url(url).map_err(py_err)
+}
+
+/// One rank's checkpointer (`ckpt::Checkpointer`).
+#[pyclass(frozen, module = "ckpt._native")]
+struct Checkpointer {
+    inner: Arc<ckpt::Checkpointer>,
+    url: String,
+}
+
+#[pymethods]
+impl Checkpointer {
+    #[new]
+    #[pyo3(signature = (url, rank, world_size, settings=None))]
+    fn new(
+        py: Python<'_>,
+        url: &str,
+        rank: usize,
+        world_size: usize,
+        settings: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let store = open_store(url)?;
+        let config = config(rank, world_size, settings)?;
+        let _entered = runtime().enter();
+        let inner = ckpt::Checkpointer::new(store, config).map_err(|e| to_py(py, e))?;
+        Ok(Self {
+            inner: Arc::new(inner),
+            url: url.to_string(),
+        })
+    }
+
+    /// The checkpoint root's URL.
+    #[getter]
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.inner.config().rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.inner.config().world_size
+    }
+
+    /// Saves `tensors` (tuples `(name, dtype, shape, offsets, lengths, ptr, nbytes,
+    /// write)`) and non-tensor state as checkpoint `step`. Blocks until the tensors
+    /// are staged, or with `overlapped` only until the save is registered (then the
+    /// caller must keep the tensors alive and unwritten until `wait_staged`).
+    #[pyo3(signature = (step, tensors, rank_state, global_state, metadata, overlapped))]
+    // One argument per part of a save, as the Python layer passes them.
+    #[allow(clippy::too_many_arguments)]
+    fn save(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        tensors: Vec<TensorTuple>,
+        rank_state: &Bound<'_, PyDict>,
+        global_state: &Bound<'_, PyDict>,
+        metadata: &str,
+        overlapped: bool,
+    ) -> PyResult<SaveHandle> {
+        let views = tensors
+            .into_iter()
+            .map(TensorView::from_tuple)
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut rank = BTreeMap::new();
+        for (key, value) in rank_state.iter() {
+            let key: String = key.extract()?;
+            rank.insert(key.clone(), state_value(&key, &value)?);
+        }
+        let mut global = BTreeMap::new();
+        for (key, value) in global_state.iter() {
+            let key: String = key.extract()?;
+            global.insert(key.clone(), state_value(&key, &value)?);
+        }
+        let metadata: BTreeMap<String, serde_json::Value> = serde_json::from_str(metadata)
+            .map_err(|e| invalid(format!("metadata is not a JSON object: {e}")))?;
+        // The state is built here, with the GIL held, so that a bad box is an error
+        // before anything starts.
+        let mut state = ckpt::State::new();
+        for view in &views {
+            // SAFETY: the Python layer keeps every tensor alive and unwritten until
+            // this save is staged (`SaveHandle._tensors`), and `save` without
+            // `overlapped` returns only after staging.
+            let data = unsafe { view.bytes() };
+            state
+                .add_replica(
+                    &view.name,
+                    view.dtype,
+                    &view.shape,
+                    view.region.clone(),
+                    data,
+                    view.write,
+                )
+                .map_err(|e| to_py(py, e))?;
+        }
+        for (key, value) in rank {
+            match value {
+                StateValue::Json(json) => state.set_rank_json(key, json),
+                StateValue::Base64(_) => {
+                    let bytes = value.to_bytes().unwrap_or_default();
+                    state.set_rank_bytes(key, &bytes)
+                }
+            };
+        }
+        for (key, value) in global {
+            match value {
+                StateValue::Json(json) => state.set_global_json(key, json),
+                StateValue::Base64(_) => {
+                    let bytes = value.to_bytes().unwrap_or_default();
+                    state.set_global_bytes(key, &bytes)
+                }
+            };
+        }
+        for (key, value) in metadata {
+            state.set_metadata(key, value);
+        }
+        let checkpointer = self.inner.clone();
+        let handle = run(py, async move {
+            if overlapped {
+                // SAFETY: as above: the tensors stay alive and unwritten until the
+                // handle's `wait_staged` returns or the handle is dropped.
+                unsafe { checkpointer.save_overlapped(step, &state) }.await
+            } else {
+                checkpointer.save(step, &state).await
+            }
+        })?;
+        Ok(SaveHandle {
+            inner: Arc::new(handle),
+            step,
+        })
+    }
+
+    /// Waits for every save's background work, then refuses further saves.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let checkpointer = self.inner.clone();
+        run(py, async move { checkpointer.close().await })
+    }
+}
+
+/// Follows one rank's save (`ckpt::SaveHandle`).
+#[pyclass(frozen, module = "ckpt._native")]
+struct SaveHandle {
+    inner: Arc<ckpt::SaveHandle>,
+    step: u64,
+}
+
+#[pymethods]
+impl SaveHandle {
+    #[getter]
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Seconds the caller was blocked by the save.
+    #[getter]
+    fn stall(&self) -> f64 {
+        self.inner.stall().as_secs_f64()
+    }
+
+    /// Whether the tensors have been copied (they may change again).
+    fn is_staged(&self) -> bool {
+        self.inner.is_staged()
+    }
+
+    /// Waits until the tensors are staged; returns the seconds the copy took.
+    fn wait_staged(&self, py: Python<'_>) -> PyResult<f64> {
+        let handle = self.inner.clone();
+        run(
+            py,
+            async move { handle.staged().await.map(|d| d.as_secs_f64()) },
+        )
+    }
+
+    /// Waits until this rank's part is durable in the store.
+    fn wait_durable(&self, py: Python<'_>) -> PyResult<()> {
+        let handle = self.inner.clone();
+        run(py, async move { handle.durable().await })
+    }
+
+    /// Waits until the whole checkpoint is committed (or the save failed).
+    fn wait_committed(&self, py: Python<'_>) -> PyResult<()> {
+        let handle = self.inner.clone();
+        run(py, async move { handle.committed().await })
+    }
+
+    /// Whether the save has ended: `None` while it runs, else `None`-free: `True`
+    /// when committed; a failure raises.
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        let _entered = runtime().enter();
+        match self.inner.committed().now_or_never() {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err(e)) => Err(to_py(py, e)),
+        }
+    }
+}
+
+/// A committed checkpoint opened for reading (`ckpt::CheckpointReader`).
+#[pyclass(frozen, module = "ckpt._native")]
+struct Reader {
+    inner: Arc<CheckpointReader>,
+    url: String,
+}
+
+#[pymethods]
+impl Reader {
+    /// Opens checkpoint `step` under `url`, or the newest committed one.
+    #[new]
+    #[pyo3(signature = (url, step=None))]
+    fn new(py: Python<'_>, url: &str, step: Option<u64>) -> PyResult<Self> {
+        let store = open_store(url)?;
+        let reader = run(
+            py,
+            async move { CheckpointReader::open(&store, step).await },
+        )?;
+        Ok(Self {
+            inner: Arc::new(reader),
+            url: url.to_string(),
+        })
+    }
+
+    #[getter]
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step()
+    }
+
+    /// Ranks of the world that saved it.
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.inner.manifest().world_size
+    }
+
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.inner.manifest().generation
+    }
+
+    /// The manifest's user metadata, as JSON text.
+    #[getter]
+    fn metadata(&self) -> String {
+        serde_json::to_string(&self.inner.manifest().metadata).unwrap_or_else(|_| "{}".into())
+    }
+
+    /// Every tensor: `(name, dtype, shape, chunks)` with chunks `(rank, offsets,
+    /// lengths)`, the boxes the saving ranks wrote.
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let manifest = self.inner.manifest();
+        let out = PyList::empty(py);
+        for tensor in &manifest.tensors {
+            let layout = manifest
+                .layouts
+                .get(tensor.layout as usize)
+                .ok_or_else(|| {
+                    CorruptionError::new_err(format!(
+                        "tensor {:?} names layout {} of {}",
+                        tensor.name,
+                        tensor.layout,
+                        manifest.layouts.len()
+                    ))
+                })?;
+            let chunks: Vec<(u32, Vec<u64>, Vec<u64>)> = layout
+                .boxes(&tensor.shape)
+                .into_iter()
+                .map(|(rank, region)| (rank, region.offsets, region.lengths))
+                .collect();
+            out.append((
+                tensor.name.as_str(),
+                tensor.dtype.name(),
+                tensor.shape.clone(),
+                chunks,
+            ))?;
+        }
+        Ok(out)
+    }
+
+    /// Every saved rank's non-tensor state: `[(rank, {key: (kind, value)})]` with
+    /// kind `"json"` (value: JSON text) or `"bytes"`.
+    fn rank_states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let reader = self.inner.clone();
+        let states = run(py, async move { reader.rank_states().await })?;
+        let out = PyList::empty(py);
+        for (rank, state) in states {
+            let values = PyDict::new(py);
+            for (key, value) in &state {
+                values.set_item(key, state_to_py(py, value)?)?;
+            }
+            out.append((rank, values))?;
+        }
+        Ok(out)
+    }
+
+    /// The global non-tensor state: `{key: (kind, value)}` as in `rank_states`.
+    fn global_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let reader = self.inner.clone();
+        let state = run(py, async move { reader.global_state().await })?;
+        let out = PyDict::new(py);
+        for (key, value) in &state {
+            out.set_item(key, state_to_py(py, value)?)?;
+        }
+        Ok(out)
+    }
+
+    /// Loads boxes in place: `wants` are tuples `(name, dtype, shape, offsets,
+    /// lengths, ptr, nbytes)`, each `ptr` the start of `nbytes` of contiguous,
+    /// writable memory that receives the box row-major. Verified block by block.
+    /// Returns the load's counters.
+    fn load_into<'py>(
+        &self,
+        py: Python<'py>,
+        wants: Vec<WantTuple>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let views = wants
+            .into_iter()
+            .map(|(name, dtype, shape, offsets, lengths, ptr, nbytes)| {
+                TensorView::from_tuple((name, dtype, shape, offsets, lengths, ptr, nbytes, true))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        check_disjoint(&views)?;
+        let mut request = LoadRequest::new();
+        for view in &views {
+            request = request.expect(&view.name, view.dtype, &view.shape, view.region.clone());
+        }
+        // SAFETY: the Python layer keeps every destination alive until this call
+        // returns, and `run` returns only once the task has ended (also when
+        // interrupted); `check_disjoint` made sure no two outputs overlap.
+        let mut outputs: Vec<&'static mut [u8]> =
+            views.iter().map(|v| unsafe { v.bytes_mut() }).collect();
+        let reader = self.inner.clone();
+        let stats = run(
+            py,
+            async move { reader.load_into(&request, &mut outputs).await },
+        )?;
+        let out = PyDict::new(py);
+        out.set_item("bytes_requested", stats.bytes_requested)?;
+        out.set_item("bytes_read", stats.bytes_read)?;
+        out.set_item("bytes_verified", stats.bytes_verified)?;
+        out.set_item("bytes_copied", stats.bytes_copied)?;
+        out.set_item("parts_read", stats.parts_read)?;
+        Ok(out)
+    }
+}
+
+/// Refuses destinations whose memory overlaps: the library writes each output from
+/// its own threads without locks.
+fn check_disjoint(views: &[TensorView]) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize, &str)> = views
+        .iter()
+        .filter(|v| v.nbytes > 0)
+        .map(|v| (v.ptr, v.ptr.saturating_add(v.nbytes), v.name.as_str()))
+        .collect();
+    spans.sort_unstable();
+    for pair in spans.windows(2) {
+        if pair[1].0 < pair[0].1 {
+            return Err(invalid(format!(
+                "the destinations of {:?} and {:?} share memory",
+                pair[0].2, pair[1].2
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The newest committed checkpoint under `url`: a dict (`step`, `generation`,
+/// `world_size`, `tensors`, `created_unix_ms`), or None when there is none.
+#[pyfunction]
+fn latest<'py>(py: Python<'py>, url: &str) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let store = open_store(url)?;
+    let manifest = run(py, async move { ckpt::latest(&store).await })?;
+    manifest
+        .map(|m| {
+            let out = PyDict::new(py);
+            out.set_item("step", m.step)?;
+            out.set_item("generation", m.generation)?;
+            out.set_item("world_size", m.world_size)?;
+            out.set_item("tensors", m.tensors.len())?;
+            out.set_item("created_unix_ms", m.created_unix_ms)?;
+            Ok(out)
+        })
+        .transpose()
+}
+
+/// Every checkpoint directory under `url`, commits in commit order first: dicts
+/// (`step`, `dir`, `status`, `committed`, `generation`, `ranks_present`, `bytes`).
+#[pyfunction(name = "list")]
+fn list_checkpoints<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyList>> {
+    let store = open_store(url)?;
+    let infos = run(py, async move { ckpt::list_checkpoints(&store).await })?;
+    let out = PyList::empty(py);
+    for info in infos {
+        let entry = PyDict::new(py);
+        entry.set_item("step", info.step)?;
+        entry.set_item("dir", &info.dir)?;
+        entry.set_item("status", info.status.as_str())?;
+        entry.set_item("committed", info.committed)?;
+        entry.set_item("generation", info.generation)?;
+        entry.set_item("ranks_present", info.ranks_present.clone())?;
+        entry.set_item("bytes", info.bytes)?;
+        out.append(entry)?;
+    }
+    Ok(out)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Checkpointer>()?;
+    m.add_class::<SaveHandle>()?;
+    m.add_class::<Reader>()?;
+    m.add_function(wrap_pyfunction!(latest, m)?)?;
+    m.add_function(wrap_pyfunction!(list_checkpoints, m)?)?;
+    m.add("CkptError", py.get_type::<CkptError>())?;
+    m.add("CorruptionError", py.get_type::<CorruptionError>())?;
+    m.add("NotFoundError", py.get_type::<NotFoundError>())?;
+    m.add("MismatchError", py.get_type::<MismatchError>())?;
+    m.add("InvalidError", py.get_type::<InvalidError>())?;
+    m.add("StorageError", py.get_type::<StorageError>())?;
+    m.add("CommitTimeoutError", py.get_type::<CommitTimeoutError>())?;
+    m.add("SaveFailedError", py.get_type::<SaveFailedError>())?;
+    m.add("FencedError", py.get_type::<FencedError>())?;
+    m.add("MutatedError", py.get_type::<MutatedError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

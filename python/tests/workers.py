@@ -1,0 +1,146 @@
+"""What each rank process runs in the distributed tests (spawned: importable
+functions only). Every worker forms a real gloo process group."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ckpt.torch import Checkpointer, load
+from ckpt.torch.dcp import StorageReader, StorageWriter
+
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ["CKPT_RUN_ID"] = f"test-{port}"
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=timedelta(seconds=120),
+    )
+
+
+def model_and_optimizer(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small FSDP2 model (row counts that do not divide by 3 or 4: uneven shards)
+    with AdamW state after one step."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 34), nn.ReLU(), nn.Linear(34, 10), nn.LayerNorm(10))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, (nn.Linear, nn.LayerNorm)):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed + 1)
+    model(torch.randn(8, 16, generator=g)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def full_tensors(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a state dict, whole (DTensors gathered: every rank calls this)."""
+    from ckpt.torch._state import leaves
+
+    out = {}
+    for leaf in leaves(sd):
+        if isinstance(leaf.value, torch.Tensor):
+            value = leaf.value.full_tensor() if isinstance(leaf.value, DTensor) else leaf.value
+            out[leaf.fqn] = value.detach().clone()
+    return out
+
+
+def save_world(rank: int, world: int, port: int, roots: dict[str, str], reference: str) -> None:
+    """Trains one step on `world` ranks, then saves the same state natively (with a
+    data-loader cursor per rank), through dcp.save and through dcp.async_save."""
+    init(rank, world, port)
+    model, optimizer = model_and_optimizer(world, seed=1)
+    sd = state(model, optimizer)
+    full = full_tensors(sd)
+    if rank == 0:
+        torch.save(full, reference)
+    native = Checkpointer(roots["native"])
+    handle = native.save(100, {**sd, "data": {"cursor": 1000 + rank}})
+    handle.wait_staged()
+    handle.wait_committed()
+    native.close()
+
+    dcp.save(sd, storage_writer=StorageWriter(roots["dcp"], step=100))
+
+    async_group = dist.new_group(backend="gloo")
+    pending = dcp.async_save(
+        sd, storage_writer=StorageWriter(roots["async"]), process_group=async_group
+    )
+    done = getattr(pending, "upload_completion", pending)
+    done.result()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_equal(sd: dict[str, Any], reference: str, what: str) -> None:
+    expected = torch.load(reference, weights_only=True)
+    got = full_tensors(sd)
+    assert sorted(got) == sorted(expected), (what, sorted(got), sorted(expected))
+    for name, tensor in expected.items():
+        a = got[name].reshape(-1).view(torch.uint8)
+        b = tensor.reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"{what}: {name} differs after the load"
+
+
+def load_world(rank: int, world: int, port: int, roots: dict[str, str], reference: str) -> None:
+    """Loads each saved checkpoint on `world` ranks, every way round, into a model
+    trained from another seed, and checks the whole tensors bitwise."""
+    init(rank, world, port)
+    model, optimizer = model_and_optimizer(world, seed=7)
+
+    # Native save, native load: tensors resharded, every saved rank's cursor visible.
+    sd = state(model, optimizer)
+    sd["data"] = {"cursor": -1}
+    extra = load(roots["native"], sd)
+    assert extra.step == 100 and extra.world_size == 4
+    assert [r["data.cursor"] for r in extra.ranks] == [1000, 1001, 1002, 1003]
+    assert sd["data"]["cursor"] == 1000 + rank
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    check_equal(state(model, optimizer), reference, f"native load on {world}")
+
+    # dcp.save through the plugin, dcp.load through the plugin.
+    model, optimizer = model_and_optimizer(world, seed=8)
+    sd = state(model, optimizer)
+    dcp.load(sd, storage_reader=StorageReader(roots["dcp"]))
+    check_equal(sd, reference, f"dcp.load of dcp.save on {world}")
+
+    # Native save, dcp.load.
+    model, optimizer = model_and_optimizer(world, seed=9)
+    sd = state(model, optimizer)
+    dcp.load(sd, storage_reader=StorageReader(roots["native"]))
+    check_equal(sd, reference, f"dcp.load of a native save on {world}")
+
+    # dcp.save, native load.
+    model, optimizer = model_and_optimizer(world, seed=10)
+    sd = state(model, optimizer)
+    load(roots["dcp"], sd)
+    check_equal(sd, reference, f"native load of a dcp.save on {world}")
+
+    # dcp.async_save, dcp.load.
+    model, optimizer = model_and_optimizer(world, seed=11)
+    sd = state(model, optimizer)
+    dcp.load(sd, storage_reader=StorageReader(roots["async"]))
+    check_equal(sd, reference, f"dcp.load of a dcp.async_save on {world}")
+    dist.barrier()
+    dist.destroy_process_group()
