@@ -161,6 +161,24 @@ fn run<T: Send + 'static>(
     }
 }
 
+/// The primary context of device `ordinal` (the one torch uses), retained once.
+#[cfg(feature = "cuda")]
+fn cuda_context(ordinal: usize) -> ckpt::Result<Arc<cudarc::driver::CudaContext>> {
+    static CONTEXTS: OnceLock<
+        std::sync::Mutex<std::collections::HashMap<usize, Arc<cudarc::driver::CudaContext>>>,
+    > = OnceLock::new();
+    let mut contexts = CONTEXTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(ctx) = contexts.get(&ordinal) {
+        return Ok(ctx.clone());
+    }
+    let ctx = ckpt::cuda::context(ordinal)?;
+    contexts.insert(ordinal, ctx.clone());
+    Ok(ctx)
+}
+
 fn dtype(name: &str) -> PyResult<DType> {
     DType::ALL
         .into_iter()
@@ -182,9 +200,29 @@ struct TensorView {
     ptr: usize,
     nbytes: usize,
     write: bool,
+    /// Where the memory lies: host memory, or device memory of a CUDA device with
+    /// the stream whose work produces (save) or consumes (load) it.
+    place: Place,
 }
 
-/// A box to save: `(name, dtype, shape, offsets, lengths, ptr, nbytes, write)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Host,
+    Device { ordinal: usize, stream: usize },
+}
+
+impl Place {
+    /// From Python's `(device, stream)`: device -1 is host memory.
+    fn new(device: i64, stream: usize) -> Self {
+        match usize::try_from(device) {
+            Ok(ordinal) => Place::Device { ordinal, stream },
+            Err(_) => Place::Host,
+        }
+    }
+}
+
+/// A box to save: `(name, dtype, shape, offsets, lengths, ptr, nbytes, write,
+/// device, stream)`, device -1 for host memory.
 type TensorTuple = (
     String,
     String,
@@ -194,13 +232,26 @@ type TensorTuple = (
     usize,
     usize,
     bool,
+    i64,
+    usize,
 );
-/// A box to load: `(name, dtype, shape, offsets, lengths, ptr, nbytes)`.
-type WantTuple = (String, String, Vec<u64>, Vec<u64>, Vec<u64>, usize, usize);
+/// A box to load: `(name, dtype, shape, offsets, lengths, ptr, nbytes, device,
+/// stream)`.
+type WantTuple = (
+    String,
+    String,
+    Vec<u64>,
+    Vec<u64>,
+    Vec<u64>,
+    usize,
+    usize,
+    i64,
+    usize,
+);
 
 impl TensorView {
     fn from_tuple(
-        (name, dtype_name, shape, offsets, lengths, ptr, nbytes, write): TensorTuple,
+        (name, dtype_name, shape, offsets, lengths, ptr, nbytes, write, device, stream): TensorTuple,
     ) -> PyResult<Self> {
         if offsets.len() != shape.len() || lengths.len() != shape.len() {
             return Err(invalid(format!(
@@ -218,7 +269,45 @@ impl TensorView {
             ptr,
             nbytes,
             write,
+            place: Place::new(device, stream),
         })
+    }
+
+    /// The device memory of a box on a CUDA device (feature `cuda`).
+    ///
+    /// # Safety
+    /// `ptr..ptr+nbytes` is device memory of the device and `stream` a live stream
+    /// of its primary context (torch's); the Python layer keeps the tensor alive and
+    /// unwritten until the save's device copy is released, or the load returned.
+    #[cfg(feature = "cuda")]
+    unsafe fn device_buffer(&self, py: Python<'_>) -> PyResult<ckpt::cuda::DeviceBuffer> {
+        let Place::Device { ordinal, stream } = self.place else {
+            return Err(invalid(format!("tensor {:?} is in host memory", self.name)));
+        };
+        let ctx = cuda_context(ordinal).map_err(|e| to_py(py, e))?;
+        // SAFETY: the caller's contract above.
+        Ok(unsafe {
+            ckpt::cuda::DeviceBuffer::from_raw(
+                &ctx,
+                self.ptr as cudarc::driver::sys::CUdeviceptr,
+                self.nbytes,
+                stream as cudarc::driver::sys::CUstream,
+            )
+        })
+    }
+
+    /// Refuses device memory in a build without the `cuda` feature.
+    #[cfg(not(feature = "cuda"))]
+    fn check_host(&self) -> PyResult<()> {
+        match self.place {
+            Place::Host => Ok(()),
+            Place::Device { ordinal, .. } => Err(DeviceError::new_err(format!(
+                "tensor {:?} is on cuda:{ordinal}, but this build of ckpt has no GPU path \
+                 (build the package with the cargo feature `cuda`: \
+                 pip install ./python --config-settings=build-args='--features cuda')",
+                self.name
+            ))),
+        }
     }
 
     /// The tensor's bytes.
@@ -427,7 +516,30 @@ impl Checkpointer {
         // The state is built here, with the GIL held, so that a bad box is an error
         // before anything starts.
         let mut state = ckpt::State::new();
+        let mut on_device = false;
         for view in &views {
+            if view.place != Place::Host {
+                on_device = true;
+                #[cfg(feature = "cuda")]
+                {
+                    // SAFETY: the Python layer keeps the tensor alive and waits for
+                    // the handle's device release before the tensor is written.
+                    let buffer = unsafe { view.device_buffer(py)? };
+                    state
+                        .add_device(
+                            &view.name,
+                            view.dtype,
+                            &view.shape,
+                            view.region.clone(),
+                            buffer,
+                            view.write,
+                        )
+                        .map_err(|e| to_py(py, e))?;
+                    continue;
+                }
+                #[cfg(not(feature = "cuda"))]
+                view.check_host()?;
+            }
             // SAFETY: the Python layer keeps every tensor alive and unwritten until
             // this save is staged (`SaveHandle._tensors`), and `save` without
             // `overlapped` returns only after staging.
@@ -477,6 +589,7 @@ impl Checkpointer {
         Ok(SaveHandle {
             inner: Arc::new(handle),
             step,
+            on_device,
         })
     }
 
@@ -492,6 +605,8 @@ impl Checkpointer {
 struct SaveHandle {
     inner: Arc<ckpt::SaveHandle>,
     step: u64,
+    /// Whether the save has device tensors (whose copy ends with an event).
+    on_device: bool,
 }
 
 #[pymethods]
@@ -512,13 +627,28 @@ impl SaveHandle {
         self.inner.is_staged()
     }
 
-    /// Waits until the tensors are staged; returns the seconds the copy took.
+    /// Waits until the tensors are staged (device tensors included: their copies to
+    /// the pinned buffers have completed); returns the seconds the copy took.
     fn wait_staged(&self, py: Python<'_>) -> PyResult<f64> {
         let handle = self.inner.clone();
-        run(
-            py,
-            async move { handle.staged().await.map(|d| d.as_secs_f64()) },
-        )
+        let on_device = self.on_device;
+        run(py, async move {
+            let secs = handle.staged().await?.as_secs_f64();
+            #[cfg(feature = "cuda")]
+            if on_device {
+                tokio::task::spawn_blocking(move || handle.wait_device_released())
+                    .await
+                    .map_err(|e| {
+                        ckpt::Error::Device(format!("waiting for the device copy: {e}"))
+                    })??;
+            }
+            #[cfg(not(feature = "cuda"))]
+            debug_assert!(
+                !on_device,
+                "device tensors are refused without the cuda feature"
+            );
+            Ok(secs)
+        })
     }
 
     /// Waits until this rank's part is durable in the store.
@@ -666,25 +796,39 @@ impl Reader {
     ) -> PyResult<Bound<'py, PyDict>> {
         let views = wants
             .into_iter()
-            .map(|(name, dtype, shape, offsets, lengths, ptr, nbytes)| {
-                TensorView::from_tuple((name, dtype, shape, offsets, lengths, ptr, nbytes, true))
-            })
+            .map(
+                |(name, dtype, shape, offsets, lengths, ptr, nbytes, device, stream)| {
+                    TensorView::from_tuple((
+                        name, dtype, shape, offsets, lengths, ptr, nbytes, true, device, stream,
+                    ))
+                },
+            )
             .collect::<PyResult<Vec<_>>>()?;
-        check_disjoint(&views)?;
-        let mut request = LoadRequest::new();
-        for view in &views {
-            request = request.expect(&view.name, view.dtype, &view.shape, view.region.clone());
-        }
+        // Without the GPU path a device destination is refused before any I/O.
+        #[cfg(not(feature = "cuda"))]
+        views.iter().try_for_each(TensorView::check_host)?;
+        let (host, device): (Vec<TensorView>, Vec<TensorView>) =
+            views.into_iter().partition(|v| v.place == Place::Host);
+        check_disjoint(&host)?;
+        let request = request_of(&host);
         // SAFETY: the Python layer keeps every destination alive until this call
         // returns, and `run` returns only once the task has ended (also when
         // interrupted); `check_disjoint` made sure no two outputs overlap.
         let mut outputs: Vec<&'static mut [u8]> =
-            views.iter().map(|v| unsafe { v.bytes_mut() }).collect();
+            host.iter().map(|v| unsafe { v.bytes_mut() }).collect();
         let reader = self.inner.clone();
-        let stats = run(
+        let mut stats = run(
             py,
             async move { reader.load_into(&request, &mut outputs).await },
         )?;
+        if !device.is_empty() {
+            let device_stats = self.load_device(py, &device)?;
+            stats.bytes_requested += device_stats.bytes_requested;
+            stats.bytes_read += device_stats.bytes_read;
+            stats.bytes_verified += device_stats.bytes_verified;
+            stats.bytes_copied += device_stats.bytes_copied;
+            stats.parts_read = stats.parts_read.max(device_stats.parts_read);
+        }
         let out = PyDict::new(py);
         out.set_item("bytes_requested", stats.bytes_requested)?;
         out.set_item("bytes_read", stats.bytes_read)?;
@@ -693,6 +837,67 @@ impl Reader {
         out.set_item("parts_read", stats.parts_read)?;
         Ok(out)
     }
+}
+
+impl Reader {
+    /// Loads boxes into device memory through the library's pinned buffers, one
+    /// device at a time; the copies to the device have completed when this returns.
+    #[cfg(feature = "cuda")]
+    fn load_device(&self, py: Python<'_>, views: &[TensorView]) -> PyResult<ckpt::load::LoadStats> {
+        let mut ordinals: Vec<usize> = views
+            .iter()
+            .filter_map(|v| match v.place {
+                Place::Device { ordinal, .. } => Some(ordinal),
+                Place::Host => None,
+            })
+            .collect();
+        ordinals.sort_unstable();
+        ordinals.dedup();
+        let mut total = ckpt::load::LoadStats::default();
+        for ordinal in ordinals {
+            let on: Vec<&TensorView> = views
+                .iter()
+                .filter(|v| matches!(v.place, Place::Device { ordinal: o, .. } if o == ordinal))
+                .collect();
+            let mut request = LoadRequest::new();
+            let mut targets = Vec::with_capacity(on.len());
+            for view in &on {
+                request = request.expect(&view.name, view.dtype, &view.shape, view.region.clone());
+                // SAFETY: the Python layer keeps the destination alive, and nothing
+                // else uses it, until this call returns.
+                targets.push(unsafe { view.device_buffer(py)? });
+            }
+            let ctx = cuda_context(ordinal).map_err(|e| to_py(py, e))?;
+            let reader = self.inner.clone();
+            let stats = run(py, async move {
+                let mut loader = ckpt::cuda::DeviceLoader::new(&ctx)?;
+                loader.load_into(&reader, &request, &targets).await
+            })?;
+            total.bytes_requested += stats.bytes_requested;
+            total.bytes_read += stats.bytes_read;
+            total.bytes_verified += stats.bytes_verified;
+            total.bytes_copied += stats.bytes_copied;
+            total.parts_read = total.parts_read.max(stats.parts_read);
+        }
+        Ok(total)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn load_device(
+        &self,
+        _py: Python<'_>,
+        views: &[TensorView],
+    ) -> PyResult<ckpt::load::LoadStats> {
+        views.iter().try_for_each(TensorView::check_host)?;
+        Ok(ckpt::load::LoadStats::default())
+    }
+}
+
+/// The load request for `views`, in order.
+fn request_of(views: &[TensorView]) -> LoadRequest {
+    views.iter().fold(LoadRequest::new(), |request, view| {
+        request.expect(&view.name, view.dtype, &view.shape, view.region.clone())
+    })
 }
 
 /// Refuses destinations whose memory overlaps: the library writes each output from
@@ -775,5 +980,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MutatedError", py.get_type::<MutatedError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether device tensors are staged through the library (cargo feature `cuda`).
+    m.add("HAS_CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -190,7 +190,6 @@ class Checkpointer:
                 b = _state.box(leaf.fqn, leaf.value, self.rank)
                 if b is None:
                     continue
-                _check_device(b)
                 if not b.local.is_contiguous():
                     b.local = b.local.contiguous()
                     copied += b.local.numel() * b.local.element_size()
@@ -207,6 +206,9 @@ class Checkpointer:
             json.dumps(dict(metadata or {})),
             overlapped,
         )
+        if not overlapped and any(t.device.type != "cpu" for t in keep_alive):
+            # Device tensors are copied by the device: done once their event is.
+            native.wait_staged()
         handle = SaveHandle(native, keep_alive if overlapped else None)
         handle.bytes_copied = copied
         return handle
@@ -227,14 +229,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_device(b: _state.Box) -> None:
-    if b.local.device.type != "cpu":
-        raise _native.InvalidError(
-            f"tensor {b.fqn!r} is on {b.local.device}; this build of ckpt saves and loads "
-            "CPU tensors (the cuda feature stages device tensors)"
-        )
 
 
 def _agreed_step(url: str, step: int | None) -> int | None:
@@ -291,10 +285,9 @@ def load(
         b = _state.box(leaf.fqn, leaf.value, rank)
         if b is None or b.local.numel() == 0:
             continue
-        _check_device(b)
         into = b.local
         if not into.is_contiguous():
-            into = torch.empty(b.lengths, dtype=b.local.dtype)
+            into = torch.empty(b.lengths, dtype=b.local.dtype, device=b.local.device)
             fixups.append((b.local, into))
         keep_alive.append(into)
         wants.append(b.for_load(into))

@@ -133,7 +133,8 @@ class Box:
     def for_save(self) -> tuple:
         """The box for the native save: where it sits, its memory, and whether this
         rank writes it."""
-        return (*self.for_load(self.local), self.write)
+        *where, device, stream = self.for_load(self.local)
+        return (*where, self.write, device, stream)
 
     def for_load(self, into: torch.Tensor) -> tuple:
         """The box for the native load, landing in ``into`` (contiguous)."""
@@ -145,7 +146,21 @@ class Box:
             self.lengths,
             into.data_ptr(),
             into.numel() * into.element_size(),
+            *device_of(into, self.fqn),
         )
+
+
+def device_of(t: torch.Tensor, fqn: str) -> tuple[int, int]:
+    """Where a tensor's memory lies, for the native layer: ``(-1, 0)`` for host
+    memory, ``(ordinal, stream)`` on a CUDA device, the stream being torch's current
+    one there (a save's device copy waits for the work queued on it; a load's copies
+    are queued after it)."""
+    if t.device.type == "cpu":
+        return -1, 0
+    if t.device.type == "cuda":
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return index, torch.cuda.current_stream(t.device).cuda_stream
+    raise InvalidError(f"tensor {fqn!r} is on {t.device}; ckpt saves CPU and CUDA tensors")
 
 
 def _dtensor_types():

@@ -150,11 +150,6 @@ class StorageWriter(_DcpWriter):
                 results.append(WriteResult(item.index, len(payload), None))
                 continue
             tensor = data.detach()
-            if tensor.device.type != "cpu":
-                raise _native.InvalidError(
-                    f"tensor {item.index.fqn!r} is on {tensor.device}; this build of ckpt "
-                    "writes CPU tensors (stage with dcp.async_save, or the cuda feature)"
-                )
             if not tensor.is_contiguous():
                 tensor = tensor.contiguous()
             chunk = item.tensor_data.chunk
@@ -170,6 +165,7 @@ class StorageWriter(_DcpWriter):
                     tensor.data_ptr(),
                     nbytes,
                     True,
+                    *_state.device_of(tensor, item.index.fqn),
                 )
             )
             results.append(WriteResult(item.index, nbytes, None))
@@ -288,10 +284,8 @@ class StorageReader(_DcpReader):
                 for c, o in zip(item.storage_index.offset or (), item.storage_offsets, strict=True)
             ]
             lengths = [int(n) for n in item.lengths]
-            direct = (
-                target.device.type == "cpu" and target.is_contiguous() and target.dtype == meta[0]
-            )
-            into = target if direct else torch.empty(lengths, dtype=meta[0])
+            direct = target.is_contiguous() and target.dtype == meta[0]
+            into = target if direct else torch.empty(lengths, dtype=meta[0], device=target.device)
             keep_alive.append(into)
             wants.append(
                 (
@@ -302,6 +296,7 @@ class StorageReader(_DcpReader):
                     lengths,
                     into.data_ptr(),
                     into.numel() * into.element_size(),
+                    *_state.device_of(into, item.storage_index.fqn),
                 )
             )
             pending.append((item, target, into, direct))
