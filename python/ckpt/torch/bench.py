@@ -1,0 +1,440 @@
+"""Workload W1 through three paths in one run: ckpt's native API, DCP with ckpt's
+storage plugin, and stock DCP.
+
+::
+
+    python -m ckpt.torch.bench [--url URL] [--reps N] [--json]
+
+W1 (as ``ckpt bench``): 4 rank processes, each holding its dim-0 shard of 64 fp32
+tensors of 8192x1024 (512 MiB per rank, 2 GiB in all) as DTensors, saved, loaded on
+the same 4 ranks, and loaded resharded on 3. Every rank is a real process in a gloo
+process group. Per repetition the three paths run one after the other, in a
+rotating order, so that the machine's drift hits each alike; loads read cold (the
+checkpoint's files are dropped from the page cache first). Medians with [min–max].
+
+Stock DCP runs as its fastest documented mode: ``dcp.async_save`` with one reused
+``DefaultStager`` (``use_async_staging=True``) and ``FileSystemWriter``; ``dcp.load``
+in place. It needs a local directory, so with a remote ``--url`` only the two ckpt
+paths run. The plugin runs under the same ``async_save`` settings.
+
+Figures, per path (each the slowest rank's, median over repetitions):
+
+- ``stall_s``: how long the save call blocked the training loop;
+- ``staged_s``: until the state was copied (the tensors may change again);
+- ``durable_s``: until the checkpoint was committed (durable, visible to readers);
+- ``load_s``, ``reshard_load_s``: a cold load in place on 4 ranks, and on 3;
+- ``peak_rss_mib``: the largest resident set of any rank during the save and loads;
+- ``copied_mib``: tensor bytes copied per rank on save and on load, where counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PATHS = ("native", "plugin", "dcp")
+MiB = 1 << 20
+
+
+class Peak:
+    """The largest resident set of this process between ``start`` and ``stop``,
+    sampled every 5 ms from /proc/self/statm."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def start(self) -> None:
+        self._peak = self._rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self._peak = max(self._peak, self._rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return max(self._peak, self._rss())
+
+
+def drop_cache(root: Path) -> None:
+    """Drops the files under ``root`` from the page cache (after writing back)."""
+    os.sync()
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def w1_state(world: int, tensors: int, rows: int, cols: int, seed: int) -> dict[str, Any]:
+    """This rank's dim-0 shards of the W1 tensors, as DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    rank = dist.get_rank()
+    per = -(-rows // world)  # torch.chunk's split, as DTensor's Shard(0)
+    lo, hi = min(rank * per, rows), min((rank + 1) * per, rows)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    state = {}
+    for i in range(tensors):
+        local = torch.empty(hi - lo, cols)
+        local.normal_(0.0, 0.02, generator=g)
+        state[f"layer{i:03d}.weight"] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=(rows, cols), stride=(cols, 1)
+        )
+    return {"model": state}
+
+
+def _slowest(value: float) -> float:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return max(out)
+
+
+def _largest(value: int) -> int:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return max(out)
+
+
+class Paths:
+    """The three ways to save and load, with what each keeps between repetitions."""
+
+    def __init__(self, base: Path, url: str | None, args: argparse.Namespace):
+        self.base = base
+        self.remote = url is not None and not url.startswith("file://")
+        self.native_url = url.rstrip("/") + "/native" if url else f"file://{base / 'native'}"
+        self.plugin_url = url.rstrip("/") + "/plugin" if url else f"file://{base / 'plugin'}"
+        self.dcp_dir = base / "dcp"
+        self.args = args
+        self._native = None
+        self._writer = None
+        self._stager = None
+        self._group = None
+
+    def local_root(self, path: str) -> Path | None:
+        if path == "dcp":
+            return self.dcp_dir
+        url = self.native_url if path == "native" else self.plugin_url
+        return Path(url.removeprefix("file://")) if url.startswith("file://") else None
+
+    def stager(self):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(False, False, True, False))
+            self._group = dist.new_group(backend="gloo")
+        return self._stager
+
+    def save(self, path: str, step: int, sd: dict[str, Any]) -> dict[str, float]:
+        import torch.distributed.checkpoint as dcp
+
+        from ckpt.torch import Checkpointer
+        from ckpt.torch.dcp import StorageWriter
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        if path == "native":
+            if self._native is None:
+                self._native = Checkpointer(
+                    self.native_url, keep_last=1, retention_grace=0, run_id="bench"
+                )
+            handle = self._native.save(step, sd)
+            stall = time.perf_counter() - t0
+            handle.wait_staged()
+            staged = time.perf_counter() - t0
+            handle.wait_committed()
+            copied = (sd_bytes(sd) + handle.bytes_copied) / MiB
+        else:
+            if path == "plugin":
+                # One writer for every save, as a trainer keeps it: its checkpointer's
+                # staging buffers are reused.
+                if self._writer is None:
+                    self._writer = StorageWriter(
+                        self.plugin_url, keep_last=1, retention_grace=0, run_id="bench"
+                    )
+                self._writer.step = step
+                response = dcp.async_save(
+                    sd,
+                    storage_writer=self._writer,
+                    process_group=self._group_for_async(),
+                    async_stager=self.stager(),
+                )
+            else:
+                target = self.dcp_dir / f"step-{step}"
+                response = dcp.async_save(
+                    sd,
+                    checkpoint_id=str(target),
+                    process_group=self._group_for_async(),
+                    async_stager=self.stager(),
+                )
+            stall = time.perf_counter() - t0
+            response.staging_completion.result()
+            staged = time.perf_counter() - t0
+            response.upload_completion.result()
+            # DCP's stager copies the state once; the plugin's save copies it again
+            # into ckpt's staging buffer.
+            copied = sd_bytes(sd) * (2 if path == "plugin" else 1) / MiB
+        durable = time.perf_counter() - t0
+        dist.barrier()
+        if path == "dcp" and dist.get_rank() == 0:
+            for old in self.dcp_dir.glob("step-*"):
+                if old.name != f"step-{step}":
+                    shutil.rmtree(old, ignore_errors=True)
+        return {
+            "stall_s": _slowest(stall),
+            "staged_s": _slowest(staged),
+            "durable_s": _slowest(durable),
+            "save_copied_mib": copied,
+        }
+
+    def _group_for_async(self):
+        self.stager()
+        return self._group
+
+    def load(self, path: str, step: int, sd: dict[str, Any]) -> dict[str, float]:
+        import torch.distributed.checkpoint as dcp
+
+        from ckpt.torch import load
+        from ckpt.torch.dcp import StorageReader
+
+        root = self.local_root(path)
+        if dist.get_rank() == 0 and root is not None:
+            drop_cache(root)
+        dist.barrier()
+        t0 = time.perf_counter()
+        copied = None
+        if path == "native":
+            extra = load(self.native_url, sd, step=step)
+            copied = extra.stats.get("bytes_copied", 0) / MiB
+        elif path == "plugin":
+            reader = StorageReader(self.plugin_url, step=step)
+            dcp.load(sd, storage_reader=reader)
+            copied = reader.stats.get("bytes_copied", 0) / MiB
+        else:
+            dcp.load(sd, checkpoint_id=str(self.dcp_dir / f"step-{step}"))
+        elapsed = time.perf_counter() - t0
+        return {"load_s": _slowest(elapsed), "load_copied_mib": copied}
+
+    def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+        if self._stager is not None:
+            self._stager.close()
+
+
+def sd_bytes(sd: dict[str, Any]) -> int:
+    from ckpt.torch._state import leaves
+
+    total = 0
+    for leaf in leaves(sd):
+        if isinstance(leaf.value, torch.Tensor):
+            t = leaf.value.to_local() if hasattr(leaf.value, "to_local") else leaf.value
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=timedelta(minutes=30),
+    )
+
+
+def _save_and_load(rank: int, world: int, port: int, args, base: str, out: str) -> None:
+    """The 4-rank half: per repetition, every path saves and loads cold."""
+    _init(rank, world, port)
+    paths = Paths(Path(base), args.url, args)
+    sd = w1_state(world, args.tensors, args.rows, args.cols, seed=1)
+    active = [p for p in PATHS if p != "dcp" or not paths.remote]
+    results: dict[str, list[dict[str, float]]] = {p: [] for p in active}
+    peak = Peak()
+    for rep in range(args.reps):
+        order = active[rep % len(active) :] + active[: rep % len(active)]
+        for path in order:
+            peak.start()
+            step = rep + 1
+            figures = paths.save(path, step, sd)
+            figures.update(paths.load(path, step, sd))
+            figures["peak_rss_mib"] = _largest(peak.stop()) / MiB
+            results[path].append(figures)
+    paths.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _reshard(rank: int, world: int, port: int, args, base: str, out: str) -> None:
+    """The 3-rank half: the last step of each path, loaded cold, resharded."""
+    _init(rank, world, port)
+    paths = Paths(Path(base), args.url, args)
+    sd = w1_state(world, args.tensors, args.rows, args.cols, seed=2)
+    active = [p for p in PATHS if p != "dcp" or not paths.remote]
+    results: dict[str, list[dict[str, float]]] = {p: [] for p in active}
+    peak = Peak()
+    for rep in range(args.reps):
+        order = active[rep % len(active) :] + active[: rep % len(active)]
+        for path in order:
+            peak.start()
+            figures = paths.load(path, args.reps, sd)
+            results[path].append(
+                {
+                    "reshard_load_s": figures["load_s"],
+                    "reshard_copied_mib": figures["load_copied_mib"],
+                    "reshard_peak_rss_mib": _largest(peak.stop()) / MiB,
+                }
+            )
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarize(samples: list[dict[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples if s[key] is not None]
+        if not values:
+            out[key] = None
+            continue
+        out[key] = {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="ckpt-torch-bench-", dir=args.dir))
+    try:
+        first, second = base / "save.json", base / "reshard.json"
+        mp.spawn(
+            _save_and_load,
+            args=(args.ranks, _free_port(), args, str(base), str(first)),
+            nprocs=args.ranks,
+        )
+        mp.spawn(
+            _reshard,
+            args=(args.reshard, _free_port(), args, str(base), str(second)),
+            nprocs=args.reshard,
+        )
+        saved, resharded = json.loads(first.read_text()), json.loads(second.read_text())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    per_rank = args.tensors * (-(-args.rows // args.ranks)) * args.cols * 4
+    report: dict[str, Any] = {
+        "workload": {
+            "ranks": args.ranks,
+            "reshard_ranks": args.reshard,
+            "tensors": args.tensors,
+            "shape": [args.rows, args.cols],
+            "dtype": "float32",
+            "mib_per_rank": per_rank / MiB,
+            "reps": args.reps,
+            "url": args.url or "file:// (a temporary directory)",
+            "torch": torch.__version__,
+        },
+        "paths": {},
+    }
+    for path, samples in saved.items():
+        merged = [{**a, **b} for a, b in zip(samples, resharded[path], strict=True)]
+        report["paths"][path] = summarize(merged)
+    return report
+
+
+def _fmt(figure: dict[str, float] | None, unit: str = "s") -> str:
+    if figure is None:
+        return "not counted"
+    if unit == "s":
+        return f"{figure['median']:.3f} s [{figure['min']:.3f}–{figure['max']:.3f}]"
+    return f"{figure['median']:.0f} MiB [{figure['min']:.0f}–{figure['max']:.0f}]"
+
+
+def render(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    lines = [
+        f"W1: {w['ranks']} ranks x {w['mib_per_rank']:.0f} MiB ({w['tensors']} fp32 tensors "
+        f"{w['shape'][0]}x{w['shape'][1]}, dim-0 shards), reshard onto {w['reshard_ranks']}; "
+        f"{w['reps']} reps, medians [min–max]; torch {w['torch']}; {w['url']}",
+        "",
+    ]
+    rows = [
+        ("stall per save", "stall_s", "s"),
+        ("time to staged", "staged_s", "s"),
+        ("save until durable", "durable_s", "s"),
+        ("load, same world (cold)", "load_s", "s"),
+        ("load, resharded (cold)", "reshard_load_s", "s"),
+        ("peak RSS per rank (save + load)", "peak_rss_mib", "MiB"),
+        ("peak RSS per rank (reshard load)", "reshard_peak_rss_mib", "MiB"),
+        ("copied per rank: save", "save_copied_mib", "MiB"),
+        ("copied per rank: load", "load_copied_mib", "MiB"),
+        ("copied per rank: resharded load", "reshard_copied_mib", "MiB"),
+    ]
+    names = {"native": "ckpt.torch", "plugin": "DCP + ckpt plugin", "dcp": "stock DCP"}
+    paths = list(report["paths"])
+    width = 36
+    header = "".ljust(width) + "".join(names[p].ljust(30) for p in paths)
+    lines.append(header)
+    for label, key, unit in rows:
+        cells = [_fmt(report["paths"][p].get(key), unit).ljust(30) for p in paths]
+        lines.append(label.ljust(width) + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ckpt.torch.bench", description=__doc__)
+    parser.add_argument("--url", help="checkpoint root for the ckpt paths (default: a temp dir)")
+    parser.add_argument("--dir", help="where temporary checkpoints go (default: $TMPDIR)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--reshard", type=int, default=3, help="ranks of the resharded load")
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=1024)
+    args = parser.parse_args(argv)
+    report = run(args)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+
+
+if __name__ == "__main__":
+    main()
