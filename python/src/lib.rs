@@ -304,7 +304,7 @@ impl TensorView {
             Place::Device { ordinal, .. } => Err(DeviceError::new_err(format!(
                 "tensor {:?} is on cuda:{ordinal}, but this build of ckpt has no GPU path \
                  (build the package with the cargo feature `cuda`: \
-                 pip install ./python --config-settings=build-args='--features cuda')",
+                 MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python)",
                 self.name
             ))),
         }
