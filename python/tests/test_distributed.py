@@ -32,3 +32,7 @@ def test_the_ckpt_command_verifies_what_dcp_and_the_native_api_wrote(saved):
         assert verified.returncode == 0, f"{name}: {verified.stdout}{verified.stderr}"
         listed = run_cli("ls", root)
         assert "100" in listed.stdout or name == "async", listed.stdout
+
+
+def test_a_restarted_job_saving_the_same_step_again_commits_under_a_new_run_id(root):
+    spawn(workers.save_twice, 2, root)

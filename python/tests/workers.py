@@ -3,7 +3,6 @@ functions only). Every worker forms a real gloo process group."""
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +20,6 @@ from ckpt.torch.dcp import StorageReader, StorageWriter
 
 
 def init(rank: int, world: int, port: int) -> None:
-    os.environ["CKPT_RUN_ID"] = f"test-{port}"
     dist.init_process_group(
         "gloo",
         rank=rank,
@@ -142,5 +140,29 @@ def load_world(rank: int, world: int, port: int, roots: dict[str, str], referenc
     sd = state(model, optimizer)
     dcp.load(sd, storage_reader=StorageReader(roots["async"]))
     check_equal(sd, reference, f"dcp.load of a dcp.async_save on {world}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_twice(rank: int, world: int, port: int, root: str) -> None:
+    """Two runs of a job (two checkpointers, as after a restart) save the same step
+    into the same root: each gets its own run id from rank 0, so both commit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from ckpt.torch import list as list_checkpoints
+
+    init(rank, world, port)
+    mesh = init_device_mesh("cpu", (world,))
+    for run in range(2):
+        w = DTensor.from_local(torch.full((4, 8), float(run)), mesh, [Shard(0)], run_check=False)
+        checkpointer = Checkpointer(root)
+        checkpointer.save(5, {"w": w}).wait_committed()
+        checkpointer.close()
+    committed = [e for e in list_checkpoints(root) if e["committed"]]
+    assert [e["step"] for e in committed] == [5, 5], committed
+    into = {"w": DTensor.from_local(torch.zeros(4, 8), mesh, [Shard(0)], run_check=False)}
+    load(root, into)
+    assert torch.all(into["w"].to_local() == 1.0)
     dist.barrier()
     dist.destroy_process_group()

@@ -139,6 +139,23 @@ def _decoder(metadata: Mapping[str, Any]):
     return _state.decode_value
 
 
+def _shared_run_id(world_size: int) -> str | None:
+    """A fresh run id that every rank of the process group agrees on (rank 0 draws
+    it), so that a restarted job never reuses its predecessor's object names; None
+    outside an initialised group (the library then draws one for a world of one)."""
+    import secrets
+
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size() != world_size:
+        return None
+    choice = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
 class Checkpointer:
     """One rank's checkpointer over ``url`` (``file://``, a local path, ``s3://``,
     ``gs://``, ``az://``, ``memory://``).
@@ -149,8 +166,10 @@ class Checkpointer:
     ``"zstd:LEVEL"``), ``max_in_flight``, ``keep_last``, ``commit_timeout``,
     ``commit_takeover``, ``retention_grace`` (seconds), ``direct_io``,
     ``copy_threads``, ``check_staging``. Every rank of a world must use the same
-    ``run_id`` (default: the ``CKPT_RUN_ID`` variable, else ``"0"``), different for
-    every run that saves under the same URL with the same generation.
+    ``run_id``, different for every run that saves under the same URL with the same
+    generation: by default the ``CKPT_RUN_ID`` variable, else one drawn by rank 0 and
+    broadcast (a collective: every rank constructs its checkpointer), else (a world
+    of several ranks without a process group) ``"0"``.
     """
 
     def __init__(
@@ -163,6 +182,10 @@ class Checkpointer:
     ):
         self.url = _url(url)
         self.rank, self.world_size = _world(rank, world_size)
+        if "run_id" not in config and not os.environ.get("CKPT_RUN_ID"):
+            run_id = _shared_run_id(self.world_size)
+            if run_id is not None:
+                config["run_id"] = run_id
         self._native = _native.Checkpointer(self.url, self.rank, self.world_size, config)
 
     def save(
