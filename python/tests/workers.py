@@ -81,12 +81,25 @@ def save_world(rank: int, world: int, port: int, roots: dict[str, str], referenc
 
     dcp.save(sd, storage_writer=StorageWriter(roots["dcp"], step=100))
 
+    # dcp.async_save with DCP's own stager: DCP copies, then the plugin writes.
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
     async_group = dist.new_group(backend="gloo")
+    stager = DefaultStager(StagingOptions(False, False, True, False))
     pending = dcp.async_save(
-        sd, storage_writer=StorageWriter(roots["async"]), process_group=async_group
+        sd,
+        storage_writer=StorageWriter(roots["async"]),
+        process_group=async_group,
+        async_stager=stager,
     )
-    done = getattr(pending, "upload_completion", pending)
-    done.result()
+    pending.upload_completion.result()
+    stager.close()
+    # dcp.async_save staging through the plugin itself (ckpt's overlapped save).
+    writer = StorageWriter(roots["staged"])
+    pending = dcp.async_save(sd, storage_writer=writer, process_group=async_group)
+    pending.staging_completion.result()
+    pending.upload_completion.result()
+    assert not writer._staged
     dist.barrier()
     dist.destroy_process_group()
 
@@ -135,11 +148,16 @@ def load_world(rank: int, world: int, port: int, roots: dict[str, str], referenc
     load(roots["dcp"], sd)
     check_equal(sd, reference, f"native load of a dcp.save on {world}")
 
-    # dcp.async_save, dcp.load.
-    model, optimizer = model_and_optimizer(world, seed=11)
+    # dcp.async_save (DCP's stager, then ckpt's staged), dcp.load and native load.
+    for seed, root in ((11, "async"), (12, "staged")):
+        model, optimizer = model_and_optimizer(world, seed=seed)
+        sd = state(model, optimizer)
+        dcp.load(sd, storage_reader=StorageReader(roots[root]))
+        check_equal(sd, reference, f"dcp.load of a dcp.async_save ({root}) on {world}")
+    model, optimizer = model_and_optimizer(world, seed=13)
     sd = state(model, optimizer)
-    dcp.load(sd, storage_reader=StorageReader(roots["async"]))
-    check_equal(sd, reference, f"dcp.load of a dcp.async_save on {world}")
+    load(roots["staged"], sd)
+    check_equal(sd, reference, f"native load of a dcp.async_save (staged) on {world}")
     dist.barrier()
     dist.destroy_process_group()
 

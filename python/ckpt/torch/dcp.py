@@ -26,15 +26,25 @@ reads the newest commit unless told a step. A ``checkpoint_id`` given to
 
 Non-tensor values are saved the way DCP saves them (``torch.save`` bytes, one rank
 each), as ckpt rank state.
+
+``dcp.async_save(sd, storage_writer=StorageWriter(url))`` with no ``async_stager``
+stages through ckpt: the writer is an ``AsyncStager`` whose ``stage`` starts ckpt's
+overlapped save (one copy of each rank's tensors into ckpt's staging buffer, on
+ckpt's threads), and DCP's save thread then only plans and waits for the part to be
+durable. Given an ``async_stager`` of DCP's, DCP copies the state first and the
+writer saves that copy (two copies).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import io
 import json
 import os
 import secrets
+import threading
 from typing import Any
 
 import torch
@@ -101,6 +111,11 @@ class StorageWriter(_DcpWriter):
         self._checkpointer: _native.Checkpointer | None = None
         self._checkpointer_key: tuple | None = None
         self._handle: _native.SaveHandle | None = None
+        self._run_id: str | None = None
+        # Saves staged by `stage` (dcp.async_save) whose write_data has not run yet.
+        self._staged: collections.deque[tuple[_SaveTarget, _native.SaveHandle]] = (
+            collections.deque()
+        )
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -115,13 +130,26 @@ class StorageWriter(_DcpWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        step = self.step
-        if step is None:
-            newest = _native.latest(self.url)
-            step = newest["step"] + 1 if newest else 0
-        run_id = self._config.get("run_id") or os.environ.get("CKPT_RUN_ID") or secrets.token_hex(8)
-        target = _SaveTarget(step=step, run_id=run_id, world_size=len(plans))
+        if self._staged:
+            # dcp.async_save staged through `stage`, which fixed the target already.
+            target = self._staged[0][0]
+        else:
+            step = self.step
+            if step is None:
+                newest = _native.latest(self.url)
+                step = newest["step"] + 1 if newest else 0
+            target = _SaveTarget(step=step, run_id=self._own_run_id(), world_size=len(plans))
         return [dataclasses.replace(plan, storage_data=target) for plan in plans]
+
+    def _own_run_id(self) -> str:
+        """This writer's run id, drawn once (on the coordinator, which hands it to
+        every rank in the plan): every save through the writer reuses its
+        checkpointer and so its staging buffers."""
+        if self._run_id is None:
+            self._run_id = (
+                self._config.get("run_id") or os.environ.get("CKPT_RUN_ID") or secrets.token_hex(8)
+            )
+        return self._run_id
 
     def _native_checkpointer(self, target: _SaveTarget) -> _native.Checkpointer:
         # One checkpointer per (root, rank, world, run): its staging buffers are reused
@@ -141,6 +169,8 @@ class StorageWriter(_DcpWriter):
             raise _native.InvalidError(
                 "the save plan carries no ckpt target: prepare_global_plan did not run"
             )
+        if self._staged and self._staged[0][0] == target:
+            return self._write_staged(plan)
         tensors, rank_state, keep_alive, results = [], {}, [], []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -180,6 +210,90 @@ class StorageWriter(_DcpWriter):
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _write_staged(self, plan: SavePlan) -> Future[list[WriteResult]]:
+        """The write of a save that `stage` started: ckpt is already writing this
+        rank's part (of the boxes ckpt's own rules give this rank, whatever rank
+        DCP's planner picked for a replicated item); wait until it is durable."""
+        _, handle = self._staged.popleft()
+        handle.wait_durable()
+        self._handle = handle
+        results = [
+            WriteResult(item.index, item.tensor_storage_size() or 0, None) for item in plan.items
+        ]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    # dcp.async_save takes a storage writer that is an AsyncStager as its stager (when
+    # no other is given): the state dict is then staged by ckpt itself, the one copy
+    # of the native API's overlapped save, instead of DCP's copy followed by ckpt's.
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> concurrent.futures.Future:
+        """Starts ckpt's overlapped save of ``state_dict`` (every rank calls it, in
+        dcp.async_save: the step and run id are agreed here, rank 0 choosing). The
+        returned future completes once the tensors are copied; the write then runs
+        in DCP's save thread (`write_data` waits for this save's part)."""
+        rank, world = _dist_rank()
+        choice: list[Any] = [None]
+        if rank == 0:
+            step = self.step
+            if step is None:
+                newest = _native.latest(self.url)
+                step = newest["step"] + 1 if newest else 0
+                pending = [t.step for t, _ in self._staged]
+                step = max([step, *[p + 1 for p in pending]])
+            choice[0] = (step, self._own_run_id())
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(choice, src=0)
+        step, run_id = choice[0]
+        self._run_id = run_id
+        target = _SaveTarget(step=step, run_id=run_id, world_size=world)
+        self._rank = rank
+        tensors, rank_state, keep_alive = [], {}, []
+        for leaf in _state.leaves(state_dict):
+            if isinstance(leaf.value, torch.Tensor):
+                b = _state.box(leaf.fqn, leaf.value, rank)
+                if b is None:
+                    continue
+                if not b.local.is_contiguous():
+                    b.local = b.local.contiguous()
+                keep_alive.append(b.local)
+                tensors.append(b.for_save())
+            else:
+                buffer = io.BytesIO()
+                torch.save(leaf.value, buffer)
+                rank_state[leaf.fqn] = buffer.getvalue()
+        checkpointer = self._native_checkpointer(target)
+        metadata = json.dumps({DCP_MARK: True})
+        handle = checkpointer.save(step, tensors, rank_state, {}, metadata, True)
+        self._staged.append((target, handle))
+        staged: concurrent.futures.Future = concurrent.futures.Future()
+
+        def wait_staged() -> None:
+            try:
+                handle.wait_staged()
+                staged.set_result(state_dict)
+            except BaseException as e:  # handed to whoever waits on the future
+                staged.set_exception(e)
+            finally:
+                keep_alive.clear()
+
+        threading.Thread(target=wait_staged, name="ckpt-stage", daemon=True).start()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # The coordinator returns once the checkpoint is committed (ckpt's commit
