@@ -72,7 +72,7 @@ from torch.futures import Future
 
 from ckpt import _native
 from ckpt.torch import _state
-from ckpt.torch._api import DCP_MARK, _agreed_step, _url
+from ckpt.torch._api import DCP_MARK, _url
 
 _SCHEMES = ("file://", "memory://", "s3://", "gs://", "az://", "azure://", "abfs://")
 
@@ -338,7 +338,14 @@ class StorageReader(_DcpReader):
         self._reader = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        reader = _native.Reader(self.url, _agreed_step(self.url, self.step))
+        # No collective here (DCP may load without one): each rank opens the newest
+        # commit, and the coordinator's choice travels in the plans (read_data
+        # reopens at it should a commit have landed in between).
+        return self._open(self.step)
+
+    def _open(self, step: int | None) -> Metadata:
+        """Opens checkpoint ``step`` (or the newest) and returns DCP's view of it."""
+        reader = _native.Reader(self.url, step)
         self._reader = reader
         self._dcp_written = bool(json.loads(reader.metadata).get(DCP_MARK))
         state: dict[str, Any] = {}
@@ -372,7 +379,8 @@ class StorageReader(_DcpReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        step = self._reader.step if self._reader is not None else None
+        return [dataclasses.replace(plan, storage_data=step) for plan in plans]
 
     def _value_bytes(self, fqn: str) -> bytes:
         kind, payload = self._values[fqn]
@@ -386,6 +394,8 @@ class StorageReader(_DcpReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._reader is None:
             raise _native.InvalidError("read_data before read_metadata")
+        if isinstance(plan.storage_data, int) and plan.storage_data != self._reader.step:
+            self._open(plan.storage_data)
         wants, pending, keep_alive = [], [], []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
