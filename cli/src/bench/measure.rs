@@ -271,3 +271,79 @@ pub(super) fn check_loaded(
     }
     Ok(())
 }
+
+/// The read strategy of PyTorch DCP's `FileSystemReader` on step `step` of a local
+/// store, by `world` rank threads at once: each rank reads every saved rank file
+/// its dim-0 box overlaps, one file after another, front to back in one plain
+/// buffered stream, one read per stored item (a tensor's chunk, read whole even when
+/// only a slice of it is wanted, as DCP reads a resharded item), into memory it
+/// touched before the clock started. No checksums and no scatter: a floor for that
+/// strategy on this disk, measured in the same repetition as ckpt's loads. Returns
+/// ms from the first rank starting to the last finishing; `None` off local disk.
+pub(super) fn dcp_read_once(
+    rt: &tokio::runtime::Handle,
+    store: &Store,
+    step: u64,
+    world: usize,
+    config: &BenchConfig,
+) -> Result<Option<f64>> {
+    let Some(root) = local_root(store) else {
+        return Ok(None);
+    };
+    let manifest = rt.block_on(ckpt::catalog::read_manifest(store, step))?;
+    let shape = [config.rows, config.cols];
+    let rows = |rank: usize, of: usize| {
+        let b = Region::dim0_shard(&shape, rank, of);
+        b.offsets[0]..b.offsets[0] + b.lengths[0]
+    };
+    let results = on_ranks(world, |rank, barrier| -> Result<(Instant, Instant)> {
+        let want = rows(rank, world);
+        let files: Vec<(PathBuf, u64)> = (0..config.ranks)
+            .filter(|&saved| {
+                let have = rows(saved, config.ranks);
+                have.start < want.end && want.start < have.end
+            })
+            .map(|saved| {
+                let entry = &manifest.ranks[saved];
+                let item = config.bytes_per_rank(saved) / config.tensors.max(1) as u64;
+                (root.join(manifest.dir()).join(&entry.file), item.max(1))
+            })
+            .collect();
+        let largest = files.iter().map(|(_, item)| *item).max().unwrap_or(1);
+        let sizes: Vec<u64> = files
+            .iter()
+            .map(|(path, _)| std::fs::metadata(path).map(|m| m.len()))
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| io_error(&root, e))?;
+        let mut memory = vec![1u8; sizes.iter().sum::<u64>().max(largest) as usize];
+        barrier.wait();
+        let started = Instant::now();
+        let mut at = 0usize;
+        for ((path, item), size) in files.iter().zip(&sizes) {
+            let mut file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
+            // The safetensors header first (its length, then the JSON), then the items.
+            let mut len = [0u8; 8];
+            file.read_exact(&mut len).map_err(|e| io_error(path, e))?;
+            let header = u64::from_le_bytes(len).min(*size - 8) as usize;
+            file.read_exact(&mut memory[at..at + header])
+                .map_err(|e| io_error(path, e))?;
+            let (mut left, mut to) = (*size - 8 - header as u64, at + header);
+            while left > 0 {
+                let n = left.min(*item) as usize;
+                file.read_exact(&mut memory[to..to + n])
+                    .map_err(|e| io_error(path, e))?;
+                (left, to) = (left - n as u64, to + n);
+            }
+            at = to;
+        }
+        std::hint::black_box(&memory);
+        Ok((started, Instant::now()))
+    });
+    let (mut start, mut end): (Option<Instant>, Option<Instant>) = (None, None);
+    for result in results {
+        let (s, e) = result?;
+        start = Some(start.map_or(s, |x| x.min(s)));
+        end = Some(end.map_or(e, |x| x.max(e)));
+    }
+    Ok(start.zip(end).map(|(s, e)| ms(e - s)))
+}

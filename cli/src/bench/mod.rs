@@ -430,6 +430,11 @@ pub(crate) struct BenchReport {
     /// Same-size load through the allocating `load` (fresh buffers), ms (median);
     /// `load_ms` is the in-place load.
     pub load_alloc_ms: f64,
+    /// PyTorch DCP's read strategy on the same files, same world size: one plain
+    /// buffered stream per rank file, front to back (local disk), ms (median).
+    pub dcp_load_ms: Option<f64>,
+    /// The same onto `reshard_ranks` ranks: each reads whole every file it overlaps.
+    pub dcp_reshard_load_ms: Option<f64>,
     /// Where the load time goes, per kind of load (medians over reps).
     pub load_breakdown: LoadBreakdowns,
 }
@@ -615,6 +620,11 @@ fn threads_core(
             "raw_read_gbps",
             raw.read(rt, config.raw_bytes, config.warm)?,
         );
+        progress(&format!("rep {}/{}: DCP's read", rep + 1, config.reps));
+        evict_step(&root, step, config.warm);
+        if let Some(dcp) = dcp_read_once(rt, store, step, config.ranks, config)? {
+            push("dcp_load_ms", dcp);
+        }
         progress(&format!("rep {}/{}: ckpt load", rep + 1, config.reps));
         evict_step(&root, step, config.warm);
         let loaded = load_once(
@@ -636,6 +646,10 @@ fn threads_core(
             config.reps,
             config.reshard_ranks
         ));
+        evict_step(&root, step, config.warm);
+        if let Some(dcp) = dcp_read_once(rt, store, step, config.reshard_ranks, config)? {
+            push("dcp_reshard_load_ms", dcp);
+        }
         evict_step(&root, step, config.warm);
         let resharded = load_once(
             rt,
@@ -738,6 +752,8 @@ fn threads_core(
         .get("reshard_read_amplification")
         .map_or(0.0, |v| median(v));
     report.load_alloc_ms = samples.get("load_alloc_ms").map_or(0.0, |v| median(v));
+    report.dcp_load_ms = samples.get("dcp_load_ms").map(|v| median(v));
+    report.dcp_reshard_load_ms = samples.get("dcp_reshard_load_ms").map(|v| median(v));
     let [same_size, resharded, allocating] = breakdowns.map(|b| median_breakdown(&b));
     report.load_breakdown = LoadBreakdowns {
         same_size,
@@ -772,6 +788,8 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         targets: Vec::new(),
         samples: BTreeMap::new(),
         load_alloc_ms: 0.0,
+        dcp_load_ms: None,
+        dcp_reshard_load_ms: None,
         load_breakdown: LoadBreakdowns::default(),
     }
 }

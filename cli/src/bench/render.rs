@@ -128,6 +128,28 @@ pub(crate) fn render(r: &BenchReport) -> String {
                 format!("{:.0} ms", r.core.load_ms),
                 r.load_alloc_ms / r.core.load_ms.max(1e-9),
             );
+            for (name, ckpt, dcp) in [
+                (
+                    "load, same world vs DCP's reads",
+                    r.core.load_ms,
+                    r.dcp_load_ms,
+                ),
+                (
+                    "load resharded vs DCP's reads",
+                    r.core.reshard_load_ms,
+                    r.dcp_reshard_load_ms,
+                ),
+            ] {
+                if let Some(dcp) = dcp {
+                    let _ = writeln!(
+                        s,
+                        "{name:<34} {:>12} {:>12} {:>9.2}",
+                        format!("{ckpt:.0} ms"),
+                        format!("{dcp:.0} ms"),
+                        ckpt / dcp.max(1e-9),
+                    );
+                }
+            }
             let _ = writeln!(s);
             let _ = writeln!(
                 s,
