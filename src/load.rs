@@ -18,16 +18,6 @@
 //! is then checked over the memory it landed in; a block that fails leaves the load
 //! failed, never delivered. Other stores and compressed files go through ranged gets:
 //! verify (and decompress) the fetched bytes, then copy the runs out.
-//!
-//! How many requests a file keeps in flight follows bytes, not batches: about
-//! [`ReadConfig::batches_in_flight`] full batches' worth, so the short, strided runs
-//! of a resharded load (a slice of every chunk of a file) are sent as more requests
-//! at once rather than one short request after another. The disks measured serve
-//! several outstanding requests per file better than one stream whose next request
-//! waits for the previous one, above all when other work shares the device; plain
-//! local files are also read with the kernel's sequential readahead asked for
-//! (`POSIX_FADV_SEQUENTIAL`). The measurements are in `docs/BENCHMARKS.md`
-//! ("Reader request size and concurrency").
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -239,11 +229,10 @@ pub struct ReadConfig {
     pub batch_bytes: u64,
     /// Data files read at once. Default 4.
     pub file_concurrency: usize,
-    /// Full batches of one file in flight. When the batches are shorter (the runs
-    /// are short and far apart, as in a resharded load), more requests are sent at
-    /// once, up to the same bytes in flight and at most 16 requests. Through the
-    /// store each holds a buffer of up to `batch_bytes`; plain local files are read
-    /// in place, one reading thread per request in flight, and hold none. Default 2.
+    /// Batches of one file in flight. Through the store each holds a buffer of up to
+    /// `batch_bytes` (more, shorter requests are sent when the runs are short, up to
+    /// the same bytes in flight); plain local files are read in place and hold
+    /// none. Default 2.
     pub batches_in_flight: usize,
 }
 
@@ -1262,7 +1251,6 @@ impl FileRead {
                 format!("open {}: {e}", self.object),
             )),
         })?;
-        advise_sequential(&file);
         let scratch: Mutex<Vec<Vec<u8>>> = Mutex::default();
         let mut cursor = 0usize;
         let jobs: Vec<_> = self
@@ -1274,10 +1262,7 @@ impl FileRead {
                 (blocks, raw, copies)
             })
             .collect();
-        let in_flight =
-            requests_in_flight(config, jobs.iter().map(|(_, raw, _)| raw.end - raw.start))
-                .clamp(config.batches_in_flight.max(1), MAX_IN_FLIGHT);
-        let batches = on_threads(jobs, in_flight, |(blocks, raw, copies)| {
+        let batches = on_threads(jobs, config.batches_in_flight, |(blocks, raw, copies)| {
             read_batch(
                 &mut |at, buffers| crate::blocks::read_into(&file, &self.object, at, buffers),
                 &self.object,
@@ -1311,10 +1296,19 @@ impl FileRead {
                 (blocks, copies)
             })
             .collect();
+        // About two full batches of bytes in flight: more requests when the runs are
+        // short (a rank of a resharded load reads a slice of every chunk of a file),
+        // so small reads do not leave the store idle between them.
         let block = self.part.block_size;
-        let in_flight_batches =
-            requests_in_flight(config, jobs.iter().map(|(b, _)| (b.end - b.start) * block))
-                .clamp(2, MAX_IN_FLIGHT);
+        let count = jobs.len().max(1) as u64;
+        let mean = jobs
+            .iter()
+            .map(|(b, _)| (b.end - b.start) * block)
+            .sum::<u64>()
+            / count;
+        let in_flight_batches = (config.batches_in_flight.max(1) as u64 * config.batch_bytes
+            / mean.max(1))
+        .clamp(2, 16) as usize;
         let this = &self;
         let mut tally = Tally::default();
         let mut done = futures::stream::iter(jobs)
@@ -1343,36 +1337,6 @@ impl FileRead {
         }
         Ok(tally)
     }
-}
-
-/// Most requests of one file in flight.
-const MAX_IN_FLIGHT: usize = 16;
-
-/// Requests of one file to keep in flight so that about `batches_in_flight` full
-/// batches of bytes are: more when the batches (of `lengths` raw bytes each) are
-/// short, so that small reads do not leave the device idle between them. Unclamped.
-fn requests_in_flight(config: &ReadConfig, lengths: impl ExactSizeIterator<Item = u64>) -> usize {
-    let count = lengths.len().max(1) as u64;
-    let mean = lengths.sum::<u64>() / count;
-    let wanted = config.batches_in_flight.max(1) as u64 * config.batch_bytes / mean.max(1);
-    usize::try_from(wanted).unwrap_or(usize::MAX)
-}
-
-/// Asks the kernel to read `file` ahead with its sequential (larger) readahead
-/// window. Best effort; a no-op off Linux.
-fn advise_sequential(file: &std::fs::File) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        // SAFETY: `posix_fadvise` takes no pointers; the descriptor is open for the
-        // call because `file` is borrowed, and the advice changes only how the
-        // kernel reads ahead, never what a read returns.
-        unsafe {
-            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = file;
 }
 
 /// A reader of raw bytes of a plain file into memory: `read(at, buffers)` fills
