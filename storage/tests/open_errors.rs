@@ -134,3 +134,26 @@ async fn memory_stores_are_shared_by_name() {
     assert_eq!(b.get("k").await.unwrap(), &b"v"[..]);
     assert_eq!(c.get("k").await.unwrap_err().kind(), ErrorKind::NotFound);
 }
+
+/// Ranks open the same root at once while the first write of one of them creates
+/// its directory: seen missing, then present, the directory is no "file".
+#[test]
+fn a_local_directory_created_while_the_store_opens_is_not_taken_for_a_file() {
+    let base = tempfile::tempdir().expect("tempdir");
+    let mut refused = Vec::new();
+    for i in 0..300 {
+        let dir = base.path().join(format!("root-{i}"));
+        let url = format!("file://{}", dir.join("ckpt").display());
+        let creator = {
+            let dir = dir.clone();
+            std::thread::spawn(move || std::fs::create_dir_all(dir.join("ckpt")).expect("mkdir"))
+        };
+        for _ in 0..20 {
+            if let Err(e) = Store::open(&url, StoreConfig::default()) {
+                refused.push(e.to_string());
+            }
+        }
+        creator.join().expect("creator");
+    }
+    assert!(refused.is_empty(), "{} opens refused, e.g. {}", refused.len(), refused[0]);
+}
