@@ -29,12 +29,15 @@ def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
         text=True,
         timeout=300,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, "\n".join(
+        line for line in done.stderr.splitlines() if not line.startswith("W1")
+    )[-6000:]
     report = json.loads(done.stdout)
     assert set(report["paths"]) == {"native", "plugin", "dcp"}
     for path, figures in report["paths"].items():
-        for key in ("stall_s", "staged_s", "durable_s", "load_s", "reshard_load_s", "peak_rss_mib"):
+        for key in ("stall_s", "staged_s", "durable_s", "load_s", "reshard_load_s"):
             assert figures[key]["median"] > 0, (path, key)
+        assert figures["peak_rss_mib"] >= figures["state_rss_mib"] > 0, path
     # Loads from local disk copy nothing on the ckpt paths.
     assert report["paths"]["native"]["load_copied_mib"]["max"] == 0
     assert report["paths"]["native"]["reshard_copied_mib"]["max"] == 0

@@ -180,19 +180,26 @@ fn open_local(path: &str, original: &str, config: &StoreConfig) -> Result<Opened
     // Opening has no side effect: the directory is created by the first write. The
     // store is rooted at the deepest directory that exists, and the rest of the path
     // becomes a prefix.
+    // One look per path (not `is_dir` then `exists`): another rank's first write may
+    // create the directory between two looks, and a directory is never a file.
     let mut base = dir.clone();
     let mut missing: Vec<String> = Vec::new();
-    while !base.is_dir() {
+    loop {
+        match std::fs::metadata(&base) {
+            Ok(meta) if meta.is_dir() => break,
+            Ok(_) => {
+                return Err(Error::config(format!(
+                    "store url {original:?}: {} is a file, not a directory",
+                    base.display()
+                )));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(local_dir_error(&base, e)),
+        }
         let name = match base.file_name() {
             Some(name) => name.to_string_lossy().into_owned(),
             None => return Err(local_dir_error(&dir, std::io::ErrorKind::NotFound.into())),
         };
-        if base.exists() {
-            return Err(Error::config(format!(
-                "store url {original:?}: {} is a file, not a directory",
-                base.display()
-            )));
-        }
         missing.push(name);
         base = match base.parent() {
             Some(parent) => parent.to_path_buf(),

@@ -25,7 +25,9 @@ Figures, per path (each the slowest rank's, median over repetitions):
 - ``staged_s``: until the state was copied (the tensors may change again);
 - ``durable_s``: until the checkpoint was committed (durable, visible to readers);
 - ``load_s``, ``reshard_load_s``: a cold load in place on 4 ranks, and on 3;
-- ``peak_rss_mib``: the largest resident set of any rank during the save and loads;
+- ``peak_rss_mib``: the peak resident set of the largest rank when the path runs alone
+  in fresh processes (a warm-up save, a save, a load), beside ``state_rss_mib``, the
+  same processes with the state alone;
 - ``copied_mib``: tensor bytes copied per rank on save and on load, where counted.
 """
 
@@ -38,7 +40,6 @@ import shutil
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -50,37 +51,6 @@ import torch.multiprocessing as mp
 
 PATHS = ("native", "plugin", "dcp")
 MiB = 1 << 20
-
-
-class Peak:
-    """The largest resident set of this process between ``start`` and ``stop``,
-    sampled every 5 ms from /proc/self/statm."""
-
-    def __init__(self) -> None:
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def start(self) -> None:
-        self._peak = self._rss()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self._peak = max(self._peak, self._rss())
-
-    def stop(self) -> int:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        return max(self._peak, self._rss())
 
 
 def drop_cache(root: Path) -> None:
@@ -282,15 +252,12 @@ def _save_and_load(rank: int, world: int, port: int, args, base: str, out: str) 
     # first save (ckpt's buffers, DCP's stager), which a training job pays once.
     for path in active:
         paths.save(path, 0, sd)
-    peak = Peak()
     for rep in range(args.reps):
         order = active[rep % len(active) :] + active[: rep % len(active)]
         for path in order:
-            peak.start()
             step = rep + 1
             figures = paths.save(path, step, sd)
             figures.update(paths.load(path, step, sd))
-            figures["peak_rss_mib"] = _largest(peak.stop()) / MiB
             results[path].append(figures)
     paths.close()
     if rank == 0:
@@ -306,21 +273,39 @@ def _reshard(rank: int, world: int, port: int, args, base: str, out: str) -> Non
     sd = w1_state(world, args.tensors, args.rows, args.cols, seed=2)
     active = [p for p in PATHS if p != "dcp" or not paths.remote]
     results: dict[str, list[dict[str, float]]] = {p: [] for p in active}
-    peak = Peak()
     for rep in range(args.reps):
         order = active[rep % len(active) :] + active[: rep % len(active)]
         for path in order:
-            peak.start()
             figures = paths.load(path, args.reps, sd)
             results[path].append(
                 {
                     "reshard_load_s": figures["load_s"],
                     "reshard_copied_mib": figures["load_copied_mib"],
-                    "reshard_peak_rss_mib": _largest(peak.stop()) / MiB,
                 }
             )
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _peak_rss(rank: int, world: int, port: int, args, base: str, out: str, path: str) -> None:
+    """One path alone in fresh processes: its warm-up save, a save and a load, then
+    the process's peak resident set (the kernel's high-water mark), largest rank."""
+    import resource
+
+    _init(rank, world, port)
+    paths = Paths(Path(base), args.url, args)
+    sd = w1_state(world, args.tensors, args.rows, args.cols, seed=3)
+    state_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    paths.save(path, 1, sd)
+    paths.save(path, 2, sd)
+    paths.load(path, 2, sd)
+    paths.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    figures = {"peak_rss_mib": _largest(peak) / MiB, "state_rss_mib": _largest(state_rss) / MiB}
+    if rank == 0:
+        Path(out).write_text(json.dumps(figures))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -361,6 +346,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nprocs=args.reshard,
         )
         saved, resharded = json.loads(first.read_text()), json.loads(second.read_text())
+        rss = {}
+        for path in saved:
+            out = base / f"rss-{path}.json"
+            mp.spawn(
+                _peak_rss,
+                args=(args.ranks, _free_port(), args, str(base / f"rss-{path}"), str(out), path),
+                nprocs=args.ranks,
+            )
+            rss[path] = json.loads(out.read_text())
     finally:
         shutil.rmtree(base, ignore_errors=True)
     per_rank = args.tensors * (-(-args.rows // args.ranks)) * args.cols * 4
@@ -381,12 +375,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for path, samples in saved.items():
         merged = [{**a, **b} for a, b in zip(samples, resharded[path], strict=True)]
         report["paths"][path] = summarize(merged)
+        report["paths"][path].update(rss[path])
     return report
 
 
-def _fmt(figure: dict[str, float] | None, unit: str = "s") -> str:
+def _fmt(figure: dict[str, float] | float | None, unit: str = "s") -> str:
     if figure is None:
         return "not counted"
+    if not isinstance(figure, dict):
+        return f"{figure:.0f} MiB"
     if unit == "s":
         return f"{figure['median']:.3f} s [{figure['min']:.3f}–{figure['max']:.3f}]"
     return f"{figure['median']:.0f} MiB [{figure['min']:.0f}–{figure['max']:.0f}]"
@@ -406,8 +403,8 @@ def render(report: dict[str, Any]) -> str:
         ("save until durable", "durable_s", "s"),
         ("load, same world (cold)", "load_s", "s"),
         ("load, resharded (cold)", "reshard_load_s", "s"),
-        ("peak RSS per rank (save + load)", "peak_rss_mib", "MiB"),
-        ("peak RSS per rank (reshard load)", "reshard_peak_rss_mib", "MiB"),
+        ("peak RSS per rank (alone: 2 saves, a load)", "peak_rss_mib", "MiB"),
+        ("RSS per rank, the state alone", "state_rss_mib", "MiB"),
         ("copied per rank: save", "save_copied_mib", "MiB"),
         ("copied per rank: load", "load_copied_mib", "MiB"),
         ("copied per rank: resharded load", "reshard_copied_mib", "MiB"),

@@ -286,7 +286,9 @@ class StorageWriter(_DcpWriter):
             finally:
                 keep_alive.clear()
 
-        threading.Thread(target=wait_staged, name="ckpt-stage", daemon=True).start()
+        # Not a daemon: the interpreter waits for it at exit instead of ending it
+        # inside the library's wait.
+        threading.Thread(target=wait_staged, name="ckpt-stage").start()
         return staged
 
     def synchronize_staging(self) -> None:
