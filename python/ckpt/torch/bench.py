@@ -422,7 +422,7 @@ def render(report: dict[str, Any]) -> str:
     ]
     names = {"native": "ckpt.torch", "plugin": "DCP + ckpt plugin", "dcp": "stock DCP"}
     paths = list(report["paths"])
-    width = 36
+    width = 44
     header = "".ljust(width) + "".join(names[p].ljust(30) for p in paths)
     lines.append(header)
     for label, key, unit in rows:
