@@ -36,3 +36,9 @@ def test_the_ckpt_command_verifies_what_dcp_and_the_native_api_wrote(saved):
 
 def test_a_restarted_job_saving_the_same_step_again_commits_under_a_new_run_id(root):
     spawn(workers.save_twice, 2, root)
+
+
+def test_replicated_and_2d_sharded_dtensors_on_a_2x2_mesh_load_split_another_way(tmp_path):
+    root, reference = f"file://{tmp_path / 'ckpt'}", str(tmp_path / "reference.pt")
+    spawn(workers.save_2d, 4, root, reference)
+    spawn(workers.load_2d, 2, root, reference)

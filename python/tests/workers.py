@@ -184,3 +184,41 @@ def save_twice(rank: int, world: int, port: int, root: str) -> None:
     assert torch.all(into["w"].to_local() == 1.0)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def save_2d(rank: int, world: int, port: int, root: str, reference: str) -> None:
+    """4 ranks on a 2x2 mesh: HSDP-style [Replicate(), Shard(0)] and a 2-D split
+    [Shard(0), Shard(1)], saved natively."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    init(rank, world, port)
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(5)
+    full = {"hsdp": torch.randn(10, 6, generator=g), "grid": torch.randn(9, 7, generator=g)}
+    if rank == 0:
+        torch.save(full, reference)
+    sd = {
+        "hsdp": distribute_tensor(full["hsdp"], mesh, [Replicate(), Shard(0)]),
+        "grid": distribute_tensor(full["grid"], mesh, [Shard(0), Shard(1)]),
+    }
+    Checkpointer(root).save(1, sd).wait_committed()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_2d(rank: int, world: int, port: int, root: str, reference: str) -> None:
+    """The 2-D checkpoint on 2 ranks, split another way (Shard(1) and Replicate())."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    init(rank, world, port)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {
+        "hsdp": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)]),
+        "grid": distribute_tensor(torch.zeros(9, 7), mesh, [Replicate()]),
+    }
+    load(root, sd)
+    expected = torch.load(reference, weights_only=True)
+    for name, tensor in expected.items():
+        assert torch.equal(sd[name].full_tensor(), tensor), name
+    dist.barrier()
+    dist.destroy_process_group()
