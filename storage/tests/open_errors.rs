@@ -155,5 +155,10 @@ fn a_local_directory_created_while_the_store_opens_is_not_taken_for_a_file() {
         }
         creator.join().expect("creator");
     }
-    assert!(refused.is_empty(), "{} opens refused, e.g. {}", refused.len(), refused[0]);
+    assert!(
+        refused.is_empty(),
+        "{} opens refused, e.g. {}",
+        refused.len(),
+        refused[0]
+    );
 }
