@@ -338,19 +338,42 @@ impl TensorView {
     }
 }
 
-/// A non-tensor value from Python: a JSON text or bytes.
-fn state_value(key: &str, value: &Bound<'_, PyAny>) -> PyResult<StateValue> {
-    if let Ok(bytes) = value.cast::<PyBytes>() {
-        return Ok(StateValue::bytes(bytes.as_bytes()));
+/// Where a non-tensor value goes: this rank's own state, or the global state.
+#[derive(Debug, Clone, Copy)]
+enum Scope {
+    Rank,
+    Global,
+}
+
+/// Adds Python's non-tensor values (`{key: JSON text or bytes}`) to `state`: bytes
+/// as bytes, text parsed as JSON.
+fn add_values(
+    state: &mut ckpt::State<'_>,
+    scope: Scope,
+    values: &Bound<'_, PyDict>,
+) -> PyResult<()> {
+    for (key, value) in values.iter() {
+        let key: String = key.extract()?;
+        if let Ok(bytes) = value.cast::<PyBytes>() {
+            match scope {
+                Scope::Rank => state.set_rank_bytes(key, bytes.as_bytes()),
+                Scope::Global => state.set_global_bytes(key, bytes.as_bytes()),
+            };
+            continue;
+        }
+        let text: String = value.extract().map_err(|_| {
+            invalid(format!(
+                "non-tensor state {key:?}: expected a JSON text or bytes"
+            ))
+        })?;
+        let json = serde_json::from_str(&text)
+            .map_err(|e| invalid(format!("non-tensor state {key:?} is not valid JSON: {e}")))?;
+        match scope {
+            Scope::Rank => state.set_rank_json(key, json),
+            Scope::Global => state.set_global_json(key, json),
+        };
     }
-    let text: String = value.extract().map_err(|_| {
-        invalid(format!(
-            "non-tensor state {key:?}: expected a JSON text or bytes"
-        ))
-    })?;
-    serde_json::from_str(&text)
-        .map(StateValue::Json)
-        .map_err(|e| invalid(format!("non-tensor state {key:?} is not valid JSON: {e}")))
+    Ok(())
 }
 
 /// A stored non-tensor value for Python: `("json", text)` or `("bytes", bytes)`.
@@ -501,16 +524,6 @@ impl Checkpointer {
             .into_iter()
             .map(TensorView::from_tuple)
             .collect::<PyResult<Vec<_>>>()?;
-        let mut rank = BTreeMap::new();
-        for (key, value) in rank_state.iter() {
-            let key: String = key.extract()?;
-            rank.insert(key.clone(), state_value(&key, &value)?);
-        }
-        let mut global = BTreeMap::new();
-        for (key, value) in global_state.iter() {
-            let key: String = key.extract()?;
-            global.insert(key.clone(), state_value(&key, &value)?);
-        }
         let metadata: BTreeMap<String, serde_json::Value> = serde_json::from_str(metadata)
             .map_err(|e| invalid(format!("metadata is not a JSON object: {e}")))?;
         // The state is built here, with the GIL held, so that a bad box is an error
@@ -555,24 +568,8 @@ impl Checkpointer {
                 )
                 .map_err(|e| to_py(py, e))?;
         }
-        for (key, value) in rank {
-            match value {
-                StateValue::Json(json) => state.set_rank_json(key, json),
-                StateValue::Base64(_) => {
-                    let bytes = value.to_bytes().unwrap_or_default();
-                    state.set_rank_bytes(key, &bytes)
-                }
-            };
-        }
-        for (key, value) in global {
-            match value {
-                StateValue::Json(json) => state.set_global_json(key, json),
-                StateValue::Base64(_) => {
-                    let bytes = value.to_bytes().unwrap_or_default();
-                    state.set_global_bytes(key, &bytes)
-                }
-            };
-        }
+        add_values(&mut state, Scope::Rank, rank_state)?;
+        add_values(&mut state, Scope::Global, global_state)?;
         for (key, value) in metadata {
             state.set_metadata(key, value);
         }
@@ -663,8 +660,8 @@ impl SaveHandle {
         run(py, async move { handle.committed().await })
     }
 
-    /// Whether the save has ended: `None` while it runs, else `None`-free: `True`
-    /// when committed; a failure raises.
+    /// Whether the checkpoint is committed yet (non-blocking): False while the save
+    /// runs, True once committed; a failed save raises.
     fn done(&self, py: Python<'_>) -> PyResult<bool> {
         let _entered = runtime().enter();
         match self.inner.committed().now_or_never() {
@@ -823,11 +820,7 @@ impl Reader {
         )?;
         if !device.is_empty() {
             let device_stats = self.load_device(py, &device)?;
-            stats.bytes_requested += device_stats.bytes_requested;
-            stats.bytes_read += device_stats.bytes_read;
-            stats.bytes_verified += device_stats.bytes_verified;
-            stats.bytes_copied += device_stats.bytes_copied;
-            stats.parts_read = stats.parts_read.max(device_stats.parts_read);
+            add_counters(&mut stats, &device_stats);
         }
         let out = PyDict::new(py);
         out.set_item("bytes_requested", stats.bytes_requested)?;
@@ -873,11 +866,7 @@ impl Reader {
                 let mut loader = ckpt::cuda::DeviceLoader::new(&ctx)?;
                 loader.load_into(&reader, &request, &targets).await
             })?;
-            total.bytes_requested += stats.bytes_requested;
-            total.bytes_read += stats.bytes_read;
-            total.bytes_verified += stats.bytes_verified;
-            total.bytes_copied += stats.bytes_copied;
-            total.parts_read = total.parts_read.max(stats.parts_read);
+            add_counters(&mut total, &stats);
         }
         Ok(total)
     }
@@ -891,6 +880,16 @@ impl Reader {
         views.iter().try_for_each(TensorView::check_host)?;
         Ok(ckpt::load::LoadStats::default())
     }
+}
+
+/// Adds the byte counters of another load of the same checkpoint (its parts are
+/// the same parts: the larger count, not the sum).
+fn add_counters(total: &mut ckpt::load::LoadStats, other: &ckpt::load::LoadStats) {
+    total.bytes_requested += other.bytes_requested;
+    total.bytes_read += other.bytes_read;
+    total.bytes_verified += other.bytes_verified;
+    total.bytes_copied += other.bytes_copied;
+    total.parts_read = total.parts_read.max(other.parts_read);
 }
 
 /// The load request for `views`, in order.

@@ -55,10 +55,11 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 class SaveHandle:
     """Follows one rank's save. Holds the saved tensors until they are staged."""
 
-    def __init__(self, native: _native.SaveHandle, keep_alive: list | None):
+    def __init__(self, native: _native.SaveHandle, keep_alive: list | None, bytes_copied: int):
         self._native = native
         self._keep_alive = keep_alive
-        self.bytes_copied = 0
+        # Tensor bytes copied besides the staging copy (non-contiguous tensors).
+        self.bytes_copied = bytes_copied
 
     @property
     def step(self) -> int:
@@ -207,34 +208,20 @@ class Checkpointer:
         With ``overlapped`` (the default) this returns before the tensors are
         copied: do not write them until ``wait_staged()`` returns.
         """
-        tensors, rank_state, keep_alive, copied = [], {}, [], 0
-        for leaf in _state.leaves(state_dict):
-            if isinstance(leaf.value, torch.Tensor):
-                b = _state.box(leaf.fqn, leaf.value, self.rank)
-                if b is None:
-                    continue
-                if not b.local.is_contiguous():
-                    b.local = b.local.contiguous()
-                    copied += b.local.numel() * b.local.element_size()
-                keep_alive.append(b.local)
-                tensors.append(b.for_save())
-            else:
-                rank_state[leaf.fqn] = _state.encode_value(leaf.fqn, leaf.value)
+        part = _state.to_save(state_dict, self.rank, _state.encode_value)
         global_values = {k: _state.encode_value(k, v) for k, v in (global_state or {}).items()}
         native = self._native.save(
             step,
-            tensors,
-            rank_state,
+            part.tensors,
+            part.values,
             global_values,
             json.dumps(dict(metadata or {})),
             overlapped,
         )
-        if not overlapped and any(t.device.type != "cpu" for t in keep_alive):
+        if not overlapped and any(t.device.type != "cpu" for t in part.keep_alive):
             # Device tensors are copied by the device: done once their event is.
             native.wait_staged()
-        handle = SaveHandle(native, keep_alive if overlapped else None)
-        handle.bytes_copied = copied
-        return handle
+        return SaveHandle(native, part.keep_alive if overlapped else None, part.copied)
 
     def load(self, state_dict: Mapping[str, Any], *, step: int | None = None) -> ExtraState:
         """Loads checkpoint ``step`` (default: the newest committed one, agreed by

@@ -22,7 +22,7 @@ which is counted.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +221,37 @@ def box(fqn: str, value: torch.Tensor, rank: int) -> Box | None:
         local=local,
         write=write,
     )
+
+
+@dataclass
+class ToSave:
+    """One rank's part of a state dict, as the native save takes it."""
+
+    tensors: list[tuple]  # the boxes (`Box.for_save`)
+    values: dict[str, str | bytes]  # non-tensor leaves, encoded
+    keep_alive: list[torch.Tensor]  # the memory the boxes point at
+    copied: int  # bytes copied to make non-contiguous tensors contiguous
+
+
+def to_save(
+    state_dict: Mapping[str, Any], rank: int, encode: Callable[[str, Any], str | bytes]
+) -> ToSave:
+    """This rank's boxes of ``state_dict``'s tensors, and its other leaves encoded by
+    ``encode`` (JSON for the native API, ``torch.save`` bytes for DCP's)."""
+    out = ToSave([], {}, [], 0)
+    for leaf in leaves(state_dict):
+        if not isinstance(leaf.value, torch.Tensor):
+            out.values[leaf.fqn] = encode(leaf.fqn, leaf.value)
+            continue
+        b = box(leaf.fqn, leaf.value, rank)
+        if b is None:
+            continue
+        if not b.local.is_contiguous():
+            b.local = b.local.contiguous()
+            out.copied += b.local.numel() * b.local.element_size()
+        out.keep_alive.append(b.local)
+        out.tensors.append(b.for_save())
+    return out
 
 
 def encode_value(fqn: str, value: Any) -> str | bytes:

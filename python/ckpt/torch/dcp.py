@@ -257,23 +257,11 @@ class StorageWriter(_DcpWriter):
         self._run_id = run_id
         target = _SaveTarget(step=step, run_id=run_id, world_size=world)
         self._rank = rank
-        tensors, rank_state, keep_alive = [], {}, []
-        for leaf in _state.leaves(state_dict):
-            if isinstance(leaf.value, torch.Tensor):
-                b = _state.box(leaf.fqn, leaf.value, rank)
-                if b is None:
-                    continue
-                if not b.local.is_contiguous():
-                    b.local = b.local.contiguous()
-                keep_alive.append(b.local)
-                tensors.append(b.for_save())
-            else:
-                buffer = io.BytesIO()
-                torch.save(leaf.value, buffer)
-                rank_state[leaf.fqn] = buffer.getvalue()
+        part = _state.to_save(state_dict, rank, _torch_saved)
         checkpointer = self._native_checkpointer(target)
         metadata = json.dumps({DCP_MARK: True})
-        handle = checkpointer.save(step, tensors, rank_state, {}, metadata, True)
+        handle = checkpointer.save(step, part.tensors, part.values, {}, metadata, True)
+        keep_alive = part.keep_alive
         self._staged.append((target, handle))
         staged: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -310,6 +298,13 @@ class StorageWriter(_DcpWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url)
+
+
+def _torch_saved(fqn: str, value: Any) -> bytes:
+    """A non-tensor value as DCP stores it: ``torch.save`` bytes."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _looks_like_root(checkpoint_id: str | os.PathLike) -> bool:
@@ -388,10 +383,7 @@ class StorageReader(_DcpReader):
         kind, payload = self._values[fqn]
         if kind == "bytes" and self._dcp_written:
             return payload  # DCP's own torch.save bytes
-        value = json.loads(payload) if kind == "json" else payload
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        return buffer.getvalue()
+        return _torch_saved(fqn, json.loads(payload) if kind == "json" else payload)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._reader is None:
