@@ -67,6 +67,22 @@ enum Command {
         after_help = "Example:\n  ckpt coordinator --listen 0.0.0.0:29400 --job run1 --min-ranks 2 --max-ranks 8"
     )]
     Coordinator(CoordinatorArgs),
+    /// Start N rank processes of any command on this node, like torchrun: each gets
+    /// torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    /// MASTER_ADDR, MASTER_PORT, GROUP_RANK, TORCHELASTIC_RUN_ID). With an elastic flag
+    /// (--min-ranks, --max-ranks, --max-restarts, --nnodes, --rdzv) the job survives
+    /// lost ranks: a script that calls `ckpt.elastic.run` (or the reference trainer)
+    /// keeps training on the survivors, in the same processes.
+    #[command(
+        after_help = "Examples:\n  ckpt launch --nproc 4 -- python train.py --ckpt file:///data/run1\n  ckpt launch --nproc 4 --min-ranks 2 -- python python/examples/train_gpt.py --ckpt file:///tmp/gpt\n  ckpt launch --nproc 8 --nnodes 1:2 --node-id 0 --job-id run1 --rdzv tcp://head:29400 --host-rdzv -- python train.py"
+    )]
+    Launch {
+        #[command(flatten)]
+        launch: ckpt_launch::LaunchArgs,
+        /// The command every rank runs, after `--`.
+        #[arg(required = true, last = true, value_name = "COMMAND")]
+        command: Vec<std::ffi::OsString>,
+    },
     #[command(flatten)]
     Tool(commands::Tool),
 }
@@ -242,6 +258,9 @@ fn main() -> ExitCode {
     if let Command::Coordinator(args) = cli.command {
         return run_coordinator(args);
     }
+    if let Command::Launch { launch, command } = cli.command {
+        return run_launch(&launch, command);
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -255,6 +274,32 @@ fn main() -> ExitCode {
         Command::BenchRank(args) => run_bench_rank(runtime, args),
         Command::Tool(tool) => runtime.block_on(commands::run(tool)),
         Command::Coordinator(args) => run_coordinator(args),
+        Command::Launch { launch, command } => run_launch(&launch, command),
+    }
+}
+
+/// `ckpt launch … -- COMMAND…`: the launcher's exit status is the job's.
+fn run_launch(launch: &ckpt_launch::LaunchArgs, mut command: Vec<std::ffi::OsString>) -> ExitCode {
+    let program = ckpt_launch::Program {
+        program: command.remove(0),
+        args: command,
+        hand_over_listener: false,
+        // A Python rank imports torch (seconds) before it reaches the rendezvous.
+        last_call: std::time::Duration::from_secs(30),
+    };
+    let config = match launch.config(program) {
+        Ok(config) => config,
+        Err(e) => {
+            errln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    match ckpt_launch::launch(&config) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            errln!("launch: {e}");
+            ExitCode::from(EXIT_CHECK_FAILED)
+        }
     }
 }
 

@@ -84,6 +84,7 @@
 pub mod agent;
 mod cancel;
 pub mod coordinator;
+pub mod env;
 pub mod etcd;
 pub mod policy;
 // The wire format: public for the tests that speak it raw and for the peers that
@@ -104,6 +105,7 @@ use serde::{Deserialize, Serialize};
 pub use agent::{Agent, AgentConfig};
 pub use cancel::Cancel;
 pub use coordinator::{Coordinator, CoordinatorConfig, CoordinatorHandle, Event, JobOver};
+pub use env::{RankEnv, Rdzv};
 pub use etcd::EtcdUrl;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdControlPlane, EtcdJob, EtcdSettings};

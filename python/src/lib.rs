@@ -19,6 +19,8 @@
 //!   exception class under `CkptError`, with the library's message (a corrupt block
 //!   names the object and offset) and a `kind` attribute.
 
+mod elastic;
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -88,6 +90,12 @@ create_exception!(
     "An overlapped save's tensor changed before it was staged."
 );
 create_exception!(_native, DeviceError, CkptError, "The GPU path failed.");
+create_exception!(
+    _native,
+    ElasticError,
+    CkptError,
+    "A call to the elastic control plane failed (`kind`: cancelled, timeout, rejected, unreachable, protocol, shutdown)."
+);
 
 /// How often a blocking wait wakes to let Python handle signals (Ctrl-C).
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
@@ -965,6 +973,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Checkpointer>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<Reader>()?;
+    m.add_class::<elastic::Agent>()?;
     m.add_function(wrap_pyfunction!(latest, m)?)?;
     m.add_function(wrap_pyfunction!(list_checkpoints, m)?)?;
     m.add("CkptError", py.get_type::<CkptError>())?;
@@ -978,6 +987,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FencedError", py.get_type::<FencedError>())?;
     m.add("MutatedError", py.get_type::<MutatedError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("ElasticError", py.get_type::<ElasticError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether device tensors are staged through the library (cargo feature `cuda`).
     m.add("HAS_CUDA", cfg!(feature = "cuda"))?;

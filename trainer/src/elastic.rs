@@ -20,7 +20,7 @@
 //! [`ControlPlane`](ckpt_elastic::ControlPlane).
 
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,19 +69,6 @@ pub fn unix_ms() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis())
-}
-
-/// The address this host reaches `target` from (the source address the kernel picks),
-/// which is where this rank's ring listener must be reachable.
-pub fn local_ip_towards(target: SocketAddr) -> std::io::Result<IpAddr> {
-    let unspecified: IpAddr = if target.is_ipv4() {
-        std::net::Ipv4Addr::UNSPECIFIED.into()
-    } else {
-        std::net::Ipv6Addr::UNSPECIFIED.into()
-    };
-    let probe = UdpSocket::bind((unspecified, 0))?;
-    probe.connect(target)?;
-    Ok(probe.local_addr()?.ip())
 }
 
 /// The supervisor of one generation, over the agent.
@@ -463,28 +450,10 @@ pub fn run(
     }
 }
 
-/// The run id of a generation's save attempts: the job's name (reduced to the
-/// characters a run id allows) and the control-plane generation, so that no two
-/// generations of a job share an attempt directory even when they save the same step
-/// with the same checkpoint generation.
+/// The run id of a generation's save attempts (`ckpt_elastic::env::run_id` within
+/// the library's length limit).
 pub fn run_id(job: &str, generation: u64) -> String {
-    let suffix = format!("-e{generation}");
-    let keep = ckpt::attempt::MAX_RUN_ID_LEN.saturating_sub(suffix.len());
-    let mut id: String = job
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(keep)
-        .collect();
-    if id.is_empty() {
-        id.push_str("job");
-    }
-    id + &suffix
+    ckpt_elastic::env::run_id(job, generation, ckpt::attempt::MAX_RUN_ID_LEN)
 }
 
 /// When the control plane dropped this member or ended the job, how it leaves.

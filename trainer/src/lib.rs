@@ -14,23 +14,21 @@
 //! - [`fixed`]: exact fixed-point gradient sums, the source of determinism;
 //! - [`train`]: one *generation* of FSDP2-style training on a fixed world, with
 //!   async checkpoints and resharding resume through ckpt's public API;
-//! - [`launch`]: a torchrun-like launcher of rank processes, fixed or elastic;
 //! - [`elastic`](mod@elastic): one rank of an elastic job, driven by ckpt's control
 //!   plane through as many generations (world sizes) as failures require, recovering
 //!   from the survivors' in-memory copies (`ckpt::copies`) where it can;
 //! - [`bench`](mod@bench): collective bandwidth against raw loopback TCP; with feature
 //!   `cuda`, `nccl_bench`: the time to build, abort and rebuild an NCCL communicator.
 //!
-//! Run `ckpt-train --help` for the command line; `trainer/README.md` has the
+//! `ckpt-train launch` starts its ranks through the shared launcher (crate
+//! `ckpt-launch`, also `ckpt launch`). Run `ckpt-train --help` for the command line; `trainer/README.md` has the
 //! semantics of the saved state, the modes and what each costs.
 
 pub mod bench;
 pub mod collective;
 pub mod elastic;
 pub mod fixed;
-pub mod launch;
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nccl_bench;
-pub mod signals;
 pub mod train;

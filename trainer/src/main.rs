@@ -11,14 +11,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use ckpt::storage::Store;
-use ckpt_elastic::timeouts::{Timeouts, parse_seconds};
-use ckpt_elastic::{Agent, AgentConfig, CoordinatorConfig, Member, TcpControlPlane, TcpSettings};
+use ckpt_elastic::{Agent, AgentConfig, RankEnv, Rdzv};
+use ckpt_launch::{EXIT_STOPPED, LaunchArgs, signals};
+use ckpt_trainer::bench;
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
 use ckpt_trainer::elastic::{self as elastic_rank, Exit};
-use ckpt_trainer::launch::{self, EXIT_STOPPED, ElasticLaunch, LaunchConfig};
 use ckpt_trainer::model::Preset;
 use ckpt_trainer::train::{self, Hold, Outcome, Stats, TrainConfig};
-use ckpt_trainer::{bench, signals};
 use clap::{ArgAction, Parser};
 
 const EXIT_FAILED: u8 = 1;
@@ -199,61 +198,11 @@ struct ProbeArgs {
 #[derive(Parser, Debug)]
 #[command(
     name = "ckpt-train launch",
-    after_help = "Example:\n  ckpt-train launch --nproc 4 -- --preset tiny --steps 200 --ckpt file://./runs/demo"
+    after_help = "Example:\n  ckpt-train launch --nproc 4 -- --preset tiny --steps 200 --ckpt file://./runs/demo\n\nThe same launcher as `ckpt launch`, running this program."
 )]
-struct LaunchArgs {
-    /// Rank processes to start.
-    #[arg(long, default_value_t = 1)]
-    nproc: usize,
-    /// Rendezvous address (rank 0 listens there).
-    #[arg(long, default_value = "127.0.0.1")]
-    master_addr: IpAddr,
-    /// Rendezvous port (default: a free one).
-    #[arg(long)]
-    master_port: Option<u16>,
-    /// Seconds between SIGTERM and SIGKILL of the other ranks after one fails; in
-    /// elastic mode also how long a rank may run on after the job is over.
-    #[arg(long, default_value_t = 10.0, value_parser = parse_grace)]
-    grace_secs: f64,
-    /// Elastic: keep training while at least this many ranks (all nodes together)
-    /// remain. Without it a lost rank stops the job (after its restarts, if any).
-    #[arg(long)]
-    min_ranks: Option<usize>,
-    /// Elastic: at most this many ranks in a generation (default: nproc × the most
-    /// nodes).
-    #[arg(long)]
-    max_ranks: Option<usize>,
-    /// Elastic: relaunch this node's failed ranks up to K times in all; a relaunched
-    /// rank joins as a waiting member and the world grows at the next checkpoint.
-    #[arg(long)]
-    max_restarts: Option<usize>,
-    /// Elastic: MIN:MAX nodes (or N), each running its own launcher with --nproc ranks.
-    #[arg(long)]
-    nnodes: Option<String>,
-    /// Elastic: the control plane to join: a coordinator, tcp://HOST:PORT (a `ckpt
-    /// coordinator`, or the launcher started with --host-rdzv), or an etcd cluster,
-    /// etcd://HOST:PORT[,HOST:PORT…]/PREFIX (no coordinator; built with the `etcd`
-    /// feature). Default: this launcher hosts a coordinator.
-    #[arg(long)]
-    rdzv: Option<String>,
-    /// Elastic: host the coordinator at the --rdzv address (one node does, e.g. node 0).
-    #[arg(long)]
-    host_rdzv: bool,
-    /// Elastic: this node's id, 0..MAX nodes (e.g. $SLURM_NODEID).
-    #[arg(long, default_value_t = 0)]
-    node_id: usize,
-    /// Elastic: the job id every node and the coordinator share (default: random on
-    /// one node; required with --rdzv).
-    #[arg(long)]
-    job_id: Option<String>,
-    /// Elastic (hosted coordinator): a rank that sends no heartbeat for this long is
-    /// lost (a stopped process, a partitioned node).
-    #[arg(long, default_value_t = Timeouts::DEFAULT.heartbeat_timeout.as_secs_f64(), value_parser = parse_seconds)]
-    heartbeat_timeout_secs: f64,
-    /// Elastic (hosted coordinator): a rank whose training loop makes no progress for
-    /// this long outside a collective is hung.
-    #[arg(long, default_value_t = Timeouts::DEFAULT.progress_timeout.as_secs_f64(), value_parser = parse_seconds)]
-    progress_timeout_secs: f64,
+struct LaunchCommand {
+    #[command(flatten)]
+    launch: LaunchArgs,
     /// The ranks' arguments: training options, or `bench-collectives …`.
     #[arg(last = true)]
     args: Vec<OsString>,
@@ -295,7 +244,7 @@ fn world_from_env() -> Result<World, String> {
 /// Rank 0's rendezvous listener when the launcher bound it and passed it down.
 fn inherited_rendezvous(world: &World) -> Result<Option<std::net::TcpListener>, String> {
     use std::os::fd::FromRawFd;
-    let Some(text) = std::env::var(launch::RENDEZVOUS_FD).ok() else {
+    let Some(text) = std::env::var(ckpt_launch::RENDEZVOUS_FD).ok() else {
         return Ok(None);
     };
     if world.rank != 0 {
@@ -303,7 +252,7 @@ fn inherited_rendezvous(world: &World) -> Result<Option<std::net::TcpListener>, 
     }
     let fd: i32 = text
         .parse()
-        .map_err(|e| format!("{}={text:?}: {e}", launch::RENDEZVOUS_FD))?;
+        .map_err(|e| format!("{}={text:?}: {e}", ckpt_launch::RENDEZVOUS_FD))?;
     // SAFETY: `struct stat` is plain old data: all zeroes is a valid value.
     let mut stat: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat(2) writes only into `stat`, a valid and writable `struct stat`;
@@ -312,7 +261,7 @@ fn inherited_rendezvous(world: &World) -> Result<Option<std::net::TcpListener>, 
     if fd < 3 || fstat != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
         return Err(format!(
             "{}={fd} is not an inherited socket",
-            launch::RENDEZVOUS_FD
+            ckpt_launch::RENDEZVOUS_FD
         ));
     }
     // SAFETY: the launcher opened this listening socket for rank 0 and passed it down;
@@ -410,7 +359,7 @@ fn main() -> ExitCode {
     match command.as_deref() {
         Some("launch") => {
             args.remove(1);
-            run_launch(LaunchArgs::parse_from(args))
+            run_launch(LaunchCommand::parse_from(args))
         }
         Some("bench-collectives") => {
             args.remove(1);
@@ -433,139 +382,25 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_launch(args: LaunchArgs) -> ExitCode {
-    if args.nproc == 0 {
-        return fail(EXIT_USAGE, "--nproc must be at least 1");
-    }
-    let elastic = match elastic_launch(&args) {
-        Ok(e) => e,
+fn run_launch(command: LaunchCommand) -> ExitCode {
+    let program = match std::env::current_exe() {
+        Ok(exe) => exe.into_os_string(),
+        Err(e) => return fail(EXIT_FAILED, format!("launch: this program's path: {e}")),
+    };
+    let program = ckpt_launch::Program {
+        program,
+        args: command.args,
+        hand_over_listener: true,
+        last_call: ckpt_elastic::Timeouts::DEFAULT.last_call,
+    };
+    let config = match command.launch.config(program) {
+        Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    let config = LaunchConfig {
-        nproc: args.nproc,
-        master_addr: args.master_addr,
-        master_port: args.master_port,
-        args: args.args,
-        grace: Duration::from_secs_f64(args.grace_secs),
-        elastic,
-    };
-    match launch::launch(&config) {
+    match ckpt_launch::launch(&config) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => fail(EXIT_FAILED, format!("launch: {e}")),
     }
-}
-
-/// Where the control plane is: a coordinator (`tcp://HOST:PORT`, or `HOST:PORT`) or
-/// an etcd cluster (`etcd://HOST:PORT[,HOST:PORT…]/PREFIX`).
-#[derive(Debug, Clone)]
-enum Rdzv {
-    Tcp(SocketAddr),
-    Etcd(ckpt_elastic::EtcdUrl),
-}
-
-fn parse_rdzv(text: &str) -> Result<Rdzv, String> {
-    if text.starts_with("etcd://") {
-        if !cfg!(feature = "etcd") {
-            return Err(format!(
-                "--rdzv {text:?}: this ckpt-train was built without the etcd backend (cargo build --features etcd)"
-            ));
-        }
-        return ckpt_elastic::EtcdUrl::parse(text)
-            .map(Rdzv::Etcd)
-            .map_err(|e| format!("--rdzv {e}"));
-    }
-    parse_tcp_rdzv(text).map(Rdzv::Tcp)
-}
-
-fn parse_tcp_rdzv(text: &str) -> Result<SocketAddr, String> {
-    let hostport = text.strip_prefix("tcp://").unwrap_or(text);
-    std::net::ToSocketAddrs::to_socket_addrs(hostport)
-        .map_err(|e| format!("--rdzv {text:?}: {e}"))?
-        .next()
-        .ok_or_else(|| format!("--rdzv {text:?} resolves to no address"))
-}
-
-/// The elastic settings, when any elastic flag is given.
-fn elastic_launch(args: &LaunchArgs) -> Result<Option<ElasticLaunch>, String> {
-    if args.min_ranks.is_none()
-        && args.max_ranks.is_none()
-        && args.max_restarts.is_none()
-        && args.nnodes.is_none()
-        && args.rdzv.is_none()
-    {
-        return Ok(None);
-    }
-    let (min_nodes, max_nodes) = match args.nnodes.as_deref() {
-        None => (1, 1),
-        Some(text) => {
-            let bad = || format!("--nnodes {text:?} is not N or MIN:MAX");
-            let (a, b) = text.split_once(':').unwrap_or((text, text));
-            let min: usize = a.parse().map_err(|_| bad())?;
-            let max: usize = b.parse().map_err(|_| bad())?;
-            if min == 0 || min > max {
-                return Err(bad());
-            }
-            (min, max)
-        }
-    };
-    if args.node_id >= max_nodes {
-        return Err(format!(
-            "--node-id {} is not below the most nodes ({max_nodes})",
-            args.node_id
-        ));
-    }
-    let max_ranks = args.max_ranks.unwrap_or(args.nproc * max_nodes);
-    let min_ranks = args.min_ranks.unwrap_or(args.nproc * min_nodes);
-    if min_ranks == 0 || min_ranks > max_ranks {
-        return Err(format!(
-            "--min-ranks {min_ranks} must be between 1 and the most ranks ({max_ranks})"
-        ));
-    }
-    let rdzv = args.rdzv.as_deref().map(parse_rdzv).transpose()?;
-    let (rdzv, etcd) = match rdzv {
-        Some(Rdzv::Etcd(_)) if args.host_rdzv => {
-            return Err(
-                "--host-rdzv hosts a coordinator; with etcd:// there is none to host".into(),
-            );
-        }
-        Some(Rdzv::Etcd(url)) => (None, Some(url)),
-        Some(Rdzv::Tcp(addr)) => (Some(addr), None),
-        None => (None, None),
-    };
-    let job = match &args.job_id {
-        Some(job) => job.clone(),
-        None if rdzv.is_none() && etcd.is_none() => {
-            format!("job-{}", ckpt::attempt::random_run_id())
-        }
-        None => return Err("--rdzv needs --job-id (the same on every node)".into()),
-    };
-    let mut coordinator = CoordinatorConfig::new(job.clone(), min_ranks, max_ranks);
-    if (rdzv.is_none() && etcd.is_none()) || args.host_rdzv {
-        // A coordinator this launcher starts for its job has no running generation
-        // to wait for.
-        coordinator.settle = Duration::ZERO;
-    }
-    coordinator.timeouts.heartbeat_timeout = Duration::from_secs_f64(args.heartbeat_timeout_secs);
-    coordinator.timeouts.progress_timeout = Duration::from_secs_f64(args.progress_timeout_secs);
-    coordinator.validate()?;
-    // Hosting at the --rdzv address: bind it here (this launcher is the coordinator's
-    // home) and let the ranks join it like any other node's.
-    let (rdzv, host_at) = match (rdzv, args.host_rdzv) {
-        (Some(addr), true) => (None, Some(addr)),
-        (rdzv, _) => (rdzv, None),
-    };
-    Ok(Some(ElasticLaunch {
-        job,
-        node_id: args.node_id,
-        rdzv,
-        etcd,
-        host_at,
-        min_ranks,
-        max_ranks,
-        shrink: args.min_ranks.is_some(),
-        max_restarts: args.max_restarts.unwrap_or(0),
-        coordinator,
-    }))
 }
 
 #[cfg(feature = "cuda")]
@@ -712,16 +547,11 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(s) => s,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    let rdzv = match std::env::var("CKPT_RDZV")
-        .ok()
-        .filter(|r| !r.is_empty())
-        .map(|r| parse_rdzv(&r))
-        .transpose()
-    {
+    let rank_env = match RankEnv::from_env() {
         Ok(r) => r,
-        Err(e) => return fail(EXIT_USAGE, format!("CKPT_RDZV: {e}")),
+        Err(e) => return fail(EXIT_USAGE, e),
     };
-    let world = match rdzv {
+    let world = match rank_env {
         Some(_) => None,
         None => match world_from_env() {
             Ok(w) => Some(w),
@@ -760,10 +590,10 @@ fn run_train(args: TrainArgs) -> ExitCode {
         overlapped_staging: args.staging == Staging::Overlapped,
         check_staging: args.check_staging,
     };
-    let world = match (world, rdzv) {
+    let world = match (world, rank_env) {
         (Some(world), _) => world,
-        (None, Some(rdzv)) => {
-            return run_elastic_rank(rdzv, &runtime, store.as_ref(), &config, &args);
+        (None, Some(rank_env)) => {
+            return run_elastic_rank(rank_env, &runtime, store.as_ref(), &config, &args);
         }
         (None, None) => unreachable!("either a fixed world or a coordinator"),
     };
@@ -819,73 +649,29 @@ fn run_train(args: TrainArgs) -> ExitCode {
 /// One rank of an elastic job (the launcher set `CKPT_RDZV`): join the coordinator
 /// and train through as many generations as it takes.
 fn run_elastic_rank(
-    rdzv: Rdzv,
+    rank_env: RankEnv,
     runtime: &tokio::runtime::Runtime,
     store: Option<&Store>,
     config: &TrainConfig,
     args: &TrainArgs,
 ) -> ExitCode {
-    let toward = match &rdzv {
-        Rdzv::Tcp(addr) => Ok(*addr),
-        Rdzv::Etcd(url) => parse_tcp_rdzv(url.first_host()),
-    };
-    let ip = match toward.map_err(|e| e.to_string()).and_then(|addr| {
-        elastic_rank::local_ip_towards(addr).map_err(|e| format!("no route to {addr}: {e}"))
-    }) {
-        Ok(ip) => ip,
-        Err(e) => return fail(EXIT_FAILED, format!("the control plane: {e}")),
-    };
-    let env = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
-    let member = Member {
-        job: env("CKPT_JOB_ID").unwrap_or_else(|| "default".into()),
-        id: env("CKPT_MEMBER_ID").unwrap_or_else(|| format!("{ip}-{}", std::process::id())),
-        host: ip.to_string(),
-        node: env("CKPT_NODE_ID").unwrap_or_else(|| ip.to_string()),
-    };
-    let plane: std::sync::Arc<dyn ckpt_elastic::ControlPlane> = match &rdzv {
-        Rdzv::Tcp(addr) => {
-            match TcpControlPlane::connect(*addr, member.clone(), TcpSettings::default()) {
-                Ok(p) => std::sync::Arc::new(p),
-                // A node started after the job ended finds its coordinator gone
-                // with it; the store says whether there is anything left to do.
-                Err(e)
-                    if elastic_rank::final_step_committed(
-                        runtime.handle(),
-                        store,
-                        config.steps,
-                    ) =>
-                {
-                    println!(
-                        "done: the job finished at step {} before this member joined (coordinator {addr}: {e}; member {})",
-                        config.steps, member.id
-                    );
-                    return ExitCode::SUCCESS;
-                }
-                Err(e) => {
-                    return fail(
-                        EXIT_FAILED,
-                        format!("member {}: coordinator {addr}: {e}", member.id),
-                    );
-                }
-            }
+    let member = rank_env.member.clone();
+    let ip = rank_env.ip();
+    let plane = match rank_env.connect() {
+        Ok(p) => p,
+        // A node started after the job ended finds its coordinator gone with it; the
+        // store says whether there is anything left to do.
+        Err(e)
+            if matches!(rank_env.rdzv, Rdzv::Tcp(_))
+                && elastic_rank::final_step_committed(runtime.handle(), store, config.steps) =>
+        {
+            println!(
+                "done: the job finished at step {} before this member joined ({e})",
+                config.steps
+            );
+            return ExitCode::SUCCESS;
         }
-        #[cfg(feature = "etcd")]
-        Rdzv::Etcd(url) => {
-            let lease = env("CKPT_ETCD_LEASE").and_then(|l| l.parse().ok());
-            match ckpt_elastic::EtcdControlPlane::connect(
-                url,
-                member.clone(),
-                lease,
-                ckpt_elastic::EtcdSettings::default(),
-            ) {
-                Ok(p) => std::sync::Arc::new(p),
-                Err(e) => return fail(EXIT_FAILED, format!("member {}: {url}: {e}", member.id)),
-            }
-        }
-        #[cfg(not(feature = "etcd"))]
-        Rdzv::Etcd(url) => {
-            return fail(EXIT_USAGE, format!("{url}: built without the etcd backend"));
-        }
+        Err(e) => return fail(EXIT_FAILED, e),
     };
     let agent = Agent::new(plane, AgentConfig::default());
     let tcp = TcpConfig {
@@ -921,15 +707,5 @@ fn run_elastic_rank(
         }
         Exit::Left(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
         Exit::Failed(why) => fail(EXIT_FAILED, format!("member {}: {why}", member.id)),
-    }
-}
-
-/// `--grace-secs`: a number of seconds, 0 (no grace) included; anything
-/// `Duration::from_secs_f64` would refuse is a usage error here instead.
-fn parse_grace(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(value) if value.is_finite() && (0.0..=1e9).contains(&value) => Ok(value),
-        Ok(_) => Err(format!("{text} is not between 0 and 1e9 seconds")),
-        Err(_) => Err(format!("{text:?} is not a number of seconds")),
     }
 }

@@ -441,7 +441,7 @@ fn stopped_rank(plane: Plane) {
 /// The state letter of `/proc/PID/stat`, `None` once the process is gone (the
 /// launcher's own reading).
 fn proc_state(pid: i32) -> Option<char> {
-    ckpt_trainer::launch::proc_state(pid as u32)
+    ckpt_launch::proc_state(pid as u32)
 }
 
 /// SIGKILLs a process this test stopped when the test ends, passed or failed, so

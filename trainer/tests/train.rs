@@ -432,7 +432,7 @@ fn a_second_sigterm_exits_at_once_without_the_final_save() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(
-        ckpt_trainer::launch::proc_state(pid as u32).is_some_and(|s| s != 'Z'),
+        ckpt_launch::proc_state(pid as u32).is_some_and(|s| s != 'Z'),
         "the first SIGTERM only asks for a drain:\n{}",
         launch.seen
     );

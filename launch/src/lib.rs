@@ -1,11 +1,17 @@
-//! A torchrun-like launcher: N rank processes of this binary on this machine.
+//! The ckpt launcher: N rank processes of any command on one node, like torchrun.
 //!
-//! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-//! `MASTER_ADDR` and `MASTER_PORT` (a free port chosen by the launcher unless given)
-//! in its environment. Its stdout and stderr are streamed line by line with a
-//! `[rank N]` prefix. The ranks run in one process group of their own (printed, with
-//! every pid, at start), so a terminal's Ctrl-C reaches only the launcher, which
-//! forwards SIGINT and SIGTERM to every rank; tests kill the group or single pids.
+//! `ckpt launch --nproc N -- python train.py …` and `ckpt-train launch --nproc N -- …`
+//! are this one launcher ([`LaunchArgs`] are their shared flags); the reference
+//! trainer runs under either.
+//!
+//! Each rank gets torchrun's environment: `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `GROUP_RANK` (this node's id), `TORCHELASTIC_RUN_ID`, `TORCHELASTIC_RESTART_COUNT`
+//! and `TORCHELASTIC_MAX_RESTARTS`, and in a fixed world also `RANK`, `WORLD_SIZE`,
+//! `MASTER_ADDR` and `MASTER_PORT` (a free port chosen by the launcher unless given).
+//! Its stdout and stderr are streamed line by line with a `[rank N]` prefix. The
+//! ranks run in one process group of their own (printed, with every pid, at start),
+//! so a terminal's Ctrl-C reaches only the launcher, which forwards SIGINT and
+//! SIGTERM to every rank; tests kill the group or single pids.
 //!
 //! When a rank fails (non-zero exit or killed by a signal) without a signal having
 //! been forwarded, the launcher sends SIGTERM to the others, then SIGKILL after
@@ -15,11 +21,13 @@
 //!
 //! # Elastic mode
 //!
-//! With [`LaunchConfig::elastic`] the ranks do not get `RANK`/`WORLD_SIZE`: they join
-//! a coordinator (`CKPT_RDZV`), which assigns ranks per generation, and the launcher
-//! no longer stops the survivors when one rank fails: the coordinator re-forms the
-//! world without it, and the launcher relaunches the failed rank while it has
-//! restarts left (`--max-restarts`), which then joins as a waiting member. The
+//! With [`LaunchConfig::elastic`] the ranks do not get `RANK`, `WORLD_SIZE`,
+//! `MASTER_ADDR` or `MASTER_PORT`: they join the control plane (`CKPT_RDZV`, read by
+//! `ckpt_elastic::RankEnv`), which assigns ranks per generation (Python's
+//! `ckpt.elastic` sets those four variables for each generation it runs), and the
+//! launcher no longer stops the survivors when one rank fails: the coordinator
+//! re-forms the world without it, and the launcher relaunches the failed rank while it
+//! has restarts left (`--max-restarts`), which then joins as a waiting member. The
 //! launcher hosts the coordinator itself (on a listener it keeps, so no other process
 //! can take the port between choosing and binding it) unless `--rdzv` names one that
 //! is already running. Without `--min-ranks` the world may not shrink below its
@@ -34,6 +42,11 @@
 //! launcher hosting the coordinator serves it after its own ranks are gone, until the
 //! job is over, when other nodes can take part.
 
+mod args;
+pub mod signals;
+
+pub use args::{LaunchArgs, Program, parse_grace};
+
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -44,8 +57,6 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ckpt_elastic::{Coordinator, CoordinatorConfig, Event, JobOver};
-
-use crate::signals;
 
 /// Exit code of a rank (and of the launcher) that stopped on SIGTERM/SIGINT after
 /// committing a final checkpoint: 75 (`EX_TEMPFAIL`, "try again later": resume).
@@ -64,8 +75,15 @@ pub struct LaunchConfig {
     pub master_addr: IpAddr,
     /// Rendezvous port; `None` picks a free one.
     pub master_port: Option<u16>,
-    /// Arguments of every rank's command line (after the program name).
+    /// The program every rank runs (found on `PATH` when it has no slash).
+    pub program: OsString,
+    /// Its arguments.
     pub args: Vec<OsString>,
+    /// Hand rank 0 of a fixed world the rendezvous listener the launcher bound
+    /// (`CKPT_RENDEZVOUS_FD`), so that no other process can take the port between
+    /// its choice and its use. Only for a program that takes it (the reference
+    /// trainer); any other gets a port the launcher bound and released.
+    pub hand_over_listener: bool,
     /// Time between SIGTERM and SIGKILL of the survivors after a failure; in elastic
     /// mode also how long a rank may run on after the job is over before SIGKILL.
     pub grace: Duration,
@@ -208,6 +226,37 @@ fn inherit(fd: std::os::fd::RawFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The variables torchrun gives every worker that do not change with the world:
+/// the local rank, the node's rank count, the node (`GROUP_RANK`), the run id, and
+/// how often this rank's slot was restarted and may be.
+fn torchrun_env(
+    local: usize,
+    nproc: usize,
+    node: usize,
+    run_id: &str,
+    restarts: usize,
+    max_restarts: usize,
+) -> [(&'static str, String); 6] {
+    [
+        ("LOCAL_RANK", local.to_string()),
+        ("LOCAL_WORLD_SIZE", nproc.to_string()),
+        ("GROUP_RANK", node.to_string()),
+        ("TORCHELASTIC_RUN_ID", run_id.to_string()),
+        ("TORCHELASTIC_RESTART_COUNT", restarts.to_string()),
+        ("TORCHELASTIC_MAX_RESTARTS", max_restarts.to_string()),
+    ]
+}
+
+/// Starts a rank; a program that cannot be started is named.
+fn spawn(command: &mut Command, program: &OsString) -> std::io::Result<Child> {
+    command.spawn().map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot start {}: {e}", program.to_string_lossy()),
+        )
+    })
+}
+
 /// Runs the ranks to completion; returns the launcher's exit code.
 pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
     if let Some(elastic) = &config.elastic {
@@ -215,8 +264,10 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
     }
     signals::install();
     // The launcher binds the rendezvous listener itself and hands it to rank 0 (an
-    // inherited descriptor): choosing a free port by binding and releasing it would
-    // let another process take the port in between.
+    // inherited descriptor) when the program takes it: choosing a free port by
+    // binding and releasing it would let another process take the port in between.
+    // Any other program (torch's TCPStore binds MASTER_PORT itself) gets the port
+    // released, as torchrun does.
     let mut rendezvous = Some(TcpListener::bind((
         config.master_addr,
         config.master_port.unwrap_or(0),
@@ -226,7 +277,9 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
         .map(TcpListener::local_addr)
         .transpose()?
         .map_or(0, |a| a.port());
-    let exe = std::env::current_exe()?;
+    if !config.hand_over_listener {
+        rendezvous = None;
+    }
     // One run id per launch, shared by its ranks: a relaunch that saves a step again
     // writes a new save attempt instead of meeting the old one's objects.
     let run_id = std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id());
@@ -234,16 +287,16 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
     let mut pumps = Vec::new();
     let mut pgid = 0;
     for rank in 0..config.nproc {
-        let mut command = Command::new(&exe);
+        let mut command = Command::new(&config.program);
         command
             .args(&config.args)
+            .envs(torchrun_env(rank, config.nproc, 0, &run_id, 0, 0))
             .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", config.nproc.to_string())
-            .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
             .env("MASTER_ADDR", config.master_addr.to_string())
             .env("MASTER_PORT", port.to_string())
             .env("CKPT_RUN_ID", &run_id)
+            .env_remove(RENDEZVOUS_FD)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -260,7 +313,7 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
                 command.pre_exec(move || inherit(fd));
             }
         }
-        let mut child = command.spawn()?;
+        let mut child = spawn(&mut command, &config.program)?;
         if rank == 0 {
             // Rank 0 has its copy; the launcher's would keep the port bound forever.
             rendezvous = None;
@@ -359,7 +412,6 @@ struct Slot {
 
 /// Starts rank processes of one elastic node.
 struct Spawner<'a> {
-    exe: std::path::PathBuf,
     config: &'a LaunchConfig,
     elastic: &'a ElasticLaunch,
     /// What the ranks get as `CKPT_RDZV`.
@@ -375,14 +427,23 @@ impl Spawner<'_> {
     fn spawn(&mut self, local: usize, incarnation: usize) -> std::io::Result<(Child, Option<i64>)> {
         let (config, elastic) = (self.config, self.elastic);
         let label = elastic.node_id * config.nproc + local;
-        let mut command = Command::new(&self.exe);
+        let mut command = Command::new(&config.program);
         command
             .args(&config.args)
+            .envs(torchrun_env(
+                local,
+                config.nproc,
+                elastic.node_id,
+                &elastic.job,
+                incarnation,
+                elastic.max_restarts,
+            ))
             .env_remove("RANK")
             .env_remove("WORLD_SIZE")
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
-            .env("CKPT_RDZV", &self.rdzv)
+            .env_remove("MASTER_ADDR")
+            .env_remove("MASTER_PORT")
+            .env_remove(RENDEZVOUS_FD)
+            .env(ckpt_elastic::env::RDZV, &self.rdzv)
             .env("CKPT_JOB_ID", &elastic.job)
             .env("CKPT_NODE_ID", elastic.node_id.to_string())
             .env(
@@ -399,7 +460,7 @@ impl Spawner<'_> {
             Some(lease) => command.env("CKPT_ETCD_LEASE", lease.to_string()),
             None => command.env_remove("CKPT_ETCD_LEASE"),
         };
-        let mut child = command.spawn()?;
+        let mut child = spawn(&mut command, &config.program)?;
         if self.pgid == 0 {
             self.pgid = child.id() as i32;
             say(format_args!(
@@ -550,7 +611,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         #[cfg(not(feature = "etcd"))]
         Some(url) => {
             return Err(std::io::Error::other(format!(
-                "{url}: this ckpt-train was built without the etcd backend"
+                "{url}: this launcher was built without the etcd backend"
             )));
         }
         None => {
@@ -578,7 +639,6 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
     let mut events_seen = 0;
     let mut last_ended: Option<(u64, std::time::SystemTime)> = None;
     let mut spawner = Spawner {
-        exe: std::env::current_exe()?,
         config,
         elastic,
         rdzv,

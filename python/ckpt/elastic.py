@@ -1,0 +1,620 @@
+"""Elastic PyTorch training: survivors of a lost rank keep training, in the same
+processes, on a smaller world resharded from the newest checkpoint.
+
+A script started by ``ckpt launch`` with an elastic flag (``--min-ranks``,
+``--max-restarts``, ``--nnodes``, ``--rdzv``) calls :func:`run` once::
+
+    def train(ctx):
+        model, opt = build(ctx.device)
+        step = ctx.resume(args.ckpt, state(model, opt))      # newest commit, resharded
+        ckpt = ctx.checkpointer(args.ckpt)
+        while step < args.steps:
+            ...one step...
+            step += 1
+            if ctx.step(step) or step % every == 0:
+                ckpt.save(step, state(model, opt)).wait_committed()
+                if ctx.stopping:
+                    return
+
+    ckpt.elastic.run(train, backend="gloo")
+
+Each turn of :func:`run` is a *generation* of the job, formed by ckpt's control
+plane (the library's agent, through the binding: the same agent and protocol as the
+reference trainer's): rendezvous, a process group for that generation's rank and
+world (a store of its own, so that a rank of another generation cannot join it),
+``train(ctx)``, and whatever ended it:
+
+- a lost or hung member: the agent's thread aborts the process group (on gloo it
+  shuts the group's sockets down, which fails a collective blocked on a dead or a
+  stopped peer at once; on NCCL it aborts the communicators), the training thread
+  gets :class:`WorldChanged`, the group is torn down, and ``train`` is called again
+  in the next generation, where ``ctx.resume`` loads the newest commit resharded;
+- a regroup (ranks wait to join) or a stop (SIGTERM or SIGINT to any rank): the
+  ranks agree on a step through ``ctx.step``, save it, and the generation ends at
+  that commit; stopped ranks exit with 75, the others go on;
+- ``train`` returned: the job trained to its end; every rank exits 0.
+
+Saves go through ``ctx.checkpointer``, fenced by the generation: its run id and
+checkpoint generation are the generation's, so a rank of an older generation (a
+process resumed after SIGSTOP) can commit nothing over a newer one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt import _native
+from ckpt.torch import _api
+
+#: A rank that stopped on SIGTERM/SIGINT after the agreed final save (EX_TEMPFAIL).
+EXIT_STOPPED = 75
+
+__all__ = ["EXIT_STOPPED", "Context", "WorldChanged", "run"]
+
+
+class WorldChanged(Exception):  # noqa: N818 (it is a control-flow signal, not an error)
+    """Raised in the training thread when its generation is over: a member was lost,
+    the job regroups, or it shuts down. ``run`` catches it; ``train`` need not."""
+
+    def __init__(self, generation: int, cause: str):
+        super().__init__(f"generation {generation} is over: {cause}")
+        self.generation = generation
+        self.cause = cause
+
+
+class _Stop:
+    """SIGTERM/SIGINT: the first asks for a drain (the agreed step is saved), the
+    second ends the process at once with 128 + the signal, as the launcher expects."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+
+
+def _sockets() -> set[int]:
+    """The descriptor numbers of this process's sockets."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.add(int(name))
+        except OSError:
+            pass
+    return out
+
+
+class Context:
+    """What ``train`` gets for one generation."""
+
+    def __init__(self, agent: Any, assignment: Mapping[str, Any], backend: str, stop: _Stop):
+        self._agent = agent
+        self._stop = stop
+        self._ending: str | None = None
+        self._agreed: int | None = None
+        self._committed: int | None = None
+        self._timing: dict[str, float] = {}
+        #: This rank in the generation.
+        self.rank: int = assignment["rank"]
+        #: Ranks in the generation.
+        self.world_size: int = assignment["world_size"]
+        #: The control plane's generation number (grows with every re-formation).
+        self.generation: int = assignment["generation"]
+        #: Why the generation formed ("initial", "lost member …", "grow: …").
+        self.cause: str = assignment["cause"]
+        #: This process's rank on its node (``LOCAL_RANK``).
+        self.local_rank: int = int(os.environ.get("LOCAL_RANK", "0"))
+        #: The process group's backend.
+        self.backend = backend
+        #: Where this rank's tensors live: ``cuda:LOCAL_RANK`` on NCCL, else the CPU.
+        self.device = (
+            torch.device("cuda", self.local_rank) if backend == "nccl" else torch.device("cpu")
+        )
+        self._run_id: str = assignment["run_id"]
+        self._floor: int = assignment["checkpoint_generation_floor"]
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``step`` returned True because the job is stopping (a signal):
+        save that step, wait for its commit, and return from ``train``."""
+        return self._ending == "stop"
+
+    def step(self, step: int) -> bool:
+        """Step ``step`` is complete. Reports progress (a rank that stops calling this
+        outside a collective for the progress timeout is declared hung) and agrees
+        with the other ranks whether the job needs a checkpoint now: True when a rank
+        was asked to stop, or ranks wait to join — then save ``step`` through
+        ``checkpointer`` and wait for its commit before going on. Raises
+        :class:`WorldChanged` when the generation is over."""
+        self._agent.progress(step)
+        self._timing.setdefault("first_step", time.monotonic())
+        if self._agreed is not None:
+            # The agreed checkpoint was saved (or the script went on without it):
+            # a regroup ends the generation here.
+            if self._committed is None or self._committed < self._agreed:
+                raise RuntimeError(
+                    f"ckpt.elastic: step {self._agreed} was agreed as a checkpoint "
+                    "but not saved through ctx.checkpointer and committed"
+                )
+            raise WorldChanged(self.generation, "regroup at a committed checkpoint")
+        self._check()
+        flags = torch.tensor(
+            [int(self._stop.requested), int(self._agent.regroup_requested())],
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self._collective(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX))
+        stop, regroup = (bool(v) for v in flags.tolist())
+        if stop or regroup:
+            self._ending = "stop" if stop else "regroup"
+            self._agreed = step
+            return True
+        return False
+
+    def checkpointer(self, url: str | os.PathLike, **config: Any) -> _api.Checkpointer:
+        """A ``ckpt.torch.Checkpointer`` for this rank, fenced by the generation (its
+        run id and checkpoint generation), whose commits are reported to the control
+        plane (which is how waiting ranks are let in at a checkpoint)."""
+        if self._run_id is not None:
+            config.setdefault("run_id", self._run_id)
+        config["generation"] = max(int(config.get("generation", 0)), self._floor)
+        self._agent.set_checkpoint_generation(config["generation"])
+        return _Checkpointer(self, url, rank=self.rank, world_size=self.world_size, **config)
+
+    def resume(
+        self,
+        url: str | os.PathLike,
+        state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    ) -> _api.ExtraState | None:
+        """Loads the newest committed checkpoint under ``url`` (every rank the same
+        one) into ``state_dict`` in place, resharded for this generation, and returns
+        its ``ExtraState`` (``step``, every saved rank's non-tensor state …); None when
+        nothing is committed yet. ``state_dict`` may be a function that returns it,
+        called only when there is something to load (``get_state_dict`` gives a fresh
+        optimizer state, which a run from scratch must not have). The load counts as
+        a wait on the other ranks, not as a hang."""
+        started = time.monotonic()
+        try:
+            step = self._collective(lambda: _newest_step(os.fspath(url)))
+            if step is None:
+                return None
+            if callable(state_dict):
+                state_dict = state_dict()
+            # Reading is not being hung: it counts as a wait, as a collective does.
+            self._agent.collective_started()
+            try:
+                return _api.load(url, state_dict, step=step)
+            finally:
+                self._agent.collective_done()
+        finally:
+            self._timing["load"] = time.monotonic() - started
+
+    def _committed_step(self, step: int) -> None:
+        self._committed = max(self._committed or 0, step)
+        if self.rank == 0:
+            try:
+                self._agent.report("committed", step=step)
+            except _native.ElasticError:
+                pass
+
+    def _check(self) -> None:
+        if self._agent.is_cancelled():
+            directive = self._agent.directive() or {}
+            raise WorldChanged(
+                self.generation, directive.get("cause") or directive.get("kind", "aborted")
+            )
+
+    def _collective(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` (collectives) as a wait on peers; an error of an aborted
+        generation becomes :class:`WorldChanged`."""
+        self._agent.collective_started()
+        try:
+            return fn()
+        except WorldChanged:
+            raise
+        except Exception as e:
+            self._check()
+            raise _PeerFailure(str(e)) from e
+        finally:
+            self._agent.collective_done()
+
+
+def _newest_step(url: str) -> int | None:
+    """The newest committed step under ``url`` as rank 0 sees it, or None: every rank
+    resumes from the same one."""
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        newest = _native.latest(url)
+        choice[0] = newest["step"] if newest else None
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+class _PeerFailure(Exception):
+    """A collective failed before the control plane said anything: a peer is gone
+    (gloo saw the closed connection first). The world must re-form."""
+
+
+class _SaveHandle(_api.SaveHandle):
+    def __init__(self, ctx: Context, handle: _api.SaveHandle):
+        self.__dict__.update(handle.__dict__)
+        self._ctx = ctx
+
+    def wait_committed(self) -> None:
+        self._ctx._agent.collective_started()
+        try:
+            super().wait_committed()
+        finally:
+            self._ctx._agent.collective_done()
+        self._ctx._committed_step(self.step)
+        if self._ctx._ending == "regroup" and self.step == self._ctx._agreed:
+            # The generation ends at the agreed commit; the next one loads it.
+            raise WorldChanged(self._ctx.generation, "regroup at a committed checkpoint")
+
+
+class _Checkpointer(_api.Checkpointer):
+    def __init__(self, ctx: Context, url: str | os.PathLike, **kwargs: Any):
+        super().__init__(url, **kwargs)
+        self._ctx = ctx
+
+    def save(self, step: int, state_dict: Mapping[str, Any], **kwargs: Any) -> _api.SaveHandle:
+        return _SaveHandle(self._ctx, super().save(step, state_dict, **kwargs))
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _device_kwargs(backend: str) -> dict[str, Any]:
+    """On NCCL, this rank's GPU (``LOCAL_RANK``) is the current device and the group's."""
+    if backend != "nccl":
+        return {}
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return {"device_id": torch.device("cuda", local)}
+
+
+def _form_group(agent: Any, a: Mapping[str, Any], backend: str, timeout: timedelta) -> set[int]:
+    """A process group for generation ``a``: rank 0 serves a fresh TCPStore on a
+    free port and publishes it in the generation's key-value space. Returns the
+    sockets the group opened (the abort shuts them down)."""
+    rank, world, generation = a["rank"], a["world_size"], a["generation"]
+    host = agent.member()["host"]
+    before = _sockets()
+    if rank == 0:
+        store = dist.TCPStore(
+            host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        agent.kv_set("torch/store", f"{host}:{store.port}")
+    else:
+        where = agent.kv_get("torch/store", timeout.total_seconds())
+        store_host, port = where.rsplit(":", 1)
+        store = dist.TCPStore(store_host, int(port), world, is_master=False, timeout=timeout)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR=host if rank == 0 else where.rsplit(":", 1)[0],
+        MASTER_PORT=str(store.port),
+    )
+    kwargs = _device_kwargs(backend)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"ckpt-g{generation}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        **kwargs,
+    )
+    # The first collective connects every pair (gloo connects lazily on some paths).
+    probe = torch.zeros(1, device="cuda" if backend == "nccl" else "cpu")
+    dist.all_reduce(probe)
+    return _sockets() - before
+
+
+def _teardown(agent: Any, generation: int, aborted: bool, backend: str) -> None:
+    """Destroys the generation's process group; the sockets' guard goes first, so the
+    abort never touches descriptors the destruction frees."""
+    agent.guard_sockets(generation, [])
+    if not dist.is_initialized():
+        return
+    if aborted and backend == "nccl":
+        dist.distributed_c10d._abort_process_group()
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 (a broken group is being thrown away)
+        pass
+
+
+def _watch(agent: Any, generation: int, backend: str, done: threading.Event) -> None:
+    """The watcher of one generation: on NCCL, aborts the communicators once the
+    agent aborted the generation (gloo's sockets are shut down by the agent itself)."""
+    while not done.is_set():
+        if agent.wait_abort(generation, 0.2):
+            if backend == "nccl" and not done.is_set():
+                try:
+                    dist.distributed_c10d._abort_process_group()
+                except Exception:  # noqa: BLE001
+                    pass
+            return
+
+
+def run(
+    train: Callable[[Context], Any],
+    *,
+    backend: str | None = None,
+    timeout: float = 600.0,
+) -> None:
+    """Runs ``train(ctx)`` through as many generations as the job takes, then exits
+    the process: 0 when ``train`` returned (the job trained to its end), 75 after a
+    stop's committed save, 1 when the job shut down or dropped this member, or after
+    a ``train`` error that is not the world changing (raised again first, so its
+    traceback is printed).
+
+    ``backend``: ``"nccl"`` or ``"gloo"`` (default: nccl when CUDA is available).
+    ``timeout``: the process group's timeout in seconds (a backstop: failures are
+    detected by the control plane long before it).
+
+    Outside an elastic launcher (no ``CKPT_RDZV``: torchrun, ``ckpt launch`` without
+    elastic flags, or plain ``python``) there is one generation, the fixed world of
+    ``RANK``/``WORLD_SIZE`` (or a world of one): ``train`` runs once, with the same
+    context; a stop still saves the agreed step, but a lost rank ends the job."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "ckpt.elastic.run forms the process groups itself: call it before init_process_group"
+        )
+    stop = _Stop()
+    stop.install()
+    agent = _native.Agent.from_env()
+    if agent is None:
+        code = _fixed(train, backend, timedelta(seconds=timeout), stop)
+    else:
+        code = _generations(agent, train, backend, timedelta(seconds=timeout), stop)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # torch 2.15's gloo can abort the interpreter while it finalizes a group's
+    # worker threads; the job's outcome is decided, so skip finalization.
+    os._exit(code)
+
+
+class _NoAgent:
+    """The agent of a fixed world: no control plane, nothing to report."""
+
+    def progress(self, step: int) -> None:
+        pass
+
+    def collective_started(self) -> None:
+        pass
+
+    def collective_done(self) -> None:
+        pass
+
+    def regroup_requested(self) -> bool:
+        return False
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def directive(self) -> None:
+        return None
+
+    def set_checkpoint_generation(self, generation: int) -> None:
+        pass
+
+    def report(self, kind: str, **fields: Any) -> None:
+        pass
+
+
+def _fixed(train: Callable[[Context], Any], backend: str, timeout: timedelta, stop: _Stop) -> int:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        init = "env://"
+    else:
+        rank, world = 0, 1
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    kwargs = _device_kwargs(backend)
+    dist.init_process_group(
+        backend, init_method=init, rank=rank, world_size=world, timeout=timeout, **kwargs
+    )
+    assignment = {
+        "rank": rank,
+        "world_size": world,
+        "generation": 0,
+        "cause": "a fixed world",
+        "run_id": None,
+        "checkpoint_generation_floor": 0,
+    }
+    ctx = Context(_NoAgent(), assignment, backend, stop)
+    train(ctx)
+    dist.destroy_process_group()
+    return EXIT_STOPPED if ctx.stopping else 0
+
+
+def _looks_like_a_peer(error: BaseException) -> bool:
+    """Whether a collective's error says a peer is gone (closed or reset connection,
+    a communicator error) rather than a bug in the script."""
+    if isinstance(error, (_PeerFailure, dist.DistError)):
+        return True
+    text = str(error)
+    return any(
+        mark in text
+        for mark in ("gloo", "Connection closed", "Connection reset", "NCCL", "Broken pipe")
+    )
+
+
+def _generations(
+    agent: Any, train: Callable[[Context], Any], backend: str, timeout: timedelta, stop: _Stop
+) -> int:
+    member = agent.member()["id"]
+    previous: dict[str, float] | None = None
+    while True:
+        started = time.monotonic()
+        try:
+            a = agent.rendezvous()
+        except _native.ElasticError as e:
+            if e.kind == "shutdown" and "the job finished" in str(e):
+                _say(f"done: the job finished without this member ({e}; member {member})")
+                return 0
+            _err(f"member {member}: rendezvous: {e}")
+            return 1
+        generation, rank = a["generation"], a["rank"]
+        rendezvous_s = time.monotonic() - started
+        if rank == 0:
+            _say(
+                f"generation {generation}: world {a['world_size']} ({a['cause']}), "
+                f"rendezvous {rendezvous_s * 1e3:.0f} ms"
+            )
+        ctx = Context(agent, a, backend, stop)
+        formed = time.monotonic()
+        try:
+            sockets = _form_group(agent, a, backend, timeout)
+        except Exception as e:  # noqa: BLE001 (any failure to form ends the generation)
+            _teardown(agent, generation, True, backend)
+            if not agent.is_cancelled():
+                agent.report("collective_failed", reason=f"process group: {e}")
+            if _left(agent, member):
+                return 1
+            previous = {"noticed": time.time(), "aborted": time.time()}
+            continue
+        if backend == "gloo":
+            agent.guard_sockets(generation, sorted(sockets))
+        group_s = time.monotonic() - formed
+        ctx._timing["start"] = formed
+        done = threading.Event()
+        threading.Thread(
+            target=_watch, args=(agent, generation, backend, done), daemon=True
+        ).start()
+        if previous is not None and rank == 0:
+            threading.Thread(
+                target=_recovery_line, args=(ctx, previous, rendezvous_s, group_s), daemon=True
+            ).start()
+        previous = None
+        error: BaseException | None = None
+        try:
+            train(ctx)
+            outcome = "stopped" if ctx.stopping else "finished"
+        except WorldChanged as e:
+            regroup = ctx._ending == "regroup" and not agent.is_cancelled()
+            outcome, error = ("regroup" if regroup else "failed"), e
+        except Exception as e:  # noqa: BLE001 (sorted out below)
+            error = e
+            if agent.is_cancelled() or _looks_like_a_peer(e):
+                outcome = "failed"
+            # A plain error may still be the echo of a failure the control plane is
+            # about to announce: give it a moment before blaming the script.
+            elif agent.wait_abort(generation, 1.0):
+                outcome = "failed"
+            else:
+                outcome = "error"
+        done.set()
+        noticed = time.time()
+        if outcome == "finished":
+            step = ctx._committed or 0
+            agent.report("finished", step=step)
+            agent.report("leaving", reason=f"finished at step {step}")
+            _teardown(agent, generation, False, backend)
+            _say(f"done: member {member} finished at step {step}")
+            return 0
+        if outcome == "stopped":
+            step = ctx._committed
+            agent.report("leaving", reason=f"stopped by a signal after committing step {step}")
+            _teardown(agent, generation, False, backend)
+            _err(f"member {member}: stopped at step {step} after a committed checkpoint")
+            return EXIT_STOPPED
+        if outcome == "regroup":
+            agent.report("ended", step=ctx._committed or 0)
+            _teardown(agent, generation, False, backend)
+            continue
+        if _left(agent, member):
+            _teardown(agent, generation, True, backend)
+            return 1
+        if outcome == "error":
+            # Not a peer's failure: this member cannot go on. Reported before the
+            # abort, so that the peers' failures are not blamed instead.
+            agent.report("fatal", reason=f"{type(error).__name__}: {error}")
+            _teardown(agent, generation, True, backend)
+            raise error  # type: ignore[misc]
+        if not agent.is_cancelled():
+            # This rank saw the failure first (a peer's connection closed).
+            agent.report("collective_failed", reason=_brief(error))
+        _teardown(agent, generation, True, backend)
+        if stop.requested:
+            agent.report(
+                "leaving",
+                reason=f"stopped by a signal; the final save did not complete: {_brief(error)}",
+            )
+            return 1
+        if rank == 0:
+            _err(f"generation {generation} failed ({_brief(error)}); rejoining")
+        previous = {"noticed": noticed, "aborted": time.time()}
+
+
+def _brief(error: BaseException | None) -> str:
+    """An error in one line: gloo's messages start with a source location and end
+    with advice meant for a person reading a crash."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0]
+
+
+def _left(agent: Any, member: str) -> bool:
+    """Whether the control plane dropped this member (stale) or shut the job down;
+    says so."""
+    directive = agent.directive() or {}
+    if directive.get("kind") == "stale":
+        _err(
+            f"member {member}: stale: this member's generation is over (the job is at "
+            f"generation {directive.get('current')}); leaving without writing anything more"
+        )
+        return True
+    if directive.get("kind") == "shutdown":
+        _err(f"member {member}: shutdown: {directive.get('reason')}")
+        return True
+    return False
+
+
+def _err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _recovery_line(
+    ctx: Context, previous: dict[str, float], rendezvous_s: float, group_s: float
+) -> None:
+    """Rank 0's one line per recovery, once the first step of the new generation is
+    done: where the time went."""
+    while "first_step" not in ctx._timing:
+        if ctx._agent.is_cancelled():
+            return
+        time.sleep(0.005)
+    now = time.time()
+    load = ctx._timing.get("load", 0.0)
+    first = ctx._timing["first_step"] - ctx._timing["start"] - group_s - load
+    _say(
+        f"recovery: generation {ctx.generation} world {ctx.world_size} ({ctx.cause}): "
+        f"aborted +{(previous['aborted'] - previous['noticed']) * 1e3:.0f} ms, "
+        f"rendezvous {rendezvous_s * 1e3:.0f} ms, process group {group_s * 1e3:.0f} ms, "
+        f"load {load * 1e3:.0f} ms, first step {max(first, 0) * 1e3:.0f} ms; "
+        f"back to training {(now - previous['noticed']) * 1e3:.0f} ms after the failure was noticed"
+    )
