@@ -90,15 +90,48 @@ class _Stop:
         self.requested = True
 
 
-def _sockets() -> set[int]:
-    """The descriptor numbers of this process's sockets."""
-    out = set()
+def _sockets() -> dict[int, int]:
+    """This process's sockets: descriptor number → inode."""
+    out = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                out.add(int(name))
+            target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(name)] = int(target[8:-1])
+    return out
+
+
+def _tcp_sockets() -> dict[int, tuple[int, int, str]]:
+    """Every TCP socket of the host's network namespace: inode → (local port,
+    remote port, state; "0A" is listening)."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    local, remote = (int(c.rsplit(":", 1)[1], 16) for c in cols[1:3])
+                    out[int(cols[9])] = (local, remote, cols[3])
+        except FileNotFoundError:
             pass
+    return out
+
+
+def _group_sockets(before: Mapping[int, int], store_port: int) -> list[tuple[int, int]]:
+    """The connections a gloo process group opened since ``before``, as (descriptor,
+    inode): not its listener (shutting that down ends the process: gloo's accept
+    loop treats the error as fatal) and not the store's connections."""
+    tcp = _tcp_sockets()
+    out = []
+    for fd, inode in _sockets().items():
+        if before.get(fd) == inode or inode not in tcp:
+            continue
+        local, remote, state = tcp[inode]
+        if state != "0A" and store_port not in (local, remote):
+            out.append((fd, inode))
     return out
 
 
@@ -133,8 +166,10 @@ class Context:
 
     @property
     def stopping(self) -> bool:
-        """True once ``step`` returned True because the job is stopping (a signal):
-        save that step, wait for its commit, and return from ``train``."""
+        """True once ``step`` returned True because this rank was asked to stop (a
+        signal): save that step, wait for its commit, and return from ``train``. (The
+        ranks that were not signalled save the same step; its commit ends their
+        generation, and they go on in the next one without the stopped ranks.)"""
         return self._ending == "stop"
 
     def step(self, step: int) -> bool:
@@ -164,7 +199,9 @@ class Context:
         self._collective(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX))
         stop, regroup = (bool(v) for v in flags.tolist())
         if stop or regroup:
-            self._ending = "stop" if stop else "regroup"
+            # Every rank saves this step; the ranks that were signalled then leave,
+            # the others end the generation at its commit and form the next one.
+            self._ending = "stop" if self._stop.requested else "regroup"
             self._agreed = step
             return True
         return False
@@ -292,7 +329,9 @@ def _device_kwargs(backend: str) -> dict[str, Any]:
     return {"device_id": torch.device("cuda", local)}
 
 
-def _form_group(agent: Any, a: Mapping[str, Any], backend: str, timeout: timedelta) -> set[int]:
+def _form_group(
+    agent: Any, a: Mapping[str, Any], backend: str, timeout: timedelta
+) -> list[tuple[int, int]]:
     """A process group for generation ``a``: rank 0 serves a fresh TCPStore on a
     free port and publishes it in the generation's key-value space. Returns the
     sockets the group opened (the abort shuts them down)."""
@@ -326,7 +365,7 @@ def _form_group(agent: Any, a: Mapping[str, Any], backend: str, timeout: timedel
     # The first collective connects every pair (gloo connects lazily on some paths).
     probe = torch.zeros(1, device="cuda" if backend == "nccl" else "cpu")
     dist.all_reduce(probe)
-    return _sockets() - before
+    return _group_sockets(before, store.port)
 
 
 def _teardown(agent: Any, generation: int, aborted: bool, backend: str) -> None:
@@ -344,17 +383,33 @@ def _teardown(agent: Any, generation: int, aborted: bool, backend: str) -> None:
         pass
 
 
+#: How long the training thread may stay blocked after its generation was aborted
+#: before the process gives up on it and exits (the others go on without it).
+STUCK_AFTER_ABORT = 15.0
+
+
 def _watch(agent: Any, generation: int, backend: str, done: threading.Event) -> None:
-    """The watcher of one generation: on NCCL, aborts the communicators once the
-    agent aborted the generation (gloo's sockets are shut down by the agent itself)."""
+    """The watcher of one generation. Once the agent aborted it (gloo: the agent
+    shut the group's connections down itself), it aborts the communicators on NCCL;
+    then, if the training thread is still blocked after ``STUCK_AFTER_ABORT`` (a
+    collective that no abort reached), it ends the process: a member that cannot
+    leave its generation would hold up the next one until the join timeout drops it."""
     while not done.is_set():
         if agent.wait_abort(generation, 0.2):
-            if backend == "nccl" and not done.is_set():
-                try:
-                    dist.distributed_c10d._abort_process_group()
-                except Exception:  # noqa: BLE001
-                    pass
-            return
+            break
+    else:
+        return
+    if backend == "nccl" and not done.is_set():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 (the group may be gone already)
+            pass
+    if not done.wait(STUCK_AFTER_ABORT):
+        _err(
+            f"generation {generation}: the training thread is still blocked "
+            f"{STUCK_AFTER_ABORT:.0f} s after the abort; exiting so the others can go on"
+        )
+        os._exit(1)
 
 
 def run(
@@ -498,7 +553,7 @@ def _generations(
             previous = {"noticed": time.time(), "aborted": time.time()}
             continue
         if backend == "gloo":
-            agent.guard_sockets(generation, sorted(sockets))
+            agent.guard_sockets(generation, sockets)
         group_s = time.monotonic() - formed
         ctx._timing["start"] = formed
         done = threading.Event()

@@ -26,7 +26,7 @@ struct Aborted {
     newest: Mutex<Option<u64>>,
     changed: Condvar,
     /// The process group's sockets of a generation ([`Agent::guard_sockets`]).
-    sockets: Mutex<(u64, Vec<i32>)>,
+    sockets: Mutex<(u64, Vec<(i32, u64)>)>,
 }
 
 impl Aborted {
@@ -36,12 +36,16 @@ impl Aborted {
             // stopped peer, which no timeout short of the collective's would.
             let sockets = self.sockets.lock().unwrap_or_else(|p| p.into_inner());
             if sockets.0 == generation {
-                for &fd in &sockets.1 {
+                for &(fd, inode) in &sockets.1 {
+                    if socket_of(fd) != Some((false, inode)) {
+                        // Closed by gloo itself, the number possibly reused.
+                        continue;
+                    }
                     // SAFETY: shutdown(2) on a descriptor number only changes the
-                    // state of the socket it names; the numbers were checked to be
-                    // sockets and are dropped from this list (under this lock)
-                    // before their process group closes them, so none names a
-                    // reused descriptor here. A failed call is harmless.
+                    // state of the socket it names, which was just checked to be
+                    // the process group's (its inode); the list is emptied (under
+                    // this lock) before the group closes its sockets. A failed call
+                    // is harmless.
                     unsafe {
                         libc::shutdown(fd, libc::SHUT_RDWR);
                     }
@@ -154,33 +158,36 @@ impl Agent {
         py.detach(|| self.aborted.wait(generation, timeout))
     }
 
-    /// The sockets of generation `generation`'s process group (descriptor numbers):
-    /// the abort of that generation shuts down the connected ones, which makes every
+    /// The sockets of generation `generation`'s process group, as `(descriptor,
+    /// inode)` pairs: the abort of that generation shuts them down, which makes every
     /// collective blocked on them fail at once, also one waiting on a stopped peer.
-    /// Listening sockets are left alone (gloo's listener thread treats a failed
-    /// `accept` as fatal and ends the process). Call it with an empty list before the
-    /// group is destroyed (its descriptors closed, their numbers free for reuse).
-    /// Numbers that are not sockets are refused. Returns the sockets guarded.
-    fn guard_sockets(&self, generation: u64, fds: Vec<i32>) -> PyResult<usize> {
-        let mut connected = Vec::with_capacity(fds.len());
-        for fd in fds {
-            match socket_kind(fd) {
-                Some(true) => {}
-                Some(false) => connected.push(fd),
-                None => {
+    /// Give only connected sockets: gloo's listener thread treats a failed `accept`
+    /// as fatal and ends the process. A descriptor whose inode no longer matches (gloo
+    /// closes a pair's socket on an error, and the number may be reused) is left
+    /// alone. Call it with an empty list before the group is destroyed. Numbers that
+    /// are not sockets, or listening ones, are refused.
+    fn guard_sockets(&self, generation: u64, sockets: Vec<(i32, u64)>) -> PyResult<()> {
+        for &(fd, inode) in &sockets {
+            match socket_of(fd) {
+                Some((false, found)) if found == inode => {}
+                Some((true, _)) => {
                     return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                        "descriptor {fd} is not a socket"
+                        "descriptor {fd} is a listening socket: shutting it down would end the process"
+                    )));
+                }
+                _ => {
+                    return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                        "descriptor {fd} is not the socket with inode {inode}"
                     )));
                 }
             }
         }
-        let count = connected.len();
         *self
             .aborted
             .sockets
             .lock()
-            .unwrap_or_else(|p| p.into_inner()) = (generation, connected);
-        Ok(count)
+            .unwrap_or_else(|p| p.into_inner()) = (generation, sockets);
+        Ok(())
     }
 
     /// Whether the current generation was cancelled (aborted, or its directive came).
@@ -297,9 +304,8 @@ impl Agent {
     }
 }
 
-/// Whether `fd` is a listening socket (`Some(true)`), another socket
-/// (`Some(false)`), or not a socket at all (`None`).
-fn socket_kind(fd: i32) -> Option<bool> {
+/// Whether `fd` is a listening socket, and its inode; `None` when it is not a socket.
+fn socket_of(fd: i32) -> Option<(bool, u64)> {
     // SAFETY: `struct stat` is plain old data: all zeroes is a valid value.
     let mut stat: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat(2) writes only into `stat`, a valid and writable `struct stat`;
@@ -319,7 +325,7 @@ fn socket_kind(fd: i32) -> Option<bool> {
             &mut len,
         )
     } == 0;
-    Some(ok && listening != 0)
+    Some((ok && listening != 0, stat.st_ino))
 }
 
 fn assignment_dict<'py>(py: Python<'py>, a: &Assignment) -> PyResult<Bound<'py, PyDict>> {
