@@ -145,6 +145,7 @@ class Context:
         self._agreed: int | None = None
         self._committed: int | None = None
         self._timing: dict[str, float] = {}
+        self._stepped = threading.Event()
         #: This rank in the generation.
         self.rank: int = assignment["rank"]
         #: Ranks in the generation.
@@ -180,7 +181,10 @@ class Context:
         ``checkpointer`` and wait for its commit before going on. Raises
         :class:`WorldChanged` when the generation is over."""
         self._agent.progress(step)
-        self._timing.setdefault("first_step", time.monotonic())
+        if not self._stepped.is_set():
+            self._timing["first_step"] = time.monotonic()
+            self._timing["first_step_unix"] = time.time()
+            self._stepped.set()
         if self._agreed is not None:
             # The agreed checkpoint was saved (or the script went on without it):
             # a regroup ends the generation here.
@@ -388,7 +392,9 @@ def _teardown(agent: Any, generation: int, aborted: bool, backend: str) -> None:
 STUCK_AFTER_ABORT = 15.0
 
 
-def _watch(agent: Any, generation: int, backend: str, done: threading.Event) -> None:
+def _watch(
+    agent: Any, generation: int, backend: str, done: threading.Event, seen: dict[str, float]
+) -> None:
     """The watcher of one generation. Once the agent aborted it (gloo: the agent
     shut the group's connections down itself), it aborts the communicators on NCCL;
     then, if the training thread is still blocked after ``STUCK_AFTER_ABORT`` (a
@@ -396,6 +402,7 @@ def _watch(agent: Any, generation: int, backend: str, done: threading.Event) -> 
     leave its generation would hold up the next one until the join timeout drops it."""
     while not done.is_set():
         if agent.wait_abort(generation, 0.2):
+            seen.setdefault("abort", time.time())
             break
     else:
         return
@@ -557,8 +564,9 @@ def _generations(
         group_s = time.monotonic() - formed
         ctx._timing["start"] = formed
         done = threading.Event()
+        seen: dict[str, float] = {}
         threading.Thread(
-            target=_watch, args=(agent, generation, backend, done), daemon=True
+            target=_watch, args=(agent, generation, backend, done, seen), daemon=True
         ).start()
         if previous is not None and rank == 0:
             threading.Thread(
@@ -582,8 +590,11 @@ def _generations(
                 outcome = "failed"
             else:
                 outcome = "error"
+        out = time.time()
         done.set()
-        noticed = time.time()
+        # The failure reached this rank when the control plane's abort did, or when
+        # its own collective failed, whichever came first.
+        noticed = min(seen.get("abort", out), out)
         if outcome == "finished":
             step = ctx._committed or 0
             agent.report("finished", step=step)
@@ -622,7 +633,7 @@ def _generations(
             return 1
         if rank == 0:
             _err(f"generation {generation} failed ({_brief(error)}); rejoining")
-        previous = {"noticed": noticed, "aborted": time.time()}
+        previous = {"noticed": noticed, "aborted": out}
 
 
 def _brief(error: BaseException | None) -> str:
@@ -659,15 +670,15 @@ def _recovery_line(
 ) -> None:
     """Rank 0's one line per recovery, once the first step of the new generation is
     done: where the time went."""
-    while "first_step" not in ctx._timing:
+    while not ctx._stepped.wait(0.1):
         if ctx._agent.is_cancelled():
             return
-        time.sleep(0.005)
-    now = time.time()
+    now = ctx._timing["first_step_unix"]
     load = ctx._timing.get("load", 0.0)
     first = ctx._timing["first_step"] - ctx._timing["start"] - group_s - load
     _say(
         f"recovery: generation {ctx.generation} world {ctx.world_size} ({ctx.cause}): "
+        f"noticed at {previous['noticed'] * 1e3:.0f} ms, "
         f"aborted +{(previous['aborted'] - previous['noticed']) * 1e3:.0f} ms, "
         f"rendezvous {rendezvous_s * 1e3:.0f} ms, process group {group_s * 1e3:.0f} ms, "
         f"load {load * 1e3:.0f} ms, first step {max(first, 0) * 1e3:.0f} ms; "

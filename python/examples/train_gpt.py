@@ -375,6 +375,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="steps of linear lr warmup")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=600.0,
+        help="process group timeout in seconds (a backstop; torch's own default is 1800)",
+    )
     args = p.parse_args(argv)
     if args.d_model % args.heads:
         p.error("--d-model must divide by --heads")
@@ -389,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     # survivors of a lost rank going on in the same processes. Under torchrun, a
     # non-elastic `ckpt launch` or plain python: train runs once on that fixed world.
     # Either way the process exits when it returns.
-    ckpt.elastic.run(lambda ctx: train(ctx, args), backend=args.backend)
+    ckpt.elastic.run(lambda ctx: train(ctx, args), backend=args.backend, timeout=args.pg_timeout)
 
 
 if __name__ == "__main__":
