@@ -145,6 +145,7 @@ class Context:
         self._agreed: int | None = None
         self._committed: int | None = None
         self._timing: dict[str, float] = {}
+        self._loaded: dict[str, Any] = {}
         self._stepped = threading.Event()
         #: This rank in the generation.
         self.rank: int = assignment["rank"]
@@ -164,6 +165,10 @@ class Context:
         )
         self._run_id: str = assignment["run_id"]
         self._floor: int = assignment["checkpoint_generation_floor"]
+        # In-memory copies (elastic ranks): this process's holder and every rank's
+        # holding in this generation, by rank.
+        self._copies: Any = None
+        self._table: list[bytes] | None = None
 
     @property
     def stopping(self) -> bool:
@@ -216,6 +221,9 @@ class Context:
         plane (which is how waiting ranks are let in at a checkpoint)."""
         if self._run_id is not None:
             config.setdefault("run_id", self._run_id)
+        if self._copies is not None:
+            # The staged file stays this rank's in-memory copy (nothing is copied).
+            config.setdefault("keep_copy", True)
         config["generation"] = max(int(config.get("generation", 0)), self._floor)
         self._agent.set_checkpoint_generation(config["generation"])
         return _Checkpointer(self, url, rank=self.rank, world_size=self.world_size, **config)
@@ -241,10 +249,13 @@ class Context:
                 state_dict = state_dict()
             # Reading is not being hung: it counts as a wait, as a collective does.
             self._agent.collective_started()
+            copies = (self._copies, self._table) if self._copies is not None else None
             try:
-                return _api.load(url, state_dict, step=step)
+                extra = _api.load(url, state_dict, step=step, rank=self.rank, copies=copies)
             finally:
                 self._agent.collective_done()
+            self._loaded = extra.stats
+            return extra
         finally:
             self._timing["load"] = time.monotonic() - started
 
@@ -305,6 +316,8 @@ class _SaveHandle(_api.SaveHandle):
             super().wait_committed()
         finally:
             self._ctx._agent.collective_done()
+        if self._ctx._copies is not None:
+            self._ctx._copies.confirm(self._native)
         self._ctx._committed_step(self.step)
         if self._ctx._ending == "regroup" and self.step == self._ctx._agreed:
             # The generation ends at the agreed commit; the next one loads it.
@@ -315,9 +328,14 @@ class _Checkpointer(_api.Checkpointer):
     def __init__(self, ctx: Context, url: str | os.PathLike, **kwargs: Any):
         super().__init__(url, **kwargs)
         self._ctx = ctx
+        self._native_keeps_copies = bool(kwargs.get("keep_copy"))
 
     def save(self, step: int, state_dict: Mapping[str, Any], **kwargs: Any) -> _api.SaveHandle:
-        return _SaveHandle(self._ctx, super().save(step, state_dict, **kwargs))
+        handle = super().save(step, state_dict, **kwargs)
+        ctx = self._ctx
+        if ctx._copies is not None and self._native_keeps_copies:
+            ctx._copies.keep(handle._native, ctx._table, ctx.rank)
+        return _SaveHandle(ctx, handle)
 
 
 def _say(line: str) -> None:
@@ -424,6 +442,7 @@ def run(
     *,
     backend: str | None = None,
     timeout: float = 600.0,
+    memory_copies: bool = True,
 ) -> None:
     """Runs ``train(ctx)`` through as many generations as the job takes, then exits
     the process: 0 when ``train`` returned (the job trained to its end), 75 after a
@@ -433,7 +452,10 @@ def run(
 
     ``backend``: ``"nccl"`` or ``"gloo"`` (default: nccl when CUDA is available).
     ``timeout``: the process group's timeout in seconds (a backstop: failures are
-    detected by the control plane long before it).
+    detected by the control plane long before it). ``memory_copies``: every save
+    stays in this rank's memory, with a replica of its ring predecessor's, and a
+    recovery loads from them before the store (about four times a rank's share of a
+    checkpoint in RAM).
 
     Outside an elastic launcher (no ``CKPT_RDZV``: torchrun, ``ckpt launch`` without
     elastic flags, or plain ``python``) there is one generation, the fixed world of
@@ -450,7 +472,8 @@ def run(
     if agent is None:
         code = _fixed(train, backend, timedelta(seconds=timeout), stop)
     else:
-        code = _generations(agent, train, backend, timedelta(seconds=timeout), stop)
+        copies = _native.Copies(agent.member()["host"]) if memory_copies else None
+        code = _generations(agent, train, backend, timedelta(seconds=timeout), stop, copies)
     sys.stdout.flush()
     sys.stderr.flush()
     # torch 2.15's gloo can abort the interpreter while it finalizes a group's
@@ -526,7 +549,12 @@ def _looks_like_a_peer(error: BaseException) -> bool:
 
 
 def _generations(
-    agent: Any, train: Callable[[Context], Any], backend: str, timeout: timedelta, stop: _Stop
+    agent: Any,
+    train: Callable[[Context], Any],
+    backend: str,
+    timeout: timedelta,
+    stop: _Stop,
+    copies: Any,
 ) -> int:
     member = agent.member()["id"]
     previous: dict[str, float] | None = None
@@ -561,6 +589,18 @@ def _generations(
             continue
         if backend == "gloo":
             agent.guard_sockets(generation, sockets)
+        if copies is not None:
+            try:
+                # Who holds which copies, and where their servers are.
+                ctx._copies, ctx._table = copies, _holdings(ctx, copies)
+            except Exception as e:  # noqa: BLE001 (this generation is over already)
+                _teardown(agent, generation, True, backend)
+                if not agent.is_cancelled():
+                    agent.report("collective_failed", reason=f"holdings: {_brief(e)}")
+                if _left(agent, member):
+                    return 1
+                previous = {"noticed": time.time(), "aborted": time.time()}
+                continue
         group_s = time.monotonic() - formed
         ctx._timing["start"] = formed
         done = threading.Event()
@@ -665,6 +705,24 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _holdings(ctx: Context, copies: Any) -> list[bytes]:
+    """Every rank's holding of in-memory copies, by rank (a collective)."""
+    table: list[Any] = [None] * ctx.world_size
+    ctx._collective(lambda: dist.all_gather_object(table, copies.holding()))
+    return table
+
+
+def _sources(stats: Mapping[str, Any]) -> str:
+    """Where a load's bytes came from, for the recovery line."""
+    if "own_bytes" not in stats:
+        return ""
+    store = f", {stats['bytes_read'] / 1e6:.1f} MB from the store" if stats["bytes_read"] else ""
+    return (
+        f" (rank 0's rows from memory: {stats['own_bytes'] / 1e6:.1f} MB own, "
+        f"{stats['peer_bytes'] / 1e6:.1f} MB from peers{store})"
+    )
+
+
 def _recovery_line(
     ctx: Context, previous: dict[str, float], rendezvous_s: float, group_s: float
 ) -> None:
@@ -681,6 +739,7 @@ def _recovery_line(
         f"noticed at {previous['noticed'] * 1e3:.0f} ms, "
         f"aborted +{(previous['aborted'] - previous['noticed']) * 1e3:.0f} ms, "
         f"rendezvous {rendezvous_s * 1e3:.0f} ms, process group {group_s * 1e3:.0f} ms, "
-        f"load {load * 1e3:.0f} ms, first step {max(first, 0) * 1e3:.0f} ms; "
+        f"load {load * 1e3:.0f} ms{_sources(ctx._loaded)}, "
+        f"first step {max(first, 0) * 1e3:.0f} ms; "
         f"back to training {(now - previous['noticed']) * 1e3:.0f} ms after the failure was noticed"
     )

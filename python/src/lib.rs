@@ -19,6 +19,7 @@
 //!   exception class under `CkptError`, with the library's message (a corrupt block
 //!   names the object and offset) and a `kind` attribute.
 
+mod copies;
 mod elastic;
 
 use std::collections::BTreeMap;
@@ -450,11 +451,12 @@ fn config(
             "direct_io" => config.direct_io = value.extract()?,
             "copy_threads" => config.copy_threads = value.extract()?,
             "check_staging" => config.check_staging = value.extract()?,
+            "keep_copy" => config.keep_copy = value.extract()?,
             other => {
                 return Err(invalid(format!(
                     "unknown setting {other:?}; the settings are generation, run_id, block_size, \
                      codec, max_in_flight, keep_last, commit_timeout, commit_takeover, \
-                     retention_grace, direct_io, copy_threads, check_staging"
+                     retention_grace, direct_io, copy_threads, check_staging, keep_copy"
                 )));
             }
         }
@@ -794,10 +796,21 @@ impl Reader {
     /// lengths, ptr, nbytes)`, each `ptr` the start of `nbytes` of contiguous,
     /// writable memory that receives the box row-major. Verified block by block.
     /// Returns the load's counters.
+    ///
+    /// With `copies` (this process's `Copies`) and `table` (every rank's holding, by
+    /// rank, this one's at `rank`), each saved rank's file of host boxes is read from
+    /// an in-memory copy first — this rank's own, then its peers' — and from the
+    /// store when no copy delivers it; the counters then also say how many bytes came
+    /// from where (`own_bytes`, `peer_bytes`, `files`, `files_from_store`) and why a
+    /// copy was passed over (`fallbacks`).
+    #[pyo3(signature = (wants, copies = None, table = None, rank = 0))]
     fn load_into<'py>(
         &self,
         py: Python<'py>,
         wants: Vec<WantTuple>,
+        copies: Option<&copies::Copies>,
+        table: Option<Vec<Vec<u8>>>,
+        rank: usize,
     ) -> PyResult<Bound<'py, PyDict>> {
         let views = wants
             .into_iter()
@@ -822,15 +835,49 @@ impl Reader {
         let mut outputs: Vec<&'static mut [u8]> =
             host.iter().map(|v| unsafe { v.bytes_mut() }).collect();
         let reader = self.inner.clone();
-        let mut stats = run(
-            py,
-            async move { reader.load_into(&request, &mut outputs).await },
-        )?;
+        let from_memory = match (copies, table) {
+            (Some(copies), Some(table)) => {
+                Some((copies.inner.clone(), copies::decode_table(&table)?))
+            }
+            (None, None) => None,
+            _ => return Err(invalid("load_into: copies and table go together")),
+        };
+        let out = PyDict::new(py);
+        let mut stats = match from_memory {
+            None => run(
+                py,
+                async move { reader.load_into(&request, &mut outputs).await },
+            )?,
+            Some((own, table)) => {
+                let got = run(py, async move {
+                    let sources = ckpt::copies::Sources {
+                        own: &own,
+                        table: &table,
+                        rank,
+                        cancelled: None,
+                    };
+                    let mut outputs: Vec<&mut [u8]> =
+                        outputs.iter_mut().map(|o| &mut **o).collect();
+                    ckpt::copies::load_into(&reader, &request, &mut outputs, &sources).await
+                })?;
+                out.set_item("files", got.files)?;
+                out.set_item("files_from_store", got.files_from_store)?;
+                out.set_item("own_bytes", got.own_bytes)?;
+                out.set_item("peer_bytes", got.peer_bytes)?;
+                out.set_item(
+                    "fallbacks",
+                    got.fallbacks
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>(),
+                )?;
+                got.store
+            }
+        };
         if !device.is_empty() {
             let device_stats = self.load_device(py, &device)?;
             add_counters(&mut stats, &device_stats);
         }
-        let out = PyDict::new(py);
         out.set_item("bytes_requested", stats.bytes_requested)?;
         out.set_item("bytes_read", stats.bytes_read)?;
         out.set_item("bytes_verified", stats.bytes_verified)?;
@@ -974,6 +1021,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveHandle>()?;
     m.add_class::<Reader>()?;
     m.add_class::<elastic::Agent>()?;
+    m.add_class::<copies::Copies>()?;
+    m.add("HOLDING_SIZE", ckpt::copies::Holding::SIZE)?;
     m.add_function(wrap_pyfunction!(latest, m)?)?;
     m.add_function(wrap_pyfunction!(list_checkpoints, m)?)?;
     m.add("CkptError", py.get_type::<CkptError>())?;

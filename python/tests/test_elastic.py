@@ -201,6 +201,10 @@ def test_sigkill_mid_step_survivors_finish_on_three(urls):
     assert finished == {"n0-l0-i0", "n0-l1-i0", "n0-l3-i0"}, text
     recovery = re.search(r"recovery: generation 2 world 3 .*back to training (\d+) ms", text)
     assert recovery, text
+    # Rebuilt from the survivors' in-memory copies (the victim's rows from its
+    # successor's replica), nothing read from the store.
+    assert "rows from memory" in recovery.group(0), recovery.group(0)
+    assert "from the store" not in recovery.group(0), recovery.group(0)
     assert judge(url, ref, text) == [(0, 4), (20, 3)]
 
 

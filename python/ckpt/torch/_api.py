@@ -272,6 +272,7 @@ def load(
     *,
     step: int | None = None,
     rank: int | None = None,
+    copies: Any = None,
 ) -> ExtraState:
     """Loads checkpoint ``step`` under ``url`` (default: the newest committed one)
     into ``state_dict`` in place, resharded from whatever world saved it.
@@ -301,7 +302,12 @@ def load(
             fixups.append((b.local, into))
         keep_alive.append(into)
         wants.append(b.for_load(into))
-    stats = reader.load_into(wants)
+    if copies is None:
+        stats = reader.load_into(wants)
+    else:
+        # (holder, table of every rank's holding): ckpt.elastic's in-memory copies.
+        holder, table = copies
+        stats = reader.load_into(wants, holder, table, rank)
     with torch.no_grad():
         for dest, loaded in fixups:
             dest.copy_(loaded)
