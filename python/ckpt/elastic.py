@@ -519,9 +519,24 @@ def _fixed(train: Callable[[Context], Any], backend: str, timeout: timedelta, st
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     kwargs = _device_kwargs(backend)
-    dist.init_process_group(
-        backend, init_method=init, rank=rank, world_size=world, timeout=timeout, **kwargs
-    )
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and init == "env://":
+        # Under torchrun: a store of this attempt's own. torchrun restarts every
+        # worker on the same store, and without a prefix per attempt the restarted
+        # workers read the addresses the previous attempt's gloo published and are
+        # refused (torch 2.15).
+        kwargs["store"] = dist.PrefixStore(
+            f"ckpt/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True),
+                timeout=timeout,
+            ),
+        )
+    else:
+        kwargs["init_method"] = init
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     assignment = {
         "rank": rank,
         "world_size": world,
