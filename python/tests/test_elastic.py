@@ -49,7 +49,9 @@ class Launch:
     """One `ckpt launch` of the example, its output collected line by line so that a
     test waits for what the job prints, never for time."""
 
-    def __init__(self, url: str, nproc: int, *flags: str, steps: int = STEPS):
+    def __init__(
+        self, url: str, nproc: int, *flags: str, steps: int = STEPS, script: tuple[str, ...] = ()
+    ):
         command = [
             _binary(),
             "launch",
@@ -67,6 +69,7 @@ class Launch:
             str(EVERY),
             "--log-every",
             "5",
+            *script,
         ]
         self.lines: list[str] = []
         self._changed = threading.Condition()
@@ -144,18 +147,22 @@ def schedule(*logs: str) -> list[tuple[int, int]]:
     return out
 
 
-def reference(url: str, plan: list[tuple[int, int]], steps: int = STEPS) -> None:
+def reference(
+    url: str, plan: list[tuple[int, int]], steps: int = STEPS, script: tuple[str, ...] = ()
+) -> None:
     """The failure-free run of ``plan``: each world size from its first step to the
     next generation's, in fixed-world launches."""
     for i, (start, world) in enumerate(plan):
         until = plan[i + 1][0] if i + 1 < len(plan) else steps
         if until <= start:
             continue  # a generation that committed nothing new
-        job = Launch(url, world, steps=until)
+        job = Launch(url, world, steps=until, script=script)
         assert job.finish() == 0, job.text()
 
 
-def judge(url: str, reference_url: str, *logs: str, steps: int = STEPS) -> list[tuple[int, int]]:
+def judge(
+    url: str, reference_url: str, *logs: str, steps: int = STEPS, script: tuple[str, ...] = ()
+) -> list[tuple[int, int]]:
     """The oracle; returns the schedule it checked."""
     plan = schedule(*logs)
     assert plan and plan[0] == (0, plan[0][1]), "\n".join(logs)
@@ -173,7 +180,7 @@ def judge(url: str, reference_url: str, *logs: str, steps: int = STEPS) -> list[
         decode = _api._decoder(json.loads(reader.metadata))
         cursors = {decode(*values["data.cursor"]) for _, values in reader.rank_states()}
         assert cursors == {step * BATCH}, f"step {step}: cursors {cursors}"
-    reference(reference_url, plan, steps)
+    reference(reference_url, plan, steps, script)
     diff = subprocess.run(
         [_binary(), "diff", reference_url, url], capture_output=True, text=True, timeout=300
     )

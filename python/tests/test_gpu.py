@@ -43,3 +43,25 @@ def test_cuda_tensors_round_trip_bitwise_through_pinned_staging(root, cuda):
             into[name].cpu().reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
         ), name
     assert into["w"].device.type == "cuda"
+
+
+def test_elastic_nccl_rank_killed_and_relaunched_resumes_bitwise_on_the_gpu(cuda, tmp_path):
+    """ckpt.elastic on NCCL: the example trains on the GPU (FSDP2, CUDA DTensors saved
+    through the pinned staging), its one rank is SIGKILLed, the launcher relaunches
+    it, and the new process resumes from the newest commit into device memory; the
+    oracle of test_elastic holds (one GPU: NCCL before 2.30 runs one rank per GPU)."""
+    import os
+    import signal
+
+    from test_elastic import Launch, judge
+
+    url, ref = f"file://{tmp_path / 'job'}", f"file://{tmp_path / 'reference'}"
+    script = ("--backend", "nccl")
+    job = Launch(url, 1, "--min-ranks", "1", "--max-restarts", "1", script=script)
+    job.wait_for(r"^\[rank 0\] step 25 loss")
+    os.kill(job.pid(0), signal.SIGKILL)
+    assert job.finish() == 0, job.text()
+    text = job.text()
+    assert "launch: rank 0 pid" in text and "(restart 1)" in text, text
+    plan = judge(url, ref, text, script=script)
+    assert plan == [(0, 1), (20, 1)], plan
