@@ -247,13 +247,15 @@ fn torchrun_env(
     ]
 }
 
-/// Starts a rank; a program that cannot be started is named.
+/// Starts a rank; a program that cannot be started is named (the OS error stays
+/// readable).
 fn spawn(command: &mut Command, program: &OsString) -> std::io::Result<Child> {
-    command.spawn().map_err(|e| {
-        std::io::Error::new(
+    command.spawn().map_err(|e| match e.raw_os_error() {
+        Some(code) if code == libc::EPERM => e,
+        _ => std::io::Error::new(
             e.kind(),
             format!("cannot start {}: {e}", program.to_string_lossy()),
-        )
+        ),
     })
 }
 
@@ -460,7 +462,23 @@ impl Spawner<'_> {
             Some(lease) => command.env("CKPT_ETCD_LEASE", lease.to_string()),
             None => command.env_remove("CKPT_ETCD_LEASE"),
         };
-        let mut child = spawn(&mut command, &config.program)?;
+        let mut child = match spawn(&mut command, &config.program) {
+            // The ranks' process group is gone: every rank of this node exited, the
+            // group's leader included, and a group with no member cannot be joined
+            // (setpgid answers EPERM). The restarted rank leads a new one.
+            Err(e) if self.pgid != 0 && e.raw_os_error() == Some(libc::EPERM) => {
+                let ended = self.pgid;
+                command.process_group(0);
+                let child = spawn(&mut command, &config.program)?;
+                self.pgid = child.id() as i32;
+                say(format_args!(
+                    "launch: the ranks' process group {ended} ended with its last rank; process group {} from now on",
+                    self.pgid
+                ));
+                child
+            }
+            other => other?,
+        };
         if self.pgid == 0 {
             self.pgid = child.id() as i32;
             say(format_args!(

@@ -1,0 +1,98 @@
+//! `ckpt launch` with plain shell commands as ranks: the environment each rank gets,
+//! exit statuses, and relaunches (the Python and trainer paths are tested by
+//! `python/tests/test_elastic.py` and `trainer/tests/elastic.rs`).
+
+use std::process::{Command, Output};
+
+fn launch(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .arg("launch")
+        .args(args)
+        .output()
+        .expect("running ckpt launch")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn a_fixed_world_gets_torchruns_environment() {
+    let out = launch(&[
+        "--nproc",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT \
+         $GROUP_RANK $TORCHELASTIC_RUN_ID $TORCHELASTIC_RESTART_COUNT fd=${CKPT_RENDEZVOUS_FD:-none}",
+    ]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    for rank in 0..2 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank {rank}] env {rank} 2 {rank} 2 127.0.0.1 ")))
+            .unwrap_or_else(|| panic!("no environment line of rank {rank}:\n{text}"));
+        let words: Vec<&str> = line.split_whitespace().collect();
+        // port, node, run id, restarts, and no listener handed to a program that
+        // does not take it (torch's store binds MASTER_PORT itself)
+        assert!(words[8].parse::<u16>().is_ok_and(|p| p > 0), "{line}");
+        assert_eq!(words[9], "0", "{line}");
+        assert!(!words[10].is_empty(), "{line}");
+        assert_eq!(&words[11..], ["0", "fd=none"], "{line}");
+    }
+}
+
+#[test]
+fn a_failed_rank_stops_the_world_and_its_status_is_the_launchers() {
+    let out = launch(&[
+        "--nproc",
+        "2",
+        "--grace-secs",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "exit 3",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", stdout(&out));
+}
+
+#[test]
+fn a_program_that_does_not_exist_is_named() {
+    let out = launch(&["--", "/nonexistent/program"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot start /nonexistent/program"), "{err}");
+}
+
+/// The node's only rank dies and is relaunched: its process group ended with it, so
+/// the relaunched rank must lead a new one (it used to fail with EPERM).
+#[test]
+fn the_last_rank_of_a_node_is_relaunched_in_a_new_process_group() {
+    let out = launch(&[
+        "--nproc",
+        "1",
+        "--min-ranks",
+        "1",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        // The first incarnation fails; the relaunched one exits 0, which a rank does
+        // when the job is done.
+        "echo restart $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS; \
+         [ \"$TORCHELASTIC_RESTART_COUNT\" = 1 ]",
+    ]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("[rank 0] restart 0 of 1"), "{text}");
+    assert!(text.contains("[rank 0] restart 1 of 1"), "{text}");
+    assert!(text.contains("(restart 1)"), "{text}");
+    assert!(
+        text.contains("ended with its last rank; process group"),
+        "{text}"
+    );
+}
