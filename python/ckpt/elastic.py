@@ -209,8 +209,10 @@ class Context:
         stop, regroup = (bool(v) for v in flags.tolist())
         if stop or regroup:
             # Every rank saves this step; the ranks that were signalled then leave,
-            # the others end the generation at its commit and form the next one.
-            self._ending = "stop" if self._stop.requested else "regroup"
+            # the others end the generation at its commit and form the next one (a
+            # fixed world has no next one: every rank stops).
+            elastic = not isinstance(self._agent, _NoAgent)
+            self._ending = "regroup" if elastic and not self._stop.requested else "stop"
             self._agreed = step
             return True
         return False
@@ -548,7 +550,10 @@ def _fixed(train: Callable[[Context], Any], backend: str, timeout: timedelta, st
     ctx = Context(_NoAgent(), assignment, backend, stop)
     train(ctx)
     dist.destroy_process_group()
-    return EXIT_STOPPED if ctx.stopping else 0
+    if ctx.stopping:
+        _err(f"rank {rank}: stopped at step {ctx._committed} after a committed checkpoint")
+        return EXIT_STOPPED
+    return 0
 
 
 def _looks_like_a_peer(error: BaseException) -> bool:

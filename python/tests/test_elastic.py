@@ -330,3 +330,14 @@ def test_same_schedule_is_bitwise_and_other_worlds_are_not(urls, tmp_path):
     assert same.returncode == 0 and "identical" in same.stdout, same.stdout
     different = subprocess.run([_binary(), "diff", ref, other], capture_output=True, text=True)
     assert "identical" not in different.stdout, different.stdout
+
+
+def test_a_fixed_world_drains_on_sigterm_too(urls):
+    """Without elastic flags (torchrun's world), a stop still saves an agreed step."""
+    url, _ = urls
+    job = Launch(url, 2)
+    job.wait_for(r"^\[rank 0\] step 15 loss")
+    os.kill(job.pid(1), signal.SIGTERM)  # one rank only: both save and stop
+    assert job.finish() == 75, job.text()
+    agreed = {int(s) for s in re.findall(r"stopped at step (\d+)", job.text())}
+    assert len(agreed) == 1 and ckpt.torch.latest(url)["step"] == agreed.pop(), job.text()
