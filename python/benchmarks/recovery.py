@@ -207,7 +207,7 @@ def torchrun_once(fault: int, workdir: Path, timeout: float, cap: float) -> dict
         try:
             resumed, _ = job.wait_for(r"gen \d+: resumed step", after=signalled, timeout=cap)
         except TimeoutError:
-            return {"to_training_ms": float("inf"), "watched_s": cap}
+            return {"still_blocked_after_s": cap}
         trained, _ = job.wait_for(r"^step \d+ loss", after=resumed)
         return {"to_training_ms": (trained - signalled) * 1e3}
     finally:
