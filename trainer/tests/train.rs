@@ -170,6 +170,38 @@ fn world_sizes_one_to_four_end_with_bitwise_identical_weights() {
     assert!(text.contains("identical"), "{text}");
 }
 
+/// One launcher, not two: the reference trainer runs under `ckpt launch` as under its
+/// own `launch` subcommand, fixed (without the listener hand-over) and elastic, and
+/// trains the same bits.
+#[test]
+fn the_reference_trainer_runs_under_ckpt_launch_fixed_and_elastic() {
+    let (own, fixed, elastic) = (tempdir(), tempdir(), tempdir());
+    train(2, own.path(), 20, &[]);
+    for (dir, flags) in [(&fixed, &[][..]), (&elastic, &["--min-ranks", "1"][..])] {
+        let target = url(dir.path());
+        let out = Command::new(common::ckpt_cli())
+            .args(["launch", "--nproc", "2"])
+            .args(flags)
+            .args([
+                "--",
+                BIN,
+                "--preset",
+                "tiny",
+                "--seed",
+                "7",
+                "--timeout-secs",
+                "30",
+            ])
+            .args(["--steps", "20", "--ckpt", &target, "--ckpt-every", "10"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "ckpt launch {flags:?}: {text}");
+        assert_eq!(latest_step(dir.path()), Some(20), "{text}");
+        assert_identical(own.path(), dir.path());
+    }
+}
+
 /// Overlapped saves copy the state while the next step computes: they must save
 /// exactly what blocking saves save. Debug builds check every overlapped copy against
 /// a checksum taken at save time, so a rank that wrote its rows too early would fail.
