@@ -212,7 +212,8 @@ def test_sigkill_mid_step_survivors_finish_on_three(urls):
     # successor's replica), nothing read from the store.
     assert "rows from memory" in recovery.group(0), recovery.group(0)
     assert "from the store" not in recovery.group(0), recovery.group(0)
-    assert judge(url, ref, text) == [(0, 4), (20, 3)]
+    plan = judge(url, ref, text)
+    assert plan[0] == (0, 4) and plan[1] in ((10, 3), (20, 3)) and len(plan) == 2, plan
 
 
 def test_sigkill_during_a_save(urls):
@@ -252,7 +253,13 @@ def test_sigcont_after_the_drop_leaves_as_stale(urls):
     os.kill(stopped, signal.SIGSTOP)
     job.wait_for(r"^\[rank 0\] recovery: generation 2 world 3")
     os.kill(stopped, signal.SIGCONT)
-    job.wait_for(r"^\[rank 3\] member \S+: stale: this member's generation is over")
+    # It learns it is stale (and leaves), or, if its rendezvous comes first, joins again
+    # as a new member at the next checkpoint; either way it writes nothing for its old
+    # generation.
+    job.wait_for(
+        r"^\[rank 3\] member \S+: stale: this member's generation is over"
+        r"|^launch: regroup: .* formed with world 4 "
+    )
     assert job.finish() == 0, job.text()
     plan = judge(url, ref, job.text())
     later = [e for e in ckpt.torch.list(url) if e["committed"] and e["step"] > plan[1][0]]
