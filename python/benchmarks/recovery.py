@@ -214,7 +214,9 @@ def torchrun_once(fault: int, workdir: Path, timeout: float, cap: float) -> dict
         job.end()
 
 
-def goodput(binary: str, minutes: float, every: float, workdir: Path, seed: int) -> dict:
+def goodput(
+    binary: str, minutes: float, every: float, workdir: Path, seed: int, log: str | None
+) -> dict:
     url = f"file://{tempfile.mkdtemp(dir=workdir)}"
     job = Job(
         [
@@ -240,16 +242,28 @@ def goodput(binary: str, minutes: float, every: float, workdir: Path, seed: int)
         job.process.wait(timeout=300)
     finally:
         job.end()
+    if log:
+        Path(log).write_text(job.text() + "\n")
     # The final lineage: the last time each step was trained is the one that counts.
+    # A step's time is from the previous step's line of the same generation; the first
+    # step of a generation (after a rendezvous and a load) counts as a median step.
     steps: list[tuple[float, int]] = []
-    for at, line in job.lines:
-        found = re.match(r"^\[rank \d+\] step (\d+) loss", line)
-        if found:
-            steps.append((at, int(found.group(1))))
     durations: dict[int, float] = {}
-    for (t0, s0), (t1, s1) in zip(steps, steps[1:], strict=False):
-        if s1 == s0 + 1:
-            durations[s1] = t1 - t0  # a re-trained step replaces its earlier time
+    previous: tuple[float, int] | None = None
+    for at, line in job.lines:
+        if re.search(r"\] gen \d+: (resumed|from scratch)", line):
+            previous = None
+            continue
+        found = re.match(r"^\[rank \d+\] step (\d+) loss", line)
+        if not found:
+            continue
+        step = int(found.group(1))
+        steps.append((at, step))
+        if previous is not None and step == previous[1] + 1:
+            durations[step] = at - previous[0]  # a re-trained step replaces its earlier time
+        else:
+            durations.pop(step, None)
+        previous = (at, step)
     median = statistics.median(durations.values())
     last = steps[-1][1]
     useful = sum(durations.get(s, median) for s in range(2, last + 1))
@@ -278,6 +292,7 @@ def main() -> None:
     p.add_argument("--kill-every", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dir", help="scratch directory (default: a temporary one)")
+    p.add_argument("--log", help="--goodput-minutes: write the job's output here")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not args.ckpt_bin:
@@ -285,7 +300,9 @@ def main() -> None:
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-recovery-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.goodput_minutes:
-        report = goodput(args.ckpt_bin, args.goodput_minutes, args.kill_every, workdir, args.seed)
+        report = goodput(
+            args.ckpt_bin, args.goodput_minutes, args.kill_every, workdir, args.seed, args.log
+        )
         print(json.dumps(report, indent=1 if not args.json else None))
         return
     runs: dict[str, list[dict[str, float]]] = {}
