@@ -556,6 +556,13 @@ def _fixed(train: Callable[[Context], Any], backend: str, timeout: timedelta, st
     return 0
 
 
+def _transient(error: BaseException) -> bool:
+    """A checkpoint error that trying again may cure (a store that reset a connection,
+    timed out): the world re-forms and resumes from the newest commit, as the
+    reference trainer does, rather than dropping this member."""
+    return isinstance(error, _native.CkptError) and bool(getattr(error, "transient", False))
+
+
 def _looks_like_a_peer(error: BaseException) -> bool:
     """Whether a collective's error says a peer is gone (closed or reset connection,
     a communicator error) rather than a bug in the script."""
@@ -642,7 +649,7 @@ def _generations(
             outcome, error = ("regroup" if regroup else "failed"), e
         except Exception as e:  # noqa: BLE001 (sorted out below)
             error = e
-            if agent.is_cancelled() or _looks_like_a_peer(e):
+            if agent.is_cancelled() or _looks_like_a_peer(e) or _transient(e):
                 outcome = "failed"
             # A plain error may still be the echo of a failure the control plane is
             # about to announce: give it a moment before blaming the script.

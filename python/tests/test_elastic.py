@@ -348,3 +348,18 @@ def test_a_fixed_world_drains_on_sigterm_too(urls):
     assert job.finish() == 75, job.text()
     agreed = {int(s) for s in re.findall(r"stopped at step (\d+)", job.text())}
     assert len(agreed) == 1 and ckpt.torch.latest(url)["step"] == agreed.pop(), job.text()
+
+
+def test_a_transient_checkpoint_error_re_forms_the_world_instead_of_dropping_the_rank():
+    """The chaos harness found it: a store that reset connections made a rank's
+    wait_committed raise a transient StorageError, which used to count as a bug in the
+    script (the rank left, the job fell under its minimum)."""
+    from ckpt import elastic
+
+    reset = ckpt.StorageError("list s3://b/step-30: connection reset by peer")
+    reset.transient = True
+    corrupt = ckpt.CorruptionError("step-30/0.safetensors: block 0 fails its CRC32")
+    corrupt.transient = False
+    assert elastic._transient(reset)
+    assert not elastic._transient(corrupt)
+    assert not elastic._transient(ValueError("a bug in the script"))
