@@ -353,6 +353,26 @@ def _device_kwargs(backend: str) -> dict[str, Any]:
     return {"device_id": torch.device("cuda", local)}
 
 
+def _forget_meshes() -> None:
+    """Empties torch's DTensor caches, which are keyed by specs that hold device
+    meshes; meshes compare equal whatever rank built them, so after a re-formation a
+    cached result could hand a DTensor the mesh of an earlier generation, with this
+    process's rank there (torch 2.15). Best effort: private names, checked."""
+    try:
+        from torch.distributed.tensor import DTensor, _redistribute
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        for cached in (
+            getattr(propagator.propagate_op_sharding, "cache", None),
+            getattr(propagator, "_propagate_tensor_meta_cached", None),
+            getattr(_redistribute, "_gen_transform_infos", None),
+        ):
+            if cached is not None and hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+
+
 def _form_group(
     agent: Any, a: Mapping[str, Any], backend: str, timeout: timedelta
 ) -> list[tuple[int, int]]:
@@ -361,6 +381,7 @@ def _form_group(
     sockets the group opened (the abort shuts them down)."""
     rank, world, generation = a["rank"], a["world_size"], a["generation"]
     host = agent.member()["host"]
+    _forget_meshes()
     before = _sockets()
     if rank == 0:
         store = dist.TCPStore(

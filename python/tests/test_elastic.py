@@ -138,7 +138,9 @@ def schedule(*logs: str) -> list[tuple[int, int]]:
     out = []
     for log in logs:
         for line in log.splitlines():
-            resumed = re.search(r"gen \d+: resumed step (\d+) .* on (\d+) ranks", line)
+            resumed = re.search(
+                r"gen \d+: resumed step (\d+) \(saved on \d+ ranks\) on (\d+) ranks", line
+            )
             scratch = re.search(r"gen \d+: from scratch .* on (\d+) ranks", line)
             if resumed:
                 out.append((int(resumed.group(1)), int(resumed.group(2))))
@@ -363,3 +365,24 @@ def test_a_transient_checkpoint_error_re_forms_the_world_instead_of_dropping_the
     assert elastic._transient(reset)
     assert not elastic._transient(corrupt)
     assert not elastic._transient(ValueError("a bug in the script"))
+
+
+def test_a_rank_that_moves_within_one_world_size_saves_its_own_shards(urls):
+    """Found by the goodput run: local rank 1 was rank 0 of a world of 3, then, after
+    a regroup to 4 and another loss, rank 1 of a world of 3; torch's sharding cache
+    handed its state dict DTensors the older mesh, whose coordinate was rank 0's, and
+    the save claimed rank 0's boxes (the commit refused the overlap)."""
+    url, ref = urls
+    job = Launch(url, 4, "--min-ranks", "2", "--max-restarts", "1", steps=400)
+    job.wait_for(r"^\[rank 0\] step 25 loss")
+    os.kill(job.pid(0), signal.SIGKILL)  # local rank 1 becomes rank 0 of 3
+    job.wait_for(r"^launch: regroup: .* formed with world 4 ")  # the relaunched one is back
+    after = job.wait_for(
+        r"^\[rank \d+\] gen \d+: resumed step (\d+) \(saved on \d+ ranks\) on 4 ranks"
+    )
+    job.wait_for(rf"^\[rank \d+\] step {(int(after.group(1)) // EVERY + 2) * EVERY}: saving")
+    victim = re.findall(r"^launch: rank 2 pid (\d+)", job.text(), re.M)[-1]
+    os.kill(int(victim), signal.SIGKILL)  # local rank 1 is rank 1 of 3 now
+    assert job.finish() == 0, job.text()
+    plan = judge(url, ref, job.text(), steps=400)
+    assert [w for _, w in plan] == [4, 3, 4, 3], (plan, job.text())

@@ -179,11 +179,49 @@ def is_dtensor(value: Any) -> bool:
     return _DT is not None and isinstance(value, _DT[0])
 
 
+def _coordinate(mesh: Any) -> tuple[int, ...] | None:
+    """This process's coordinate on ``mesh``, from its rank in the default group now.
+
+    Not ``mesh.get_coordinate()``: a DeviceMesh keeps the coordinate of the rank that
+    built it, and meshes compare equal whatever rank built them, so torch's sharding
+    caches (keyed by specs that hold meshes) can hand a DTensor a mesh built in an
+    earlier process group of the same process, where it had another rank (ckpt.elastic
+    runs several, one per generation). A save with it claimed another rank's box."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return mesh.get_coordinate()
+    found = (mesh.mesh == dist.get_rank()).nonzero()
+    if found.numel() == 0:
+        return None
+    return tuple(int(c) for c in found[0].tolist())
+
+
+def _local_box(
+    shape: list[int], mesh_shape: list[int], coordinate: tuple[int, ...], placements: Any
+) -> tuple[list[int], list[int]]:
+    """The local shape and global offsets of the shard at ``coordinate``: each
+    ``Shard(d)`` placement splits dimension ``d`` of what is left of it as
+    ``torch.chunk`` does (chunks of the rounded-up size, the last ones shorter or
+    empty), in mesh-dimension order; ``Replicate()`` keeps it."""
+    _, _, shard, _ = _DT
+    offsets = [0] * len(shape)
+    for i, placement in enumerate(placements):
+        if not isinstance(placement, shard):
+            continue
+        d, parts, at = placement.dim, mesh_shape[i], coordinate[i]
+        chunk = -(-shape[d] // parts)
+        start = min(at * chunk, shape[d])
+        offsets[d] += start
+        shape[d] = max(0, min(chunk, shape[d] - start))
+    return shape, offsets
+
+
 def box(fqn: str, value: torch.Tensor, rank: int) -> Box | None:
     """The box of tensor ``value`` this rank holds; None when it holds none (a
     DTensor on a mesh without this rank)."""
     if is_dtensor(value):
-        _, replicate, shard, local_shape_and_offset = _DT
+        _, replicate, shard, _ = _DT
         mesh, placements = value.device_mesh, value.placements
         for p in placements:
             # _StridedShard (FSDP2 over TP) subclasses Shard but is not a plain split.
@@ -191,11 +229,11 @@ def box(fqn: str, value: torch.Tensor, rank: int) -> Box | None:
                 raise InvalidError(
                     f"tensor {fqn!r} has placement {p}; ckpt saves Shard(d) and Replicate()"
                 )
-        coordinate = mesh.get_coordinate()
+        coordinate = _coordinate(mesh)
         if coordinate is None:
             return None
         local = value._local_tensor
-        shape, offsets = local_shape_and_offset(value.shape, mesh, placements)
+        shape, offsets = _local_box(list(value.shape), list(mesh.shape), coordinate, placements)
         if tuple(local.shape) != tuple(shape):
             raise InvalidError(
                 f"tensor {fqn!r}: the local tensor has shape {tuple(local.shape)}, but its "
