@@ -6,6 +6,9 @@
 //! reached its final step, every committed checkpoint verifies, no commit was lost,
 //! and the final weights equal a failure-free run's bitwise. A [`scenario`] is a TOML
 //! file; [`run`] executes it; [`Report`] is the verdict, for people and for scripts.
+//! A scenario may name a Python script as its trainer (`script`): it runs under
+//! `ckpt launch`, and the oracle also checks its data cursors and compares it with a
+//! reference that replays its schedule of world sizes.
 
 pub mod env;
 pub mod etcd;
@@ -113,6 +116,18 @@ impl Report {
             let worlds: Vec<String> = self.observed.worlds.iter().map(|w| w.to_string()).collect();
             out += &format!("\n  ranks training: {}", worlds.join(" → "));
         }
+        if !self.observed.schedule.is_empty() {
+            let schedule: Vec<String> = self
+                .observed
+                .schedule
+                .iter()
+                .map(|(from, world)| format!("{world} ranks from step {from}"))
+                .collect();
+            out += &format!(
+                "\n  schedule (replayed by the reference): {}",
+                schedule.join(", ")
+            );
+        }
         if let Some(g) = self.observed.goodput {
             out += &format!("\n  goodput: {:.0} %", g * 100.0);
         }
@@ -140,6 +155,9 @@ impl Report {
                 None => "not compared",
             }
         );
+        if let Some(n) = j.cursors_checked {
+            out += &format!("\n  data cursors checked on {n} committed steps");
+        }
         for reason in &self.reasons {
             out += &format!("\n  reason: {reason}");
         }
@@ -147,11 +165,39 @@ impl Report {
     }
 }
 
-/// Runs `scenario` and judges it. A scenario the machine cannot run (no S3 server,
-/// not root for namespaces or a tmpfs, no etcd) is reported as skipped, with why.
+/// Runs `scenario` and judges it. A scenario the machine cannot run (no Python with
+/// torch for a `script`, no S3 server, not root for namespaces or a tmpfs, no etcd)
+/// is reported as skipped, with why.
 pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Result<Report, String> {
     scenario.validate()?;
-    let reference = oracle::reference(scenario, &options.trainer, &options.cache)?;
+    let ckpt = run::find_ckpt(&options.trainer);
+    let python = match &scenario.script {
+        Some(script) => {
+            let script = run::resolve_script(script)?;
+            if !ckpt.exists() {
+                return Err(format!(
+                    "{}: no `ckpt` to launch the Python trainer with (cargo build -p ckpt-cli, or CKPT_BIN)",
+                    ckpt.display()
+                ));
+            }
+            let interpreter = run::find_python();
+            if let Err(why) = probe_python(&interpreter) {
+                return Ok(Report::skipped_because(name, why));
+            }
+            Some((interpreter, script))
+        }
+        None => None,
+    };
+    // ckpt-train's reference is one run per configuration, made first; the Python
+    // trainer's replays the run's schedule, known only after it.
+    let reference = match &python {
+        None => Some(oracle::reference(
+            scenario,
+            &options.trainer,
+            &options.cache,
+        )?),
+        Some(_) => None,
+    };
     let mut env = match env::Environment::prepare(scenario, &options.scratch) {
         Ok(env) => env,
         Err(env::Unavailable::Skip(why)) => return Ok(Report::skipped_because(name, why)),
@@ -161,7 +207,8 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
     let watcher = oracle::CommitWatcher::start(store.clone(), Duration::from_millis(200))?;
     let setup = run::Setup {
         trainer: options.trainer.clone(),
-        ckpt: run::find_ckpt(&options.trainer),
+        ckpt: ckpt.clone(),
+        python: python.clone(),
         timeout: options.timeout,
     };
     let observed = run::run(scenario, &setup, &mut env);
@@ -186,9 +233,40 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
             .and_then(|()| std::fs::write(&path, observed.log.join("\n") + "\n"))
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    let judgement = oracle::judge(&store, &seen, &observed.damaged, &reference, scenario.steps);
-    drop(env);
     let mut reasons: Vec<String> = observed.cut.iter().cloned().collect();
+    let reference = match (&python, reference) {
+        (Some((interpreter, script)), _) => {
+            // Only a run that trained to its end is compared (judge says so otherwise).
+            match oracle::python_reference(
+                scenario,
+                &observed.schedule,
+                &ckpt,
+                interpreter,
+                script,
+                &options.cache,
+            ) {
+                Ok(dir) => Some(dir),
+                Err(e) => {
+                    reasons.push(e);
+                    None
+                }
+            }
+        }
+        (None, reference) => reference,
+    };
+    let mut judgement = oracle::judge(
+        &store,
+        &seen,
+        &observed.damaged,
+        reference.as_deref(),
+        scenario.steps,
+    );
+    if python.is_some() {
+        let (checked, problems) = oracle::check_cursors(&store, scenario.batch());
+        judgement.cursors_checked = Some(checked);
+        judgement.problems.extend(problems);
+    }
+    drop(env);
     reasons.extend(judgement.problems.iter().cloned());
     // A launcher whose every rank was hit by a fault has nothing left to finish: its
     // exit code reports those failures. Any other launcher must finish cleanly.
@@ -286,6 +364,31 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
         judgement,
         log_tail,
     })
+}
+
+/// Whether `python` can run the Python trainer: it imports torch and the `ckpt`
+/// package with its native extension. Says what is missing otherwise (the scenario
+/// is then skipped, or fails where `CKPT_REQUIRE` names `torch`).
+pub fn probe_python(python: &Path) -> Result<(), String> {
+    let output = std::process::Command::new(python)
+        .args(["-c", "import torch, ckpt.elastic, ckpt._native"])
+        .stdin(std::process::Stdio::null())
+        .output();
+    match output {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "no Python with torch and the ckpt package: {} -c 'import torch, ckpt.elastic' says: {} (set CKPT_PYTHON, and PYTHONPATH or pip install ./python)",
+            python.display(),
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or("nothing")
+        )),
+        Err(e) => Err(format!(
+            "no Python with torch and the ckpt package: {}: {e} (set CKPT_PYTHON)",
+            python.display()
+        )),
+    }
 }
 
 /// Faults that take a rank away (kill it, hang it, cut its node off, or make it

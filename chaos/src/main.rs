@@ -80,6 +80,12 @@ enum Commands {
         /// fails, and write the smallest failing scenario beside the replay file.
         #[arg(long)]
         shrink: bool,
+        /// Draw runs of this Python trainer (a path relative to the repository root,
+        /// or absolute; e.g. python/examples/train_gpt.py) under `ckpt launch`
+        /// instead of ckpt-train: device errors become kills, save-stage kills
+        /// become kills while that save is in flight.
+        #[arg(long, value_name = "SCRIPT")]
+        script: Option<String>,
         #[command(flatten)]
         common: Common,
     },
@@ -112,8 +118,9 @@ fn main() -> ExitCode {
             json,
             out,
             shrink,
+            script,
             ..
-        } => soak(seed, runs, json, &out, shrink, options),
+        } => soak(seed, runs, json, &out, shrink, script.as_deref(), options),
         Commands::Demo { plot, .. } => demo(plot, options),
     }
 }
@@ -171,12 +178,16 @@ fn soak(
     json: bool,
     out: &std::path::Path,
     shrink_failures: bool,
+    script: Option<&str>,
     options: Options,
 ) -> ExitCode {
     let mut reports = Vec::new();
     let mut failed = 0;
     for run in 0..runs {
-        let scenario = ckpt_chaos::soak::draw(seed, run);
+        let scenario = match script {
+            Some(script) => ckpt_chaos::soak::draw_for_script(seed, run, script),
+            None => ckpt_chaos::soak::draw(seed, run),
+        };
         let name = format!("seed {seed} run {run}");
         let outcome = run_scenario(&name, &scenario, &options);
         let (verdict, reasons, value) = match outcome {

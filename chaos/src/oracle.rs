@@ -6,7 +6,12 @@
 //! - the final checkpoint equals, bitwise, the one of a failure-free run of the same
 //!   configuration (the trainer's deterministic mode makes the weights independent of
 //!   the world size and of the recovery history). The failure-free run is computed once
-//!   per configuration and cached.
+//!   per configuration and cached. The Python trainer's float sums depend on the
+//!   world size, so its reference replays the run's schedule instead: the same
+//!   world sizes from the same steps, each a fixed-world launch resumed from the
+//!   commit the previous one left ([`python_reference`]);
+//! - (the Python trainer) no sample was skipped or repeated: every committed step's
+//!   saved data cursors are step × batch ([`check_cursors`]).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -101,6 +106,9 @@ pub struct Judgement {
     pub superseded: usize,
     /// Bitwise equal to the failure-free run.
     pub identical: Option<bool>,
+    /// Committed steps whose saved data cursors were checked (the Python trainer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cursors_checked: Option<usize>,
     /// Everything wrong, in words.
     pub problems: Vec<String>,
 }
@@ -114,14 +122,15 @@ pub struct Damaged {
     pub dir: String,
 }
 
-/// Judges the checkpoints in `store` against the failure-free `reference` directory.
+/// Judges the checkpoints in `store` against the failure-free `reference` directory
+/// (`None`: there is none to compare with, and the caller says why).
 /// `damaged` are the commits the scenario corrupted on purpose: each must fail
 /// verification (unless a later save of its step replaced it), and no other may.
 pub fn judge(
     store: &Store,
     seen: &BTreeSet<u64>,
     damaged: &[Damaged],
-    reference: &Path,
+    reference: Option<&Path>,
     steps: u64,
 ) -> Judgement {
     let mut j = Judgement::default();
@@ -187,6 +196,9 @@ pub fn judge(
         ));
         return j;
     }
+    let Some(reference) = reference else {
+        return j;
+    };
     let compared = runtime.block_on(async {
         let reference = Store::from_url(&file_url(reference)).map_err(|e| e.to_string())?;
         let a = CheckpointReader::open(store, Some(steps))
@@ -258,4 +270,160 @@ pub fn reference(scenario: &Scenario, trainer: &Path, cache: &Path) -> Result<Pa
     }
     std::fs::write(&done, b"").map_err(|e| format!("{}: {e}", done.display()))?;
     Ok(dir)
+}
+
+/// The no-skip, no-repeat check of the Python trainer: every committed step's rank
+/// states (every saved rank's) hold `data.cursor` = step × `batch`, the index of the
+/// next global sample (the value as `ckpt.torch` writes it: JSON). Returns the steps
+/// checked and what is wrong.
+pub fn check_cursors(store: &Store, batch: u64) -> (usize, Vec<String>) {
+    let runtime = runtime();
+    let mut problems = Vec::new();
+    let commits = match runtime.block_on(ckpt::catalog::newest_commit_per_step(store)) {
+        Ok(c) => c,
+        Err(e) => return (0, vec![format!("listing the commits: {e}")]),
+    };
+    let mut checked = 0;
+    for commit in &commits {
+        let step = commit.step;
+        let states = runtime.block_on(async {
+            let reader = CheckpointReader::open(store, Some(step)).await?;
+            reader.rank_states().await
+        });
+        let states = match states {
+            Ok(s) => s,
+            Err(e) => {
+                problems.push(format!("step {step}: reading the rank states: {e}"));
+                continue;
+            }
+        };
+        let expected = step * batch;
+        let wrong: Vec<String> = states
+            .iter()
+            .filter_map(|(rank, state)| {
+                let value = state.get("data.cursor");
+                let cursor = match value {
+                    Some(ckpt::StateValue::Json(v)) => v.as_u64(),
+                    _ => None,
+                };
+                (cursor != Some(expected)).then(|| match value {
+                    Some(ckpt::StateValue::Json(v)) => format!("rank {rank}: {v}"),
+                    Some(other) => format!("rank {rank}: {other:?}"),
+                    None => format!("rank {rank}: none saved"),
+                })
+            })
+            .collect();
+        checked += 1;
+        if !wrong.is_empty() {
+            problems.push(format!(
+                "step {step}: data cursors are not {step} × {batch} = {expected} (a sample skipped or repeated): {}",
+                wrong.join(", ")
+            ));
+        }
+    }
+    (checked, problems)
+}
+
+/// The fixed-world launches that replay `schedule` (first step, world size of each
+/// generation that trained): (from, until, world), each until the next one's first
+/// step, the last to `steps`; a generation that committed nothing new before the
+/// next one started (until <= from) is left out.
+pub fn reference_plan(schedule: &[(u64, usize)], steps: u64) -> Vec<(u64, u64, usize)> {
+    schedule
+        .iter()
+        .enumerate()
+        .map(|(i, &(from, world))| {
+            let until = schedule.get(i + 1).map_or(steps, |next| next.0);
+            (from, until, world)
+        })
+        .filter(|(from, until, _)| until > from)
+        .collect()
+}
+
+/// The failure-free reference of a Python trainer's run with `schedule`: each entry
+/// of [`reference_plan`] a fixed-world `ckpt launch --nproc W -- PYTHON SCRIPT …
+/// --steps UNTIL` into one directory, each resuming from the commit the previous one
+/// left. Cached under `cache`, keyed by the script's contents, seed, steps,
+/// interval, batch and the schedule.
+pub fn python_reference(
+    scenario: &Scenario,
+    schedule: &[(u64, usize)],
+    ckpt: &Path,
+    python: &Path,
+    script: &Path,
+    cache: &Path,
+) -> Result<PathBuf, String> {
+    use std::hash::{Hash, Hasher};
+    if schedule.first().is_none_or(|first| first.0 != 0) {
+        return Err(format!(
+            "no schedule to replay: rank 0 reported no `gen 1: from scratch` line first ({schedule:?})"
+        ));
+    }
+    let plan = reference_plan(schedule, scenario.steps);
+    let source = std::fs::read(script).map_err(|e| format!("{}: {e}", script.display()))?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    source.hash(&mut hasher);
+    let stem = script
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let worlds: Vec<String> = plan
+        .iter()
+        .map(|(from, _, world)| format!("{world}@{from}"))
+        .collect();
+    let dir = cache.join(format!(
+        "reference-py-{stem}-{:016x}-seed{}-steps{}-every{}-batch{}-{}",
+        hasher.finish(),
+        scenario.seed,
+        scenario.steps,
+        scenario.ckpt_every,
+        scenario.batch(),
+        worlds.join("-")
+    ));
+    let done = dir.join(".complete");
+    if done.exists() {
+        return Ok(dir);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for &(from, until, world) in &plan {
+        let output = Command::new(ckpt)
+            .args(["launch", "--nproc", &world.to_string(), "--"])
+            .arg(python)
+            .arg(script)
+            .args(crate::run::python_args(scenario, &file_url(&dir), until))
+            .env("RUST_LOG", "warn")
+            .output()
+            .map_err(|e| format!("{}: {e}", ckpt.display()))?;
+        if !output.status.success() {
+            return Err(format!(
+                "the failure-free reference (steps {from}..{until} on {world} ranks) failed:\n{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+    }
+    std::fs::write(&done, b"").map_err(|e| format!("{}: {e}", done.display()))?;
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reference_replays_the_schedule_without_generations_that_added_nothing() {
+        assert_eq!(reference_plan(&[(0, 4)], 60), vec![(0, 60, 4)]);
+        assert_eq!(
+            reference_plan(&[(0, 4), (20, 3)], 60),
+            vec![(0, 20, 4), (20, 60, 3)]
+        );
+        // Generation 2 failed before it committed: generation 3 resumed where it did.
+        assert_eq!(
+            reference_plan(&[(0, 4), (20, 3), (20, 2), (40, 4)], 60),
+            vec![(0, 20, 4), (20, 40, 2), (40, 60, 4)]
+        );
+        // A generation formed after the final commit trains nothing.
+        assert_eq!(reference_plan(&[(0, 4), (60, 3)], 60), vec![(0, 60, 4)]);
+    }
 }

@@ -8,6 +8,11 @@
 //! lost device, a stop at a given stage of a save) goes through the failpoints
 //! compiled into test builds (`--fault-device-error`, `--fault-save-stage`), as the
 //! crash tests do.
+//!
+//! The trainer may also be a Python script (`script` in the scenario) started by the
+//! generic launcher, `ckpt launch -- PYTHON SCRIPT …`: the same launcher lines, the
+//! lines of `python/examples/train_gpt.py` (`generation G: world W (…)`, `gen G:
+//! resumed step S …`, its recovery line), and the faults that act from outside.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -84,6 +89,12 @@ pub struct Observed {
     pub resumed_from: Vec<u64>,
     /// World sizes of the generations rank 0 started, in order.
     pub worlds: Vec<usize>,
+    /// The Python trainer's schedule: (first step, world size) of each generation
+    /// that started training, from rank 0's `gen G: from scratch … on W ranks` and
+    /// `gen G: resumed step S … on W ranks` lines. The failure-free reference replays
+    /// it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub schedule: Vec<(u64, usize)>,
     /// Wall time of the run (s).
     pub wall_s: f64,
     /// Commits damaged on purpose (`corrupt` faults).
@@ -111,8 +122,11 @@ pub struct Observed {
 pub struct Setup {
     /// `ckpt-train`.
     pub trainer: PathBuf,
-    /// `ckpt` (for a standalone coordinator).
+    /// `ckpt` (for a standalone coordinator, and `ckpt launch` of a Python trainer).
     pub ckpt: PathBuf,
+    /// The Python trainer: the interpreter and the script (`scenario.script`,
+    /// resolved); `None` for `ckpt-train`.
+    pub python: Option<(PathBuf, PathBuf)>,
     /// Bound on the whole run.
     pub timeout: Duration,
 }
@@ -142,6 +156,69 @@ fn pump(node: usize, stream: impl std::io::Read + Send + 'static, tx: Sender<Lin
             }
         }
     });
+}
+
+/// The arguments of every rank of the Python trainer (after the script): the
+/// example's flags.
+pub fn python_args(scenario: &Scenario, ckpt_url: &str, steps: u64) -> Vec<String> {
+    let mut args: Vec<String> = vec![
+        "--ckpt".into(),
+        ckpt_url.into(),
+        "--steps".into(),
+        steps.to_string(),
+        "--ckpt-every".into(),
+        scenario.ckpt_every.to_string(),
+        "--seed".into(),
+        scenario.seed.to_string(),
+        "--log-every".into(),
+        "1".into(),
+    ];
+    if let Some(batch) = scenario.batch {
+        args.extend(["--batch".into(), batch.to_string()]);
+    }
+    args
+}
+
+/// The Python interpreter of Python trainers: `$CKPT_PYTHON`, else `python3`.
+pub fn find_python() -> PathBuf {
+    std::env::var_os("CKPT_PYTHON")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "python3".into())
+}
+
+/// The workspace root this harness was built in (`scenario.script`s are relative to
+/// it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// A scenario's `script`: absolute as it is; relative, under the workspace root, else
+/// under the current directory.
+pub fn resolve_script(script: &str) -> Result<PathBuf, String> {
+    let path = Path::new(script);
+    let candidates = if path.is_absolute() {
+        vec![path.to_path_buf()]
+    } else {
+        vec![workspace_root().join(path), path.to_path_buf()]
+    };
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+        .ok_or_else(|| {
+            format!(
+                "script {script}: not found (looked for {})",
+                candidates
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
 }
 
 /// The arguments of every rank.
@@ -217,9 +294,15 @@ fn start_node(
 ) -> std::io::Result<Node> {
     // In a network namespace of its own when the scenario partitions nodes: the
     // launcher's children (the ranks) inherit it.
+    // The Python trainer runs under the generic launcher, `ckpt launch`, whose flags
+    // are `ckpt-train launch`'s.
+    let launcher = match &setup.python {
+        Some(_) => &setup.ckpt,
+        None => &setup.trainer,
+    };
     let mut command = match &env.network {
-        Some(network) => network.command(node, &setup.trainer),
-        None => Command::new(&setup.trainer),
+        Some(network) => network.command(node, launcher),
+        None => Command::new(launcher),
     };
     command.envs(env.launcher_env.iter().map(|(k, v)| (k, v)));
     command.arg("launch").args([
@@ -246,9 +329,22 @@ fn start_node(
     if let Some(rdzv) = rdzv {
         command.args(["--rdzv", rdzv]);
     }
+    if env.network.is_some() && setup.python.is_some() {
+        // gloo finds its address from the host name (loopback here), which the other
+        // namespaces cannot reach: the node's interface instead (netns: `eth0`).
+        command.env("GLOO_SOCKET_IFNAME", "eth0");
+    }
+    command.arg("--");
+    match &setup.python {
+        Some((python, script)) => {
+            command
+                .arg(python)
+                .arg(script)
+                .args(python_args(scenario, &env.url, scenario.steps))
+        }
+        None => command.args(train_args(scenario, &env.url)),
+    };
     command
-        .arg("--")
-        .args(train_args(scenario, &env.url))
         .env(
             "RUST_LOG",
             std::env::var("CKPT_CHAOS_RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -280,6 +376,13 @@ fn start_coordinator(
             "--heartbeat-timeout-secs",
             &scenario.heartbeat_timeout_secs.to_string(),
         ])
+        // Python ranks take seconds to import torch: the first generation waits for
+        // all of them, as `ckpt launch`'s hosted coordinator does (its default).
+        .args(if scenario.script.is_some() {
+            vec!["--last-call-ms", "30000"]
+        } else {
+            vec![]
+        })
         .env(
             "RUST_LOG",
             std::env::var("CKPT_CHAOS_RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -303,6 +406,8 @@ fn start_coordinator(
 struct Watch {
     started: Instant,
     step: u64,
+    /// The newest step rank 0 reported starting to save (`at_save` triggers).
+    saving: u64,
     /// Newest pid per rank label, with its node.
     pids: BTreeMap<usize, (usize, i32)>,
     coordinator: Option<String>,
@@ -367,6 +472,22 @@ impl Watch {
                 loss,
                 world,
             });
+        } else if let Some(step) = saving_step(rest) {
+            self.saving = self.saving.max(step);
+        } else if let Some(world) = rest
+            .strip_prefix("generation ")
+            .and_then(|r| r.split_once(": world "))
+            .and_then(|(_, r)| r.split_whitespace().next())
+            .and_then(|w| w.parse().ok())
+        {
+            // The Python trainer's rank 0, as a generation forms (ckpt.elastic).
+            self.observed.worlds.push(world);
+        } else if let Some(entry) = parse_gen_line(rest) {
+            // The Python trainer's rank 0, as it starts training in a generation.
+            if entry.0 > 0 {
+                self.observed.resumed_from.push(entry.0);
+            }
+            self.observed.schedule.push(entry);
         } else if let Some(world) = rest
             .strip_prefix("start: ")
             .and_then(|r| r.split(", world ").nth(1))
@@ -381,20 +502,68 @@ impl Watch {
         {
             self.observed.resumed_from.push(step);
         } else if rest.starts_with("recovery: generation ")
-            && let Some(r) = parse_recovery(rest)
+            && let Some(mut r) = parse_recovery(rest)
         {
+            if r.noticed_unix_ms == 0 {
+                // The Python trainer's line has no timestamp: it is printed as it is
+                // back to training, `back_ms` after the failure was noticed.
+                r.noticed_unix_ms = unix_ms().saturating_sub(r.back_ms);
+            }
             self.observed.recoveries.push(r);
         }
     }
 }
 
+/// The step of a save rank 0 reports starting: `step N: saving (stall …)` (the
+/// Python trainer) or `saving step N (stall …)` (`ckpt-train`).
+fn saving_step(rest: &str) -> Option<u64> {
+    if let Some(r) = rest.strip_prefix("saving step ") {
+        return r.split_whitespace().next()?.parse().ok();
+    }
+    let (step, after) = rest.strip_prefix("step ")?.split_once(": ")?;
+    after.starts_with("saving").then(|| step.parse().ok())?
+}
+
+/// (first step, world) of the Python trainer's `gen G: from scratch (seed S) on W
+/// ranks` or `gen G: resumed step S (saved on W0 ranks) on W ranks, cursor C, T s`.
+fn parse_gen_line(rest: &str) -> Option<(u64, usize)> {
+    let (generation, what) = rest.strip_prefix("gen ")?.split_once(": ")?;
+    generation.parse::<u64>().ok()?;
+    let world = |text: &str| -> Option<usize> {
+        text.rsplit_once(" on ")?
+            .1
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    if let Some(r) = what.strip_prefix("resumed step ") {
+        let step = r.split_whitespace().next()?.parse().ok()?;
+        let head = r.split(" ranks").take(2).collect::<Vec<_>>().join(" ranks");
+        Some((step, world(&head)?))
+    } else if what.starts_with("from scratch") {
+        Some((0, world(what.split(" ranks").next()?)?))
+    } else {
+        None
+    }
+}
+
 /// Parses `recovery: generation G world W (CAUSE): noticed at T ms, aborted +A ms,
-/// rendezvous R ms, ring B ms, load L ms, first step F ms; back to training N ms …`.
+/// rendezvous R ms, ring B ms, load L ms, first step F ms; back to training N ms …`
+/// (`ckpt-train`), or the Python trainer's `recovery: generation G world W (CAUSE):
+/// aborted +A ms, rendezvous R ms, process group P ms, load L ms, first step F ms;
+/// back to training N ms …` (no timestamp: `noticed_unix_ms` is left 0).
 fn parse_recovery(line: &str) -> Option<Recovery> {
     let rest = line.strip_prefix("recovery: generation ")?;
     let (generation, rest) = rest.split_once(" world ")?;
     let (world, rest) = rest.split_once(" (")?;
-    let (cause, numbers) = rest.rsplit_once("): noticed at ")?;
+    let (cause, numbers) = match rest.rsplit_once("): noticed at ") {
+        Some(found) => found,
+        None => {
+            let (cause, numbers) = rest.rsplit_once("): aborted ")?;
+            (cause, numbers)
+        }
+    };
     let number = |key: &str| -> Option<u64> {
         let after = numbers.split(key).nth(1)?;
         after
@@ -405,14 +574,30 @@ fn parse_recovery(line: &str) -> Option<Recovery> {
             .parse()
             .ok()
     };
-    let at: u64 = numbers.split(" ms").next()?.trim().parse().ok()?;
+    let python = !line.contains("): noticed at ");
+    let (at, abort_ms) = if python {
+        let abort: u64 = numbers
+            .trim_start_matches('+')
+            .split(" ms")
+            .next()?
+            .trim()
+            .parse()
+            .ok()?;
+        (0, abort)
+    } else {
+        (
+            numbers.split(" ms").next()?.trim().parse().ok()?,
+            number("aborted ")?,
+        )
+    };
+    let group = number("ring ").or_else(|| number("process group "))?;
     Some(Recovery {
         generation: generation.parse().ok()?,
         world: world.parse().ok()?,
         cause: cause.to_string(),
         detect_ms: None,
-        abort_ms: number("aborted ")?,
-        reform_ms: number("rendezvous ")? + number("ring ")?,
+        abort_ms,
+        reform_ms: number("rendezvous ")? + group,
         load_ms: number("load ")?,
         first_step_ms: number("first step ")?,
         back_ms: number("back to training ").unwrap_or(0),
@@ -483,6 +668,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
     let mut watch = Watch {
         started: Instant::now(),
         step: 0,
+        saving: 0,
         pids: BTreeMap::new(),
         coordinator: None,
         observed: Observed::default(),
@@ -565,7 +751,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                         format!("{}\n{}", watch.observed.log.join("\n"), stacks.join("\n")),
                     );
                 }
-                let killed = kill_everything(&mut nodes, &watch.pids, &setup.trainer);
+                let killed = kill_everything(&mut nodes, &watch.pids, setup);
                 let Some(bound) = bound else {
                     return Err(std::io::Error::other(format!(
                         "the run did not end within {:?}; killed {killed}",
@@ -659,6 +845,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                 _ => {
                     fault.at_step.is_some_and(|s| step >= s)
                         || fault.at_ms.is_some_and(|ms| elapsed_ms >= ms)
+                        || fault.at_save.is_some_and(|s| watch.saving >= s)
                 }
             };
             if due {
@@ -814,22 +1001,34 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
 /// SIGKILLs every launcher and every rank process the run started that is still
 /// alive (a stopped one too: SIGKILL ends a stopped process) and reaps the
 /// launchers, waiting a few seconds at most; says what it killed. A rank's pid
-/// counts only while it still names the trainer (a pid is reused once its process
-/// is gone).
+/// counts only while it still names the trainer, or runs the Python trainer's script
+/// (a pid is reused once its process is gone).
 fn kill_everything(
     nodes: &mut [Node],
     pids: &BTreeMap<usize, (usize, i32)>,
-    trainer: &Path,
+    setup: &Setup,
 ) -> String {
     // The kernel keeps the first 15 bytes of the program's name.
-    let name: Vec<u8> = trainer
+    let name: Vec<u8> = setup
+        .trainer
         .file_name()
         .map(|n| n.as_encoded_bytes().iter().copied().take(15).collect())
         .unwrap_or_default();
+    let script: Option<Vec<u8>> = setup
+        .python
+        .as_ref()
+        .map(|(_, script)| script.as_os_str().as_encoded_bytes().to_vec());
     let mut killed = Vec::new();
     for (label, &(_, pid)) in pids {
-        let ours = std::fs::read(format!("/proc/{pid}/comm"))
-            .is_ok_and(|comm| comm.strip_suffix(b"\n").unwrap_or(&comm) == name.as_slice());
+        let ours = match &script {
+            Some(script) => std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                cmdline
+                    .split(|b| *b == 0)
+                    .any(|arg| arg == script.as_slice())
+            }),
+            None => std::fs::read(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.strip_suffix(b"\n").unwrap_or(&comm) == name.as_slice()),
+        };
         match proc_state(pid) {
             None | Some('Z') => {}
             Some(_) if !ours => {}
@@ -1009,6 +1208,56 @@ mod tests {
             (4, 10, 7, 1)
         );
         assert_eq!((r.noticed_unix_ms, r.back_ms), (1795491906789, 28));
+    }
+
+    #[test]
+    fn the_python_trainers_lines_are_parsed() {
+        let line = "recovery: generation 2 world 3 (lost member n0-l2-i0: connection closed (rank 2)): aborted +3 ms, rendezvous 250 ms, process group 40 ms, load 120 ms, first step 90 ms; back to training 512 ms after the failure was noticed";
+        let r = parse_recovery(line).unwrap();
+        assert_eq!((r.generation, r.world), (2, 3));
+        assert_eq!(r.cause, "lost member n0-l2-i0: connection closed (rank 2)");
+        assert_eq!(
+            (
+                r.abort_ms,
+                r.reform_ms,
+                r.load_ms,
+                r.first_step_ms,
+                r.back_ms
+            ),
+            (3, 290, 120, 90, 512)
+        );
+        assert_eq!(r.noticed_unix_ms, 0);
+        // The same with the time it was noticed, and what the load read from memory.
+        let line = "recovery: generation 2 world 3 (lost member n1-l0-i0: no heartbeat for 3010 ms): noticed at 1795738411338 ms, aborted +1 ms, rendezvous 6873 ms, process group 36 ms, load 161 ms (rank 0's rows from memory: 0.4 MB own, 0.4 MB from peers), first step 159 ms; back to training 7231 ms after the failure was noticed";
+        let r = parse_recovery(line).unwrap();
+        assert_eq!(
+            (
+                r.abort_ms,
+                r.reform_ms,
+                r.load_ms,
+                r.first_step_ms,
+                r.back_ms
+            ),
+            (1, 6909, 161, 159, 7231)
+        );
+        assert_eq!(r.noticed_unix_ms, 1795738411338);
+        assert_eq!(
+            parse_gen_line("gen 1: from scratch (seed 7) on 4 ranks"),
+            Some((0, 4))
+        );
+        assert_eq!(
+            parse_gen_line(
+                "gen 3: resumed step 20 (saved on 4 ranks) on 3 ranks, cursor 480, 0.52s"
+            ),
+            Some((20, 3))
+        );
+        assert_eq!(
+            parse_gen_line("gen 3: stopping after the commit of step 20"),
+            None
+        );
+        assert_eq!(saving_step("step 30: saving (stall 20.1 ms)"), Some(30));
+        assert_eq!(saving_step("saving step 15 (stall 0.3 ms)"), Some(15));
+        assert_eq!(saving_step("step 30 loss 4.1 (2.0s)"), None);
     }
 
     fn sample(t_s: f64, step: u64) -> Sample {

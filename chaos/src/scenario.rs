@@ -82,7 +82,22 @@ pub struct Scenario {
     /// What the run must show besides the oracle's invariants.
     #[serde(default)]
     pub expect: Expect,
+    /// The trainer is this Python script under `ckpt launch` instead of `ckpt-train`
+    /// (a path relative to the repository root, or absolute), e.g.
+    /// `python/examples/train_gpt.py`: it must take the example's flags (`--ckpt`,
+    /// `--steps`, `--ckpt-every`, `--seed`, `--log-every`, `--batch`), run through
+    /// `ckpt.elastic.run`, print the example's lines and save its data cursor as the
+    /// rank state `data.cursor`. Python is `$CKPT_PYTHON`, else `python3`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub script: Option<String>,
+    /// The Python trainer's global batch (`--batch`; default: the example's, 24): the
+    /// oracle checks that every committed step's saved cursors are step × batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<u64>,
 }
+
+/// The example's default global batch (`python/examples/train_gpt.py --batch`).
+pub const DEFAULT_BATCH: u64 = 24;
 
 fn one() -> usize {
     1
@@ -204,6 +219,11 @@ pub struct Fault {
     /// Fires this many milliseconds after the run started (instead of `at_step`).
     #[serde(default)]
     pub at_ms: Option<u64>,
+    /// Fires when rank 0 reports it started the save of this step (or a later one):
+    /// `step N: saving` (the Python trainer) or `saving step N` (`ckpt-train`), so
+    /// that the fault lands while that save is in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_save: Option<u64>,
     /// How long the fault lasts: a stop, a partition, a full disk, a coordinator or
     /// etcd member down, a storage delay; for `kill-node`, when set, the node is
     /// started again after it (and the world can grow back).
@@ -235,6 +255,7 @@ impl Fault {
             node: None,
             at_step: Some(at_step),
             at_ms: None,
+            at_save: None,
             duration_ms: None,
             stage: None,
             count: None,
@@ -357,6 +378,11 @@ impl Scenario {
         self.ranks * self.nodes
     }
 
+    /// The Python trainer's global batch (the cursor advances by it every step).
+    pub fn batch(&self) -> u64 {
+        self.batch.unwrap_or(DEFAULT_BATCH)
+    }
+
     /// Checks that the scenario makes sense, naming the first thing that does not.
     pub fn validate(&self) -> Result<(), String> {
         let world = self.world();
@@ -375,20 +401,77 @@ impl Scenario {
         if self.storage == StorageKind::Tmpfs && self.disk_mib.unwrap_or(0) == 0 {
             return Err("storage = \"tmpfs\" needs disk_mib".into());
         }
+        if self.script.is_some() {
+            // What only ckpt-train has: refused rather than run without it.
+            if self.step_pause_ms > 0 {
+                return Err(
+                    "step_pause_ms needs ckpt-train's --fault-step-pause-ms: the Python trainer (script) has no such failpoint"
+                        .into(),
+                );
+            }
+            if self.preset != "tiny" {
+                return Err(format!(
+                    "preset {:?} is a ckpt-train preset: the Python trainer (script) has its own model",
+                    self.preset
+                ));
+            }
+            if !self.memory_copies {
+                return Err(
+                    "memory_copies = false is ckpt-train's --memory-copies=false, which the Python trainer's command line (script) does not take"
+                        .into(),
+                );
+            }
+            let batch = self.batch.unwrap_or(DEFAULT_BATCH);
+            if batch < world as u64 {
+                return Err(format!(
+                    "batch {batch} leaves ranks of a world of {world} without data"
+                ));
+            }
+        } else if self.batch.is_some() {
+            return Err("batch is the Python trainer's: it needs script".into());
+        }
         for (i, fault) in self.faults.iter().enumerate() {
             let at = |what: String| Err(format!("fault {} ({}): {what}", i + 1, fault.kind.name()));
-            match (fault.at_step, fault.at_ms) {
-                (None, None) => return at("needs at_step or at_ms".into()),
-                (Some(_), Some(_)) => return at("at_step or at_ms, not both".into()),
-                (Some(s), None) if s == 0 || s >= self.steps => {
-                    return at(format!("at_step {s} must be in 1..{}", self.steps));
-                }
-                (None, Some(_))
-                    if matches!(fault.kind, FaultKind::DeviceError | FaultKind::KillInSave) =>
-                {
-                    return at("is set off by the trainer at a step: needs at_step".into());
-                }
-                _ => {}
+            let triggers = [fault.at_step, fault.at_ms, fault.at_save];
+            match triggers.iter().filter(|t| t.is_some()).count() {
+                0 => return at("needs at_step, at_ms or at_save".into()),
+                1 => {}
+                _ => return at("one of at_step, at_ms and at_save, not several".into()),
+            }
+            if let Some(s) = fault.at_step
+                && (s == 0 || s >= self.steps)
+            {
+                return at(format!("at_step {s} must be in 1..{}", self.steps));
+            }
+            if let Some(s) = fault.at_save
+                && (s == 0 || s >= self.steps || s % self.ckpt_every != 0)
+            {
+                return at(format!(
+                    "at_save {s} must be a step that is saved before the last: a multiple of ckpt_every {} below {}",
+                    self.ckpt_every, self.steps
+                ));
+            }
+            if fault.at_step.is_none()
+                && matches!(fault.kind, FaultKind::DeviceError | FaultKind::KillInSave)
+            {
+                return at("is set off by the trainer at a step: needs at_step".into());
+            }
+            if self.script.is_some()
+                && matches!(fault.kind, FaultKind::DeviceError | FaultKind::KillInSave)
+            {
+                return at(format!(
+                    "needs the failpoints of ckpt-train ({}), which the Python trainer (script) does not have{}",
+                    if fault.kind == FaultKind::DeviceError {
+                        "--fault-device-error"
+                    } else {
+                        "--fault-save-stage"
+                    },
+                    if fault.kind == FaultKind::KillInSave {
+                        "; a kill fault with at_save kills a rank while a save is in flight"
+                    } else {
+                        ""
+                    }
+                ));
             }
             let once = |kind: FaultKind| self.faults.iter().filter(|f| f.kind == kind).count() == 1;
             let needs = |what: &str| at(format!("needs {what}"));
@@ -549,5 +632,57 @@ mod tests {
             let e = s.validate().unwrap_err();
             assert!(e.contains(why), "{e}");
         }
+    }
+
+    #[test]
+    fn a_python_trainer_refuses_what_only_ckpt_train_has() {
+        let python = KILL.replace(
+            "min_ranks = 2",
+            "min_ranks = 2\nscript = \"python/examples/train_gpt.py\"",
+        );
+        let s = Scenario::parse(&python).unwrap();
+        s.validate().unwrap();
+        assert_eq!(s.batch(), DEFAULT_BATCH);
+        assert_eq!(Scenario::parse(&s.to_toml()).unwrap(), s);
+        for (from, to, why) in [
+            (
+                "kind = \"kill\"",
+                "kind = \"device-error\"",
+                "--fault-device-error",
+            ),
+            (
+                "kind = \"kill\"",
+                "kind = \"kill-in-save\"\nstage = \"during-staging\"",
+                "--fault-save-stage",
+            ),
+            (
+                "ckpt_every = 5",
+                "ckpt_every = 5\nstep_pause_ms = 30",
+                "step_pause_ms",
+            ),
+            (
+                "ckpt_every = 5",
+                "ckpt_every = 5\nmemory_copies = false",
+                "memory_copies",
+            ),
+            (
+                "ckpt_every = 5",
+                "ckpt_every = 5\npreset = \"small\"",
+                "preset",
+            ),
+            ("ckpt_every = 5", "ckpt_every = 5\nbatch = 3", "batch 3"),
+            ("at_step = 12", "at_save = 12", "at_save 12"),
+            ("at_step = 12", "at_step = 12\nat_save = 10", "not several"),
+        ] {
+            let s = Scenario::parse(&python.replace(from, to)).unwrap();
+            let e = s.validate().unwrap_err();
+            assert!(e.contains(why), "{from} -> {to}: {e}");
+        }
+        let save = Scenario::parse(&python.replace("at_step = 12", "at_save = 10")).unwrap();
+        save.validate().unwrap();
+        // batch belongs to the Python trainer.
+        let s =
+            Scenario::parse(&KILL.replace("ckpt_every = 5", "ckpt_every = 5\nbatch = 24")).unwrap();
+        assert!(s.validate().unwrap_err().contains("needs script"));
     }
 }

@@ -240,7 +240,40 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             ..Expect::default()
         },
         faults,
+        script: None,
+        batch: None,
     }
+}
+
+/// Run `run` of `seed` ([`draw`]) with the Python trainer `script` instead of
+/// `ckpt-train`: what only `ckpt-train` has is replaced by its nearest equivalent
+/// from outside. A device error becomes a kill of its rank at its step; a kill at a
+/// save stage becomes a kill of its rank while the save it aimed at is in flight
+/// (`at_save`); the pause per step goes (the Python steps are slower), and recovery
+/// is from the store (the Python trainer keeps no copies in memory).
+pub fn draw_for_script(seed: u64, run: u64, script: &str) -> Scenario {
+    let mut scenario = draw(seed, run);
+    scenario.script = Some(script.into());
+    scenario.step_pause_ms = 0;
+    scenario.memory_copies = true;
+    let (every, steps) = (scenario.ckpt_every, scenario.steps);
+    for fault in &mut scenario.faults {
+        match fault.kind {
+            FaultKind::DeviceError => fault.kind = FaultKind::Kill,
+            FaultKind::KillInSave => {
+                let at = fault.at_step.unwrap_or(1);
+                let save = at.div_ceil(every) * every;
+                fault.kind = FaultKind::Kill;
+                fault.stage = None;
+                if save < steps {
+                    fault.at_step = None;
+                    fault.at_save = Some(save);
+                }
+            }
+            _ => {}
+        }
+    }
+    scenario
 }
 
 #[cfg(test)]
@@ -264,5 +297,17 @@ mod tests {
             "every fault kind but a lost part is drawn: {kinds:?}"
         );
         assert_ne!(draw(42, 0), draw(43, 0));
+    }
+
+    #[test]
+    fn draws_for_a_python_script_are_valid() {
+        let script = "python/examples/train_gpt.py";
+        for run in 0..300 {
+            let s = draw_for_script(42, run, script);
+            s.validate()
+                .unwrap_or_else(|e| panic!("run {run}: {e}\n{}", s.to_toml()));
+            assert_eq!(s.script.as_deref(), Some(script));
+            assert_eq!(Scenario::parse(&s.to_toml()).unwrap(), s);
+        }
     }
 }

@@ -41,6 +41,21 @@ fn trainer() -> PathBuf {
     dir.join("ckpt-train")
 }
 
+/// The capability the Python-trainer scenarios need, by its name in `CKPT_REQUIRE`: a
+/// Python (`CKPT_PYTHON`, else `python3`) that imports torch and the `ckpt` package
+/// (`pip install ./python`, or `PYTHONPATH=python` with the extension built).
+const TORCH: &str = "torch";
+
+/// Whether `CKPT_REQUIRE` names `capability` (or says `all`): then a missing one
+/// fails instead of skipping (ckpt-testkit's policy).
+fn required(capability: &str) -> bool {
+    std::env::var("CKPT_REQUIRE").is_ok_and(|list| {
+        list.split(',')
+            .map(str::trim)
+            .any(|item| item == "all" || item == capability)
+    })
+}
+
 /// One test per scenario file, named after it (`-` as `_`): a failure names its
 /// scenario, and `cargo test --test scenarios scenario::kill_node` runs one (the
 /// prefix `scenario::` runs the whole set). `every_scenario_file_has_a_test` fails
@@ -82,6 +97,12 @@ scenario_tests![
     node_back_after_the_job_finished,
     node_back_while_the_coordinator_restarts,
     partition_node,
+    python_kill_during_save,
+    python_kill_node,
+    python_kill_one_rank,
+    python_partition_node,
+    python_stop_one_rank,
+    python_storage_s3_faults,
     stop_one_rank,
     storage_reset_fails_a_save,
     storage_s3_faults,
@@ -156,6 +177,21 @@ fn the_scenario_passes(test: &str) {
         // every scenario runs.
         // The one skip policy: a failure where CKPT_REQUIRE names the capability.
         let why = run["reasons"].to_string();
+        if why.contains("no Python with torch") {
+            // The Python-trainer scenarios (`script`): ckpt-testkit's Capability has
+            // no tier for them; the same policy under the name `torch`.
+            let missing = format!("scenario {}: {why}", run["scenario"]);
+            assert!(
+                !required(TORCH),
+                "{} needs {TORCH} (required by CKPT_REQUIRE): {missing}",
+                std::thread::current().name().unwrap_or("this test")
+            );
+            eprintln!(
+                "SKIPPED: {} needs {TORCH}: {missing}",
+                std::thread::current().name().unwrap_or("this test")
+            );
+            return;
+        }
         // What the harness skips for (chaos/src/env.rs): no S3 server, no etcd binary,
         // no tmpfs mount (root), no network namespaces.
         let capability = if why.contains("S3") {
@@ -189,6 +225,10 @@ fn the_scenario_passes(test: &str) {
         j["detected"].as_u64().unwrap() + j["superseded"].as_u64().unwrap(),
         "{run:#}"
     );
+    // The Python trainer's: every commit's data cursors were checked.
+    if Scenario::load(&file).unwrap().script.is_some() {
+        assert_eq!(j["cursors_checked"], j["commits"], "{run:#}");
+    }
     assert!(output.status.success(), "{run:#}");
 }
 
@@ -240,7 +280,7 @@ fn a_corrupted_checkpoint_is_caught_by_the_oracle() {
     std::fs::write(&data, bytes).unwrap();
     let seen = Default::default();
     let store = ckpt::storage::Store::from_url(&oracle::file_url(&run)).unwrap();
-    let j = oracle::judge(&store, &seen, &[], &reference, scenario.steps);
+    let j = oracle::judge(&store, &seen, &[], Some(&reference), scenario.steps);
     assert!(j.verified < j.commits, "{j:?}");
     assert!(
         j.problems.iter().any(|p| p.contains("does not verify")),
