@@ -627,28 +627,19 @@ def _generations(
         formed = time.monotonic()
         try:
             sockets = _form_group(agent, a, backend, timeout)
+            if backend == "gloo":
+                agent.guard_sockets(generation, sockets)
+            if copies is not None:
+                # Who holds which copies, and where their servers are.
+                ctx._copies, ctx._table = copies, _holdings(ctx, copies)
         except Exception as e:  # noqa: BLE001 (any failure to form ends the generation)
             _teardown(agent, generation, True, backend)
             if not agent.is_cancelled():
-                agent.report("collective_failed", reason=f"process group: {e}")
+                agent.report("collective_failed", reason=f"forming the generation: {_brief(e)}")
             if _left(agent, member):
                 return 1
             previous = {"noticed": time.time(), "aborted": time.time()}
             continue
-        if backend == "gloo":
-            agent.guard_sockets(generation, sockets)
-        if copies is not None:
-            try:
-                # Who holds which copies, and where their servers are.
-                ctx._copies, ctx._table = copies, _holdings(ctx, copies)
-            except Exception as e:  # noqa: BLE001 (this generation is over already)
-                _teardown(agent, generation, True, backend)
-                if not agent.is_cancelled():
-                    agent.report("collective_failed", reason=f"holdings: {_brief(e)}")
-                if _left(agent, member):
-                    return 1
-                previous = {"noticed": time.time(), "aborted": time.time()}
-                continue
         group_s = time.monotonic() - formed
         ctx._timing["start"] = formed
         done = threading.Event()
