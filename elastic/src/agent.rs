@@ -392,8 +392,10 @@ mod tests {
             self.lock().assignment = Some(Assignment {
                 generation,
                 rank: 0,
+                ranks: 1,
                 world_size: 1,
-                members: Vec::new(),
+                members: 1,
+                roster: 0,
                 checkpoint_generation_floor: 0,
                 cause: "test".into(),
             });

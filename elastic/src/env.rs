@@ -114,6 +114,7 @@ impl RankEnv {
                 id: env("CKPT_MEMBER_ID").unwrap_or_else(|| format!("{ip}-{}", std::process::id())),
                 host: ip.to_string(),
                 node: env("CKPT_NODE_ID").unwrap_or_else(|| ip.to_string()),
+                ranks: 1,
             },
             rdzv,
             etcd_lease,

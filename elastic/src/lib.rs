@@ -123,6 +123,72 @@ pub struct Member {
     pub host: String,
     /// The node (machine) the member runs on: ranks of one node are contiguous.
     pub node: String,
+    /// How many ranks this member holds: 1 for a rank process of its own; a node's
+    /// launcher joins the control plane as one member holding its node's ranks, so
+    /// that the control plane's load grows with nodes, not ranks.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub ranks: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
+impl Member {
+    /// A member holding one rank.
+    pub fn new(
+        job: impl Into<String>,
+        id: impl Into<String>,
+        host: impl Into<String>,
+        node: impl Into<String>,
+    ) -> Member {
+        Member {
+            job: job.into(),
+            id: id.into(),
+            host: host.into(),
+            node: node.into(),
+            ranks: 1,
+        }
+    }
+}
+
+/// The first rank of each of `members` (in rank order), and the world size after
+/// them: a member's ranks follow those of the members before it.
+pub fn first_ranks(members: &[Member]) -> (Vec<usize>, usize) {
+    let mut next = 0usize;
+    let firsts = members
+        .iter()
+        .map(|m| {
+            let first = next;
+            next = next.saturating_add(m.ranks);
+            first
+        })
+        .collect();
+    (firsts, next)
+}
+
+/// A fingerprint of a generation's membership: its members' ids and rank counts, in
+/// rank order (64-bit FNV-1a, the same in every process and build). Members compare
+/// it instead of carrying the list of every member, which at thousands of nodes
+/// would make every assignment a large message.
+pub fn roster_digest<'a>(members: impl IntoIterator<Item = (&'a str, usize)>) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for (id, ranks) in members {
+        eat(&(id.len() as u64).to_le_bytes());
+        eat(id.as_bytes());
+        eat(&(ranks as u64).to_le_bytes());
+    }
+    hash
 }
 
 /// One generation as this member sees it.
@@ -130,12 +196,19 @@ pub struct Member {
 pub struct Assignment {
     /// Strictly increasing, also across coordinator restarts.
     pub generation: u64,
-    /// This member's rank: contiguous `0..world_size`, members sorted by `(node, id)`.
+    /// This member's (first) rank: members sorted by `(node, id)` hold contiguous
+    /// blocks of `0..world_size`.
     pub rank: usize,
-    /// Members in this generation.
+    /// How many ranks this member holds, from `rank` on (its [`Member::ranks`]).
+    #[serde(default = "one")]
+    pub ranks: usize,
+    /// Ranks in this generation: the sum of its members' ranks.
     pub world_size: usize,
-    /// The members, index = rank.
-    pub members: Vec<Member>,
+    /// Members (rank processes, or nodes) in this generation.
+    pub members: usize,
+    /// [`roster_digest`] of the generation's members in rank order: two members hold
+    /// the same view of a generation when their numbers and digests agree.
+    pub roster: u64,
     /// Every checkpoint saved in this generation must use a checkpoint generation >=
     /// this (the max checkpoint generation any member ever reported + 1, see
     /// [`Progress`]).

@@ -21,6 +21,7 @@
 //! one, each etcd agent one of its own; any agent's proposal is valid, and the
 //! transaction picks one).
 
+use std::collections::HashSet;
 use std::fmt::Display;
 use std::time::{Duration, Instant};
 
@@ -30,9 +31,9 @@ use crate::{Member, Progress, Report};
 /// What the policy decides with: the size bounds of a generation and the windows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Policy {
-    /// Fewest members of a generation.
+    /// Fewest ranks of a generation (the sum of its members' [`Member::ranks`]).
     pub min_ranks: usize,
-    /// Most members of a generation; more wait.
+    /// Most ranks of a generation; members that would exceed it wait.
     pub max_ranks: usize,
     /// The formation and failure windows.
     pub timeouts: Timeouts,
@@ -123,7 +124,7 @@ pub enum Action {
 pub struct Standing<'a> {
     /// Its number.
     pub generation: u64,
-    /// Its members now (members that left on purpose are no longer counted).
+    /// Its ranks now (members that left on purpose are no longer counted).
     pub world_size: usize,
     /// Why a regroup was asked, once it was.
     pub regroup: Option<&'a str>,
@@ -198,8 +199,14 @@ impl Policy {
     /// - Either way it needs `min_ranks` members; below that for the rendezvous
     ///   timeout, the job is shut down.
     pub fn decide(&self, between: &Between<'_>, timers: &mut Timers, now: Instant) -> Decision {
-        let waiting = between.waiting.len();
-        let asked = |id: &str| between.waiting.iter().any(|c| c.member.id == id);
+        // Sizes count ranks: a member may hold several (a node's launcher).
+        let waiting: usize = between.waiting.iter().map(|c| c.member.ranks).sum();
+        let asked: HashSet<&str> = between
+            .waiting
+            .iter()
+            .map(|c| c.member.id.as_str())
+            .collect();
+        let asked = |id: &str| asked.contains(id);
         let (ready, late) = match between.survivors {
             None if waiting < self.min_ranks => {
                 timers.min_since = None;
@@ -226,7 +233,7 @@ impl Policy {
             let limit = self.timeouts.rendezvous_timeout;
             if now.saturating_duration_since(since) >= limit {
                 Action::ShutDown(format!(
-                    "only {waiting} of at least {} members for {} s",
+                    "only {waiting} of at least {} ranks for {} s",
                     self.min_ranks,
                     limit.as_secs_f64()
                 ))
@@ -244,14 +251,27 @@ impl Policy {
         Decision { late, action }
     }
 
-    /// Who gets the places: the survivors first, then by arrival, at most
-    /// `max_ranks`; ranks follow `(node, id)`, so a node's ranks are neighbours.
+    /// Who gets the places: the survivors first, then by arrival, while the ranks
+    /// they hold fit in `max_ranks` (a member that does not fit waits, and a smaller
+    /// one after it may still take the places left); ranks follow `(node, id)`, so a
+    /// node's ranks are neighbours.
     fn choose(&self, between: &Between<'_>) -> Vec<Member> {
-        let survivor = |id: &str| between.survivors.is_some_and(|s| s.iter().any(|x| x == id));
+        let survivors: HashSet<&str> = between
+            .survivors
+            .unwrap_or_default()
+            .iter()
+            .map(String::as_str)
+            .collect();
         let mut order: Vec<&Candidate<'_>> = between.waiting.iter().collect();
-        order.sort_by_key(|c| (!survivor(&c.member.id), c.arrival));
-        order.truncate(self.max_ranks);
-        let mut members: Vec<Member> = order.iter().map(|c| c.member.clone()).collect();
+        order.sort_by_key(|c| (!survivors.contains(c.member.id.as_str()), c.arrival));
+        let mut places = self.max_ranks;
+        let mut members: Vec<Member> = Vec::new();
+        for candidate in order {
+            if candidate.member.ranks <= places {
+                places -= candidate.member.ranks;
+                members.push(candidate.member.clone());
+            }
+        }
         rank_order(&mut members);
         members
     }
@@ -388,17 +408,22 @@ mod tests {
         }
     }
 
-    #[test]
-    fn survivors_take_the_places_before_earlier_newcomers_and_ranks_follow_node_then_id() {
-        let members: Vec<Member> = (0..4).map(member).collect();
-        let waiting: Vec<Candidate<'_>> = members
+    /// `members` asking for a generation, in this order.
+    fn in_arrival_order(members: &[Member]) -> Vec<Candidate<'_>> {
+        members
             .iter()
             .enumerate()
             .map(|(i, m)| Candidate {
                 member: m,
                 arrival: i as u64,
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn survivors_take_the_places_before_earlier_newcomers_and_ranks_follow_node_then_id() {
+        let members: Vec<Member> = (0..4).map(member).collect();
+        let waiting = in_arrival_order(&members);
         let survivors = ["m3".to_owned(), "m2".to_owned()];
         let between = Between {
             ended: 4,
@@ -413,6 +438,40 @@ mod tests {
         let ids: Vec<&str> = formed.iter().map(|m| m.id.as_str()).collect();
         // m2 and m3 survived; m0 arrived first of the newcomers; nodes n6 < n7 < n9.
         assert_eq!(ids, ["m3", "m2", "m0"]);
+    }
+
+    #[test]
+    fn sizes_count_ranks_and_a_member_that_does_not_fit_leaves_room_to_a_smaller_one() {
+        let sized = |i: usize, ranks: usize| Member { ranks, ..member(i) };
+        let members = [sized(0, 8), sized(1, 8), sized(2, 2)];
+        let waiting = in_arrival_order(&members);
+        let between = Between {
+            ended: 0,
+            survivors: None,
+            waiting: &waiting,
+        };
+        let t0 = Instant::now();
+        // 18 ranks wait, more than the 12 that fit, so it forms at once: m0 (8) takes
+        // its places, m1 (8) does not fit, m2 (2) does. Nodes n7 (m2) < n9 (m0).
+        let Action::Form(formed) = policy(10, 12)
+            .decide(&between, &mut Timers::default(), t0)
+            .action
+        else {
+            panic!("not formed");
+        };
+        let ids: Vec<&str> = formed.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["m2", "m0"]);
+        // Three members holding 18 ranks are too few for a minimum of 19.
+        let below = policy(19, 32).decide(&between, &mut Timers::default(), t0);
+        assert_eq!(below.action, Action::Wait);
+        let limit = t0 + Timeouts::DEFAULT.rendezvous_timeout;
+        let mut timers = Timers::default();
+        policy(19, 32).decide(&between, &mut timers, t0);
+        let Action::ShutDown(reason) = policy(19, 32).decide(&between, &mut timers, limit).action
+        else {
+            panic!("not shut down");
+        };
+        assert!(reason.contains("only 18 of at least 19 ranks"), "{reason}");
     }
 
     #[test]

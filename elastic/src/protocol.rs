@@ -221,12 +221,7 @@ mod tests {
     use super::*;
 
     fn member() -> Member {
-        Member {
-            job: "job".into(),
-            id: "a".into(),
-            host: "127.0.0.1".into(),
-            node: "n0".into(),
-        }
+        Member::new("job", "a", "127.0.0.1", "n0")
     }
 
     #[test]

@@ -387,7 +387,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         formed: &[(0, &[0, 1], "initial")],
         told: &[
             (0, Restart(1)),
-            (0, Shutdown("only 1 of at least 2 members for 10 s")),
+            (0, Shutdown("only 1 of at least 2 ranks for 10 s")),
         ],
     },
     Scenario {
@@ -432,8 +432,11 @@ struct Doing {
 struct Formed {
     /// When the first member was told (ms).
     ms: u64,
-    /// Member numbers in rank order.
-    members: Vec<usize>,
+    /// Rank -> member number, as each member was told.
+    members: BTreeMap<usize, usize>,
+    /// What every member must have been told alike: world size, member count,
+    /// roster digest.
+    view: (usize, usize, u64),
     cause: String,
 }
 
@@ -496,26 +499,33 @@ impl<B: Backend> Run<B> {
     fn take(&mut self, i: usize, told: Told, ms: u64) {
         match told {
             Told::Assigned(a) => {
-                let ids: Vec<usize> = a.members.iter().map(|m| index(&m.id)).collect();
-                if ids.get(a.rank) != Some(&i) || a.world_size != ids.len() {
+                let view = (a.world_size, a.members, a.roster);
+                let entry = self
+                    .transcript
+                    .formed
+                    .entry(a.generation)
+                    .or_insert_with(|| Formed {
+                        ms,
+                        members: BTreeMap::new(),
+                        view,
+                        cause: a.cause.clone(),
+                    });
+                if entry.view != view || entry.cause != a.cause {
+                    self.transcript.broken.push(format!(
+                        "generation {} told differently: {:?} ({}) and {view:?} ({})",
+                        a.generation, entry.view, entry.cause, a.cause
+                    ));
+                }
+                if a.ranks != 1 || a.rank >= a.world_size {
                     self.transcript
                         .broken
-                        .push(format!("m{i} assigned a rank that is not its own: {a:?}"));
+                        .push(format!("m{i} assigned a block that is not one rank: {a:?}"));
                 }
-                let entry = Formed {
-                    ms,
-                    members: ids,
-                    cause: a.cause.clone(),
-                };
-                match self.transcript.formed.get(&a.generation) {
-                    Some(seen) if *seen != entry => self.transcript.broken.push(format!(
-                        "generation {} told differently: {seen:?} and {entry:?}",
-                        a.generation
-                    )),
-                    Some(_) => {}
-                    None => {
-                        self.transcript.formed.insert(a.generation, entry);
-                    }
+                if let Some(other) = entry.members.insert(a.rank, i).filter(|&j| j != i) {
+                    self.transcript.broken.push(format!(
+                        "rank {} of generation {} told to m{other} and m{i}",
+                        a.rank, a.generation
+                    ));
                 }
                 self.members.entry(i).or_default().generation = a.generation;
             }
@@ -687,7 +697,20 @@ fn differences(scenario: &Scenario, transcript: &Transcript) -> Vec<String> {
         if generation != n as u64 + 1 {
             wrong.push(format!("generation {generation} formed in place {}", n + 1));
         }
-        let Formed { ms, members, cause } = got;
+        let Formed {
+            ms,
+            members,
+            view,
+            cause,
+        } = got;
+        let members: Vec<usize> = members.values().copied().collect();
+        let ids: Vec<String> = members.iter().map(|i| format!("m{i}")).collect();
+        let roster = crate::roster_digest(ids.iter().map(|id| (id.as_str(), 1)));
+        if *view != (members.len(), members.len(), roster) {
+            wrong.push(format!(
+                "generation {generation}: ranks {members:?} told, but the view {view:?} says otherwise"
+            ));
+        }
         if ms != want_ms || members.as_slice() != *want_members || !cause.contains(words) {
             wrong.push(format!(
                 "generation {generation} formed at {ms} ms of {members:?} ({cause}); the table says at {want_ms} ms of {want_members:?} ({words}…)"

@@ -4,10 +4,5 @@ use crate::Member;
 
 /// Member `m{i}` of `job` on `node` (its host is loopback).
 pub(crate) fn member(job: &str, i: usize, node: impl Into<String>) -> Member {
-    Member {
-        job: job.into(),
-        id: format!("m{i}"),
-        host: "127.0.0.1".into(),
-        node: node.into(),
-    }
+    Member::new(job, format!("m{i}"), "127.0.0.1", node)
 }

@@ -70,8 +70,12 @@ fn concurrent_members_converge_on_one_generation_and_its_keys() {
     let assignments = rendezvous_all(&planes, 0);
     for (i, a) in assignments.iter().enumerate() {
         assert_eq!(a.generation, assignments[0].generation);
-        assert_eq!(a.members, assignments[0].members, "one world for all");
-        assert_eq!(a.members[a.rank].id, format!("m{i}"));
+        assert_eq!(
+            (a.members, a.roster),
+            (assignments[0].members, assignments[0].roster),
+            "one world for all"
+        );
+        assert_eq!(a.rank, i, "m{i} holds rank {i}: nodes n0, n0, n1, n1");
     }
     assert_eq!(assignments[0].world_size, 4);
     let g = assignments[0].generation;

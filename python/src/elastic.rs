@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use ckpt_elastic::{Assignment, Directive, ElasticError as Error, RankEnv, Report};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyDict;
 
 use super::ElasticError;
 
@@ -138,8 +138,9 @@ impl Agent {
 
     /// Blocks (GIL released) until a generation newer than the last one includes this
     /// member; returns it as a dict: `generation`, `rank`, `world_size`, `members`
-    /// (ids, index = rank), `hosts`, `checkpoint_generation_floor`, `cause` and
-    /// `run_id` (the run id this generation saves under). Raises `ElasticError`
+    /// (how many members: rank processes, or nodes), `checkpoint_generation_floor`,
+    /// `cause` and `run_id` (the run id this generation saves under). Raises
+    /// `ElasticError`
     /// (`kind` "shutdown" when the job is over).
     fn rendezvous<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let assignment = py.detach(|| self.agent.rendezvous()).map_err(to_py)?;
@@ -147,7 +148,7 @@ impl Agent {
         let generation = assignment.generation;
         self.agent
             .set_abort_hook(Box::new(move || aborted.fire(generation)));
-        assignment_dict(py, &assignment)
+        assignment_dict(py, &assignment, &self.env.member.job)
     }
 
     /// Blocks (GIL released) until this member's generation `generation` is aborted
@@ -328,22 +329,18 @@ fn socket_of(fd: i32) -> Option<(bool, u64)> {
     Some((ok && listening != 0, stat.st_ino))
 }
 
-fn assignment_dict<'py>(py: Python<'py>, a: &Assignment) -> PyResult<Bound<'py, PyDict>> {
+fn assignment_dict<'py>(
+    py: Python<'py>,
+    a: &Assignment,
+    job: &str,
+) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
     out.set_item("generation", a.generation)?;
     out.set_item("rank", a.rank)?;
     out.set_item("world_size", a.world_size)?;
-    out.set_item(
-        "members",
-        PyList::new(py, a.members.iter().map(|m| m.id.as_str()))?,
-    )?;
-    out.set_item(
-        "hosts",
-        PyList::new(py, a.members.iter().map(|m| m.host.as_str()))?,
-    )?;
+    out.set_item("members", a.members)?;
     out.set_item("checkpoint_generation_floor", a.checkpoint_generation_floor)?;
     out.set_item("cause", &a.cause)?;
-    let job = a.members.get(a.rank).map_or("job", |m| m.job.as_str());
     out.set_item(
         "run_id",
         ckpt_elastic::env::run_id(job, a.generation, ckpt::attempt::MAX_RUN_ID_LEN),

@@ -194,10 +194,12 @@ struct Previous {
     aborted_ms: u128,
 }
 
-/// Runs this rank's generations until the job ends for it. `ip` is where its ring
-/// listener binds; `stop` is the signal flag.
+/// Runs this rank's generations until the job ends for it. `job` names the job's
+/// run ids; `ip` is where its ring listener binds; `stop` is the signal flag.
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     agent: &Agent,
+    job: &str,
     runtime: &tokio::runtime::Handle,
     store: Option<&Store>,
     config: &TrainConfig,
@@ -327,7 +329,7 @@ pub fn run(
             generation_config.rot_copy = None;
             generation_config.save_stage = None;
         }
-        generation_config.run_id = Some(run_id(&assignment.members[rank].job, generation));
+        generation_config.run_id = Some(run_id(job, generation));
         first = false;
         let started = Instant::now();
         let mut stats = Stats::default();

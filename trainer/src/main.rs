@@ -680,6 +680,7 @@ fn run_elastic_rank(
     };
     match elastic_rank::run(
         &agent,
+        &member.job,
         runtime.handle(),
         store,
         config,

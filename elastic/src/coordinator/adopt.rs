@@ -14,7 +14,7 @@ use tracing::info;
 
 use super::Event;
 use super::core::{ConnId, Core, Phase, Running};
-use crate::{Assignment, Directive, Member};
+use crate::{Assignment, Directive, Member, roster_digest};
 
 impl Core {
     /// While settling: adopts the newest claimed generation once all its members are
@@ -37,14 +37,36 @@ impl Core {
         let Some(&(_, first)) = claimants.first() else {
             return;
         };
-        let complete = claimants.len() == first.members.len()
-            && claimants
-                .iter()
-                .all(|(_, claim)| claim.members == first.members);
-        if !complete {
+        if claimants.len() != first.members
+            || !claimants.iter().all(|(_, claim)| same_view(claim, first))
+        {
             return;
         }
-        let ids: Vec<String> = first.members.iter().map(|m| m.id.clone()).collect();
+        // The claims agree on the numbers; the generation is whole when their blocks
+        // of ranks tile `0..world_size` and the claimants' ids give the digest.
+        let mut seats: Vec<(usize, String, usize)> = claimants
+            .iter()
+            .filter_map(|&(c, claim)| {
+                Some((claim.rank, self.conns.get(&c)?.id().to_owned(), claim.ranks))
+            })
+            .collect();
+        seats.sort();
+        let mut next = 0usize;
+        for (rank, _, ranks) in &seats {
+            if *rank != next {
+                return;
+            }
+            next = next.saturating_add(*ranks);
+        }
+        let digest = roster_digest(seats.iter().map(|(_, id, ranks)| (id.as_str(), *ranks)));
+        if next != first.world_size || digest != first.roster {
+            return;
+        }
+        let seats: Vec<(String, usize)> = seats
+            .into_iter()
+            .map(|(_, id, ranks)| (id, ranks))
+            .collect();
+        let ids: Vec<String> = seats.iter().map(|(id, _)| id.clone()).collect();
         let adopted: Vec<ConnId> = claimants.iter().map(|&(c, _)| c).collect();
         let older: Vec<(ConnId, u64)> = self
             .conns
@@ -72,7 +94,7 @@ impl Core {
             at: SystemTime::now(),
         });
         self.cause = cause;
-        self.phase = Phase::Running(Running::new(newest_claim, ids));
+        self.phase = Phase::Running(Running::new(newest_claim, seats));
         for (c, generation) in older {
             if let Some(conn) = self.conns.get_mut(&c) {
                 conn.claim = None;
@@ -131,10 +153,21 @@ impl Core {
     }
 }
 
-/// True when `claim` is internally consistent and names `member` at its rank.
+/// True when `claim` is internally consistent and fits `member`: its block of ranks
+/// is `member`'s size and lies inside the world.
 pub(super) fn claim_is_coherent(claim: &Assignment, member: &Member) -> bool {
     claim.generation > 0
-        && claim.world_size == claim.members.len()
-        && claim.members.get(claim.rank).map(|m| &m.id) == Some(&member.id)
-        && claim.members.iter().all(|m| m.job == member.job)
+        && claim.ranks == member.ranks
+        && claim.members >= 1
+        && claim.members <= claim.world_size
+        && claim
+            .rank
+            .checked_add(claim.ranks)
+            .is_some_and(|end| end <= claim.world_size)
+}
+
+/// Whether two claims describe the same generation.
+fn same_view(a: &Assignment, b: &Assignment) -> bool {
+    (a.generation, a.world_size, a.members, a.roster)
+        == (b.generation, b.world_size, b.members, b.roster)
 }

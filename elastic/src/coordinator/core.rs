@@ -21,7 +21,7 @@ use crate::policy::{
     job_finished, lost_member, withdrawal,
 };
 use crate::protocol::{self, ClientMessage, ServerMessage};
-use crate::{Assignment, Directive, Member, Progress, Report};
+use crate::{Assignment, Directive, Member, Progress, Report, roster_digest};
 
 /// Connections served at once; more are refused with an error line.
 const MAX_CONNECTIONS: usize = 1024;
@@ -32,6 +32,8 @@ const MAX_KEYS: usize = 4096;
 const MAX_GENERATION: u64 = 1 << 53;
 /// Longest member id accepted.
 const MAX_ID: usize = 256;
+/// Most ranks one member may hold (a node's launcher holds its node's ranks).
+const MAX_RANKS_PER_MEMBER: usize = 1 << 16;
 /// Events kept for [`CoordinatorHandle::events`](super::CoordinatorHandle::events).
 const MAX_EVENTS: usize = 4096;
 
@@ -79,8 +81,14 @@ impl Conn {
 
 pub(super) struct Running {
     pub(super) generation: u64,
-    /// Member ids, index = rank.
+    /// Member ids in rank order (members that left on purpose are removed).
     pub(super) members: Vec<String>,
+    /// Each member's first rank and rank count, as formed.
+    pub(super) seats: HashMap<String, (usize, usize)>,
+    /// Ranks, members and [`roster_digest`] as formed: what every assignment says.
+    pub(super) world_size: usize,
+    pub(super) member_count: usize,
+    pub(super) roster: u64,
     /// Why a regroup was asked, once it was.
     pub(super) regroup: Option<String>,
     /// Why the last member that left on purpose left.
@@ -92,22 +100,68 @@ pub(super) struct Running {
 }
 
 impl Running {
-    /// A generation that just formed (or was adopted).
-    pub(super) fn new(generation: u64, members: Vec<String>) -> Running {
+    /// A generation that just formed (or was adopted): `seats` are its members' ids
+    /// and rank counts, in rank order.
+    pub(super) fn new(generation: u64, seats: Vec<(String, usize)>) -> Running {
+        let roster = roster_digest(seats.iter().map(|(id, ranks)| (id.as_str(), *ranks)));
+        let mut first = 0usize;
+        let mut placed = HashMap::with_capacity(seats.len());
+        for (id, ranks) in &seats {
+            placed.insert(id.clone(), (first, *ranks));
+            first = first.saturating_add(*ranks);
+        }
         Running {
             generation,
-            members,
+            members: seats.into_iter().map(|(id, _)| id).collect(),
+            member_count: placed.len(),
+            seats: placed,
+            world_size: first,
+            roster,
             regroup: None,
             left: None,
             at_boundary: false,
         }
     }
 
+    /// `id`'s first rank, when it is a member.
+    pub(super) fn rank_of(&self, id: &str) -> Option<usize> {
+        self.seats.get(id).map(|&(first, _)| first)
+    }
+
+    /// `id`'s assignment, as formed.
+    pub(super) fn assignment_of(&self, id: &str, floor: u64, cause: &str) -> Option<Assignment> {
+        let &(rank, ranks) = self.seats.get(id)?;
+        Some(Assignment {
+            generation: self.generation,
+            rank,
+            ranks,
+            world_size: self.world_size,
+            members: self.member_count,
+            roster: self.roster,
+            checkpoint_generation_floor: floor,
+            cause: cause.to_owned(),
+        })
+    }
+
+    /// Whether `claim`, made by `id`, is this generation as formed.
+    pub(super) fn claimed_by(&self, id: &str, claim: &Assignment) -> bool {
+        claim.generation == self.generation
+            && self.seats.get(id) == Some(&(claim.rank, claim.ranks))
+            && claim.world_size == self.world_size
+            && claim.members == self.member_count
+            && claim.roster == self.roster
+    }
+
     /// Where it stands, for the policy.
     fn standing(&self) -> Standing<'_> {
         Standing {
             generation: self.generation,
-            world_size: self.members.len(),
+            world_size: self
+                .members
+                .iter()
+                .filter_map(|id| self.seats.get(id))
+                .map(|&(_, ranks)| ranks)
+                .sum(),
             regroup: self.regroup.as_deref(),
             left: self.left.as_deref(),
             at_boundary: self.at_boundary,
@@ -359,6 +413,11 @@ impl Core {
                 "member id must be 1 to {MAX_ID} bytes, got {}",
                 member.id.len()
             ))
+        } else if member.ranks == 0 || member.ranks > MAX_RANKS_PER_MEMBER {
+            Some(format!(
+                "member {:?} holds {} ranks; a member holds 1 to {MAX_RANKS_PER_MEMBER}",
+                member.id, member.ranks
+            ))
         } else {
             None
         };
@@ -371,8 +430,13 @@ impl Core {
                 self.error(
                     c,
                     &format!(
-                        "claimed generation {} does not list member {:?} at rank {}; claim ignored",
-                        claim.generation, member.id, claim.rank
+                        "claimed generation {} is not coherent with member {:?} (rank {}, {} of {} ranks, {} members); claim ignored",
+                        claim.generation,
+                        member.id,
+                        claim.rank,
+                        claim.ranks,
+                        claim.world_size,
+                        claim.members
                     ),
                     false,
                 );
@@ -392,14 +456,7 @@ impl Core {
         // first one's place only if it claims exactly the running generation.
         let reattach = match (&self.phase, &claim) {
             (Phase::Running(running), Some(claim)) => {
-                claim.generation == running.generation
-                    && running.members.get(claim.rank) == Some(&id)
-                    && claim.members.len() == running.members.len()
-                    && claim
-                        .members
-                        .iter()
-                        .zip(&running.members)
-                        .all(|(m, r)| &m.id == r)
+                running.members.contains(&id) && running.claimed_by(&id, claim)
             }
             _ => false,
         };
@@ -549,28 +606,19 @@ impl Core {
         let Phase::Running(running) = &self.phase else {
             return;
         };
-        let members: Vec<Member> = running
-            .members
-            .iter()
-            .filter_map(|id| self.conn_of(id))
-            .filter_map(|conn| self.conns.get(&conn)?.member.clone())
-            .collect();
-        let Some(member) = self.conns.get(&c).and_then(|conn| conn.member.clone()) else {
-            return;
-        };
-        if members.len() != running.members.len() {
+        if running.generation != generation
+            || running
+                .members
+                .iter()
+                .any(|id| !self.by_member.contains_key(id))
+        {
             return;
         }
-        let Some(rank) = members.iter().position(|m| m.id == member.id) else {
+        let Some(conn) = self.conns.get(&c) else {
             return;
         };
-        let assignment = Assignment {
-            generation,
-            rank,
-            world_size: members.len(),
-            members,
-            checkpoint_generation_floor: self.floor,
-            cause: self.cause.clone(),
+        let Some(assignment) = running.assignment_of(conn.id(), self.floor, &self.cause) else {
+            return;
         };
         self.send(c, &ServerMessage::Assigned { assignment });
     }
@@ -654,7 +702,7 @@ impl Core {
         }
         match &mut self.phase {
             Phase::Running(running) if in_it && running.generation == generation => {
-                let rank = running.members.iter().position(|m| *m == id).unwrap_or(0);
+                let rank = running.rank_of(&id).unwrap_or(0);
                 match policy.on_report(&id, rank, &report, &running.standing(), waiting) {
                     Effect::None | Effect::Finished { .. } => {}
                     Effect::Restart {
@@ -918,13 +966,16 @@ impl Core {
         };
         let decision = self.config.policy().decide(&between, &mut self.timers, now);
         let chosen: Vec<(Member, ConnId)> = match &decision.action {
-            Action::Form(members) => members
-                .iter()
-                .filter_map(|m| {
-                    let &(c, _, _) = waiting.iter().find(|(_, w, _)| w.id == m.id)?;
-                    Some((m.clone(), c))
-                })
-                .collect(),
+            Action::Form(members) => {
+                let conn_of: HashMap<&str, ConnId> = waiting
+                    .iter()
+                    .map(|&(c, member, _)| (member.id.as_str(), c))
+                    .collect();
+                members
+                    .iter()
+                    .filter_map(|m| Some((m.clone(), *conn_of.get(m.id.as_str())?)))
+                    .collect()
+            }
             Action::Wait | Action::ShutDown(_) => Vec::new(),
         };
         for id in &decision.late {
@@ -949,8 +1000,14 @@ impl Core {
         self.newest = generation;
         self.formed_any = true;
         let cause = std::mem::replace(&mut self.cause, "initial".into());
-        let members: Vec<Member> = chosen.iter().map(|(m, _)| m.clone()).collect();
-        for (rank, (_, c)) in chosen.iter().enumerate() {
+        let running = Running::new(
+            generation,
+            chosen
+                .iter()
+                .map(|(m, _)| (m.id.clone(), m.ranks))
+                .collect(),
+        );
+        for (member, c) in &chosen {
             if let Some(conn) = self.conns.get_mut(c) {
                 conn.wants = None;
                 conn.generation = Some(generation);
@@ -959,23 +1016,26 @@ impl Core {
                 conn.claim = None;
                 conn.stale_for = None;
             }
-            let assignment = Assignment {
-                generation,
-                rank,
-                world_size: members.len(),
-                members: members.clone(),
-                checkpoint_generation_floor: self.floor,
-                cause: cause.clone(),
-            };
-            self.send(*c, &ServerMessage::Assigned { assignment });
+            if let Some(assignment) = running.assignment_of(&member.id, self.floor, &cause) {
+                self.send(*c, &ServerMessage::Assigned { assignment });
+            }
         }
-        let ids: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
-        info!(
-            generation,
-            world_size = ids.len(),
-            members = ?ids,
-            "generation formed: {cause}"
-        );
+        let ids = running.members.clone();
+        if ids.len() <= 64 {
+            info!(
+                generation,
+                world_size = running.world_size,
+                members = ?ids,
+                "generation formed: {cause}"
+            );
+        } else {
+            info!(
+                generation,
+                world_size = running.world_size,
+                members = ids.len(),
+                "generation formed: {cause}"
+            );
+        }
         self.event(Event::Formed {
             generation,
             members: ids.clone(),
@@ -986,7 +1046,7 @@ impl Core {
         self.cause = cause;
         self.kv.clear();
         self.timers.running();
-        self.phase = Phase::Running(Running::new(generation, ids));
+        self.phase = Phase::Running(running);
     }
 
     pub(super) fn tick(&mut self, now: Instant) {

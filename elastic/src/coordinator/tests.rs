@@ -12,7 +12,7 @@ use crate::policy::Policy;
 use crate::protocol::{self, ClientMessage, ServerMessage};
 use crate::scenarios::{self, Backend, Told};
 use crate::testing;
-use crate::{Assignment, Directive, Member, Progress, Report};
+use crate::{Assignment, Directive, Member, Progress, Report, roster_digest};
 
 struct Harness {
     core: Core,
@@ -43,6 +43,19 @@ impl Harness {
     }
 
     fn hello(&mut self, i: usize, seen: u64, claim: Option<Assignment>, ms: u64) -> ConnId {
+        let outcome = self.hello_as(member(i), seen, claim, ms);
+        assert_eq!(outcome.1, Outcome::Welcomed);
+        outcome.0
+    }
+
+    /// A connection that says hello as `member`, and what the core made of it.
+    fn hello_as(
+        &mut self,
+        member: Member,
+        seen: u64,
+        claim: Option<Assignment>,
+        ms: u64,
+    ) -> (ConnId, Outcome) {
         let (tx, rx) = sync_channel(OUTBOX);
         let c = self
             .core
@@ -51,13 +64,12 @@ impl Harness {
         self.inboxes.insert(c, rx);
         let hello = ClientMessage::Hello {
             version: protocol::VERSION,
-            member: member(i),
+            member,
             seen,
             checkpoint_generation: 0,
             claim,
         };
-        assert_eq!(self.core.handle(c, hello, self.at(ms)), Outcome::Welcomed);
-        c
+        (c, self.core.handle(c, hello, self.at(ms)))
     }
 
     fn send(&mut self, c: ConnId, message: ClientMessage, ms: u64) {
@@ -94,13 +106,17 @@ impl Harness {
     }
 }
 
+/// The claim of the member at `rank` of generation `generation` of `ids` (one rank
+/// each, in rank order).
 fn claim(generation: u64, ids: &[usize], rank: usize) -> Assignment {
     let members: Vec<Member> = ids.iter().map(|&i| member(i)).collect();
     Assignment {
         generation,
         rank,
+        ranks: 1,
         world_size: members.len(),
-        members,
+        members: members.len(),
+        roster: roster_digest(members.iter().map(|m| (m.id.as_str(), m.ranks))),
         checkpoint_generation_floor: 3,
         cause: "initial".into(),
     }
@@ -210,7 +226,8 @@ fn a_generation_forms_when_the_last_call_after_min_ranks_ends() {
     assert_eq!((ra.generation, rb.generation), (1, 1));
     // Nodes are n9 (m0) and n8 (m1): m1 gets rank 0.
     assert_eq!((ra.rank, rb.rank), (1, 0));
-    assert_eq!(ra.members, vec![member(1), member(0)]);
+    assert_eq!(ra.members, 2);
+    assert_eq!(ra.roster, roster_digest([("m1", 1), ("m0", 1)]));
 }
 
 #[test]
@@ -460,4 +477,91 @@ impl Backend for Scenarios {
 #[test]
 fn the_shared_scenarios_hold_on_the_coordinator() {
     scenarios::check_all::<Scenarios>("coordinator");
+}
+
+/// A node's launcher holding `ranks` ranks, as one member.
+fn node(id: &str, node: &str, ranks: usize) -> Member {
+    Member {
+        ranks,
+        ..Member::new("job", id, "127.0.0.1", node)
+    }
+}
+
+#[test]
+fn members_holding_several_ranks_get_contiguous_blocks_and_sizes_count_ranks() {
+    // At least 10 ranks, at most 12: two nodes of 8 and 4 fill the world, and a
+    // single rank that asked after them waits.
+    let mut h = Harness::new(10, 12);
+    let (big, _) = h.hello_as(node("big", "n1", 8), 0, None, 0);
+    let (small, _) = h.hello_as(node("small", "n0", 4), 0, None, 0);
+    let (single, _) = h.hello_as(node("single", "n2", 1), 0, None, 0);
+    for c in [big, small, single] {
+        h.send(c, ClientMessage::Rendezvous { after: 0 }, 0);
+    }
+    // 13 ranks wait, more than the 12 that fit: it forms when settling ends.
+    h.core.tick(h.at(1000));
+    let (b, s) = (h.assigned(big).unwrap(), h.assigned(small).unwrap());
+    assert!(h.assigned(single).is_none(), "13 ranks do not fit in 12");
+    // Node n0 comes first: ranks 0..4, then n1's 4..12.
+    assert_eq!((s.rank, s.ranks, b.rank, b.ranks), (0, 4, 4, 8));
+    for a in [&s, &b] {
+        assert_eq!((a.world_size, a.members), (12, 2));
+        assert_eq!(a.roster, roster_digest([("small", 4), ("big", 8)]));
+    }
+    // The node of 8 is lost: 5 ranks remain, below the minimum of 10; nothing forms.
+    h.core.remove(big, "connection closed", h.at(1400));
+    assert!(h.received(small).iter().any(restart(b.generation)));
+    h.send(
+        small,
+        ClientMessage::Rendezvous {
+            after: b.generation,
+        },
+        1500,
+    );
+    h.core.tick(h.at(5000));
+    assert!(h.assigned(small).is_none() && h.assigned(single).is_none());
+}
+
+#[test]
+fn claims_of_several_ranks_are_adopted_only_when_their_blocks_tile_the_world() {
+    let roster = roster_digest([("a", 8), ("b", 4)]);
+    let claim_of = |rank: usize, ranks: usize| Assignment {
+        generation: 5,
+        rank,
+        ranks,
+        world_size: 12,
+        members: 2,
+        roster,
+        checkpoint_generation_floor: 1,
+        cause: "initial".into(),
+    };
+    // b claims a block that overlaps a's: no adoption.
+    let mut h = Harness::new(1, 16);
+    h.hello_as(node("a", "n0", 8), 5, Some(claim_of(0, 8)), 0);
+    h.hello_as(node("b", "n1", 4), 5, Some(claim_of(6, 4)), 0);
+    assert!(matches!(h.core.phase, Phase::Settling { .. }));
+    // The same with the right blocks is adopted.
+    let mut h = Harness::new(1, 16);
+    h.hello_as(node("a", "n0", 8), 5, Some(claim_of(0, 8)), 0);
+    h.hello_as(node("b", "n1", 4), 5, Some(claim_of(8, 4)), 0);
+    let Phase::Running(running) = &h.core.phase else {
+        panic!("not adopted");
+    };
+    assert_eq!((running.generation, running.world_size), (5, 12));
+    // A claim whose size is not the member's is ignored with an error.
+    let mut h = Harness::new(1, 16);
+    let (c, _) = h.hello_as(node("a", "n0", 4), 5, Some(claim_of(0, 8)), 0);
+    assert!(h.received(c).iter().any(
+        |m| matches!(m, ServerMessage::Error { message, fatal: false } if message.contains("not coherent"))
+    ));
+}
+
+#[test]
+fn a_member_holding_no_ranks_is_refused() {
+    let mut h = Harness::new(1, 4);
+    let (c, outcome) = h.hello_as(node("empty", "n0", 0), 0, None, 0);
+    assert!(matches!(outcome, Outcome::Close(reason) if reason.contains("holds 0 ranks")));
+    assert!(h.received(c).iter().any(
+        |m| matches!(m, ServerMessage::Error { message, fatal: true } if message.contains("holds 0 ranks"))
+    ));
 }

@@ -22,7 +22,7 @@ use crate::policy::{
     withdrawal,
 };
 use crate::timeouts::{Timeouts, millis, validate_ranks};
-use crate::{Assignment, CoordinatorConfig, Directive, Member, Report};
+use crate::{Assignment, CoordinatorConfig, Directive, Member, Report, roster_digest};
 
 /// The job's settings, published once under `config` (the first launcher's win).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -184,9 +184,15 @@ impl GenRecord {
         matches!(self.state, GenState::Running { .. })
     }
 
-    /// `id`'s rank in this generation.
+    /// `id`'s (first) rank in this generation.
     pub fn rank_of(&self, id: &str) -> Option<usize> {
-        self.members.iter().position(|m| m.id == id)
+        let at = self.members.iter().position(|m| m.id == id)?;
+        Some(self.members[..at].iter().map(|m| m.ranks).sum())
+    }
+
+    /// Ranks in this generation: the sum of its members' ranks.
+    pub fn world_size(&self) -> usize {
+        self.members.iter().map(|m| m.ranks).sum()
     }
 
     /// The assignment of `id`, when it is a member and the generation runs.
@@ -194,11 +200,14 @@ impl GenRecord {
         if !self.is_running() {
             return None;
         }
+        let ranks = self.members.iter().find(|m| m.id == id)?.ranks;
         Some(Assignment {
             generation: self.generation,
             rank: self.rank_of(id)?,
-            world_size: self.members.len(),
-            members: self.members.clone(),
+            ranks,
+            world_size: self.world_size(),
+            members: self.members.len(),
+            roster: roster_digest(self.members.iter().map(|m| (m.id.as_str(), m.ranks))),
             checkpoint_generation_floor: self.floor,
             cause: self.cause.clone(),
         })
@@ -244,7 +253,7 @@ fn standing(current: &GenRecord) -> Option<Standing<'_>> {
     };
     Some(Standing {
         generation: current.generation,
-        world_size: current.members.len(),
+        world_size: current.world_size(),
         regroup: regroup.as_deref(),
         left: left.as_deref(),
         at_boundary: *at_boundary,

@@ -4,17 +4,17 @@
 // Each test file is a crate of its own and uses only part of this.
 #![allow(dead_code)]
 
-use ckpt_elastic::{Assignment, Member};
+use ckpt_elastic::{Assignment, Member, roster_digest};
 
 /// Member `m{i}` of `job`; two members per node (`n{i / 2}`), so that ranks follow
 /// (node, id) rather than the numbers alone.
 pub(crate) fn member(job: &str, i: usize) -> Member {
-    Member {
-        job: job.into(),
-        id: format!("m{i}"),
-        host: "127.0.0.1".into(),
-        node: format!("n{}", i / 2),
-    }
+    Member::new(job, format!("m{i}"), "127.0.0.1", node_of(i))
+}
+
+/// The node of member `m{i}`.
+fn node_of(i: usize) -> String {
+    format!("n{}", i / 2)
 }
 
 /// A job id no earlier run used (etcd keeps a job's keys after it ends).
@@ -27,15 +27,21 @@ pub(crate) fn unique_job(name: &str) -> String {
 }
 
 /// Asserts that `assignments` (one per member, in any order) make one generation of
-/// exactly `ids`: one number and one member list for all, ranks `0..n` each held
-/// once, members sorted by (node, id). Returns its number.
+/// exactly `ids` (members of [`member`], one rank each): one number and one roster
+/// for all, ranks `0..n` each held once, and the roster's digest that of `ids`
+/// sorted by (node, id). Returns its number.
 pub(crate) fn assert_one_generation(assignments: &[Assignment], ids: &[&str]) -> u64 {
     let first = &assignments[0];
     let mut ranks: Vec<usize> = Vec::new();
     for a in assignments {
         assert_eq!(a.generation, first.generation, "{assignments:#?}");
-        assert_eq!(a.members, first.members, "one world for all");
+        assert_eq!(
+            (a.members, a.roster),
+            (first.members, first.roster),
+            "one world for all"
+        );
         assert_eq!(a.world_size, assignments.len());
+        assert_eq!(a.ranks, 1);
         ranks.push(a.rank);
     }
     ranks.sort_unstable();
@@ -44,13 +50,19 @@ pub(crate) fn assert_one_generation(assignments: &[Assignment], ids: &[&str]) ->
         (0..assignments.len()).collect::<Vec<_>>(),
         "contiguous ranks"
     );
-    let mut sorted = first.members.clone();
-    sorted.sort_by(|a, b| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
-    assert_eq!(first.members, sorted, "ranks follow (node, id)");
-    let mut got: Vec<&str> = first.members.iter().map(|m| m.id.as_str()).collect();
-    let mut want = ids.to_vec();
-    got.sort_unstable();
+    let mut want: Vec<(String, &str)> = ids
+        .iter()
+        .map(|id| {
+            let i: usize = id[1..].parse().expect("ids are m{i}");
+            (node_of(i), *id)
+        })
+        .collect();
     want.sort_unstable();
-    assert_eq!(got, want, "members");
+    assert_eq!(first.members, ids.len(), "members");
+    assert_eq!(
+        first.roster,
+        roster_digest(want.iter().map(|(_, id)| (*id, 1))),
+        "the members are {ids:?}, ranked by (node, id)"
+    );
     first.generation
 }
