@@ -86,6 +86,7 @@ mod cancel;
 pub mod coordinator;
 pub mod env;
 pub mod etcd;
+pub mod node;
 pub mod policy;
 // The wire format: public for the tests that speak it raw and for the peers that
 // reuse its line reader; not part of the API.
@@ -109,6 +110,7 @@ pub use env::{RankEnv, Rdzv};
 pub use etcd::EtcdUrl;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdControlPlane, EtcdJob, EtcdSettings};
+pub use node::{NodeAgent, NodeConfig};
 pub use tcp::{TcpControlPlane, TcpSettings};
 pub use timeouts::Timeouts;
 
@@ -313,6 +315,20 @@ pub enum Report {
         /// Why.
         reason: String,
     },
+    /// One of the ranks this member holds (a node's launcher) was lost: crashed,
+    /// silent or hung, as the launcher saw it. The generation restarts; the member
+    /// stays and comes back holding its remaining ranks.
+    RankLost {
+        /// Why, naming the rank (the words of [`policy::lost_member`]).
+        cause: String,
+    },
+    /// One of the ranks this member holds left on purpose, at a boundary the world
+    /// agreed on ([`Report::Leaving`] of a rank): not a failure; the others are not
+    /// aborted.
+    RankLeft {
+        /// Why, naming the rank.
+        cause: String,
+    },
 }
 
 /// A control-plane backend (a TCP coordinator, or etcd). One value per member
@@ -331,6 +347,28 @@ pub trait ControlPlane: Send + Sync {
     fn report(&self, generation: u64, report: &Report) -> Result<(), ElasticError>;
     /// Generation-scoped key-value space for bootstrapping collectives.
     fn kv_set(&self, generation: u64, key: &str, value: &str) -> Result<(), ElasticError>;
+    /// From now on this member holds `ranks` ranks (see [`Member::ranks`]): a node's
+    /// launcher calls it when its ranks are lost or started again. Backends that do
+    /// not serve node agents refuse it.
+    fn hold(&self, ranks: usize) -> Result<(), ElasticError> {
+        Err(ElasticError::Rejected(format!(
+            "this control plane cannot change the ranks a member holds (asked {ranks})"
+        )))
+    }
+    /// Blocks up to `timeout` until `generation`'s key-value space holds more than
+    /// `known` keys, and returns them all (empty after the timeout): how a node's
+    /// launcher passes keys on to its ranks. Err when the generation is over.
+    fn kv_all(
+        &self,
+        generation: u64,
+        known: usize,
+        timeout: Duration,
+    ) -> Result<Vec<(String, String)>, ElasticError> {
+        let _ = (generation, known, timeout);
+        Err(ElasticError::Rejected(
+            "this control plane cannot list a generation's keys".into(),
+        ))
+    }
     /// Blocks until the key exists in `generation` (Err on cancel, on timeout, or when
     /// the generation is over).
     fn kv_get(

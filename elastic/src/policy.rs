@@ -162,6 +162,12 @@ pub enum Effect {
     },
     /// A member ended the generation at an agreed checkpoint: not a failure.
     AtBoundary,
+    /// One rank of a member that holds several left at an agreed boundary: as
+    /// [`Effect::AtBoundary`], and its words are the next generation's cause.
+    RankLeft {
+        /// Why.
+        cause: String,
+    },
     /// The job trained to its last step: members waiting to join are sent away, no
     /// generation forms any more, the running one is not interrupted.
     Finished {
@@ -313,6 +319,13 @@ impl Policy {
                     ),
                 }
             }
+            Report::RankLost { cause } => Effect::Restart {
+                cause: cause.clone(),
+                drop_reporter: false,
+            },
+            Report::RankLeft { cause } => Effect::RankLeft {
+                cause: cause.clone(),
+            },
             Report::Ended { .. } if !running.at_boundary => Effect::AtBoundary,
             Report::Ended { .. } => Effect::None,
             Report::Finished { step } => Effect::Finished {

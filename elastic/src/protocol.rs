@@ -63,6 +63,13 @@ pub enum ClientMessage {
         /// What happened.
         report: Report,
     },
+    /// From now on this member holds `ranks` ranks (a node's launcher whose ranks
+    /// were lost or started again). It counts at the next formation; while its
+    /// generation runs with fewer, the extra ranks wait to join like new members.
+    Hold {
+        /// How many ranks.
+        ranks: usize,
+    },
     /// Set `key` to `value` in `generation`'s key-value space.
     KvSet {
         /// The generation the key belongs to.

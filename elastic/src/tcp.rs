@@ -69,7 +69,8 @@ pub struct TcpControlPlane {
 
 struct Inner {
     addr: SocketAddr,
-    member: Member,
+    /// Who this member is; only its ranks change ([`ControlPlane::hold`]).
+    member: Mutex<Member>,
     settings: TcpSettings,
     /// The write side of the current connection, `None` while disconnected.
     writer: Mutex<Option<TcpStream>>,
@@ -184,6 +185,13 @@ impl Inner {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn member(&self) -> Member {
+        self.member
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     fn lock_writer(&self) -> MutexGuard<'_, Option<TcpStream>> {
         self.writer.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -223,7 +231,7 @@ impl Inner {
             let state = self.lock();
             let hello = ClientMessage::Hello {
                 version: protocol::VERSION,
-                member: self.member.clone(),
+                member: self.member(),
                 seen: state.seen,
                 checkpoint_generation: state.checkpoint_generation,
                 claim: state.claim(),
@@ -412,7 +420,7 @@ impl TcpControlPlane {
         };
         let inner = Arc::new(Inner {
             addr,
-            member,
+            member: Mutex::new(member),
             settings,
             writer: Mutex::new(None),
             state: Mutex::new(State::default()),
@@ -457,8 +465,8 @@ impl TcpControlPlane {
     }
 
     /// This member.
-    pub fn member(&self) -> &Member {
-        &self.inner.member
+    pub fn member(&self) -> Member {
+        self.inner.member()
     }
 
     /// True while connected to the coordinator.
@@ -557,6 +565,44 @@ impl ControlPlane for TcpControlPlane {
             key: key.to_owned(),
             value: value.to_owned(),
         })
+    }
+
+    fn hold(&self, ranks: usize) -> Result<(), ElasticError> {
+        // The hello after a reconnect says it too.
+        self.inner
+            .member
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .ranks = ranks;
+        match self.inner.send(&ClientMessage::Hold { ranks }) {
+            Err(ElasticError::Io(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    fn kv_all(
+        &self,
+        generation: u64,
+        known: usize,
+        timeout: Duration,
+    ) -> Result<Vec<(String, String)>, ElasticError> {
+        self.inner.wait(
+            None,
+            Some(Instant::now() + timeout),
+            |state, _| {
+                if state.kv_generation == generation && state.kv.len() > known {
+                    let all = state.kv.iter().map(|(k, v)| (k.clone(), v.clone()));
+                    return Some(Ok(all.collect()));
+                }
+                let newer = state
+                    .assignment
+                    .as_ref()
+                    .is_some_and(|a| a.generation > generation);
+                (state.over >= generation || newer || state.shutdown.is_some())
+                    .then(|| Err(ElasticError::generation_over(generation, "*")))
+            },
+            || Ok(Vec::new()),
+        )
     }
 
     fn kv_get(

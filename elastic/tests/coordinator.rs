@@ -18,7 +18,7 @@ use ckpt_elastic::{
     CoordinatorHandle, Directive, ElasticError, Event, Member, Progress, Report, TcpControlPlane,
     TcpSettings, Timeouts,
 };
-use common::assert_one_generation;
+use common::{assert_one_generation, rendezvous_all, settings};
 
 const JOB: &str = "elastic-test";
 /// Bound on waits for something that must happen.
@@ -51,15 +51,6 @@ fn member(i: usize) -> Member {
     common::member(JOB, i)
 }
 
-fn settings() -> TcpSettings {
-    TcpSettings {
-        connect_timeout: Duration::from_secs(5),
-        reconnect_backoff_max: Duration::from_millis(100),
-        unreachable_timeout: Duration::from_secs(30),
-        write_timeout: Duration::from_secs(2),
-    }
-}
-
 fn plane(addr: SocketAddr, i: usize) -> Arc<TcpControlPlane> {
     Arc::new(TcpControlPlane::connect(addr, member(i), settings()).expect("connect"))
 }
@@ -73,20 +64,6 @@ fn agent_on(plane: Arc<TcpControlPlane>) -> Agent {
 
 fn agents(addr: SocketAddr, ids: std::ops::Range<usize>) -> Vec<Agent> {
     ids.map(|i| agent_on(plane(addr, i))).collect()
-}
-
-/// Every agent rendezvouses at once; their assignments, in the agents' order.
-fn rendezvous_all(agents: &[&Agent]) -> Vec<Assignment> {
-    std::thread::scope(|scope| {
-        let waits: Vec<_> = agents
-            .iter()
-            .map(|agent| scope.spawn(|| agent.rendezvous()))
-            .collect();
-        waits
-            .into_iter()
-            .map(|w| w.join().unwrap().expect("rendezvous"))
-            .collect()
-    })
 }
 
 /// A rendezvous on its own thread, cancellable.

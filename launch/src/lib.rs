@@ -56,7 +56,10 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ckpt_elastic::{Coordinator, CoordinatorConfig, Event, JobOver};
+use ckpt_elastic::{
+    Coordinator, CoordinatorConfig, Event, JobOver, Member, NodeAgent, NodeConfig, TcpControlPlane,
+    TcpSettings,
+};
 
 /// Exit code of a rank (and of the launcher) that stopped on SIGTERM/SIGINT after
 /// committing a final checkpoint: 75 (`EX_TEMPFAIL`, "try again later": resume).
@@ -175,32 +178,30 @@ fn summarize(event: &Event, last_ended: &mut Option<(u64, std::time::SystemTime)
         Event::Ended { generation, at, .. } => *last_ended = Some((*generation, *at)),
         Event::Formed {
             generation,
-            members,
+            world_size,
             cause,
             adopted,
             at,
+            ..
         } => {
             let after = last_ended
                 .take()
                 .and_then(|(ended, when)| Some((ended, at.duration_since(when).ok()?)));
             match (after, adopted) {
                 (_, true) => say(format_args!(
-                    "launch: generation {generation} (world {}) adopted by a restarted coordinator",
-                    members.len()
+                    "launch: generation {generation} (world {world_size}) adopted by a restarted coordinator"
                 )),
                 (Some((ended, took)), false) => say(format_args!(
-                    "launch: {}: generation {ended} ended, generation {generation} formed with world {} {} ms later ({cause})",
+                    "launch: {}: generation {ended} ended, generation {generation} formed with world {world_size} {} ms later ({cause})",
                     if cause.starts_with("grow") {
                         "regroup"
                     } else {
                         "recovery"
                     },
-                    members.len(),
                     took.as_millis()
                 )),
                 (None, false) => say(format_args!(
-                    "launch: generation {generation} formed with world {} ({cause})",
-                    members.len()
+                    "launch: generation {generation} formed with world {world_size} ({cause})"
                 )),
             }
         }
@@ -486,11 +487,13 @@ impl Spawner<'_> {
                 elastic.node_id,
                 config.nproc,
                 match self.plane {
-                    Plane::Coordinator(_) => "coordinator",
+                    Plane::Coordinator { .. } => "coordinator",
                     #[cfg(feature = "etcd")]
                     Plane::Etcd(_) => "control plane",
                 },
-                self.rdzv,
+                self.plane
+                    .coordinator()
+                    .map_or_else(|| self.rdzv.clone(), |a| a.to_string()),
                 elastic.job,
                 self.pgid
             ));
@@ -515,17 +518,42 @@ impl Spawner<'_> {
     }
 }
 
-/// The control plane a launcher uses: the coordinator it hosts or joins, or etcd.
+/// The control plane a launcher uses: the coordinator it hosts or joins (through
+/// the node agent its ranks talk to), or etcd.
 enum Plane {
-    Coordinator(Option<ckpt_elastic::CoordinatorHandle>),
+    Coordinator {
+        hosted: Option<ckpt_elastic::CoordinatorHandle>,
+        address: SocketAddr,
+        node: NodeAgent,
+    },
     #[cfg(feature = "etcd")]
     Etcd(ckpt_elastic::EtcdJob),
 }
 
 impl Plane {
+    /// The coordinator's address, when there is one (the ranks get their node's).
+    fn coordinator(&self) -> Option<SocketAddr> {
+        match self {
+            Plane::Coordinator { address, .. } => Some(*address),
+            #[cfg(feature = "etcd")]
+            Plane::Etcd(_) => None,
+        }
+    }
+
+    /// The launcher runs `ranks` rank processes now.
+    fn expect(&self, ranks: usize) {
+        match self {
+            Plane::Coordinator { node, .. } => node.expect(ranks),
+            #[cfg(feature = "etcd")]
+            Plane::Etcd(_) => {}
+        }
+    }
+
     fn events(&self) -> Vec<Event> {
         match self {
-            Plane::Coordinator(c) => c.as_ref().map(|c| c.events()).unwrap_or_default(),
+            Plane::Coordinator { hosted, .. } => {
+                hosted.as_ref().map(|c| c.events()).unwrap_or_default()
+            }
             #[cfg(feature = "etcd")]
             Plane::Etcd(job) => job.events(),
         }
@@ -535,7 +563,7 @@ impl Plane {
     /// the rank exits, so its membership ends at once.
     fn grant_lease(&self) -> Option<i64> {
         match self {
-            Plane::Coordinator(_) => None,
+            Plane::Coordinator { .. } => None,
             #[cfg(feature = "etcd")]
             Plane::Etcd(job) => match job.grant_lease() {
                 Ok(lease) => Some(lease),
@@ -553,7 +581,7 @@ impl Plane {
     /// etcd); `None` for a coordinator this launcher only joins.
     fn job_over(&self) -> Option<JobOver> {
         match self {
-            Plane::Coordinator(c) => c.as_ref().and_then(|c| c.job_over()),
+            Plane::Coordinator { hosted, .. } => hosted.as_ref().and_then(|c| c.job_over()),
             #[cfg(feature = "etcd")]
             Plane::Etcd(job) => job.job_over(),
         }
@@ -606,6 +634,33 @@ struct Ending {
     kill_at: Instant,
 }
 
+/// Joins the coordinator at `coordinator` as this node (one member holding the
+/// node's ranks) and serves the node's ranks on the address that reaches it.
+fn start_node(
+    config: &LaunchConfig,
+    elastic: &ElasticLaunch,
+    coordinator: SocketAddr,
+) -> std::io::Result<NodeAgent> {
+    let ip = ckpt_elastic::env::local_ip_towards(coordinator)?;
+    let node = elastic.node_id.to_string();
+    let member = Member {
+        ranks: config.nproc,
+        ..Member::new(&elastic.job, format!("n{node}"), ip.to_string(), node)
+    };
+    let upstream = TcpControlPlane::connect(coordinator, member, TcpSettings::default())
+        .map_err(|e| std::io::Error::other(format!("coordinator {coordinator}: {e}")))?;
+    let settings = NodeConfig {
+        timeouts: elastic.coordinator.timeouts,
+        last_call: elastic.coordinator.timeouts.last_call,
+        ..NodeConfig::new(&elastic.job)
+    };
+    NodeAgent::start(
+        std::sync::Arc::new(upstream),
+        SocketAddr::new(ip, 0),
+        settings,
+    )
+}
+
 fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
     signals::install();
     let (plane, rdzv) = match &elastic.etcd {
@@ -643,14 +698,23 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                 )?),
                 Some(_) => None,
             };
-            let rdzv = match (&hosted, elastic.rdzv) {
+            let coordinator = match (&hosted, elastic.rdzv) {
                 (Some(c), _) => c.local_addr(),
                 (None, Some(addr)) => addr,
                 (None, None) => unreachable!("hosted when no address is given"),
             };
+            let hosted = hosted.map(Coordinator::spawn);
+            // This launcher is the node's member of the control plane; its ranks
+            // talk to it.
+            let node = start_node(config, elastic, coordinator)?;
+            let rdzv = node.local_addr().to_string();
             (
-                Plane::Coordinator(hosted.map(Coordinator::spawn)),
-                rdzv.to_string(),
+                Plane::Coordinator {
+                    hosted,
+                    address: coordinator,
+                    node,
+                },
+                rdzv,
             )
         }
     };
@@ -676,6 +740,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             status: None,
         });
     }
+    plane.expect(config.nproc);
     let mut forwarded = 0;
     let mut restarts = 0;
     let mut first_failure: Option<i32> = None;
@@ -768,6 +833,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                 }
             }
         }
+        plane.expect(slots.iter().filter(|s| s.child.is_some()).count());
         if stop_all && kill_at.is_none() {
             say(format_args!(
                 "launch: no restart left and no --min-ranks: stopping every rank"
@@ -785,7 +851,13 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             // their control plane with this process. It serves until the job is over,
             // which includes the coordinator's own rule: too few members for the
             // rendezvous timeout shuts the job down.
-            let hosting = matches!(plane, Plane::Coordinator(Some(_)));
+            let hosting = matches!(
+                plane,
+                Plane::Coordinator {
+                    hosted: Some(_),
+                    ..
+                }
+            );
             if hosting && others_may_join && ending.is_none() && forwarded == 0 && kill_at.is_none()
             {
                 if !serving {

@@ -62,6 +62,7 @@ impl Core {
         if next != first.world_size || digest != first.roster {
             return;
         }
+        let world_size = first.world_size;
         let seats: Vec<(String, usize)> = seats
             .into_iter()
             .map(|(_, id, ranks)| (id, ranks))
@@ -89,6 +90,7 @@ impl Core {
         self.event(Event::Formed {
             generation: newest_claim,
             members: ids.clone(),
+            world_size,
             cause: cause.clone(),
             adopted: true,
             at: SystemTime::now(),

@@ -333,6 +333,7 @@ impl Core {
                 vec![*seen, claim.as_ref().map_or(0, |a| a.generation)]
             }
             ClientMessage::Rendezvous { after } => vec![*after],
+            ClientMessage::Hold { .. } => Vec::new(),
             ClientMessage::Heartbeat { generation, .. }
             | ClientMessage::Report { generation, .. }
             | ClientMessage::KvSet { generation, .. } => vec![*generation],
@@ -363,6 +364,10 @@ impl Core {
             }
             ClientMessage::Rendezvous { after } => {
                 self.rendezvous(c, after, now);
+                Outcome::Continue
+            }
+            ClientMessage::Hold { ranks } => {
+                self.hold(c, ranks, now);
                 Outcome::Continue
             }
             ClientMessage::Heartbeat {
@@ -742,6 +747,12 @@ impl Core {
                         running.regroup = Some(cause.clone());
                         self.regroup(generation, cause);
                     }
+                    Effect::RankLeft { cause } => {
+                        info!(generation, "{cause}");
+                        running.at_boundary = true;
+                        running.left = Some(cause.clone());
+                        self.cause = cause;
+                    }
                     Effect::AtBoundary => {
                         info!(
                             generation,
@@ -924,11 +935,51 @@ impl Core {
         self.try_form(now);
     }
 
+    /// Members waiting to join: those asking for a generation, and members of the
+    /// running one that now hold more ranks than they were given (a node whose rank
+    /// was started again).
     pub(super) fn waiting(&self) -> usize {
+        let running = match &self.phase {
+            Phase::Running(running) => Some(running),
+            _ => None,
+        };
         self.conns
             .values()
-            .filter(|c| c.wants.is_some() && c.member.is_some())
+            .filter(|c| {
+                let Some(member) = &c.member else {
+                    return false;
+                };
+                let grows = running.is_some_and(|r| {
+                    c.generation == Some(r.generation)
+                        && r.seats
+                            .get(&member.id)
+                            .is_some_and(|&(_, seat)| member.ranks > seat)
+                });
+                c.wants.is_some() || grows
+            })
             .count()
+    }
+
+    /// The member now holds `ranks` ranks: they count from the next formation.
+    pub(super) fn hold(&mut self, c: ConnId, ranks: usize, now: Instant) {
+        if ranks == 0 || ranks > MAX_RANKS_PER_MEMBER {
+            let text = format!("a member holds 1 to {MAX_RANKS_PER_MEMBER} ranks, not {ranks}");
+            self.error(c, &text, false);
+            return;
+        }
+        let Some(conn) = self.conns.get_mut(&c) else {
+            return;
+        };
+        let Some(member) = conn.member.as_mut() else {
+            return;
+        };
+        if member.ranks != ranks {
+            info!(member = %member.id, from = member.ranks, to = ranks, "member holds another number of ranks");
+            member.ranks = ranks;
+        }
+        if conn.wants.is_some() {
+            self.try_form(now);
+        }
     }
 
     /// Between generations: asks the policy whether the next one forms (or the job
@@ -1039,6 +1090,7 @@ impl Core {
         self.event(Event::Formed {
             generation,
             members: ids.clone(),
+            world_size: running.world_size,
             cause: cause.clone(),
             adopted: false,
             at: SystemTime::now(),

@@ -98,8 +98,10 @@ pub enum Event {
     Formed {
         /// Its number.
         generation: u64,
-        /// Member ids, index = rank.
+        /// Member ids in rank order (a node's launcher is one member).
         members: Vec<String>,
+        /// Ranks: the sum of the ranks its members hold.
+        world_size: usize,
         /// Why it formed.
         cause: String,
         /// True when adopted from reconnecting members rather than formed anew.

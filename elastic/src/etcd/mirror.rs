@@ -104,6 +104,7 @@ impl Mirror {
                 self.push(Event::Formed {
                     generation: record.generation,
                     members: record.members.iter().map(|m| m.id.clone()).collect(),
+                    world_size: record.world_size(),
                     cause: record.cause.clone(),
                     adopted: false,
                     at,

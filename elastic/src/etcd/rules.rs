@@ -426,6 +426,7 @@ pub fn on_report(
                 }
                 Effect::Regroup { cause } => Some(running(Some(cause), *at_boundary, left.clone())),
                 Effect::AtBoundary => Some(running(regroup.clone(), true, left.clone())),
+                Effect::RankLeft { cause } => Some(running(regroup.clone(), true, Some(cause))),
                 Effect::Finished { reason } => current.finished.is_none().then(|| GenRecord {
                     finished: Some(reason),
                     ..current.clone()

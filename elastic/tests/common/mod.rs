@@ -4,7 +4,9 @@
 // Each test file is a crate of its own and uses only part of this.
 #![allow(dead_code)]
 
-use ckpt_elastic::{Assignment, Member, roster_digest};
+use std::time::Duration;
+
+use ckpt_elastic::{Agent, Assignment, Member, TcpSettings, roster_digest};
 
 /// Member `m{i}` of `job`; two members per node (`n{i / 2}`), so that ranks follow
 /// (node, id) rather than the numbers alone.
@@ -65,4 +67,28 @@ pub(crate) fn assert_one_generation(assignments: &[Assignment], ids: &[&str]) ->
         "the members are {ids:?}, ranked by (node, id)"
     );
     first.generation
+}
+
+/// Settings of a member's connection, with the tests' short timeouts.
+pub(crate) fn settings() -> TcpSettings {
+    TcpSettings {
+        connect_timeout: Duration::from_secs(5),
+        reconnect_backoff_max: Duration::from_millis(100),
+        unreachable_timeout: Duration::from_secs(30),
+        write_timeout: Duration::from_secs(2),
+    }
+}
+
+/// Every agent rendezvouses at once; their assignments, in the agents' order.
+pub(crate) fn rendezvous_all(agents: &[&Agent]) -> Vec<Assignment> {
+    std::thread::scope(|scope| {
+        let waits: Vec<_> = agents
+            .iter()
+            .map(|agent| scope.spawn(|| agent.rendezvous()))
+            .collect();
+        waits
+            .into_iter()
+            .map(|w| w.join().unwrap().expect("rendezvous"))
+            .collect()
+    })
 }

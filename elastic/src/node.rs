@@ -1,0 +1,1188 @@
+//! A node's agent towards the control plane: the launcher of a node joins the
+//! control plane as one member holding its node's ranks, and serves those ranks
+//! itself.
+//!
+//! # Why
+//!
+//! When every rank is a member of the control plane in its own right, the control
+//! plane's load grows with ranks: a connection, a heartbeat every half second and a
+//! place in every generation record per rank. At 16,384 ranks that is 32,000
+//! heartbeats a second. Eight ranks of a node fail together when the node fails, and
+//! their own launcher sees a rank crash or hang first: so the node is the unit the
+//! control plane tracks (its one heartbeat, its one connection or lease), and the
+//! launcher watches its ranks locally. This is what torchelastic's per-node agent
+//! does too.
+//!
+//! # How
+//!
+//! The node agent listens on the node's address and speaks the coordinator's own
+//! protocol ([`crate::protocol`]) to its ranks, so a rank cannot tell whether it
+//! talks to a coordinator or to its node: the same [`crate::TcpControlPlane`] and
+//! [`crate::Agent`] run in both cases, and a rank started without a launcher is a
+//! single-rank node of its own. Upstream it is one member holding as many ranks as
+//! the node has live ranks ([`crate::ControlPlane::hold`]):
+//!
+//! - Rendezvous: when its ranks ask for a generation, the node asks once for all of
+//!   them (when every live rank asks, when the last call passes, or at once after a
+//!   generation ended: the others follow their Restart), and hands its block of
+//!   ranks to its ranks in order of their ids.
+//! - Failures of a rank are the node's to see: a closed connection, no heartbeat for
+//!   the heartbeat timeout, a training thread idle past the progress timeout outside
+//!   a collective, a rank that does not come back to the rendezvous within the join
+//!   timeout. The node reports [`Report::RankLost`] naming the rank (so the cause
+//!   reads as it did when the rank was a member itself), tells the rank it is stale,
+//!   and comes back holding the ranks it has left. A node's own loss (its launcher
+//!   killed, its machine gone) is the control plane's to see.
+//! - Directives (Restart, Regroup, Stale, Shutdown) and the generation's keys are
+//!   passed on to the ranks of the generation; reports are passed up (a rank's fatal
+//!   error or departure as the node's [`Report::RankLost`] or [`Report::RankLeft`]).
+//! - A rank that starts again while its node trains waits like a new member: the node
+//!   holds one more rank, the control plane counts it as waiting, and the world grows
+//!   at the next checkpoint.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::policy::{Policy, hung_member, lost_member};
+use crate::protocol::{self, ClientMessage, LineError, LineReader, ServerMessage};
+use crate::timeouts::{DEFAULT_HEARTBEAT_INTERVAL, Timeouts};
+use crate::{Assignment, Cancel, ControlPlane, Directive, ElasticError, Member, Progress, Report};
+
+/// Lines queued for one rank before it counts as not reading.
+const OUTBOX: usize = 256;
+/// Time a rank's new connection has to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on one write to a rank.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the node looks at its ranks when nothing happens.
+const TICK: Duration = Duration::from_millis(50);
+/// Most rank connections a node serves.
+const MAX_LOCAL: usize = 4096;
+
+/// How a node agent serves its ranks.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The job its ranks must announce.
+    pub job: String,
+    /// The windows it judges its ranks with: heartbeat, progress and join timeouts
+    /// (those of the job).
+    pub timeouts: Timeouts,
+    /// Once one of its ranks asks for the first generation, how long the node waits
+    /// for the ranks it expects ([`NodeAgent::expect`]) before it asks for fewer.
+    pub last_call: Duration,
+    /// Time between the node's heartbeats upstream.
+    pub heartbeat_interval: Duration,
+}
+
+impl NodeConfig {
+    /// Defaults for `job`: the default windows, a last call of 30 s (a Python rank
+    /// takes seconds to import torch).
+    pub fn new(job: impl Into<String>) -> NodeConfig {
+        NodeConfig {
+            job: job.into(),
+            timeouts: Timeouts::DEFAULT,
+            last_call: Duration::from_secs(30),
+            heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
+        }
+    }
+}
+
+/// A node's agent: serves the node's ranks on a local listener and stands for them
+/// as one member of the control plane. Dropping it closes every connection (the
+/// control plane sees the node lost, unless its ranks left first).
+pub struct NodeAgent {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    threads: Vec<JoinHandle<()>>,
+}
+
+struct Shared {
+    config: NodeConfig,
+    upstream: Arc<dyn ControlPlane>,
+    state: Mutex<State>,
+    changed: Condvar,
+    stopping: AtomicBool,
+}
+
+type LocalId = u64;
+
+/// One rank's connection.
+struct Local {
+    outbox: SyncSender<Arc<str>>,
+    socket: TcpStream,
+    member: Option<Member>,
+    last_seen: Instant,
+    progress: Option<(u64, Progress)>,
+    /// Asking for a generation newer than this one, since then.
+    wants: Option<(u64, Instant)>,
+    /// Told it is stale or that the job is over: it no longer counts.
+    out: bool,
+}
+
+impl Local {
+    fn id(&self) -> &str {
+        self.member.as_ref().map_or("?", |m| m.id.as_str())
+    }
+
+    fn close(&self) {
+        let _ = self.socket.shutdown(Shutdown::Both);
+    }
+}
+
+/// The node's generation: its upstream assignment and its ranks' places in it.
+struct Generation {
+    assignment: Assignment,
+    /// Member id -> rank, for the node's ranks given a place.
+    seats: BTreeMap<String, usize>,
+    /// When it formed (the join timeout of ranks that have not asked yet).
+    formed: Instant,
+    /// Over (a Restart, a Stale, or the node asked for a newer one).
+    over: bool,
+    /// Keys of its key-value space, as passed on.
+    kv: Vec<(String, String)>,
+}
+
+#[derive(Default)]
+struct State {
+    locals: HashMap<LocalId, Local>,
+    next_local: LocalId,
+    /// Ranks the launcher runs now.
+    expected: usize,
+    generation: Option<Generation>,
+    /// Newest generation number heard of.
+    newest: u64,
+    /// The rendezvous in flight upstream: (after, ranks asked for, its cancel).
+    asking: Option<(u64, usize, Cancel)>,
+    /// Ranks told to the control plane by the last `hold`.
+    held: usize,
+    /// When a rank first asked for the first generation.
+    first_ask: Option<Instant>,
+    shutdown: Option<String>,
+    /// A rank of the node finished the job (reported once upstream).
+    finished: bool,
+}
+
+impl State {
+    /// Ranks that count: said hello, not out.
+    fn live(&self) -> impl Iterator<Item = (LocalId, &Local)> {
+        self.locals
+            .iter()
+            .filter(|(_, l)| l.member.is_some() && !l.out)
+            .map(|(&c, l)| (c, l))
+    }
+
+    fn local_of(&self, id: &str) -> Option<LocalId> {
+        self.live().find(|(_, l)| l.id() == id).map(|(c, _)| c)
+    }
+
+    fn running(&self) -> Option<&Generation> {
+        self.generation.as_ref().filter(|g| !g.over)
+    }
+
+    fn send(&mut self, c: LocalId, message: &ServerMessage) {
+        let Some(local) = self.locals.get(&c) else {
+            return;
+        };
+        let line = match protocol::encode(message) {
+            Ok(line) => Arc::<str>::from(line),
+            Err(e) => {
+                warn!(rank = local.id(), error = %e, "cannot encode a message");
+                return;
+            }
+        };
+        match local.outbox.try_send(line) {
+            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
+            Err(TrySendError::Full(_)) => {
+                warn!(rank = local.id(), "rank does not read; disconnecting it");
+                local.close();
+            }
+        }
+    }
+
+    fn directive(&mut self, c: LocalId, directive: Directive) {
+        self.send(c, &ServerMessage::Directive { directive });
+    }
+
+    /// The rank's place in the node's generation, as an assignment of one rank.
+    fn assignment_of(&self, id: &str) -> Option<Assignment> {
+        let generation = self.generation.as_ref()?;
+        let &rank = generation.seats.get(id)?;
+        Some(Assignment {
+            rank,
+            ranks: 1,
+            ..generation.assignment.clone()
+        })
+    }
+
+    /// Gives rank `c` its place, and the generation's keys set so far (keys that
+    /// reach a rank before its place are dropped by it).
+    fn assign(&mut self, c: LocalId, assignment: Assignment) {
+        let generation = assignment.generation;
+        self.send(c, &ServerMessage::Assigned { assignment });
+        let keys = match &self.generation {
+            Some(g) if g.assignment.generation == generation => g.kv.clone(),
+            _ => Vec::new(),
+        };
+        for (key, value) in keys {
+            self.send(
+                c,
+                &ServerMessage::Kv {
+                    generation,
+                    key,
+                    value,
+                },
+            );
+        }
+    }
+
+    /// Tells `c` it is out: its generation is over and it was not kept.
+    fn tell_stale(&mut self, c: LocalId) {
+        let current = self.newest;
+        if let Some(local) = self.locals.get_mut(&c) {
+            local.out = true;
+            local.wants = None;
+        }
+        self.directive(c, Directive::Stale { current });
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn policy(&self) -> Policy {
+        Policy {
+            min_ranks: 1,
+            max_ranks: usize::MAX,
+            timeouts: self.config.timeouts,
+        }
+    }
+
+    /// Reports upstream, logging what cannot be sent (the control plane sees the
+    /// generation end some other way, or the node is cut off).
+    fn report(&self, generation: u64, report: Report) {
+        if let Err(e) = self.upstream.report(generation, &report) {
+            warn!(generation, error = %e, ?report, "cannot report to the control plane");
+        }
+    }
+
+    /// Rank `c` of the running generation is lost: `cause` names it. It loses its
+    /// place (a reconnect cannot claim it back) and is told it is stale, so that it
+    /// writes nothing more if it wakes up; its connection stays open for it to read
+    /// that. The generation restarts.
+    fn lose(&self, state: &mut State, c: LocalId, cause: String) {
+        let generation = state.running().map(|g| g.assignment.generation);
+        warn!(generation, "{cause}");
+        if let Some(id) = state.locals.get(&c).map(|l| l.id().to_owned())
+            && let Some(g) = state.generation.as_mut()
+        {
+            g.seats.remove(&id);
+        }
+        state.tell_stale(c);
+        if let Some(generation) = generation {
+            self.report(generation, Report::RankLost { cause });
+        }
+        self.changed.notify_all();
+    }
+
+    /// A rank's connection ended.
+    fn remove(&self, c: LocalId, reason: &str) {
+        self.forget(c, reason);
+        grow(self);
+    }
+
+    fn forget(&self, c: LocalId, reason: &str) {
+        let mut state = self.lock();
+        let Some(local) = state.locals.remove(&c) else {
+            return;
+        };
+        let Some(member) = local.member else {
+            return;
+        };
+        debug!(rank = %member.id, reason, "rank disconnected");
+        if local.out || self.stopping.load(Ordering::SeqCst) {
+            self.changed.notify_all();
+            return;
+        }
+        let seated = state
+            .running()
+            .and_then(|g| Some((g.assignment.generation, *g.seats.get(&member.id)?)));
+        if let Some((generation, _)) = seated {
+            if let Some(g) = state.generation.as_mut() {
+                g.seats.remove(&member.id);
+            }
+            let cause = lost_member(&member.id, reason);
+            warn!(generation, "{cause}");
+            self.report(generation, Report::RankLost { cause });
+        }
+        self.changed.notify_all();
+    }
+
+    fn handle(&self, c: LocalId, message: ClientMessage) -> Result<bool, String> {
+        let counted = matches!(
+            message,
+            ClientMessage::Hello { .. } | ClientMessage::Rendezvous { .. }
+        );
+        let outcome = self.apply(c, message);
+        if counted {
+            grow(self);
+        }
+        outcome
+    }
+
+    fn apply(&self, c: LocalId, message: ClientMessage) -> Result<bool, String> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let Some(local) = state.locals.get_mut(&c) else {
+            return Err("connection removed".into());
+        };
+        local.last_seen = now;
+        let hello_done = local.member.is_some();
+        match message {
+            ClientMessage::Hello { .. } if hello_done => {
+                state.send(c, &error("hello sent twice on one connection", false));
+                Ok(false)
+            }
+            ClientMessage::Hello {
+                version,
+                member,
+                claim,
+                ..
+            } => self
+                .hello(&mut state, c, version, member, claim)
+                .map(|()| true),
+            _ if !hello_done => {
+                let text = "the first message must be hello";
+                state.send(c, &error(text, true));
+                Err(text.into())
+            }
+            ClientMessage::Rendezvous { after } => {
+                self.rendezvous(&mut state, c, after, now);
+                Ok(false)
+            }
+            ClientMessage::Heartbeat {
+                generation,
+                progress,
+            } => {
+                if let Some(local) = state.locals.get_mut(&c) {
+                    local.progress = Some((generation, progress));
+                }
+                Ok(false)
+            }
+            ClientMessage::Report { generation, report } => {
+                self.rank_report(&mut state, c, generation, report);
+                Ok(false)
+            }
+            ClientMessage::KvSet {
+                generation,
+                key,
+                value,
+            } => {
+                drop(state);
+                if let Err(e) = self.upstream.kv_set(generation, &key, &value) {
+                    self.lock().send(c, &error(&e.to_string(), false));
+                }
+                Ok(false)
+            }
+            ClientMessage::Hold { .. } => {
+                let text = "a rank of a node holds one rank";
+                state.send(c, &error(text, false));
+                Ok(false)
+            }
+        }
+    }
+
+    fn hello(
+        &self,
+        state: &mut State,
+        c: LocalId,
+        version: u32,
+        member: Member,
+        claim: Option<Assignment>,
+    ) -> Result<(), String> {
+        let refusal = if version != protocol::VERSION {
+            Some(format!(
+                "protocol version {version} is not supported (this node speaks {})",
+                protocol::VERSION
+            ))
+        } else if member.job != self.config.job {
+            Some(format!(
+                "job mismatch: this node serves job {:?}, member {:?} belongs to job {:?}",
+                self.config.job, member.id, member.job
+            ))
+        } else if member.ranks != 1 {
+            Some(format!(
+                "member {:?} holds {} ranks; a rank of a node holds one",
+                member.id, member.ranks
+            ))
+        } else {
+            None
+        };
+        if let Some(refusal) = refusal {
+            state.send(c, &error(&refusal, true));
+            return Err(refusal);
+        }
+        // A second connection of the same rank replaces the first.
+        if let Some(old) = state.local_of(&member.id).filter(|&old| old != c)
+            && let Some(old) = state.locals.get_mut(&old)
+        {
+            old.out = true;
+            old.close();
+        }
+        let id = member.id.clone();
+        if let Some(local) = state.locals.get_mut(&c) {
+            local.member = Some(member);
+        }
+        let welcome = ServerMessage::Welcome {
+            job: self.config.job.clone(),
+            generation: state.newest,
+        };
+        state.send(c, &welcome);
+        if let Some(reason) = state.shutdown.clone() {
+            state.directive(c, Directive::Shutdown { reason });
+            return Ok(());
+        }
+        if let Some(claim) = claim {
+            let kept = state.running().is_some() && state.assignment_of(&id) == Some(claim);
+            if !kept {
+                state.tell_stale(c);
+            }
+        }
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn rendezvous(&self, state: &mut State, c: LocalId, after: u64, now: Instant) {
+        if let Some(reason) = state.shutdown.clone() {
+            state.directive(c, Directive::Shutdown { reason });
+            return;
+        }
+        let Some(local) = state.locals.get_mut(&c) else {
+            return;
+        };
+        if local.out {
+            // A stale rank that asks again is a new rank.
+            local.out = false;
+        }
+        let id = local.id().to_owned();
+        if local.wants.is_none() {
+            local.wants = Some((after, now));
+        }
+        state.first_ask.get_or_insert(now);
+        // Its place in a newer generation is already known: answer at once.
+        if let Some(assignment) = state.assignment_of(&id).filter(|a| a.generation > after)
+            && state.running().is_some()
+        {
+            if let Some(local) = state.locals.get_mut(&c) {
+                local.wants = None;
+            }
+            state.assign(c, assignment);
+        }
+        self.changed.notify_all();
+    }
+
+    fn rank_report(&self, state: &mut State, c: LocalId, generation: u64, report: Report) {
+        let Some(local) = state.locals.get(&c) else {
+            return;
+        };
+        let id = local.id().to_owned();
+        let running = state
+            .running()
+            .filter(|g| g.assignment.generation == generation)
+            .and_then(|g| Some((*g.seats.get(&id)?, g.seats.len())));
+        let Some((rank, seated)) = running else {
+            // About an older generation, or before it had a place: the control plane
+            // judges the node, not the rank; nothing to pass on.
+            if matches!(report, Report::Leaving { .. } | Report::Fatal { .. })
+                && let Some(local) = state.locals.get_mut(&c)
+            {
+                local.out = true;
+                local.wants = None;
+                self.changed.notify_all();
+            }
+            return;
+        };
+        let upstream = match report {
+            Report::Fatal { reason } => {
+                if let Some(local) = state.locals.get_mut(&c) {
+                    local.out = true;
+                }
+                if let Some(g) = state.generation.as_mut() {
+                    g.seats.remove(&id);
+                }
+                Report::RankLost {
+                    cause: format!("member {id} (rank {rank}) failed: {reason}"),
+                }
+            }
+            Report::Leaving { reason } => {
+                if let Some(local) = state.locals.get_mut(&c) {
+                    local.out = true;
+                    local.wants = None;
+                }
+                let left = state
+                    .running()
+                    .map(|g| {
+                        g.seats
+                            .keys()
+                            .filter(|seat| state.local_of(seat).is_some())
+                            .count()
+                    })
+                    .unwrap_or(0);
+                if left == 0 || seated == 1 {
+                    Report::Leaving { reason }
+                } else {
+                    Report::RankLeft {
+                        cause: format!("member {id} (rank {rank}) left: {reason}"),
+                    }
+                }
+            }
+            Report::Finished { .. } if state.finished => return,
+            Report::Finished { step } => {
+                state.finished = true;
+                Report::Finished { step }
+            }
+            other => other,
+        };
+        self.changed.notify_all();
+        self.report(generation, upstream);
+    }
+
+    /// Whether the node should ask the control plane for a generation now, and for
+    /// how many ranks.
+    fn should_ask(&self, state: &State, now: Instant) -> Option<(u64, usize)> {
+        if state.shutdown.is_some() || state.asking.is_some() {
+            return None;
+        }
+        let live = state.live().count();
+        let waiting: Vec<u64> = state
+            .live()
+            .filter_map(|(_, l)| l.wants.map(|(after, _)| after))
+            .collect();
+        if waiting.is_empty() {
+            return None;
+        }
+        let after = state.newest;
+        match state.running() {
+            Some(g) => {
+                // A rank of the running generation asks for a newer one: it is over
+                // for the node too (at a boundary, or out of turn).
+                let generation = g.assignment.generation;
+                let member_asks = state.live().any(|(_, l)| {
+                    l.wants.is_some_and(|(a, _)| a >= generation) && g.seats.contains_key(l.id())
+                });
+                member_asks.then_some((generation, live))
+            }
+            None if state.generation.is_some() => Some((after, live)),
+            None => {
+                let all = waiting.len() == live && live >= state.expected;
+                let called = state
+                    .first_ask
+                    .is_some_and(|t| now.saturating_duration_since(t) >= self.config.last_call);
+                (all || called).then_some((after, live))
+            }
+        }
+    }
+
+    /// The node got its place in generation `a`: its ranks get theirs.
+    fn install(&self, a: Assignment, now: Instant) {
+        let mut state = self.lock();
+        state.newest = state.newest.max(a.generation);
+        let mut ids: Vec<String> = state.live().map(|(_, l)| l.id().to_owned()).collect();
+        ids.sort();
+        let places = a.ranks;
+        let seats: BTreeMap<String, usize> = ids
+            .iter()
+            .take(places)
+            .enumerate()
+            .map(|(i, id)| (id.clone(), a.rank + i))
+            .collect();
+        info!(
+            generation = a.generation,
+            first = a.rank,
+            ranks = a.ranks,
+            world_size = a.world_size,
+            "node has its place in a generation"
+        );
+        let generation = a.generation;
+        state.generation = Some(Generation {
+            assignment: a,
+            seats: seats.clone(),
+            formed: now,
+            over: false,
+            kv: Vec::new(),
+        });
+        for id in ids.iter().skip(places) {
+            // More live ranks than places (one started while the node asked): it
+            // waits for the next generation, and the node holds it from now on.
+            debug!(rank = %id, generation, "no place for this rank in this generation");
+        }
+        let asking: Vec<(LocalId, String)> = state
+            .live()
+            .filter(|(_, l)| l.wants.is_some_and(|(after, _)| after < generation))
+            .map(|(c, l)| (c, l.id().to_owned()))
+            .collect();
+        for (c, id) in asking {
+            if let Some(assignment) = state.assignment_of(&id) {
+                if let Some(local) = state.locals.get_mut(&c) {
+                    local.wants = None;
+                    local.progress = None;
+                    local.last_seen = now;
+                }
+                state.assign(c, assignment);
+            }
+        }
+        if seats.len() < places {
+            // A rank counted in the ask died before the answer: the world has a
+            // hole, and the node says so at once.
+            let cause = format!(
+                "node holds {places} ranks in generation {generation} but only {} are alive",
+                seats.len()
+            );
+            drop(state);
+            warn!(generation, "{cause}");
+            self.report(generation, Report::RankLost { cause });
+            return;
+        }
+        self.changed.notify_all();
+    }
+
+    /// Passes `directive` from the control plane on to the ranks it concerns.
+    fn relay(&self, directive: Directive) {
+        let mut state = self.lock();
+        let seated = |state: &State| -> Vec<LocalId> {
+            let Some(g) = &state.generation else {
+                return Vec::new();
+            };
+            g.seats.keys().filter_map(|id| state.local_of(id)).collect()
+        };
+        match &directive {
+            Directive::Restart { generation, .. } | Directive::Regroup { generation, .. } => {
+                let ours = state
+                    .generation
+                    .as_ref()
+                    .is_some_and(|g| g.assignment.generation == *generation);
+                if !ours {
+                    return;
+                }
+                if matches!(directive, Directive::Restart { .. })
+                    && let Some(g) = state.generation.as_mut()
+                {
+                    g.over = true;
+                }
+                for c in seated(&state) {
+                    state.directive(c, directive.clone());
+                }
+            }
+            Directive::Stale { current } => {
+                state.newest = state.newest.max(*current);
+                if let Some(g) = state.generation.as_mut() {
+                    g.over = true;
+                }
+                info!(
+                    current,
+                    "the control plane dropped this node; its ranks are stale"
+                );
+                for c in seated(&state) {
+                    state.tell_stale(c);
+                }
+            }
+            Directive::Shutdown { reason } => {
+                state.shutdown = Some(reason.clone());
+                let all: Vec<LocalId> = state.live().map(|(c, _)| c).collect();
+                for c in all {
+                    state.directive(c, directive.clone());
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// The node's own checks of its ranks in the running generation.
+    fn check_ranks(&self, now: Instant) {
+        let policy = self.policy();
+        let timeouts = self.config.timeouts;
+        let mut state = self.lock();
+        let Some(g) = state.running() else {
+            return;
+        };
+        let generation = g.assignment.generation;
+        let formed = g.formed;
+        let seats: Vec<String> = g.seats.keys().cloned().collect();
+        for id in seats {
+            let Some(c) = state.local_of(&id) else {
+                continue;
+            };
+            let local = &state.locals[&c];
+            let silent = now.saturating_duration_since(local.last_seen);
+            let joined = local
+                .progress
+                .as_ref()
+                .is_some_and(|(g, _)| *g == generation);
+            let verdict = if silent > timeouts.heartbeat_timeout {
+                Some(lost_member(
+                    &id,
+                    format_args!("no heartbeat for {} ms", silent.as_millis()),
+                ))
+            } else if let Some((g, p)) = &local.progress
+                && *g == generation
+                && policy.hung(p)
+            {
+                Some(hung_member(&id, p.idle_ms))
+            } else if !joined
+                && local.wants.is_none()
+                && now.saturating_duration_since(formed) > timeouts.join_timeout
+            {
+                Some(lost_member(
+                    &id,
+                    format_args!(
+                        "did not join generation {generation} within {} ms",
+                        timeouts.join_timeout.as_millis()
+                    ),
+                ))
+            } else {
+                None
+            };
+            if let Some(cause) = verdict {
+                self.lose(&mut state, c, cause);
+                return;
+            }
+        }
+    }
+
+    /// What the node says in its heartbeat: its ranks' slowest step and highest
+    /// checkpoint generation. Hangs are the node's to judge, so it is never idle.
+    fn progress(&self) -> (u64, Progress) {
+        let state = self.lock();
+        let Some(g) = state.running() else {
+            return (0, Progress::default());
+        };
+        let generation = g.assignment.generation;
+        let mut progress = Progress {
+            step: u64::MAX,
+            ..Progress::default()
+        };
+        for (_, local) in state.live() {
+            if let Some((g, p)) = &local.progress
+                && *g == generation
+            {
+                progress.step = progress.step.min(p.step);
+                progress.checkpoint_generation =
+                    progress.checkpoint_generation.max(p.checkpoint_generation);
+            }
+        }
+        if progress.step == u64::MAX {
+            progress.step = 0;
+        }
+        (generation, progress)
+    }
+}
+
+fn error(message: &str, fatal: bool) -> ServerMessage {
+    ServerMessage::Error {
+        message: message.to_owned(),
+        fatal,
+    }
+}
+
+impl NodeAgent {
+    /// Serves the node's ranks on `listen` (port 0: any), standing for them through
+    /// `upstream`, a control plane connected as this node's member.
+    pub fn start(
+        upstream: Arc<dyn ControlPlane>,
+        listen: SocketAddr,
+        config: NodeConfig,
+    ) -> io::Result<NodeAgent> {
+        config
+            .timeouts
+            .validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let listener = TcpListener::bind(listen)?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            config,
+            upstream,
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+        });
+        let mut threads = Vec::new();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name.into()).spawn(f)
+        };
+        {
+            let shared = shared.clone();
+            threads.push(spawn(
+                "ckpt-node-accept",
+                Box::new(move || accept_loop(&shared, &listener)),
+            )?);
+        }
+        {
+            let shared = shared.clone();
+            threads.push(spawn(
+                "ckpt-node-rendezvous",
+                Box::new(move || rendezvous_loop(&shared)),
+            )?);
+        }
+        {
+            let shared = shared.clone();
+            threads.push(spawn(
+                "ckpt-node-upkeep",
+                Box::new(move || upkeep_loop(&shared)),
+            )?);
+        }
+        {
+            let shared = shared.clone();
+            threads.push(spawn("ckpt-node-kv", Box::new(move || kv_loop(&shared)))?);
+        }
+        Ok(NodeAgent {
+            shared,
+            addr,
+            threads,
+        })
+    }
+
+    /// Where the node's ranks connect (their `CKPT_RDZV`).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The launcher runs `ranks` ranks now: the first rendezvous waits for them (up
+    /// to the last call).
+    pub fn expect(&self, ranks: usize) {
+        self.shared.lock().expected = ranks;
+        self.shared.changed.notify_all();
+    }
+
+    /// The node's current generation and its block of ranks, if it has one.
+    pub fn assignment(&self) -> Option<Assignment> {
+        let state = self.shared.lock();
+        state.running().map(|g| g.assignment.clone())
+    }
+
+    /// Why the job was shut down, once it was.
+    pub fn shutdown_reason(&self) -> Option<String> {
+        self.shared.lock().shutdown.clone()
+    }
+}
+
+impl Drop for NodeAgent {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        {
+            let state = self.shared.lock();
+            for local in state.locals.values() {
+                local.close();
+            }
+            if let Some((_, _, cancel)) = &state.asking {
+                cancel.cancel();
+            }
+        }
+        self.shared.changed.notify_all();
+        // The accept loop wakes on a connection.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
+    loop {
+        let accepted = listener.accept();
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ckpt-node-rank".into())
+            .spawn(move || serve_rank(&shared, stream, peer));
+        if let Err(e) = spawned {
+            warn!(%peer, error = %e, "cannot start a thread for a rank");
+        }
+    }
+}
+
+fn write_lines(mut socket: TcpStream, outbox: Receiver<Arc<str>>) {
+    let _ = socket.set_write_timeout(Some(WRITE_TIMEOUT));
+    for line in outbox {
+        if socket.write_all(line.as_bytes()).is_err() {
+            break;
+        }
+    }
+    let _ = socket.shutdown(Shutdown::Both);
+}
+
+fn serve_rank(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    let (Ok(for_writer), Ok(for_state)) = (stream.try_clone(), stream.try_clone()) else {
+        warn!(%peer, "cannot clone a rank's socket");
+        return;
+    };
+    let (outbox, lines) = sync_channel(OUTBOX);
+    let c = {
+        let mut state = shared.lock();
+        if state.locals.len() >= MAX_LOCAL {
+            drop(state);
+            warn!(%peer, "too many rank connections; refused");
+            return;
+        }
+        let c = state.next_local;
+        state.next_local += 1;
+        state.locals.insert(
+            c,
+            Local {
+                outbox,
+                socket: for_state,
+                member: None,
+                last_seen: Instant::now(),
+                progress: None,
+                wants: None,
+                out: false,
+            },
+        );
+        c
+    };
+    let writer = std::thread::Builder::new()
+        .name("ckpt-node-write".into())
+        .spawn(move || write_lines(for_writer, lines));
+    if writer.is_err() {
+        shared.remove(c, "no thread to write");
+        return;
+    }
+    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
+    let mut reader = LineReader::new(stream);
+    let reason = loop {
+        match reader.next_line() {
+            Ok(None) => break "connection closed".to_owned(),
+            Ok(Some(line)) => match protocol::decode::<ClientMessage>(line) {
+                Ok(message) => match shared.handle(c, message) {
+                    Ok(true) => {
+                        let _ = reader.get_ref().set_read_timeout(None);
+                    }
+                    Ok(false) => {}
+                    Err(reason) => break reason,
+                },
+                Err(e) => shared.lock().send(c, &error(&e.to_string(), false)),
+            },
+            Err(LineError::TooLong { max }) => {
+                let message = format!("line longer than {max} bytes; closing the connection");
+                shared.lock().send(c, &error(&message, true));
+                break message;
+            }
+            Err(LineError::Io(e))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                break format!("no hello within {HELLO_TIMEOUT:?}");
+            }
+            Err(e) => break e.to_string(),
+        }
+    };
+    shared.remove(c, &reason);
+}
+
+/// Asks the control plane for generations when the node's ranks want one.
+fn rendezvous_loop(shared: &Arc<Shared>) {
+    loop {
+        let (after, ranks, cancel) = {
+            let mut state = shared.lock();
+            loop {
+                if shared.stopping.load(Ordering::SeqCst) {
+                    return;
+                }
+                if let Some((after, ranks)) = shared.should_ask(&state, Instant::now()) {
+                    let cancel = Cancel::new();
+                    state.asking = Some((after, ranks, cancel.clone()));
+                    if let Some(g) = state.generation.as_mut()
+                        && g.assignment.generation <= after
+                    {
+                        g.over = true;
+                    }
+                    break (after, ranks, cancel);
+                }
+                state = shared
+                    .changed
+                    .wait_timeout(state, TICK)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+        };
+        let outcome = shared
+            .upstream
+            .hold(ranks)
+            .and_then(|()| shared.upstream.rendezvous(after, &cancel));
+        let now = Instant::now();
+        {
+            let mut state = shared.lock();
+            state.asking = None;
+            if outcome.is_ok() || !matches!(outcome, Err(ElasticError::Cancelled)) {
+                state.held = ranks;
+            }
+        }
+        match outcome {
+            Ok(assignment) => shared.install(assignment, now),
+            Err(ElasticError::Cancelled) => {}
+            Err(ElasticError::Shutdown(reason)) => {
+                shared.relay(Directive::Shutdown { reason });
+            }
+            Err(e) => {
+                warn!(error = %e, "the node's rendezvous failed");
+                if !matches!(e, ElasticError::Timeout(_) | ElasticError::Io(_)) {
+                    shared.relay(Directive::Shutdown {
+                        reason: format!("the control plane refused this node: {e}"),
+                    });
+                }
+                std::thread::sleep(TICK);
+            }
+        }
+    }
+}
+
+/// Heartbeats upstream, passes directives on, checks the node's ranks, and keeps
+/// the rank count the control plane has in step with the live ranks.
+fn upkeep_loop(shared: &Arc<Shared>) {
+    let interval = shared.config.heartbeat_interval;
+    let mut next_beat = Instant::now();
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let now = Instant::now();
+        if now >= next_beat {
+            let (generation, progress) = shared.progress();
+            if let Err(e) = shared.upstream.heartbeat(generation, &progress) {
+                debug!(error = %e, "node heartbeat not sent");
+            }
+            next_beat = now + interval;
+            shared.check_ranks(now);
+            grow(shared);
+        }
+        let (generation, asking) = {
+            let state = shared.lock();
+            let generation = state
+                .generation
+                .as_ref()
+                .map_or(0, |g| g.assignment.generation);
+            (generation, state.asking.clone())
+        };
+        let wait = next_beat
+            .saturating_duration_since(Instant::now())
+            .min(TICK);
+        match shared.upstream.watch(generation, wait) {
+            Ok(Some(directive)) => {
+                if let (Directive::Shutdown { .. }, Some((_, _, cancel))) = (&directive, asking) {
+                    cancel.cancel();
+                }
+                shared.relay(directive);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                warn!(error = %e, "the node cannot watch the control plane");
+                if matches!(e, ElasticError::Rejected(_) | ElasticError::Shutdown(_)) {
+                    shared.relay(Directive::Shutdown {
+                        reason: format!("the control plane refused this node: {e}"),
+                    });
+                    return;
+                }
+                std::thread::sleep(TICK);
+            }
+        }
+    }
+}
+
+/// Keeps the ranks the control plane counts for this node in step with its live
+/// ranks: while the node asks for a generation (a rank that connects late is
+/// counted before the generation forms), and while it trains (a rank started again
+/// waits to join, so that the world grows at the next checkpoint).
+fn grow(shared: &Shared) {
+    let ranks = {
+        let state = shared.lock();
+        let live = state.live().count();
+        let asked = match (&state.asking, state.running()) {
+            (Some((_, asked, _)), _) => *asked,
+            (None, Some(g)) if live > g.seats.len() => state.held,
+            _ => return,
+        };
+        if live == asked || live == 0 {
+            return;
+        }
+        live
+    };
+    match shared.upstream.hold(ranks) {
+        Ok(()) => {
+            let mut state = shared.lock();
+            state.held = ranks;
+            if let Some((_, asked, _)) = state.asking.as_mut() {
+                *asked = ranks;
+            }
+        }
+        Err(e) => debug!(error = %e, "cannot tell the control plane the node's ranks"),
+    }
+}
+
+/// Passes the running generation's keys on to its ranks.
+fn kv_loop(shared: &Arc<Shared>) {
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let (generation, known) = {
+            let state = shared.lock();
+            match state.running() {
+                Some(g) => (g.assignment.generation, g.kv.len()),
+                None => (0, 0),
+            }
+        };
+        if generation == 0 {
+            let state = shared.lock();
+            let _ = shared.changed.wait_timeout(state, TICK);
+            continue;
+        }
+        match shared.upstream.kv_all(generation, known, TICK) {
+            Ok(all) if all.len() > known => {
+                let mut state = shared.lock();
+                let Some(g) = state.generation.as_mut() else {
+                    continue;
+                };
+                if g.assignment.generation != generation {
+                    continue;
+                }
+                let new: Vec<(String, String)> = all
+                    .into_iter()
+                    .filter(|(k, v)| !g.kv.iter().any(|(k2, v2)| k2 == k && v2 == v))
+                    .collect();
+                g.kv.extend(new.iter().cloned());
+                let ids: Vec<String> = g.seats.keys().cloned().collect();
+                let seated: Vec<LocalId> = ids.iter().filter_map(|id| state.local_of(id)).collect();
+                for (key, value) in new {
+                    let update = ServerMessage::Kv {
+                        generation,
+                        key,
+                        value,
+                    };
+                    for &c in &seated {
+                        state.send(c, &update);
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(_) => {
+                let state = shared.lock();
+                let _ = shared.changed.wait_timeout(state, TICK);
+            }
+        }
+    }
+}
