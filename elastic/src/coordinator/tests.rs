@@ -2,8 +2,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, sync_channel};
 use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{Receiver, channel};
 
 use super::core::{ConnId, Core, Outcome, Phase};
 use super::server::OUTBOX;
@@ -43,7 +44,7 @@ impl Harness {
     }
 
     fn hello(&mut self, i: usize, seen: u64, claim: Option<Assignment>, ms: u64) -> ConnId {
-        let (tx, rx) = sync_channel(OUTBOX);
+        let (tx, rx) = channel(OUTBOX);
         let c = self
             .core
             .register(None, tx, "127.0.0.1:1".parse().unwrap())
@@ -66,9 +67,9 @@ impl Harness {
     }
 
     /// Messages sent to `c` since the last call, Welcome left out.
-    fn received(&self, c: ConnId) -> Vec<ServerMessage> {
-        self.inboxes[&c]
-            .try_iter()
+    fn received(&mut self, c: ConnId) -> Vec<ServerMessage> {
+        let inbox = self.inboxes.get_mut(&c).unwrap();
+        std::iter::from_fn(|| inbox.try_recv().ok())
             .map(|line| protocol::decode(line.trim_end().as_bytes()).unwrap())
             .filter(|m| !matches!(m, ServerMessage::Welcome { .. }))
             .collect()
@@ -86,7 +87,7 @@ impl Harness {
         (a, b, generation)
     }
 
-    fn assigned(&self, c: ConnId) -> Option<Assignment> {
+    fn assigned(&mut self, c: ConnId) -> Option<Assignment> {
         self.received(c).into_iter().find_map(|m| match m {
             ServerMessage::Assigned { assignment } => Some(assignment),
             _ => None,
@@ -329,7 +330,7 @@ fn a_hung_member_is_blamed_but_one_in_a_collective_is_not() {
 #[test]
 fn messages_before_hello_and_wrong_jobs_close_the_connection() {
     let mut h = Harness::new(1, 1);
-    let (tx, _rx) = sync_channel(OUTBOX);
+    let (tx, _rx) = channel(OUTBOX);
     let c = h
         .core
         .register(None, tx, "127.0.0.1:1".parse().unwrap())
@@ -380,7 +381,7 @@ impl Backend for Scenarios {
     }
 
     fn join(&mut self, member: &Member, now: Instant) {
-        let (tx, rx) = sync_channel(OUTBOX);
+        let (tx, rx) = channel(OUTBOX);
         let c = self
             .core
             .register(None, tx, "127.0.0.1:1".parse().unwrap())
@@ -440,8 +441,8 @@ impl Backend for Scenarios {
 
     fn told(&mut self) -> Vec<(String, Told)> {
         let mut told = Vec::new();
-        for (id, inbox) in &self.inboxes {
-            for line in inbox.try_iter() {
+        for (id, inbox) in &mut self.inboxes {
+            while let Ok(line) = inbox.try_recv() {
                 match protocol::decode(line.trim_end().as_bytes()).unwrap() {
                     ServerMessage::Assigned { assignment } => {
                         told.push((id.clone(), Told::Assigned(assignment)));
