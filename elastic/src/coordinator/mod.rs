@@ -42,7 +42,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Notify;
 
 use self::core::Core;
-use self::server::{raise_file_limit, serve};
+use self::server::{raise_file_limit, serve, widen_backlog};
 use super::policy::Policy;
 use super::timeouts::{Timeouts, validate_ranks};
 
@@ -203,6 +203,7 @@ impl Coordinator {
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let listener = TcpListener::bind(addr)?;
+        widen_backlog(&listener, config.max_connections);
         Ok(Coordinator { listener, config })
     }
 

@@ -304,3 +304,23 @@ pub(super) fn raise_file_limit(connections: usize) {
 /// Descriptor limits are a unix matter.
 #[cfg(not(unix))]
 pub(super) fn raise_file_limit(_connections: usize) {}
+
+/// Lets `listener` queue up to `connections` connections not accepted yet (the
+/// kernel caps it, at `net.core.somaxconn` on Linux). The standard library listens
+/// with a backlog of 128: when thousands of members connect at once, the ones
+/// beyond it have their connection attempts dropped and retried a second or more
+/// later. Listening again on a listening socket only changes its backlog.
+#[cfg(unix)]
+pub(super) fn widen_backlog(listener: &std::net::TcpListener, connections: usize) {
+    use std::os::fd::AsRawFd;
+    let backlog = libc::c_int::try_from(connections).unwrap_or(libc::c_int::MAX);
+    // SAFETY: the descriptor is the listener's own, open for the call's duration.
+    if unsafe { libc::listen(listener.as_raw_fd(), backlog) } != 0 {
+        let error = io::Error::last_os_error();
+        warn!(%error, "cannot widen the listen backlog; bursts of connections may wait");
+    }
+}
+
+/// Listen backlogs are set this way on unix only.
+#[cfg(not(unix))]
+pub(super) fn widen_backlog(_listener: &std::net::TcpListener, _connections: usize) {}
