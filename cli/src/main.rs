@@ -321,6 +321,7 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
         timeouts,
         // A restarted coordinator waits as long as a member may stay silent.
         settle: timeouts.heartbeat_timeout,
+        max_connections: ckpt_elastic::CoordinatorConfig::DEFAULT_MAX_CONNECTIONS,
     };
     let coordinator = match ckpt_elastic::Coordinator::bind(args.listen, config) {
         Ok(coordinator) => coordinator,

@@ -203,24 +203,40 @@ impl<R: Read> LineReader<R> {
             if available.is_empty() {
                 return Ok(None);
             }
-            let (take, done) = match available.iter().position(|&b| b == b'\n') {
-                Some(newline) => (newline + 1, true),
-                None => (available.len(), false),
-            };
-            if self.line.len().saturating_add(take) > self.max {
-                return Err(LineError::TooLong { max: self.max });
-            }
-            self.line.extend_from_slice(&available[..take]);
+            let (take, done) = append_line_part(&mut self.line, available, self.max)?;
             self.inner.consume(take);
             if done {
-                self.line.pop();
-                if self.line.last() == Some(&b'\r') {
-                    self.line.pop();
-                }
                 return Ok(Some(&self.line));
             }
         }
     }
+}
+
+/// One step of reading a line of at most `max` bytes: appends to `line` what
+/// `available` (the reader's buffered bytes) holds of it. Returns how many bytes to
+/// consume and whether the line is complete, in which case its `\n` (and a `\r`
+/// before it) are already taken off. Fails before appending when the line would
+/// exceed `max`. Shared by [`LineReader`] and the coordinator's asynchronous reader.
+pub(crate) fn append_line_part(
+    line: &mut Vec<u8>,
+    available: &[u8],
+    max: usize,
+) -> Result<(usize, bool), LineError> {
+    let (take, done) = match available.iter().position(|&b| b == b'\n') {
+        Some(newline) => (newline + 1, true),
+        None => (available.len(), false),
+    };
+    if line.len().saturating_add(take) > max {
+        return Err(LineError::TooLong { max });
+    }
+    line.extend_from_slice(&available[..take]);
+    if done {
+        line.pop();
+        if line.last() == Some(&b'\r') {
+            line.pop();
+        }
+    }
+    Ok((take, done))
 }
 
 #[cfg(test)]

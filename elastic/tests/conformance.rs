@@ -94,6 +94,7 @@ impl Backend for Tcp {
             timeouts,
             // A new job: nothing to adopt.
             settle: Duration::ZERO,
+            max_connections: CoordinatorConfig::DEFAULT_MAX_CONNECTIONS,
         };
         let coordinator = ckpt_elastic::Coordinator::bind("127.0.0.1:0".parse().unwrap(), config)
             .expect("bind a coordinator")

@@ -37,6 +37,7 @@ fn config(min_ranks: usize, max_ranks: usize) -> CoordinatorConfig {
             rendezvous_timeout: Duration::from_secs(30),
         },
         settle: Duration::from_secs(1),
+        max_connections: CoordinatorConfig::DEFAULT_MAX_CONNECTIONS,
     }
 }
 
@@ -556,6 +557,27 @@ fn error_text(message: ServerMessage, fatal: bool) -> String {
         ServerMessage::Error { message, fatal: f } if f == fatal => message,
         other => panic!("expected an error (fatal: {fatal}), got {other:?}"),
     }
+}
+
+#[test]
+fn a_connection_beyond_max_connections_is_refused_with_a_fatal_error_line() {
+    let mut config = config(1, 1);
+    config.max_connections = 1;
+    let coordinator = start(config);
+    let addr = coordinator.local_addr();
+    let mut first = Raw::connect(addr);
+    first.hello(member(0), None);
+    eventually("the first member is connected", || {
+        coordinator.members() == 1
+    });
+    let mut second = Raw::connect(addr);
+    let text = error_text(second.recv(), true);
+    assert!(text.contains("too many connections"), "{text}");
+    assert!(second.closed(), "a refused connection is closed");
+    drop(second);
+    // The member already served is still served.
+    first.send(&ClientMessage::Rendezvous { after: 0 });
+    assert!(matches!(first.recv(), ServerMessage::Assigned { .. }));
 }
 
 #[test]

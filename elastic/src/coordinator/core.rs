@@ -1,20 +1,22 @@
 //! The coordinator's decisions: every rule lives in [`Core`], driven by messages and
 //! an explicit clock, so that it can be tested without sockets or threads.
 //!
-//! The core owns each connection's outbox (the writer thread drains it) and the
+//! The core owns each connection's outbox (its writer task drains it) and the
 //! state of the job: the phase (settling, gathering, running, rejoining), the
 //! members, the generation numbers and floors, the running generation's key-value
 //! space, and the events a launcher reads.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Instant, SystemTime};
 
+use tokio::sync::mpsc::Sender;
+use tokio::sync::mpsc::error::TrySendError;
 use tracing::{info, warn};
 
 use super::adopt::claim_is_coherent;
+use super::server::Hangup;
 use super::{CoordinatorConfig, Event};
 use crate::policy::{
     Action, Between, Candidate, Effect, End, Standing, Timers, ends_membership, hung_member,
@@ -23,8 +25,6 @@ use crate::policy::{
 use crate::protocol::{self, ClientMessage, ServerMessage};
 use crate::{Assignment, Directive, Member, Progress, Report, roster_digest};
 
-/// Connections served at once; more are refused with an error line.
-const MAX_CONNECTIONS: usize = 1024;
 /// Keys per generation's key-value space.
 const MAX_KEYS: usize = 4096;
 /// Largest generation number accepted from a member: far beyond any real job, and
@@ -50,9 +50,9 @@ pub(super) enum Outcome {
 }
 
 pub(super) struct Conn {
-    pub(super) outbox: SyncSender<Arc<str>>,
-    /// `None` only in unit tests of [`Core`].
-    pub(super) socket: Option<TcpStream>,
+    pub(super) outbox: Sender<Arc<str>>,
+    /// Ends the connection's tasks; `None` only in unit tests of [`Core`].
+    pub(super) hangup: Option<Hangup>,
     pub(super) peer: SocketAddr,
     pub(super) member: Option<Member>,
     pub(super) last_seen: Instant,
@@ -69,8 +69,8 @@ pub(super) struct Conn {
 
 impl Conn {
     pub(super) fn close(&self) {
-        if let Some(socket) = &self.socket {
-            let _ = socket.shutdown(Shutdown::Both);
+        if let Some(hangup) = &self.hangup {
+            hangup.hang_up();
         }
     }
 
@@ -246,11 +246,11 @@ impl Core {
 
     pub(super) fn register(
         &mut self,
-        socket: Option<TcpStream>,
-        outbox: SyncSender<Arc<str>>,
+        hangup: Option<Hangup>,
+        outbox: Sender<Arc<str>>,
         peer: SocketAddr,
     ) -> Option<ConnId> {
-        if self.conns.len() >= MAX_CONNECTIONS {
+        if self.conns.len() >= self.config.max_connections {
             return None;
         }
         let id = self.next_conn;
@@ -259,7 +259,7 @@ impl Core {
             id,
             Conn {
                 outbox,
-                socket,
+                hangup,
                 peer,
                 member: None,
                 last_seen: Instant::now(),
@@ -293,7 +293,7 @@ impl Core {
             }
         };
         match conn.outbox.try_send(line) {
-            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
+            Ok(()) | Err(TrySendError::Closed(_)) => {}
             Err(TrySendError::Full(_)) => {
                 warn!(member = conn.id(), peer = %conn.peer, "member does not read; disconnecting it");
                 conn.close();

@@ -1,9 +1,12 @@
 //! The coordinator: a TCP server that forms generations and tells members what to do.
 //!
-//! One thread accepts connections; each connection has a reader thread (parses lines,
-//! applies them to the shared state) and a writer thread (drains a bounded outbox,
-//! so that a member that stops reading can never block the coordinator: when its
-//! outbox is full it is disconnected). A ticker thread applies the timeouts. All
+//! The coordinator owns one thread, which runs a single-threaded tokio runtime: a
+//! task accepts connections, a task ticks the clock (the timeouts), and each
+//! connection has a reader task (parses lines, applies them to the shared state) and
+//! a writer task (drains a bounded outbox, so that a member that stops reading can
+//! never block the coordinator: when its outbox is full, or a write to it takes too
+//! long, it is disconnected). Connections cost no threads, so one coordinator serves
+//! tens of thousands of them, up to [`CoordinatorConfig::max_connections`]. All
 //! decisions are made by one `Core` under one mutex, from messages and the clock only,
 //! which keeps the rules in one place and testable without sockets.
 //!
@@ -15,8 +18,8 @@
 //! # Files
 //!
 //! - this one: the public face (configuration, events, the bound coordinator and the
-//!   handle of a running one) and the state the threads share;
-//! - `server.rs`: the threads and the sockets, which decide nothing;
+//!   handle of a running one) and the state the tasks and the handle share;
+//! - `server.rs`: the runtime's tasks and the sockets, which decide nothing;
 //! - `core.rs`: every decision, driven by messages and an explicit clock;
 //! - `adopt.rs`: the part of the decisions that only a restarted coordinator takes
 //!   (adopting the generation its reconnecting members claim), kept apart because it
@@ -30,14 +33,16 @@ mod server;
 mod tests;
 
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
+use tokio::sync::Notify;
+
 use self::core::Core;
-use self::server::{accept_loop, tick_loop};
+use self::server::{raise_file_limit, serve, widen_backlog};
 use super::policy::Policy;
 use super::timeouts::{Timeouts, validate_ranks};
 
@@ -58,9 +63,21 @@ pub struct CoordinatorConfig {
     /// declared lost anyway). A launcher that starts a new job with its own
     /// coordinator sets zero: there is no running generation to adopt.
     pub settle: Duration,
+    /// Connections served at once (members of every node, waiting ones included,
+    /// and connections that have not said hello yet); one more is refused with a
+    /// fatal error line. A connection costs a socket and a few KiB, no thread.
+    /// [`CoordinatorConfig::DEFAULT_MAX_CONNECTIONS`] unless set; at least
+    /// `max_ranks`. The coordinator raises the process's soft limit on open files
+    /// toward the hard limit when it is below this (and logs a warning when the
+    /// hard limit is lower still).
+    pub max_connections: usize,
 }
 
 impl CoordinatorConfig {
+    /// The default [`CoordinatorConfig::max_connections`]: four times 16,384, the
+    /// most ranks a job is planned with, each on a connection of its own.
+    pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+
     /// A configuration for `job` with the default timeouts.
     pub fn new(job: impl Into<String>, min_ranks: usize, max_ranks: usize) -> Self {
         CoordinatorConfig {
@@ -69,6 +86,7 @@ impl CoordinatorConfig {
             max_ranks,
             timeouts: Timeouts::DEFAULT,
             settle: Timeouts::DEFAULT.heartbeat_timeout,
+            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
         }
     }
 
@@ -78,6 +96,12 @@ impl CoordinatorConfig {
             return Err("job id is empty".into());
         }
         validate_ranks(self.min_ranks, self.max_ranks)?;
+        if self.max_connections < self.max_ranks {
+            return Err(format!(
+                "max_connections ({}) is below max_ranks ({}): a full generation could not connect",
+                self.max_connections, self.max_ranks
+            ));
+        }
         self.timeouts.validate()
     }
 
@@ -181,6 +205,7 @@ impl Coordinator {
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let listener = TcpListener::bind(addr)?;
+        widen_backlog(&listener, config.max_connections);
         Ok(Coordinator { listener, config })
     }
 
@@ -191,36 +216,22 @@ impl Coordinator {
             .expect("a bound listener has an address")
     }
 
-    /// Serves on background threads. Dropping the handle stops the coordinator.
+    /// Serves on a background thread (one, however many connections). Dropping the
+    /// handle stops the coordinator.
     pub fn spawn(self) -> CoordinatorHandle {
         let addr = self.local_addr();
+        raise_file_limit(self.config.max_connections);
         let shared = Arc::new(Shared {
             core: Mutex::new(Core::new(self.config, Instant::now())),
             events_changed: Condvar::new(),
-            ticker: Condvar::new(),
+            stop: Notify::new(),
             stopping: AtomicBool::new(false),
         });
-        let accept = {
-            let shared = shared.clone();
-            let listener = self.listener;
-            std::thread::Builder::new()
-                .name("ckpt-coordinator-accept".into())
-                .spawn(move || accept_loop(&shared, &listener))
+        let started = start_runtime(&shared, self.listener);
+        let (threads, spawn_error) = match started {
+            Ok(thread) => (vec![thread], None),
+            Err(e) => (Vec::new(), Some(e)),
         };
-        let ticker = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("ckpt-coordinator-tick".into())
-                .spawn(move || tick_loop(&shared))
-        };
-        let mut threads = Vec::new();
-        let mut spawn_error = None;
-        for thread in [accept, ticker] {
-            match thread {
-                Ok(thread) => threads.push(thread),
-                Err(e) => spawn_error = Some(e),
-            }
-        }
         let handle = CoordinatorHandle {
             shared,
             addr,
@@ -254,24 +265,20 @@ impl CoordinatorHandle {
     }
 
     /// Stops serving: closes the listener and every connection (members see what
-    /// they would see if the coordinator process died). Idempotent.
+    /// they would see if the coordinator process died). Idempotent; returns at once,
+    /// [`CoordinatorHandle::join`] waits for the sockets to be closed.
     pub fn stop(&self) {
         if self.shared.stopping.swap(true, Ordering::SeqCst) {
             return;
         }
-        {
-            let core = self.shared.lock();
-            for conn in core.conns.values() {
-                conn.close();
-            }
-        }
-        self.shared.ticker.notify_all();
+        // The accept task ends on this (a permit waits for it if it is busy), and
+        // the runtime with it: dropping the runtime drops every connection's tasks,
+        // which closes their sockets.
+        self.shared.stop.notify_one();
         self.shared.events_changed.notify_all();
-        // Wake the accept loop, which then sees `stopping`.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
     }
 
-    /// Waits for the coordinator's threads to end (after [`CoordinatorHandle::stop`],
+    /// Waits for the coordinator's thread to end (after [`CoordinatorHandle::stop`],
     /// or never).
     pub fn join(mut self) -> io::Result<()> {
         for thread in self.threads.drain(..) {
@@ -357,11 +364,35 @@ impl Drop for CoordinatorHandle {
     }
 }
 
+/// What the runtime's tasks and the handle share.
 struct Shared {
     core: Mutex<Core>,
     events_changed: Condvar,
-    ticker: Condvar,
+    /// Wakes the accept task when the coordinator stops.
+    stop: Notify,
     stopping: AtomicBool,
+}
+
+/// Starts the coordinator's thread: a single-threaded tokio runtime serving
+/// `listener` until [`CoordinatorHandle::stop`].
+fn start_runtime(shared: &Arc<Shared>, listener: TcpListener) -> io::Result<JoinHandle<()>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()?;
+    listener.set_nonblocking(true)?;
+    let listener = {
+        let _entered = runtime.enter();
+        tokio::net::TcpListener::from_std(listener)?
+    };
+    let shared = shared.clone();
+    std::thread::Builder::new()
+        .name("ckpt-coordinator".into())
+        .spawn(move || {
+            runtime.block_on(serve(shared, listener));
+            // Dropping the runtime here drops the connections' tasks and sockets.
+            drop(runtime);
+        })
 }
 
 impl Shared {

@@ -2,8 +2,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, sync_channel};
 use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{Receiver, channel};
 
 use super::core::{ConnId, Core, Outcome, Phase};
 use super::server::OUTBOX;
@@ -56,7 +57,7 @@ impl Harness {
         claim: Option<Assignment>,
         ms: u64,
     ) -> (ConnId, Outcome) {
-        let (tx, rx) = sync_channel(OUTBOX);
+        let (tx, rx) = channel(OUTBOX);
         let c = self
             .core
             .register(None, tx, "127.0.0.1:1".parse().unwrap())
@@ -78,9 +79,9 @@ impl Harness {
     }
 
     /// Messages sent to `c` since the last call, Welcome left out.
-    fn received(&self, c: ConnId) -> Vec<ServerMessage> {
-        self.inboxes[&c]
-            .try_iter()
+    fn received(&mut self, c: ConnId) -> Vec<ServerMessage> {
+        let inbox = self.inboxes.get_mut(&c).unwrap();
+        std::iter::from_fn(|| inbox.try_recv().ok())
             .map(|line| protocol::decode(line.trim_end().as_bytes()).unwrap())
             .filter(|m| !matches!(m, ServerMessage::Welcome { .. }))
             .collect()
@@ -98,7 +99,7 @@ impl Harness {
         (a, b, generation)
     }
 
-    fn assigned(&self, c: ConnId) -> Option<Assignment> {
+    fn assigned(&mut self, c: ConnId) -> Option<Assignment> {
         self.received(c).into_iter().find_map(|m| match m {
             ServerMessage::Assigned { assignment } => Some(assignment),
             _ => None,
@@ -346,7 +347,7 @@ fn a_hung_member_is_blamed_but_one_in_a_collective_is_not() {
 #[test]
 fn messages_before_hello_and_wrong_jobs_close_the_connection() {
     let mut h = Harness::new(1, 1);
-    let (tx, _rx) = sync_channel(OUTBOX);
+    let (tx, _rx) = channel(OUTBOX);
     let c = h
         .core
         .register(None, tx, "127.0.0.1:1".parse().unwrap())
@@ -397,7 +398,7 @@ impl Backend for Scenarios {
     }
 
     fn join(&mut self, member: &Member, now: Instant) {
-        let (tx, rx) = sync_channel(OUTBOX);
+        let (tx, rx) = channel(OUTBOX);
         let c = self
             .core
             .register(None, tx, "127.0.0.1:1".parse().unwrap())
@@ -457,8 +458,8 @@ impl Backend for Scenarios {
 
     fn told(&mut self) -> Vec<(String, Told)> {
         let mut told = Vec::new();
-        for (id, inbox) in &self.inboxes {
-            for line in inbox.try_iter() {
+        for (id, inbox) in &mut self.inboxes {
+            while let Ok(line) = inbox.try_recv() {
                 match protocol::decode(line.trim_end().as_bytes()).unwrap() {
                     ServerMessage::Assigned { assignment } => {
                         told.push((id.clone(), Told::Assigned(assignment)));
