@@ -89,7 +89,11 @@ enum Command {
 
 /// Flags of `ckpt bench`.
 #[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 struct BenchArgs {
+    /// A bench of something other than a store.
+    #[command(subcommand)]
+    what: Option<BenchWhat>,
     /// Store URL to benchmark (a scratch location: the bench writes and deletes
     /// step directories and a `.ckpt-bench/` baseline file there).
     #[arg(long = "url", value_name = "URL")]
@@ -187,6 +191,51 @@ enum RanksAs {
     Threads,
     /// One process per rank only.
     Processes,
+}
+
+/// The benches of `ckpt bench` that are not about a store.
+#[derive(clap::Subcommand)]
+enum BenchWhat {
+    /// The elastic control plane at scale: N simulated nodes of R ranks (the real
+    /// node agent of `ckpt launch`, ranks simulated in this process) against a real
+    /// coordinator process, or an etcd cluster. Measures the formation of a
+    /// generation, the steady state (messages, coordinator CPU and memory, etcd
+    /// writes) and the loss of a node.
+    #[command(
+        after_help = "Examples:\n  ckpt bench control-plane --nodes 128 --ranks-per-node 8 --backend tcp\n  ckpt bench control-plane --nodes 2048 --ranks-per-node 8 --backend etcd --etcd etcd://127.0.0.1:2379/bench --json"
+    )]
+    ControlPlane(ControlPlaneArgs),
+}
+
+/// Flags of `ckpt bench control-plane`.
+#[derive(clap::Args)]
+struct ControlPlaneArgs {
+    /// Simulated nodes (each a real node agent with one connection or lease).
+    #[arg(long, value_name = "N")]
+    nodes: usize,
+    /// Simulated ranks per node.
+    #[arg(long, value_name = "R", default_value_t = 8)]
+    ranks_per_node: usize,
+    /// The control plane: the built-in coordinator (started as a process of its
+    /// own) or etcd.
+    #[arg(long, value_enum, default_value_t = bench::control_plane::Backend::Tcp)]
+    backend: bench::control_plane::Backend,
+    /// The etcd cluster for --backend etcd: etcd://HOST:PORT[,HOST:PORT...]/PREFIX.
+    #[arg(long, value_name = "URL")]
+    etcd: Option<String>,
+    /// Length of the steady-state window, seconds.
+    #[arg(long, value_name = "S", default_value_t = 10.0, value_parser = parse_seconds)]
+    steady_secs: f64,
+    /// How the lost node goes: silent (found by the heartbeat timeout) or with its
+    /// connections closed.
+    #[arg(long, value_enum, default_value_t = bench::control_plane::Kill::Silence)]
+    kill: bench::control_plane::Kill,
+    /// The job's heartbeat timeout, seconds.
+    #[arg(long, value_name = "S", default_value_t = Timeouts::DEFAULT.heartbeat_timeout.as_secs_f64(), value_parser = parse_seconds)]
+    heartbeat_timeout_secs: f64,
+    /// Print the figures as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Flags of the hidden `ckpt bench-rank` (one rank process of `ckpt bench`).
@@ -408,7 +457,39 @@ fn print_json<R: serde::Serialize>(report: &R) -> ExitCode {
     }
 }
 
+/// `ckpt bench control-plane`.
+fn run_control_plane_bench(args: &ControlPlaneArgs) -> ExitCode {
+    let ckpt = match std::env::current_exe() {
+        Ok(path) => path,
+        Err(e) => {
+            errln!("error: cannot find this program to start the coordinator: {e}");
+            return ExitCode::from(EXIT_CHECK_FAILED);
+        }
+    };
+    let config = bench::control_plane::Config {
+        nodes: args.nodes,
+        ranks_per_node: args.ranks_per_node,
+        backend: args.backend,
+        etcd: args.etcd.clone(),
+        steady: std::time::Duration::from_secs_f64(args.steady_secs),
+        kill: args.kill,
+        timeouts: Timeouts {
+            heartbeat_timeout: std::time::Duration::from_secs_f64(args.heartbeat_timeout_secs),
+            ..Timeouts::DEFAULT
+        },
+        ckpt,
+    };
+    print_bench(
+        args.json,
+        |progress| bench::control_plane::run(&config, progress).map_err(ckpt::Error::Failed),
+        bench::control_plane::render,
+    )
+}
+
 fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
+    if let Some(BenchWhat::ControlPlane(what)) = &args.what {
+        return run_control_plane_bench(what);
+    }
     let Some(url) = args.url_flag.clone().or(args.url.clone()) else {
         errln!("error: ckpt bench needs a store URL (--url URL)");
         return ExitCode::from(EXIT_USAGE);

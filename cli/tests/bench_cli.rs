@@ -176,3 +176,44 @@ fn bench_without_a_url_is_a_usage_error() {
         .unwrap();
     assert_eq!(output.status.code(), Some(2));
 }
+
+/// The control plane at the smoke size: 128 simulated nodes of 8 ranks against a
+/// real coordinator process. Every rank gets the generation, and after a node goes
+/// silent every survivor gets the next one, without the lost node's ranks.
+#[test]
+fn the_control_plane_bench_forms_1024_ranks_and_reforms_without_a_silent_node() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args([
+            "bench",
+            "control-plane",
+            "--nodes",
+            "128",
+            "--ranks-per-node",
+            "8",
+        ])
+        .args(["--backend", "tcp", "--steady-secs", "2"])
+        .args(["--heartbeat-timeout-secs", "2", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "ckpt bench control-plane failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["ranks"], 1024, "{report:#}");
+    assert_eq!(report["members_with_generation"], 1024, "{report:#}");
+    assert_eq!(report["survivors_with_generation"], 1016, "{report:#}");
+    let keys = [
+        "form_ms",
+        "detect_ms",
+        "reform_ms",
+        "messages_per_s",
+        "coordinator_rss_mib",
+    ];
+    assert_positive(&report, "", keys.iter());
+    // An idle coordinator may use no whole clock tick in a short window.
+    let cores = report["coordinator_cores"].as_f64().unwrap();
+    assert!(cores >= 0.0 && cores.is_finite(), "{report:#}");
+    assert!(report["etcd_writes_per_s"].is_null(), "{report:#}");
+}

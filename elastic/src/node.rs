@@ -62,8 +62,11 @@ const OUTBOX: usize = 256;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on one write to a rank.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often the node looks at its ranks when nothing happens.
+/// Pause after an error talking to the control plane.
 const TICK: Duration = Duration::from_millis(50);
+/// Longest wait of the node's threads when nothing happens (they are woken by
+/// every change): a node of a large job must not cost wake-ups while idle.
+const IDLE: Duration = Duration::from_secs(1);
 /// Most rank connections a node serves.
 const MAX_LOCAL: usize = 4096;
 
@@ -110,14 +113,30 @@ struct Shared {
     state: Mutex<State>,
     changed: Condvar,
     stopping: AtomicBool,
+    /// Neither heartbeats nor directives: a simulated stopped node.
+    silent: AtomicBool,
 }
 
 type LocalId = u64;
 
+/// Where the lines for one rank go.
+enum Outbox {
+    /// A rank process's connection: its writer thread drains the queue.
+    Socket {
+        queue: SyncSender<Arc<str>>,
+        socket: TcpStream,
+    },
+    /// A rank simulated in this process ([`NodeAgent::attach`]): the lines go to a
+    /// queue shared by many, tagged with the rank's number.
+    Attached {
+        tag: usize,
+        queue: SyncSender<(usize, Arc<str>)>,
+    },
+}
+
 /// One rank's connection.
 struct Local {
-    outbox: SyncSender<Arc<str>>,
-    socket: TcpStream,
+    outbox: Outbox,
     member: Option<Member>,
     last_seen: Instant,
     progress: Option<(u64, Progress)>,
@@ -133,7 +152,9 @@ impl Local {
     }
 
     fn close(&self) {
-        let _ = self.socket.shutdown(Shutdown::Both);
+        if let Outbox::Socket { socket, .. } = &self.outbox {
+            let _ = socket.shutdown(Shutdown::Both);
+        }
     }
 }
 
@@ -198,9 +219,19 @@ impl State {
                 return;
             }
         };
-        match local.outbox.try_send(line) {
-            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
-            Err(TrySendError::Full(_)) => {
+        let sent = match &local.outbox {
+            Outbox::Socket { queue, .. } => queue.try_send(line).map_err(|e| match e {
+                TrySendError::Full(_) => TrySendError::Full(()),
+                TrySendError::Disconnected(_) => TrySendError::Disconnected(()),
+            }),
+            Outbox::Attached { tag, queue } => queue.try_send((*tag, line)).map_err(|e| match e {
+                TrySendError::Full(_) => TrySendError::Full(()),
+                TrySendError::Disconnected(_) => TrySendError::Disconnected(()),
+            }),
+        };
+        match sent {
+            Ok(()) | Err(TrySendError::Disconnected(())) => {}
+            Err(TrySendError::Full(())) => {
                 warn!(rank = local.id(), "rank does not read; disconnecting it");
                 local.close();
             }
@@ -292,6 +323,28 @@ impl Shared {
             self.report(generation, Report::RankLost { cause });
         }
         self.changed.notify_all();
+    }
+
+    /// A new rank connection (`None`: too many).
+    fn register(&self, outbox: Outbox) -> Option<LocalId> {
+        let mut state = self.lock();
+        if state.locals.len() >= MAX_LOCAL {
+            return None;
+        }
+        let c = state.next_local;
+        state.next_local += 1;
+        state.locals.insert(
+            c,
+            Local {
+                outbox,
+                member: None,
+                last_seen: Instant::now(),
+                progress: None,
+                wants: None,
+                out: false,
+            },
+        );
+        Some(c)
     }
 
     /// A rank's connection ended.
@@ -813,6 +866,7 @@ impl NodeAgent {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
+            silent: AtomicBool::new(false),
         });
         let mut threads = Vec::new();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
@@ -872,11 +926,62 @@ impl NodeAgent {
     pub fn shutdown_reason(&self) -> Option<String> {
         self.shared.lock().shutdown.clone()
     }
+
+    /// Serves a rank that lives in this process instead of behind a socket: how a
+    /// scale test simulates thousands of ranks with the node's real code. The
+    /// lines for it go to `queue`, tagged `tag`. `None` when the node serves too
+    /// many ranks already.
+    pub fn attach(&self, tag: usize, queue: SyncSender<(usize, Arc<str>)>) -> Option<AttachedRank> {
+        let c = self.shared.register(Outbox::Attached { tag, queue })?;
+        Some(AttachedRank {
+            shared: self.shared.clone(),
+            c,
+        })
+    }
+
+    /// Stops the node's heartbeats and its handling of directives, as if its
+    /// process were stopped (a scale test's node that goes silent rather than
+    /// closing its connections). Not undone.
+    #[doc(hidden)]
+    pub fn go_silent(&self) {
+        self.shared.silent.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A rank served in the node agent's process ([`NodeAgent::attach`]). Dropping it
+/// is its connection closing.
+pub struct AttachedRank {
+    shared: Arc<Shared>,
+    c: LocalId,
+}
+
+impl AttachedRank {
+    /// Handles `message` as if the rank had sent it over its connection; Err when
+    /// the node closes the connection (with why).
+    pub fn send(&self, message: ClientMessage) -> Result<(), String> {
+        self.shared.handle(self.c, message).map(|_| ())
+    }
+}
+
+impl Drop for AttachedRank {
+    fn drop(&mut self) {
+        self.shared.remove(self.c, "connection closed");
+    }
+}
+
+impl NodeAgent {
+    /// Starts stopping: the node's threads end within a heartbeat interval, and
+    /// dropping it waits for them. Stopping many nodes first and dropping them after
+    /// lets them wind down together.
+    pub fn stop(&self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+    }
 }
 
 impl Drop for NodeAgent {
     fn drop(&mut self) {
-        self.shared.stopping.store(true, Ordering::SeqCst);
+        self.stop();
         {
             let state = self.shared.lock();
             for local in state.locals.values() {
@@ -935,29 +1040,14 @@ fn serve_rank(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         warn!(%peer, "cannot clone a rank's socket");
         return;
     };
-    let (outbox, lines) = sync_channel(OUTBOX);
-    let c = {
-        let mut state = shared.lock();
-        if state.locals.len() >= MAX_LOCAL {
-            drop(state);
-            warn!(%peer, "too many rank connections; refused");
-            return;
-        }
-        let c = state.next_local;
-        state.next_local += 1;
-        state.locals.insert(
-            c,
-            Local {
-                outbox,
-                socket: for_state,
-                member: None,
-                last_seen: Instant::now(),
-                progress: None,
-                wants: None,
-                out: false,
-            },
-        );
-        c
+    let (queue, lines) = sync_channel(OUTBOX);
+    let outbox = Outbox::Socket {
+        queue,
+        socket: for_state,
+    };
+    let Some(c) = shared.register(outbox) else {
+        warn!(%peer, "too many rank connections; refused");
+        return;
     };
     let writer = std::thread::Builder::new()
         .name("ckpt-node-write".into())
@@ -1019,9 +1109,16 @@ fn rendezvous_loop(shared: &Arc<Shared>) {
                     }
                     break (after, ranks, cancel);
                 }
+                // Woken by every change; the timeout only ends the last call.
+                let wait = match (state.first_ask, &state.generation) {
+                    (Some(first), None) => (first + shared.config.last_call)
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1)),
+                    _ => IDLE,
+                };
                 state = shared
                     .changed
-                    .wait_timeout(state, TICK)
+                    .wait_timeout(state, wait.min(IDLE))
                     .unwrap_or_else(PoisonError::into_inner)
                     .0;
             }
@@ -1063,6 +1160,10 @@ fn upkeep_loop(shared: &Arc<Shared>) {
     let interval = shared.config.heartbeat_interval;
     let mut next_beat = Instant::now();
     while !shared.stopping.load(Ordering::SeqCst) {
+        if shared.silent.load(Ordering::SeqCst) {
+            std::thread::sleep(interval);
+            continue;
+        }
         let now = Instant::now();
         if now >= next_beat {
             let (generation, progress) = shared.progress();
@@ -1081,9 +1182,7 @@ fn upkeep_loop(shared: &Arc<Shared>) {
                 .map_or(0, |g| g.assignment.generation);
             (generation, state.asking.clone())
         };
-        let wait = next_beat
-            .saturating_duration_since(Instant::now())
-            .min(TICK);
+        let wait = next_beat.saturating_duration_since(Instant::now());
         match shared.upstream.watch(generation, wait) {
             Ok(Some(directive)) => {
                 if let (Directive::Shutdown { .. }, Some((_, _, cancel))) = (&directive, asking) {
@@ -1148,10 +1247,15 @@ fn kv_loop(shared: &Arc<Shared>) {
         };
         if generation == 0 {
             let state = shared.lock();
-            let _ = shared.changed.wait_timeout(state, TICK);
+            let _ = shared.changed.wait_timeout(state, IDLE);
             continue;
         }
-        match shared.upstream.kv_all(generation, known, TICK) {
+        // Bounded by the heartbeat interval, so that a node that is dropped lets go
+        // of its control plane (closing its connection) that soon.
+        match shared
+            .upstream
+            .kv_all(generation, known, shared.config.heartbeat_interval)
+        {
             Ok(all) if all.len() > known => {
                 let mut state = shared.lock();
                 let Some(g) = state.generation.as_mut() else {

@@ -34,6 +34,9 @@ const MAX_GENERATION: u64 = 1 << 53;
 const MAX_ID: usize = 256;
 /// Most ranks one member may hold (a node's launcher holds its node's ranks).
 const MAX_RANKS_PER_MEMBER: usize = 1 << 16;
+/// Connections up to which a member's ask is answered at once rather than at the
+/// next tick (see [`Core::try_form_soon`]).
+const FORM_AT_ONCE_UP_TO: usize = 64;
 /// Events kept for [`CoordinatorHandle::events`](super::CoordinatorHandle::events).
 const MAX_EVENTS: usize = 4096;
 
@@ -604,7 +607,7 @@ impl Core {
         {
             conn.wants = Some((after, arrival));
         }
-        self.try_form(now);
+        self.try_form_soon(now);
     }
 
     pub(super) fn assign_again(&mut self, c: ConnId, generation: u64) {
@@ -978,6 +981,17 @@ impl Core {
             member.ranks = ranks;
         }
         if conn.wants.is_some() {
+            self.try_form_soon(now);
+        }
+    }
+
+    /// Between generations, after a member asked, changed its ranks or went: in a
+    /// small job the policy is asked now; in a large one the next tick asks it
+    /// (within 10 ms). Asking walks every connection, so thousands of members
+    /// asking together would otherwise cost thousands of walks, and the last call
+    /// could end before the coordinator has read every ask.
+    pub(super) fn try_form_soon(&mut self, now: Instant) {
+        if self.conns.len() <= FORM_AT_ONCE_UP_TO {
             self.try_form(now);
         }
     }
@@ -1194,7 +1208,7 @@ impl Core {
                 self.restart(cause, std::slice::from_ref(&id), false, now);
             }
             Phase::Settling { .. } | Phase::Running(_) => {}
-            Phase::Gathering { .. } | Phase::Rejoin { .. } => self.try_form(now),
+            Phase::Gathering { .. } | Phase::Rejoin { .. } => self.try_form_soon(now),
         }
     }
 }
