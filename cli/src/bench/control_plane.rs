@@ -120,8 +120,12 @@ pub(crate) struct ControlPlaneReport {
     pub kill: Kill,
     /// The heartbeat timeout the loss is judged with.
     pub heartbeat_timeout_ms: f64,
-    /// From the loss to every survivor told to restart.
+    /// From the loss to the first survivor told to restart: when the control plane
+    /// acted.
     pub detect_ms: f64,
+    /// From the loss to the last survivor told to restart (the fan-out through the
+    /// nodes to every simulated rank included).
+    pub detect_all_ms: f64,
     /// From the loss to every survivor holding its place in the next generation.
     pub reform_ms: f64,
     /// Ranks in the next generation (must be `ranks - ranks_per_node`).
@@ -616,17 +620,19 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
                 .is_some_and(|(a, _)| a.generation > generation)
         })
     });
-    let (detect_ms, reform_ms, survivors_with_generation) = {
+    let (detect_ms, detect_all_ms, reform_ms, survivors_with_generation) = {
         let states = ranks.states.lock().unwrap_or_else(|p| p.into_inner());
         let of = &states[survivors.clone()];
-        let detect = of
+        let told: Vec<Instant> = of
             .iter()
             .filter_map(|s| {
                 s.restarted
                     .filter(|(g, _)| *g == generation)
                     .map(|(_, t)| t)
             })
-            .max();
+            .collect();
+        let since =
+            |t: Option<Instant>| t.map_or(f64::NAN, |t| ms(t.saturating_duration_since(lost_at)));
         let next: Vec<&(Assignment, Instant)> = of
             .iter()
             .filter_map(|s| {
@@ -642,8 +648,9 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
             .filter(|(a, _)| a.world_size == expected)
             .count();
         (
-            detect.map_or(f64::NAN, |t| ms(t.saturating_duration_since(lost_at))),
-            reform.map_or(f64::NAN, |t| ms(t.saturating_duration_since(lost_at))),
+            since(told.iter().min().copied()),
+            since(told.iter().max().copied()),
+            since(reform),
             count,
         )
     };
@@ -651,7 +658,7 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
         progress("not every survivor got the next generation in time");
     }
     progress(&format!(
-        "detected in {detect_ms:.0} ms, every survivor in the next generation after {reform_ms:.0} ms"
+        "detected in {detect_ms:.0} ms ({detect_all_ms:.0} ms until every survivor was told), every survivor in the next generation after {reform_ms:.0} ms"
     ));
     stop.store(true, Ordering::SeqCst);
     let _ = beating.join();
@@ -683,6 +690,7 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
         kill: config.kill,
         heartbeat_timeout_ms: ms(config.timeouts.heartbeat_timeout),
         detect_ms,
+        detect_all_ms,
         reform_ms,
         survivors_with_generation,
     })
@@ -800,6 +808,10 @@ pub(crate) fn render(report: &ControlPlaneReport) -> String {
             .to_lowercase(),
         ),
         ("detected", format!("{:.0} ms", report.detect_ms)),
+        (
+            "every survivor told",
+            format!("{:.0} ms", report.detect_all_ms),
+        ),
         (
             "every survivor re-formed",
             format!("{:.0} ms", report.reform_ms),
