@@ -79,10 +79,14 @@ pub struct CheckpointConfig {
     pub keep_last: Option<usize>,
     /// How long [`SaveHandle::committed`] waits for the other ranks' parts. Default
     /// 10 min. Once every part is durable the outcome arrives within about
-    /// `commit_takeover` × 2, whatever this is.
+    /// `commit_takeover` × 2 (× world size ÷ 1,024 beyond 1,024 ranks), whatever
+    /// this is.
     pub commit_timeout: Duration,
     /// How long a backup committer waits, after seeing every part, for the committer
-    /// before it commits itself. Default 2 s.
+    /// before it commits itself. Default 2 s; the second backup waits twice as long,
+    /// and beyond 1,024 ranks both wait world size ÷ 1,024 times as long (the
+    /// committer may be reading many parts still, and a backup that takes over from a
+    /// live committer doubles the load on the store).
     pub commit_takeover: Duration,
     /// With `keep_last`: how long a superseded checkpoint stays readable (readers
     /// that opened it have this long to finish). Default 10 min, as `ckpt gc --grace`.
@@ -1231,6 +1235,11 @@ async fn give_up(
 /// directory until every part is there, then commit (the first committer at once,
 /// backups after `index` × the takeover delay unless the slot is filled meanwhile).
 /// Applies retention when this call committed.
+///
+/// The first committer reads each part as it appears ([`crate::commit::Known`]), so
+/// the work left after the last part lands is that part, not the world's; it looks
+/// again soon after a look that found new parts, but never lists again before as
+/// long as its last listing took has passed (listings of a large world are long).
 async fn commit_as(
     store: &Store,
     config: &CheckpointConfig,
@@ -1239,24 +1248,30 @@ async fn commit_as(
 ) -> Result<()> {
     let world = config.world_size as u32;
     let deadline = Instant::now() + config.commit_timeout;
-    let mut delay = Duration::from_millis(10);
+    let first_delay = Duration::from_millis(10);
+    let mut delay = first_delay;
     let mut complete_since: Option<Instant> = None;
-    let takeover = config.commit_takeover * index;
+    let takeover = config.commit_takeover * index * world.div_ceil(1024).max(1);
+    let mut known = crate::commit::Known::new(world, index == 0);
+    // A backup looks no more often than its takeover delay (at least every second):
+    // in a large world its listings would compete with the committer it is there to
+    // replace.
+    let max_delay = takeover.max(Duration::from_secs(1));
     loop {
-        let presence = crate::commit::presence(store, attempt, world).await?;
-        if presence.slot.is_some()
+        let look = known.look(store, attempt).await?;
+        if look.slot.is_some()
             && let Some(outcome) = crate::commit::read_outcome(store, attempt).await?
         {
             return outcome_result(attempt, outcome);
         }
-        if presence.parts == world as usize {
+        if look.parts == world as usize {
             let since = *complete_since.get_or_insert_with(Instant::now);
             if since.elapsed() >= takeover {
                 // A commit is safe to run again (the log append is idempotent per
                 // attempt, the slot create-if-absent): a reset request costs a retry,
                 // not the outcome.
                 let outcome = crate::commit::retry(store, "committing", Retry::Transient, || {
-                    crate::commit::commit(store, attempt, world)
+                    crate::commit::commit_gathered(store, attempt, &known)
                 })
                 .await?;
                 if let Outcome::Committed { seq: Some(_) } = outcome {
@@ -1278,15 +1293,18 @@ async fn commit_as(
                     .saturating_sub(since.elapsed())
                     .max(Duration::from_millis(10)),
             );
+        } else if index == 0 && look.new_parts > 0 {
+            // Parts are arriving: the last may be next.
+            delay = first_delay;
         }
         if Instant::now() >= deadline {
             return Err(Error::Timeout(format!(
                 "step {} was not committed within {:?}: {} of {world} rank parts are present",
-                attempt.step, config.commit_timeout, presence.parts
+                attempt.step, config.commit_timeout, look.parts
             )));
         }
-        tokio::time::sleep(jitter(delay)).await;
-        delay = (delay * 2).min(Duration::from_secs(1));
+        tokio::time::sleep(jitter(delay).max(look.listing)).await;
+        delay = (delay * 2).min(max_delay);
     }
 }
 

@@ -304,10 +304,10 @@ pub async fn tool_attempt(store: &Store, step: u64) -> Result<Attempt> {
 /// be written. Returns true when it is committed (by this call or earlier); a
 /// failed or fenced commit is an error that says why.
 pub async fn commit(store: &Store, attempt: &Attempt, world: u32) -> Result<bool> {
-    let presence = crate::commit::presence(store, attempt, world).await?;
+    let present = crate::commit::parts_present(store, attempt, world).await?;
     let outcome = match crate::commit::read_outcome(store, attempt).await? {
         Some(outcome) => outcome,
-        None if presence.parts < world as usize => return Ok(false),
+        None if present < world as usize => return Ok(false),
         None => crate::commit::commit(store, attempt, world).await?,
     };
     match outcome {

@@ -159,6 +159,11 @@ struct BenchArgs {
     /// part, also with --metadata-only).
     #[arg(long, default_value_t = 0)]
     commit_ranks: usize,
+    /// With --commit-ranks and N > 0: only the committer ranks run a checkpointer;
+    /// every other rank writes its data file and part with the library's offline
+    /// writer (the same objects), N ranks at a time, and does not wait for the outcome.
+    #[arg(long, default_value_t = 0)]
+    commit_writers: usize,
     /// Record host RSS over this many consecutive saves (0 skips it).
     #[arg(long, default_value_t = 0)]
     rss_saves: usize,
@@ -524,6 +529,7 @@ fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> ExitCode {
         meta_ranks: args.meta_ranks,
         metadata_only: args.metadata_only,
         commit_ranks: args.commit_ranks,
+        commit_writers: args.commit_writers,
         rss_saves: args.rss_saves,
         codec_sample_bytes: args.codec_sample_mib << 20,
         threads: args.ranks_as != RanksAs::Processes,

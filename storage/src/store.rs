@@ -322,6 +322,37 @@ impl Store {
         Ok(objects)
     }
 
+    /// Objects under `prefix` whose keys sort strictly after `after` and no later
+    /// than `until` (full keys), sorted by key. On S3, GCS and Azure, whose listings
+    /// come in key order, the store starts at `after` and stops requesting pages once
+    /// it has passed `until`: one range of a long series of keys costs the pages of
+    /// that range, not a listing of the whole series.
+    pub async fn list_between(
+        &self,
+        prefix: &str,
+        after: &str,
+        until: &str,
+    ) -> Result<Vec<ObjectInfo>> {
+        self.count(1);
+        let path = self.prefix_path("list", prefix)?;
+        let offset = self.path("list", after)?;
+        let ordered = matches!(self.backend(), Backend::S3 | Backend::Gcs | Backend::Azure);
+        let mut listing = self.inner.list_with_offset(path.as_ref(), &offset);
+        let mut objects = Vec::new();
+        while let Some(meta) = listing.next().await {
+            let object = info(meta.map_err(|e| self.error("list", prefix, e))?);
+            if object.key.as_str() > until {
+                if ordered {
+                    break;
+                }
+            } else if object.key.as_str() > after {
+                objects.push(object);
+            }
+        }
+        objects.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(objects)
+    }
+
     /// One level of the tree under `prefix`: objects directly in it and the
     /// prefixes one level down (like `ls` of a directory).
     pub async fn list_dir(&self, prefix: &str) -> Result<Listing> {

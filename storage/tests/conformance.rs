@@ -246,6 +246,39 @@ async fn listing_after_a_key(f: &Fixture) {
     assert!(f.store.list_after("log", "log/z").await.unwrap().is_empty());
 }
 
+/// `list_between` returns the keys of one range, in order, across pages (a
+/// committer lists the part names of a group of ranks this way).
+async fn listing_a_range_of_keys(f: &Fixture) {
+    let keys: Vec<String> = (0..250).map(|i| format!("dir/rank-{i:05}.json")).collect();
+    futures::future::join_all(keys.iter().map(|k| f.seed(k, b"p"))).await;
+    f.seed("dir/manifest.json", b"m").await;
+    f.seed("dirt/rank-00001.json", b"x").await; // shares "dir" as a string prefix only
+    let between = |after: &'static str, until: &'static str| async move {
+        f.store
+            .list_between("dir", after, until)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| o.key)
+            .collect::<Vec<String>>()
+    };
+    assert_eq!(between("dir/rank-", "dir/rank-00249.json").await, keys);
+    assert_eq!(
+        between("dir/rank-00099.json", "dir/rank-00199.json").await,
+        keys[100..200].to_vec()
+    );
+    // Bounds that are not keys.
+    assert_eq!(
+        between("dir/rank-00010", "dir/rank-00012").await,
+        keys[10..12].to_vec()
+    );
+    assert!(
+        between("dir/rank-00249.json", "dir/rank-99999")
+            .await
+            .is_empty()
+    );
+}
+
 async fn delete_and_delete_by_prefix(f: &Fixture) {
     for i in 0..20 {
         f.seed(&format!("old/step-{i}/data"), b"d").await;
@@ -393,6 +426,7 @@ macro_rules! full_suite {
                 missing_objects_are_not_found,
                 listing_with_many_keys_and_a_delimiter,
                 listing_after_a_key,
+                listing_a_range_of_keys,
                 delete_and_delete_by_prefix,
                 multipart_upload_with_three_parts,
                 small_upload_is_one_put,
@@ -419,6 +453,7 @@ suite!(
         missing_objects_are_not_found,
         listing_with_many_keys_and_a_delimiter,
         listing_after_a_key,
+        listing_a_range_of_keys,
         delete_and_delete_by_prefix,
     ]
 );

@@ -109,6 +109,10 @@ pub(crate) struct BenchConfig {
     pub metadata_only: bool,
     /// Simulated ranks of the commit-scale part (0 skips it).
     pub commit_ranks: usize,
+    /// In the commit-scale part, when not 0, only the committer ranks run a
+    /// `Checkpointer`; the others write their data file and part with
+    /// `RankFileWriter`, this many at a time, and do not wait.
+    pub commit_writers: usize,
     /// Consecutive saves whose RSS is recorded; 0 skips it.
     pub rss_saves: usize,
     /// Bytes of rank 0's data compressed block by block in the codec comparison.
@@ -143,6 +147,7 @@ impl Default for BenchConfig {
             meta_ranks: 1024,
             metadata_only: false,
             commit_ranks: 0,
+            commit_writers: 0,
             rss_saves: 0,
             codec_sample_bytes: 64 << 20,
             threads: true,
@@ -498,7 +503,11 @@ pub(crate) fn run(
     }
     if config.commit_ranks > 0 {
         progress(&format!("commit scale: {} ranks", config.commit_ranks));
-        report.commit_scale = Some(rt.block_on(commit_scale(store, config.commit_ranks))?);
+        report.commit_scale = Some(rt.block_on(commit_scale(
+            store,
+            config.commit_ranks,
+            config.commit_writers,
+        ))?);
     }
     if config.metadata_only {
         report.targets = targets(&report);

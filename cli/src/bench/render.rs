@@ -254,12 +254,21 @@ pub(crate) fn render(r: &BenchReport) -> String {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
-            "commit scale: {} ranks committed in {:.0} ms; requests per rank: mean {:.2}, waiting rank max {}, committer max {}, total {}",
+            "commit scale: {} ranks ({}): last part written at {:.0} ms, committed {:.0} ms after it, all ranks done at {:.0} ms; manifest {:.1} KiB",
             c.ranks,
+            c.simulation,
+            c.last_part_ms,
+            c.commit_after_last_part_ms,
             c.commit_ms,
+            c.manifest_bytes as f64 / 1024.0
+        );
+        let _ = writeln!(
+            s,
+            "  requests per rank: mean {:.2}, waiting rank max {}, committer max {} ({} after the last part), total {}",
             c.requests_per_rank,
             c.waiter_requests_max,
             c.committer_requests_max,
+            c.committer_requests_after_last_part,
             c.requests_total
         );
     }

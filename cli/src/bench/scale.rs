@@ -2,6 +2,8 @@
 //! built, parsed and planned without tensor data; and one commit by many simulated
 //! ranks, counting requests.
 
+use futures::{StreamExt, TryStreamExt};
+
 use super::*;
 
 /// Builds a synthetic checkpoint description in a private memory store (parts and
@@ -75,7 +77,9 @@ pub(super) async fn metadata_scale(
     }
     progress("metadata scale: building the manifest");
     let started = Instant::now();
-    let manifest = ckpt::commit::build_manifest(&attempt, world as u32, &parts)?;
+    let refs: Vec<&(Vec<u8>, RankPart)> = parts.iter().collect();
+    let manifest = ckpt::commit::build_manifest(&attempt, world as u32, &refs)?;
+    drop(refs);
     manifest.validate(&format!("{dir}/{MANIFEST}"))?;
     let manifest_bytes = manifest.to_bytes();
     let build_ms = ms(started.elapsed());
@@ -140,66 +144,168 @@ pub(super) async fn metadata_scale(
 /// Requests and time of one commit by many simulated ranks.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct CommitScaleReport {
-    /// Simulated ranks (one `Checkpointer` each, in this process).
+    /// Simulated ranks.
     pub ranks: usize,
+    /// How they were simulated: `checkpointers` (one `Checkpointer` per rank) or
+    /// `writers` (`Checkpointer`s for the committer ranks only; every other rank's
+    /// data file and part written by `RankFileWriter`, `writers_in_flight` at a time).
+    pub simulation: String,
+    /// With `writers`: ranks writing at once.
+    pub writers_in_flight: usize,
     /// From the first `save` to the last rank's `committed()`.
     pub commit_ms: f64,
+    /// From the first `save` until the last rank's part was written.
+    pub last_part_ms: f64,
+    /// From the last rank's part being written to the first committer's
+    /// `committed()` returning (the manifest written).
+    pub commit_after_last_part_ms: f64,
     /// Requests of every rank, summed.
     pub requests_total: u64,
     /// Mean requests per rank (data file, part, commit, learning the outcome).
     pub requests_per_rank: f64,
-    /// Most requests by a rank that only waits for the outcome.
+    /// Most requests by a rank that only waits for the outcome (0 with writers).
     pub waiter_requests_max: u64,
-    /// Most requests by a committer (listing the attempt, reading every part,
-    /// checking every data file, the log and the manifest).
+    /// Most requests by a committer (its own save, watching the attempt, reading
+    /// every part, checking every data file, the log and the manifest).
     pub committer_requests_max: u64,
+    /// Requests of the first committer after the last part was written.
+    pub committer_requests_after_last_part: u64,
+    /// Bytes of the committed `manifest.json`.
+    pub manifest_bytes: u64,
+}
+
+/// The bench's one-tensor state of `rank`: a dim-0 shard of a `rows` × `cols` f32.
+fn commit_shard(rank: usize, ranks: usize, rows: u64, cols: u64) -> (Region, Vec<f32>) {
+    let region = Region::dim0_shard(&[rows, cols], rank, ranks);
+    let begin = region.offsets[0] * cols;
+    let values = (begin..begin + region.lengths[0] * cols)
+        .map(|i| i as f32)
+        .collect();
+    (region, values)
 }
 
 /// `ranks` ranks, each with its own request counter on a shared connection pool,
 /// save one small dim-0 shard of step 1 under a fresh prefix of `store` and wait for
 /// the commit. Counts every request each rank's store handle sends.
-pub(super) async fn commit_scale(store: &Store, ranks: usize) -> Result<CommitScaleReport> {
+///
+/// With `writers_in_flight` > 0, only the committer ranks run a `Checkpointer` (the
+/// real save and commit path); every other rank writes its data file and part with
+/// the library's `RankFileWriter` (the same objects), that many ranks at a time, and
+/// does not wait for the outcome, so that a large world is not bounded by the
+/// waiters' polling of one test server.
+pub(super) async fn commit_scale(
+    store: &Store,
+    ranks: usize,
+    writers_in_flight: usize,
+) -> Result<CommitScaleReport> {
+    let writers = writers_in_flight > 0;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     let run = ckpt::attempt::random_run_id();
     // The generation of the root's newest commit: not fenced, and fencing nobody.
     let generation = ckpt::commits::newest(store)
         .await?
         .map_or(0, |c| c.record.generation);
     let (rows, cols) = (ranks as u64 * 4, 16u64);
-    let data: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
-    let mut checkpointers = Vec::with_capacity(ranks);
+    let committers = CheckpointConfig::new(0, ranks).committers();
+    let mut checkpointers = Vec::new();
     let mut stores = Vec::with_capacity(ranks);
     for rank in 0..ranks {
         let own = store.with_own_counter();
+        stores.push(own.clone());
+        if writers && !committers.contains(&rank) {
+            continue;
+        }
         let mut config = CheckpointConfig::new(rank, ranks);
         config.run_id = run.clone();
         config.block_size = 4096;
         config.generation = generation;
-        stores.push(own.clone());
-        checkpointers.push(Checkpointer::new(own, config)?);
+        checkpointers.push((rank, Checkpointer::new(own, config)?));
     }
+    let attempt = ckpt::Attempt::new(1, generation, run.clone())?;
+    // When each rank's part was written; the committer's requests at the last one.
+    let written = AtomicUsize::new(0);
+    let last_part: Mutex<Option<(Instant, u64)>> = Mutex::new(None);
+    let part_written = || {
+        let at = Instant::now();
+        if written.fetch_add(1, Ordering::SeqCst) + 1 == ranks {
+            *last_part.lock().expect("not poisoned") = Some((at, stores[0].requests()));
+        }
+    };
+
     let started = Instant::now();
-    let mut handles = Vec::with_capacity(ranks);
-    for (rank, checkpointer) in checkpointers.iter().enumerate() {
-        let region = Region::dim0_shard(&[rows, cols], rank, ranks);
-        let begin = (region.offsets[0] * cols) as usize;
-        let end = begin + (region.lengths[0] * cols) as usize;
+    let mut handles = Vec::with_capacity(checkpointers.len());
+    for (rank, checkpointer) in &checkpointers {
+        let (region, values) = commit_shard(*rank, ranks, rows, cols);
         let mut state = State::new();
-        state.add(
-            "w",
-            DType::F32,
-            &[rows, cols],
-            region,
-            as_bytes(&data[begin..end]),
-        )?;
-        let outcome = checkpointer.save(1, &state).await?;
-        handles.push(outcome);
+        state.add("w", DType::F32, &[rows, cols], region, as_bytes(&values))?;
+        handles.push((*rank, checkpointer.save(1, &state).await?));
     }
-    let results = futures::future::join_all(handles.iter().map(|h| h.committed())).await;
+    let light = (0..ranks).filter(|r| writers && !committers.contains(r));
+    let write_light = futures::stream::iter(light)
+        .map(|rank| {
+            let (store, attempt) = (&stores[rank], &attempt);
+            let part_written = &part_written;
+            async move {
+                let (region, values) = commit_shard(rank, ranks, rows, cols);
+                let planned = ckpt::writer::PlannedBox {
+                    name: "w".into(),
+                    dtype: DType::F32,
+                    shape: vec![rows, cols],
+                    region,
+                };
+                let mut writer = ckpt::writer::RankFileWriter::begin(
+                    store,
+                    attempt,
+                    rank as u32,
+                    ranks as u32,
+                    4096,
+                    Codec::None,
+                    &[planned],
+                )
+                .await?;
+                writer.write(as_bytes(&values)).await?;
+                writer
+                    .finish(None, BTreeMap::new(), BTreeMap::new())
+                    .await?;
+                part_written();
+                Ok::<_, Error>(())
+            }
+        })
+        .buffer_unordered(writers_in_flight.max(1))
+        .try_collect::<()>();
+    let first_committer = std::sync::OnceLock::new();
+    let wait_all = futures::future::join_all(handles.iter().map(|(rank, handle)| {
+        let (part_written, first_committer) = (&part_written, &first_committer);
+        let first = *rank == committers[0];
+        async move {
+            handle.durable().await?;
+            part_written();
+            handle.committed().await?;
+            if first {
+                let _ = first_committer.set(Instant::now());
+            }
+            Ok::<_, Error>(())
+        }
+    }));
+    let (written_light, results) = futures::join!(write_light, wait_all);
+    written_light?;
     let commit_ms = ms(started.elapsed());
     for result in results {
         result?;
     }
-    let committers = checkpointers[0].config().committers();
+    let (last_at, committer_before) = last_part
+        .lock()
+        .expect("not poisoned")
+        .ok_or_else(|| Error::Failed("not every rank wrote its part".into()))?;
+    let committed_at = *first_committer
+        .get()
+        .ok_or_else(|| Error::Failed("the first committer did not report".into()))?;
+    let manifest_bytes = store
+        .head(&format!("{}/{MANIFEST}", attempt.dir()))
+        .await?
+        .size;
     let counts: Vec<u64> = stores.iter().map(Store::requests).collect();
     let total: u64 = counts.iter().sum();
     let max_of = |committer: bool| {
@@ -207,16 +313,23 @@ pub(super) async fn commit_scale(store: &Store, ranks: usize) -> Result<CommitSc
             .iter()
             .enumerate()
             .filter(|(rank, _)| committers.contains(rank) == committer)
+            .filter(|_| committer || !writers)
             .map(|(_, &n)| n)
             .max()
             .unwrap_or(0)
     };
     Ok(CommitScaleReport {
         ranks,
+        simulation: if writers { "writers" } else { "checkpointers" }.into(),
+        writers_in_flight,
         commit_ms,
+        last_part_ms: ms(last_at - started),
+        commit_after_last_part_ms: ms(committed_at.saturating_duration_since(last_at)),
         requests_total: total,
         requests_per_rank: total as f64 / ranks as f64,
         waiter_requests_max: max_of(false),
         committer_requests_max: max_of(true),
+        committer_requests_after_last_part: counts[committers[0]] - committer_before,
+        manifest_bytes,
     })
 }
