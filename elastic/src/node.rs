@@ -189,6 +189,9 @@ struct State {
     shutdown: Option<String>,
     /// A rank of the node finished the job (reported once upstream).
     finished: bool,
+    /// The highest checkpoint generation any of its ranks ever saved with: what the
+    /// control plane keeps later floors above, whatever became of the rank.
+    checkpoint_generation: u64,
 }
 
 impl State {
@@ -320,9 +323,20 @@ impl Shared {
         }
         state.tell_stale(c);
         if let Some(generation) = generation {
-            self.report(generation, Report::RankLost { cause });
+            self.report_loss(state, generation, cause);
         }
         self.changed.notify_all();
+    }
+
+    /// Reports a rank of `generation` lost; when it was the node's last live rank,
+    /// the node leaves too, so that the next generation does not wait for a node
+    /// with nothing to bring (it asks again as a newcomer when a rank starts again).
+    fn report_loss(&self, state: &State, generation: u64, cause: String) {
+        self.report(generation, Report::RankLost { cause });
+        if state.live().next().is_none() {
+            let reason = "every rank of this node is gone".to_owned();
+            self.report(generation, Report::Leaving { reason });
+        }
     }
 
     /// A new rank connection (`None`: too many).
@@ -375,7 +389,7 @@ impl Shared {
             }
             let cause = lost_member(&member.id, reason);
             warn!(generation, "{cause}");
-            self.report(generation, Report::RankLost { cause });
+            self.report_loss(&state, generation, cause);
         }
         self.changed.notify_all();
     }
@@ -409,10 +423,14 @@ impl Shared {
                 version,
                 member,
                 claim,
+                checkpoint_generation,
                 ..
-            } => self
-                .hello(&mut state, c, version, member, claim)
-                .map(|()| true),
+            } => {
+                state.checkpoint_generation =
+                    state.checkpoint_generation.max(checkpoint_generation);
+                self.hello(&mut state, c, version, member, claim)
+                    .map(|()| true)
+            }
             _ if !hello_done => {
                 let text = "the first message must be hello";
                 state.send(c, &error(text, true));
@@ -426,8 +444,19 @@ impl Shared {
                 generation,
                 progress,
             } => {
+                let newer = progress.checkpoint_generation > state.checkpoint_generation;
+                state.checkpoint_generation = state
+                    .checkpoint_generation
+                    .max(progress.checkpoint_generation);
                 if let Some(local) = state.locals.get_mut(&c) {
                     local.progress = Some((generation, progress));
+                }
+                if newer {
+                    // A rank saves in a newer checkpoint generation: the control
+                    // plane hears it now, not at the next beat, so that a generation
+                    // formed after this rank's loss fences its saves' successors.
+                    drop(state);
+                    self.beat();
                 }
                 Ok(false)
             }
@@ -606,7 +635,10 @@ impl Shared {
             other => other,
         };
         self.changed.notify_all();
-        self.report(generation, upstream);
+        match upstream {
+            Report::RankLost { cause } => self.report_loss(state, generation, cause),
+            upstream => self.report(generation, upstream),
+        }
     }
 
     /// Whether the node should ask the control plane for a generation now, and for
@@ -813,10 +845,22 @@ impl Shared {
 
     /// What the node says in its heartbeat: its ranks' slowest step and highest
     /// checkpoint generation. Hangs are the node's to judge, so it is never idle.
+    /// One heartbeat upstream now.
+    fn beat(&self) {
+        let (generation, progress) = self.progress();
+        if let Err(e) = self.upstream.heartbeat(generation, &progress) {
+            debug!(error = %e, "node heartbeat not sent");
+        }
+    }
+
     fn progress(&self) -> (u64, Progress) {
         let state = self.lock();
         let Some(g) = state.running() else {
-            return (0, Progress::default());
+            let progress = Progress {
+                checkpoint_generation: state.checkpoint_generation,
+                ..Progress::default()
+            };
+            return (0, progress);
         };
         let generation = g.assignment.generation;
         let mut progress = Progress {
@@ -835,6 +879,9 @@ impl Shared {
         if progress.step == u64::MAX {
             progress.step = 0;
         }
+        progress.checkpoint_generation = progress
+            .checkpoint_generation
+            .max(state.checkpoint_generation);
         (generation, progress)
     }
 }
@@ -1166,10 +1213,7 @@ fn upkeep_loop(shared: &Arc<Shared>) {
         }
         let now = Instant::now();
         if now >= next_beat {
-            let (generation, progress) = shared.progress();
-            if let Err(e) = shared.upstream.heartbeat(generation, &progress) {
-                debug!(error = %e, "node heartbeat not sent");
-            }
+            shared.beat();
             next_beat = now + interval;
             shared.check_ranks(now);
             grow(shared);

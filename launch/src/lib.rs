@@ -524,7 +524,8 @@ enum Plane {
     Coordinator {
         hosted: Option<ckpt_elastic::CoordinatorHandle>,
         address: SocketAddr,
-        node: NodeAgent,
+        /// `None` when the coordinator could not be reached at the start.
+        node: Option<NodeAgent>,
     },
     #[cfg(feature = "etcd")]
     Etcd(ckpt_elastic::EtcdJob),
@@ -543,7 +544,11 @@ impl Plane {
     /// The launcher runs `ranks` rank processes now.
     fn expect(&self, ranks: usize) {
         match self {
-            Plane::Coordinator { node, .. } => node.expect(ranks),
+            Plane::Coordinator { node, .. } => {
+                if let Some(node) = node {
+                    node.expect(ranks);
+                }
+            }
             #[cfg(feature = "etcd")]
             Plane::Etcd(_) => {}
         }
@@ -705,9 +710,22 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             };
             let hosted = hosted.map(Coordinator::spawn);
             // This launcher is the node's member of the control plane; its ranks
-            // talk to it.
-            let node = start_node(config, elastic, coordinator)?;
-            let rdzv = node.local_addr().to_string();
+            // talk to it. A coordinator that cannot be reached (a node started
+            // after the job and its coordinator ended) is left to the ranks, which
+            // know from the store whether anything is left to do.
+            let node = match start_node(config, elastic, coordinator) {
+                Ok(node) => Some(node),
+                Err(e) => {
+                    say(format_args!(
+                        "launch: this node cannot join the coordinator ({e}); its ranks try themselves"
+                    ));
+                    None
+                }
+            };
+            let rdzv = node
+                .as_ref()
+                .map_or(coordinator, NodeAgent::local_addr)
+                .to_string();
             (
                 Plane::Coordinator {
                     hosted,
