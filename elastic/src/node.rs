@@ -804,7 +804,18 @@ impl Shared {
         let seats: Vec<String> = g.seats.keys().cloned().collect();
         for id in seats {
             let Some(c) = state.local_of(&id) else {
-                continue;
+                // Given a place, then gone before taking it (its fatal report or
+                // its exit raced the node's ask): the world has a hole.
+                if let Some(g) = state.generation.as_mut() {
+                    g.seats.remove(&id);
+                }
+                let cause = lost_member(
+                    &id,
+                    format_args!("gone before it joined generation {generation}"),
+                );
+                warn!(generation, "{cause}");
+                self.report_loss(&state, generation, cause);
+                return;
             };
             let local = &state.locals[&c];
             let silent = now.saturating_duration_since(local.last_seen);
