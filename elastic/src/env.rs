@@ -3,8 +3,10 @@
 //!
 //! The launcher (`ckpt launch`, `ckpt-train launch`) tells each rank where the control
 //! plane is (`CKPT_RDZV`), which job it belongs to (`CKPT_JOB_ID`), its member id
-//! (`CKPT_MEMBER_ID`), its node (`CKPT_NODE_ID`) and, on etcd, the lease the launcher
-//! granted it (`CKPT_ETCD_LEASE`, revoked by the launcher the moment the rank exits).
+//! (`CKPT_MEMBER_ID`) and its node (`CKPT_NODE_ID`); `CKPT_RDZV` is the launcher's
+//! own address, since the launcher stands for its node's ranks in the control plane.
+//! A rank started by hand on etcd (`CKPT_RDZV=etcd://…`) is a member of its own, under
+//! a lease of its own or one named by `CKPT_ETCD_LEASE`.
 //! Every kind of rank reads them here — the reference trainer and a Python script
 //! through the binding alike — so that the two cannot drift apart.
 

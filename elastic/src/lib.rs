@@ -132,6 +132,10 @@ pub struct Member {
     pub ranks: usize,
 }
 
+/// Most ranks one member may hold (a node's launcher holds its node's ranks), on
+/// every backend.
+pub(crate) const MAX_RANKS_PER_MEMBER: usize = 1 << 16;
+
 fn one() -> usize {
     1
 }

@@ -25,7 +25,7 @@ mod common;
 
 use ckpt_elastic::{
     Assignment, Cancel, ControlPlane, CoordinatorConfig, Directive, ElasticError, Event, JobOver,
-    Progress, Report, Timeouts,
+    Progress, Report, Timeouts, roster_digest,
 };
 use common::{assert_one_generation, member, unique_job};
 
@@ -472,6 +472,58 @@ fn a_waiting_member_joins_when_the_world_regroups_after_a_commit<B: Backend>() {
     });
 }
 
+fn a_member_holding_two_ranks_gets_a_block_and_grows_at_the_next_commit<B: Backend>() {
+    // 3 to 4 ranks: a node's member holding 2 ranks (m0, node n0) and a rank of its
+    // own (m2, node n1) make the smallest world.
+    let backend = B::start("hold", 3, 4, timeouts());
+    let node = backend.connect(0);
+    node.hold(2).expect("hold 2 ranks");
+    let ranks = [Rank::new(node), Rank::new(backend.connect(2))];
+    let first = rendezvous_all(&[&ranks[0], &ranks[1]], 0);
+    let g1 = first[0].generation;
+    let blocks: Vec<(usize, usize)> = first.iter().map(|a| (a.rank, a.ranks)).collect();
+    assert_eq!(blocks, [(0, 2), (2, 1)], "n0's block of 2 comes first");
+    for a in &first {
+        assert_eq!((a.generation, a.world_size, a.members), (g1, 3, 2));
+        assert_eq!(a.roster, roster_digest([("m0", 2), ("m2", 1)]));
+    }
+    // The node's third rank starts: the running member now holds more ranks than
+    // its place, which counts as a member waiting, so the world grows at the next
+    // commit (and not before).
+    ranks[0].plane.hold(3).expect("hold 3 ranks");
+    ranks[1].no_directive(g1, Duration::from_millis(500));
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        assert!(Instant::now() < deadline, "no regroup after commits");
+        ranks[0]
+            .plane
+            .report(g1, &Report::Committed { step: 40 })
+            .unwrap();
+        if ranks[0]
+            .plane
+            .watch(g1, Duration::from_millis(200))
+            .unwrap()
+            .is_some()
+        {
+            break;
+        }
+    }
+    match ranks[1].directive(g1) {
+        Directive::Regroup { generation, cause } => {
+            assert_eq!(generation, g1);
+            assert!(cause.contains("grow: 1 waiting member"), "{cause}");
+        }
+        other => panic!("expected Regroup, got {other:?}"),
+    }
+    let next = rendezvous_all(&[&ranks[0], &ranks[1]], g1);
+    let blocks: Vec<(usize, usize)> = next.iter().map(|a| (a.rank, a.ranks)).collect();
+    assert_eq!(blocks, [(0, 3), (3, 1)], "n0 now holds 3 ranks");
+    assert!(next[0].generation > g1);
+    assert_eq!((next[0].world_size, next[1].world_size), (4, 4));
+    assert_eq!(next[0].roster, roster_digest([("m0", 3), ("m2", 1)]));
+    assert!(next[0].cause.contains("grow"), "{}", next[0].cause);
+}
+
 fn too_few_members_for_the_rendezvous_timeout_shut_the_job_down<B: Backend>() {
     let short = Timeouts {
         join_timeout: Duration::from_millis(500),
@@ -564,6 +616,7 @@ macro_rules! every_check {
             a_fatal_report_drops_the_reporting_member,
             a_member_that_leaves_on_purpose_aborts_nobody,
             a_waiting_member_joins_when_the_world_regroups_after_a_commit,
+            a_member_holding_two_ranks_gets_a_block_and_grows_at_the_next_commit,
             too_few_members_for_the_rendezvous_timeout_shut_the_job_down,
             a_finished_job_sends_waiting_members_away,
         );

@@ -5,7 +5,8 @@
 
 #![cfg(feature = "etcd")]
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -215,4 +216,113 @@ fn an_idle_member_keeps_its_watch_and_sends_only_keep_alives() {
         launcher_before,
         "a launcher only watches: its watch must not break and be set up again"
     );
+}
+
+#[test]
+fn hundreds_of_node_members_form_one_generation_and_survive_a_lost_node() {
+    if !has(Capability::Etcd) {
+        return;
+    }
+    // Nodes of 8 ranks each (members holding 8 ranks): as many as
+    // CKPT_TEST_ETCD_NODES says, 128 (1,024 ranks) by default.
+    let nodes: usize = std::env::var("CKPT_TEST_ETCD_NODES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(128);
+    let job = unique_job("nodes");
+    let mut config = CoordinatorConfig::new(job.clone(), 8, 8 * nodes);
+    // A time to live of 5 s: one thread heartbeats for every member, and may be slow
+    // on a busy machine.
+    config.timeouts.heartbeat_timeout = Duration::from_secs(5);
+    config.timeouts.join_timeout = Duration::from_secs(10);
+    let launcher = EtcdJob::connect(&url(), &config, EtcdSettings::default()).unwrap();
+    // Every connected member heartbeats (its node agent would), which keeps its lease.
+    let beating: Arc<Mutex<Vec<Weak<EtcdControlPlane>>>> = Arc::default();
+    let generation = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let heart = {
+        let (beating, generation, stop) = (beating.clone(), generation.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let progress = ckpt_elastic::Progress::default();
+            while !stop.load(Ordering::SeqCst) {
+                let planes: Vec<_> = beating.lock().unwrap().clone();
+                for plane in planes.iter().filter_map(Weak::upgrade) {
+                    let _ = plane.heartbeat(generation.load(Ordering::SeqCst), &progress);
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    let started = Instant::now();
+    let mut planes: Vec<Arc<EtcdControlPlane>> = (0..nodes)
+        .map(|i| {
+            let node = ckpt_elastic::Member {
+                ranks: 8,
+                ..member(&job, i)
+            };
+            let plane = Arc::new(
+                EtcdControlPlane::connect(&url(), node, None, EtcdSettings::default()).unwrap(),
+            );
+            beating.lock().unwrap().push(Arc::downgrade(&plane));
+            plane
+        })
+        .collect();
+    let connected = started.elapsed();
+    let requests =
+        |planes: &[Arc<EtcdControlPlane>]| -> u64 { planes.iter().map(|p| p.requests()).sum() };
+    let before = requests(&planes);
+    let asked = Instant::now();
+    let first = rendezvous_all(&planes, 0);
+    let formed = asked.elapsed();
+    let g1 = first[0].generation;
+    generation.store(g1, Ordering::SeqCst);
+    assert!(first.iter().all(|a| a.generation == g1
+        && a.world_size == 8 * nodes
+        && a.members == nodes
+        && a.ranks == 8));
+    let mut blocks: Vec<usize> = first.iter().map(|a| a.rank).collect();
+    blocks.sort_unstable();
+    assert_eq!(blocks, (0..nodes).map(|i| 8 * i).collect::<Vec<_>>());
+    let formation_requests = requests(&planes) - before;
+    // Steady state: a few seconds of heartbeats send keep-alives only (a request and
+    // its answer, every third of the 5 s time to live).
+    let before = requests(&planes);
+    std::thread::sleep(Duration::from_secs(3));
+    let steady = requests(&planes) - before;
+    let most = nodes as u64 * 2 * (3 * 3 / 5 + 2);
+    assert!(steady <= most, "{steady} requests in 3 s, more than {most}");
+    // A node is lost (its launcher exits: its lease is revoked): every survivor is
+    // told to restart, and the survivors form the next generation.
+    let lost = Instant::now();
+    drop(planes.pop());
+    std::thread::scope(|scope| {
+        for plane in &planes {
+            scope.spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(20);
+                loop {
+                    assert!(Instant::now() < deadline, "no restart");
+                    if let Some(d) = plane.watch(g1, Duration::from_millis(200)).unwrap() {
+                        assert!(matches!(d, Directive::Restart { .. }), "{d:?}");
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let told = lost.elapsed();
+    let next = rendezvous_all(&planes, g1);
+    let reformed = lost.elapsed();
+    assert!(
+        next.iter()
+            .all(|a| a.generation > g1 && a.members == nodes - 1)
+    );
+    eprintln!(
+        "{nodes} members of 8 ranks: connected in {connected:?}; formed {formed:?} after all \
+         asked ({formation_requests} requests); steady state: {steady} requests in 3 s; a lost \
+         node: every survivor told in {told:?}, the next generation formed {reformed:?} after \
+         the loss"
+    );
+    stop.store(true, Ordering::SeqCst);
+    heart.join().unwrap();
+    drop(launcher);
 }

@@ -407,8 +407,6 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
 struct Slot {
     label: usize,
     child: Option<Child>,
-    /// The etcd lease of the process in the slot.
-    lease: Option<i64>,
     incarnation: usize,
     status: Option<ExitStatus>,
 }
@@ -427,7 +425,7 @@ struct Spawner<'a> {
 
 impl Spawner<'_> {
     /// Starts local rank `local` (its `incarnation`-th process) and prints its line.
-    fn spawn(&mut self, local: usize, incarnation: usize) -> std::io::Result<(Child, Option<i64>)> {
+    fn spawn(&mut self, local: usize, incarnation: usize) -> std::io::Result<Child> {
         let (config, elastic) = (self.config, self.elastic);
         let label = elastic.node_id * config.nproc + local;
         let mut command = Command::new(&config.program);
@@ -458,11 +456,8 @@ impl Spawner<'_> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(self.pgid);
-        let lease = self.plane.grant_lease();
-        match lease {
-            Some(lease) => command.env("CKPT_ETCD_LEASE", lease.to_string()),
-            None => command.env_remove("CKPT_ETCD_LEASE"),
-        };
+        // A rank is a member of its node, not of etcd: no lease of its own.
+        command.env_remove("CKPT_ETCD_LEASE");
         let mut child = match spawn(&mut command, &config.program) {
             // The ranks' process group is gone: every rank of this node exited, the
             // group's leader included, and a group with no member cannot be joined
@@ -489,11 +484,9 @@ impl Spawner<'_> {
                 match self.plane {
                     Plane::Coordinator { .. } => "coordinator",
                     #[cfg(feature = "etcd")]
-                    Plane::Etcd(_) => "control plane",
+                    Plane::Etcd { .. } => "control plane",
                 },
-                self.plane
-                    .coordinator()
-                    .map_or_else(|| self.rdzv.clone(), |a| a.to_string()),
+                self.plane.shown(),
                 elastic.job,
                 self.pgid
             ));
@@ -514,12 +507,13 @@ impl Spawner<'_> {
         ));
         self.pumps
             .push(stream(child.stderr.take().expect("piped"), prefix, true));
-        Ok((child, lease))
+        Ok(child)
     }
 }
 
-/// The control plane a launcher uses: the coordinator it hosts or joins (through
-/// the node agent its ranks talk to), or etcd.
+/// The control plane a launcher uses: the coordinator it hosts or joins, or etcd;
+/// either way through the node agent its ranks talk to, which is this node's one
+/// member of the control plane.
 enum Plane {
     Coordinator {
         hosted: Option<ckpt_elastic::CoordinatorHandle>,
@@ -528,29 +522,38 @@ enum Plane {
         node: Option<NodeAgent>,
     },
     #[cfg(feature = "etcd")]
-    Etcd(ckpt_elastic::EtcdJob),
+    Etcd {
+        node: NodeAgent,
+        job: ckpt_elastic::EtcdJob,
+        url: ckpt_elastic::EtcdUrl,
+    },
 }
 
 impl Plane {
-    /// The coordinator's address, when there is one (the ranks get their node's).
-    fn coordinator(&self) -> Option<SocketAddr> {
+    /// The control plane as the launcher names it: the coordinator's address, or
+    /// the etcd URL (the ranks get their node's address).
+    fn shown(&self) -> String {
         match self {
-            Plane::Coordinator { address, .. } => Some(*address),
+            Plane::Coordinator { address, .. } => address.to_string(),
             #[cfg(feature = "etcd")]
-            Plane::Etcd(_) => None,
+            Plane::Etcd { url, .. } => url.to_string(),
+        }
+    }
+
+    /// The node agent, when the launcher runs one (not when the coordinator could not
+    /// be reached at the start).
+    fn node(&self) -> Option<&NodeAgent> {
+        match self {
+            Plane::Coordinator { node, .. } => node.as_ref(),
+            #[cfg(feature = "etcd")]
+            Plane::Etcd { node, .. } => Some(node),
         }
     }
 
     /// The launcher runs `ranks` rank processes now.
     fn expect(&self, ranks: usize) {
-        match self {
-            Plane::Coordinator { node, .. } => {
-                if let Some(node) = node {
-                    node.expect(ranks);
-                }
-            }
-            #[cfg(feature = "etcd")]
-            Plane::Etcd(_) => {}
+        if let Some(node) = self.node() {
+            node.expect(ranks);
         }
     }
 
@@ -560,25 +563,7 @@ impl Plane {
                 hosted.as_ref().map(|c| c.events()).unwrap_or_default()
             }
             #[cfg(feature = "etcd")]
-            Plane::Etcd(job) => job.events(),
-        }
-    }
-
-    /// A lease for a rank about to start (etcd only): the launcher revokes it when
-    /// the rank exits, so its membership ends at once.
-    fn grant_lease(&self) -> Option<i64> {
-        match self {
-            Plane::Coordinator { .. } => None,
-            #[cfg(feature = "etcd")]
-            Plane::Etcd(job) => match job.grant_lease() {
-                Ok(lease) => Some(lease),
-                Err(e) => {
-                    say(format_args!(
-                        "launch: no lease from etcd ({e}); the rank registers under its own"
-                    ));
-                    None
-                }
-            },
+            Plane::Etcd { job, .. } => job.events(),
         }
     }
 
@@ -588,15 +573,7 @@ impl Plane {
         match self {
             Plane::Coordinator { hosted, .. } => hosted.as_ref().and_then(|c| c.job_over()),
             #[cfg(feature = "etcd")]
-            Plane::Etcd(job) => job.job_over(),
-        }
-    }
-
-    fn revoke(&self, lease: Option<i64>) {
-        match (self, lease) {
-            #[cfg(feature = "etcd")]
-            (Plane::Etcd(job), Some(lease)) => job.revoke_soon(lease),
-            _ => {}
+            Plane::Etcd { job, .. } => job.job_over(),
         }
     }
 }
@@ -639,6 +616,31 @@ struct Ending {
     kill_at: Instant,
 }
 
+/// This node as one member of the control plane, holding its ranks, reached at `ip`.
+fn node_member(config: &LaunchConfig, elastic: &ElasticLaunch, ip: IpAddr) -> Member {
+    let node = elastic.node_id.to_string();
+    Member {
+        ranks: config.nproc,
+        ..Member::new(&elastic.job, format!("n{node}"), ip.to_string(), node)
+    }
+}
+
+/// Serves the node's ranks on `ip`, standing for them through `upstream` (the
+/// node's member of the control plane) with the job's windows.
+fn serve_node(
+    upstream: std::sync::Arc<dyn ckpt_elastic::ControlPlane>,
+    ip: IpAddr,
+    elastic: &ElasticLaunch,
+    timeouts: ckpt_elastic::Timeouts,
+) -> std::io::Result<NodeAgent> {
+    let settings = NodeConfig {
+        timeouts,
+        last_call: timeouts.last_call,
+        ..NodeConfig::new(&elastic.job)
+    };
+    NodeAgent::start(upstream, SocketAddr::new(ip, 0), settings)
+}
+
 /// Joins the coordinator at `coordinator` as this node (one member holding the
 /// node's ranks) and serves the node's ranks on the address that reaches it.
 fn start_node(
@@ -647,22 +649,44 @@ fn start_node(
     coordinator: SocketAddr,
 ) -> std::io::Result<NodeAgent> {
     let ip = ckpt_elastic::env::local_ip_towards(coordinator)?;
-    let node = elastic.node_id.to_string();
-    let member = Member {
-        ranks: config.nproc,
-        ..Member::new(&elastic.job, format!("n{node}"), ip.to_string(), node)
-    };
+    let member = node_member(config, elastic, ip);
     let upstream = TcpControlPlane::connect(coordinator, member, TcpSettings::default())
         .map_err(|e| std::io::Error::other(format!("coordinator {coordinator}: {e}")))?;
-    let settings = NodeConfig {
-        timeouts: elastic.coordinator.timeouts,
-        last_call: elastic.coordinator.timeouts.last_call,
-        ..NodeConfig::new(&elastic.job)
-    };
-    NodeAgent::start(
+    serve_node(
         std::sync::Arc::new(upstream),
-        SocketAddr::new(ip, 0),
-        settings,
+        ip,
+        elastic,
+        elastic.coordinator.timeouts,
+    )
+}
+
+/// Joins the job in etcd at `url` as this node: one member holding the node's
+/// ranks, under one lease (the node's, kept alive by its heartbeats), whose ranks
+/// talk to the node agent on the address that reaches etcd.
+#[cfg(feature = "etcd")]
+fn start_etcd_node(
+    config: &LaunchConfig,
+    elastic: &ElasticLaunch,
+    url: &ckpt_elastic::EtcdUrl,
+    job: &ckpt_elastic::EtcdJob,
+) -> std::io::Result<NodeAgent> {
+    let toward = ckpt_elastic::Rdzv::Etcd(url.clone())
+        .toward()
+        .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
+    let ip = ckpt_elastic::env::local_ip_towards(toward)?;
+    let member = node_member(config, elastic, ip);
+    let upstream = ckpt_elastic::EtcdControlPlane::connect(
+        url,
+        member,
+        None,
+        ckpt_elastic::EtcdSettings::default(),
+    )
+    .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
+    serve_node(
+        std::sync::Arc::new(upstream),
+        ip,
+        elastic,
+        job.config().timeouts(),
     )
 }
 
@@ -684,7 +708,16 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                     elastic.job, c.min_ranks, c.max_ranks, c.heartbeat_timeout_ms
                 ));
             }
-            (Plane::Etcd(job), url.to_string())
+            let node = start_etcd_node(config, elastic, url, &job)?;
+            let rdzv = node.local_addr().to_string();
+            (
+                Plane::Etcd {
+                    node,
+                    job,
+                    url: url.clone(),
+                },
+                rdzv,
+            )
         }
         #[cfg(not(feature = "etcd"))]
         Some(url) => {
@@ -749,11 +782,10 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
     };
     let mut slots = Vec::with_capacity(config.nproc);
     for local in 0..config.nproc {
-        let (child, lease) = spawner.spawn(local, 0)?;
+        let child = spawner.spawn(local, 0)?;
         slots.push(Slot {
             label: elastic.node_id * config.nproc + local,
             child: Some(child),
-            lease,
             incarnation: 0,
             status: None,
         });
@@ -797,7 +829,6 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             };
             let label = slot.label;
             slot.child = None;
-            plane.revoke(slot.lease.take());
             slot.status = Some(status);
             let code = code_of(status);
             if code == 0 {
@@ -820,9 +851,8 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             if restarts < elastic.max_restarts {
                 restarts += 1;
                 let incarnation = slot.incarnation + 1;
-                let (child, lease) = spawner.spawn(local, incarnation)?;
+                let child = spawner.spawn(local, incarnation)?;
                 slot.child = Some(child);
-                slot.lease = lease;
                 slot.incarnation = incarnation;
                 slot.status = None;
             } else if !elastic.shrink {

@@ -23,7 +23,7 @@ use crate::policy::{
     job_finished, lost_member, withdrawal,
 };
 use crate::protocol::{self, ClientMessage, ServerMessage};
-use crate::{Assignment, Directive, Member, Progress, Report, roster_digest};
+use crate::{Assignment, Directive, MAX_RANKS_PER_MEMBER, Member, Progress, Report, roster_digest};
 
 /// Keys per generation's key-value space.
 const MAX_KEYS: usize = 4096;
@@ -32,8 +32,6 @@ const MAX_KEYS: usize = 4096;
 const MAX_GENERATION: u64 = 1 << 53;
 /// Longest member id accepted.
 const MAX_ID: usize = 256;
-/// Most ranks one member may hold (a node's launcher holds its node's ranks).
-const MAX_RANKS_PER_MEMBER: usize = 1 << 16;
 /// Connections up to which a member's ask is answered at once rather than at the
 /// next tick (see [`Core::try_form_soon`]).
 const FORM_AT_ONCE_UP_TO: usize = 64;

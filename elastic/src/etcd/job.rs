@@ -1,8 +1,10 @@
 //! [`EtcdJob`]: a launcher's handle on a job kept in etcd (the job's settings, the
-//! ranks' leases, the generations seen as events, the end of the job).
+//! generations seen as events, the end of the job, and leases for processes that
+//! join as members of their own).
 //!
-//! Apart from the member side because a launcher takes no part in the rules: it
-//! publishes settings, holds leases and watches.
+//! Apart from the member side because this handle takes no part in the rules: it
+//! publishes settings and watches the generation record (a launcher's node joins as
+//! a member through an [`EtcdControlPlane`](super::EtcdControlPlane) of its own).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -16,8 +18,8 @@ use super::store::{Core, EtcdSettings, Runtime, settings_of};
 use crate::{CoordinatorConfig, ElasticError, Event, JobOver};
 
 /// A launcher's handle on a job kept in etcd: publishes (or adopts) the job's
-/// settings, grants and revokes its ranks' leases, and reports the generations it
-/// sees as [`Event`]s.
+/// settings, reports the generations it sees as [`Event`]s, and grants and revokes
+/// leases for processes it starts as members of their own.
 pub struct EtcdJob {
     core: Arc<Core>,
     _runtime: Runtime,
@@ -34,7 +36,7 @@ impl EtcdJob {
         settings: EtcdSettings,
     ) -> Result<EtcdJob, ElasticError> {
         config.validate().map_err(ElasticError::Rejected)?;
-        let (core, runtime) = Core::connect(url, &config.job, settings)?;
+        let (core, runtime) = Core::connect(url, &config.job, None, settings)?;
         let mine = JobConfig::from_coordinator(config);
         let deadline = Instant::now() + core.settings.connect_timeout;
         let (config, adopted) = {
@@ -61,8 +63,8 @@ impl EtcdJob {
         self.adopted
     }
 
-    /// Grants a lease for one rank process (its time to live is the job's heartbeat
-    /// timeout).
+    /// Grants a lease for a process that joins as a member of its own (its time to
+    /// live is the job's heartbeat timeout; `CKPT_ETCD_LEASE` hands it over).
     pub fn grant_lease(&self) -> Result<i64, ElasticError> {
         let core = self.core.clone();
         let ttl = self.config.lease_ttl_secs();

@@ -1,6 +1,20 @@
 //! One member's side of the etcd backend: its record under its lease (what it waits
-//! for, what it runs), the lease's keep-alives, its queued reports, and the task
-//! that evaluates the rules on every change and proposes what they ask for.
+//! for, what it runs), the lease's keep-alives, its queued reports, and, while it
+//! leads, the task that evaluates the rules on every change and proposes what they
+//! ask for.
+//!
+//! # One member leads
+//!
+//! The rules need every member's record; a member that followed them all would see
+//! every other member's every write, which at N members is N² events per formation.
+//! So one member at a time leads: it holds the `leader` key under its own lease
+//! (created only where absent, in a transaction), follows every member's record and
+//! proposes the records the rules ask for. The others follow the generation record,
+//! the bootstrap keys, the leader key and their own record, and campaign when the
+//! leader key goes: when the leader's lease ends (its process gone or silent) or it
+//! leaves. Safety does not rest on there being one leader: every proposal is a
+//! compare-and-swap of the generation record, so two members that both believe they
+//! lead (for the moment a lease takes to run out) can only repeat each other's work.
 //!
 //! Apart from [`EtcdControlPlane`](super::EtcdControlPlane), whose blocking calls
 //! use it, because this is the part that writes to etcd on the member's behalf.
@@ -10,16 +24,20 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use etcd_client::{LeaseKeepAliveStream, LeaseKeeper, PutOptions};
+use etcd_client::{Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp};
 use tracing::{debug, info, warn};
 
-use super::rules::{self, JobConfig, MemberRecord};
+use super::rules::{self, GenRecord, GenState, JobConfig, MemberRecord};
 use super::store::{Core, io};
 use crate::policy::Timers;
 use crate::{Directive, ElasticError, Member, Report};
 
 /// How often the rules are evaluated without a change (for their time windows).
 pub(super) const TICK: Duration = Duration::from_millis(20);
+/// The shortest time between two evaluations of the rules.
+const MIN_GAP: Duration = Duration::from_millis(5);
+/// Members declared lost whose absence a proposal checks, at most.
+const MAX_CONDITIONS: usize = 100;
 
 pub(super) struct Plane {
     pub(super) core: Arc<Core>,
@@ -178,13 +196,8 @@ impl Plane {
         self.core
             .transition(|mirror| {
                 let current = mirror.current();
-                let waiting = mirror
-                    .members
-                    .values()
-                    .filter(|l| {
-                        l.record.wants.is_some() && current.rank_of(&l.record.member.id).is_none()
-                    })
-                    .count();
+                // Counted by the leader (this member may not see the others).
+                let waiting = current.waiting;
                 rules::on_report(&current, &id, generation, report, waiting, &config)
             })
             .await?;
@@ -211,17 +224,131 @@ impl Plane {
         }
     }
 
-    /// Evaluates the rules on every change and proposes what they ask for.
+    /// This member leads: the leader key lives under its lease.
+    pub(super) fn leads(&self, mirror: &super::mirror::Mirror) -> bool {
+        let lease = self.lease.load(Ordering::SeqCst);
+        lease != 0 && !self.lease_lost.load(Ordering::SeqCst) && mirror.leader == Some(lease)
+    }
+
+    /// Takes the lead when nobody has it, and follows every member's record while it
+    /// leads.
+    pub(super) async fn lead(self: Arc<Self>) {
+        let mut pause = TICK;
+        while !self.core.closing.load(Ordering::Relaxed) {
+            let notified = self.core.notify.notified();
+            let (leads, vacant) = {
+                let mirror = self.core.lock();
+                let ready = mirror.synced
+                    && mirror.mine.is_some()
+                    && !self.lease_lost.load(Ordering::SeqCst);
+                (
+                    ready && self.leads(&mirror),
+                    ready && mirror.leader.is_none(),
+                )
+            };
+            if leads {
+                info!(member = %self.me.id, "leads the job: follows every member and applies the rules");
+                let me = self.clone();
+                let result = self
+                    .core
+                    .follow_members(move || me.leads(&me.core.lock()))
+                    .await;
+                if let Err(e) = result {
+                    debug!(error = %e, "following the members broke");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                } else {
+                    pause = TICK;
+                }
+                continue;
+            }
+            if vacant {
+                match self.campaign().await {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    Err(e) => debug!(error = %e, "campaign for the lead not written"),
+                }
+            }
+            // A new leader key, or its deletion, arrives by the watch.
+            let _ = tokio::time::timeout(Duration::from_secs(1), notified).await;
+        }
+    }
+
+    /// Writes the leader key under this member's lease where there is none; true when
+    /// this member won.
+    async fn campaign(&self) -> Result<bool, ElasticError> {
+        let lease = self.lease.load(Ordering::SeqCst);
+        let key = self.core.keys.leader();
+        let txn = Txn::new()
+            .when(vec![Compare::create_revision(
+                key.clone(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then(vec![TxnOp::put(
+                key,
+                self.me.id.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let response = self
+            .core
+            .request_any("transaction", |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
+            .await?;
+        if response.succeeded() {
+            let mut mirror = self.core.lock();
+            mirror.leader = Some(lease);
+            drop(mirror);
+            self.core.changed();
+        }
+        Ok(response.succeeded())
+    }
+
+    /// What a proposal of the leader rests on besides the record's revision: that it
+    /// still leads (a leader that was stopped and wakes up may act on an old view
+    /// before its watch tells it that its lease ran out), and that the members it
+    /// declares lost have no record (a view that lags behind cannot end a
+    /// generation). At most [`MAX_CONDITIONS`] of the latter: etcd caps a
+    /// transaction's operations (128 by default).
+    fn conditions(&self, next: &GenRecord) -> Vec<Compare> {
+        let lease = self.lease.load(Ordering::SeqCst);
+        let mut also = vec![Compare::lease(
+            self.core.keys.leader(),
+            CompareOp::Equal,
+            lease,
+        )];
+        if let GenState::Ended { dropped, .. } = &next.state
+            && dropped.len() <= MAX_CONDITIONS
+        {
+            also.extend(dropped.iter().map(|id| {
+                Compare::create_revision(self.core.keys.member(id), CompareOp::Equal, 0)
+            }));
+        }
+        also
+    }
+
+    /// While this member leads: evaluates the rules on every change of the member
+    /// records or the generation record (at most once per [`MIN_GAP`]), and every
+    /// [`TICK`] between generations (for the policy's windows), and proposes what
+    /// they ask for.
     pub(super) async fn decide(self: Arc<Self>) {
         let mut timers = Timers::default();
         let mut last_try: Option<(i64, u64, Instant)> = None;
         let mut last_quiet: Option<Instant> = None;
+        let mut seen = u64::MAX;
         while !self.core.closing.load(Ordering::Relaxed) {
             let notified = self.core.notify.notified();
             let proposal = {
                 let mirror = self.core.lock();
-                let me_live = mirror.members.contains_key(&self.me.id);
-                if !mirror.synced || !me_live {
+                let quiet = mirror.changes == seen
+                    && mirror.current.as_ref().is_some_and(|c| c.is_running());
+                if !mirror.synced || !mirror.all_members || !self.leads(&mirror) {
+                    // Another member leads: its windows are its own.
+                    timers = Timers::default();
+                    None
+                } else if quiet {
                     None
                 } else {
                     let current = mirror.current();
@@ -246,6 +373,13 @@ impl Plane {
                             "between generations; nothing to propose yet"
                         );
                     }
+                    // While a generation runs only a change can ask for something;
+                    // a proposal not yet written is tried again.
+                    seen = if next.is_none() {
+                        mirror.changes
+                    } else {
+                        u64::MAX
+                    };
                     next.map(|next| (next, mirror.gen_revision))
                 }
             };
@@ -257,7 +391,8 @@ impl Plane {
                 });
                 if !again {
                     last_try = Some((revision, next.generation, Instant::now()));
-                    match self.core.swap(revision, &next).await {
+                    let also = self.conditions(&next);
+                    match self.core.swap_if(revision, &next, also).await {
                         Ok(true) => info!(
                             generation = next.generation,
                             state = ?next.state,
@@ -267,12 +402,18 @@ impl Plane {
                         Ok(false) => {
                             let _ = self.core.reread_generation().await;
                         }
+                        Err(e @ ElasticError::Rejected(_)) => {
+                            warn!(error = %e, "proposal refused")
+                        }
                         Err(e) => debug!(error = %e, "proposal not written"),
                     }
                     continue;
                 }
             }
             let _ = tokio::time::timeout(TICK, notified).await;
+            // Many records change at once when many members ask together: one
+            // evaluation for the lot.
+            tokio::time::sleep(MIN_GAP).await;
         }
     }
 }

@@ -13,27 +13,37 @@
 //! | key | value | lifetime |
 //! |---|---|---|
 //! | `config` | the job's settings ([`JobConfig`](rules::JobConfig)): the first launcher's | kept |
-//! | `members/ID` | a member's record: who, what it waits for, what it runs | its lease |
-//! | `generation` | the one generation record: members, floor, state | advanced by transactions |
+//! | `members/ID` | a member's record: who, how many ranks it holds, what it waits for, what it runs | its lease |
+//! | `leader` | the id of the member that applies the rules | its lease |
+//! | `generation` | the one generation record: members and their rank counts, floor, state | advanced by transactions |
 //! | `g/N/KEY` | generation N's bootstrap keys (collectives' addresses) | deleted two generations later |
+//!
+//! A member is a node: its launcher joins as one member holding the node's ranks and
+//! serves them itself ([`crate::NodeAgent`]), so a node has one lease and one record.
+//! A rank started without a launcher is a member of its own.
 //!
 //! # How a generation advances
 //!
-//! Every agent mirrors the job's keys through one watch and evaluates the same rules
-//! ([`rules`]) on every change: a member whose record is gone ends the running
-//! generation; once the survivors (and any newcomers) wait, the next one forms. The
-//! agent writes the resulting record with a transaction that compares the record's
-//! revision, so whatever the timing, exactly one proposal per revision wins and no
-//! two survivors can form two different worlds. The agents that lose re-read and find
-//! nothing left to do.
+//! One member leads (the one whose lease holds the `leader` key): it follows every
+//! member's record and evaluates the rules ([`rules`]) on every change: a member
+//! whose record is gone ends the running generation; once the survivors (and any
+//! newcomers) wait, the next one forms. It writes the resulting record with a
+//! transaction that compares the record's revision, so whatever the timing, exactly
+//! one proposal per revision wins and no two survivors can form two different
+//! worlds. The other members watch only the generation record, the bootstrap keys,
+//! the `leader` key and their own record, and write only their own record, their
+//! reports (transitions of the generation record) and their keys; when the leader's
+//! lease ends they campaign for the key, and the one that gets it takes over. So the
+//! events etcd sends per formation grow with the members, not with their square.
 //!
 //! # Liveness
 //!
 //! A member's record lives under a lease whose time to live is the heartbeat timeout,
-//! kept alive from the agent's own thread: a process that stops, or a node that
-//! vanishes, loses its record when the lease runs out. A crash is seen sooner: the
-//! launcher that started the rank holds the same lease and revokes it as soon as the
-//! process exits, and the peers' collectives fail and report it. A training thread
+//! kept alive from the agent's heartbeats (a keep-alive every third of the time to
+//! live): a process that stops, or a node that vanishes, loses its record when the
+//! lease runs out, and a process that exits revokes its lease at once. A node's
+//! launcher sees its own ranks crash or hang and reports them (the generation
+//! restarts; the node comes back holding the ranks it has left). A training thread
 //! stuck outside a collective is found by its own agent (which sees its idle time)
 //! and declared lost in the record.
 //!

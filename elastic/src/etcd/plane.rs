@@ -16,7 +16,10 @@ use super::mirror::{MAX_VALUE, Mirror};
 use super::rules::{self, GenState, JobConfig, MemberRecord};
 use super::store::{Core, EtcdSettings, Runtime, settings_of};
 use crate::policy::ends_membership;
-use crate::{Assignment, Cancel, ControlPlane, Directive, ElasticError, Member, Progress, Report};
+use crate::{
+    Assignment, Cancel, ControlPlane, Directive, ElasticError, MAX_RANKS_PER_MEMBER, Member,
+    Progress, Report,
+};
 
 /// The [`ControlPlane`] on etcd: one per member process.
 pub struct EtcdControlPlane {
@@ -40,7 +43,13 @@ impl EtcdControlPlane {
                 member.id
             )));
         }
-        let (core, runtime) = Core::connect(url, &member.job, settings)?;
+        if member.ranks == 0 || member.ranks > MAX_RANKS_PER_MEMBER {
+            return Err(ElasticError::Rejected(format!(
+                "member {:?} holds {} ranks; a member holds 1 to {MAX_RANKS_PER_MEMBER}",
+                member.id, member.ranks
+            )));
+        }
+        let (core, runtime) = Core::connect(url, &member.job, Some(&member.id), settings)?;
         let deadline = Instant::now() + core.settings.connect_timeout;
         let (config, _) = {
             let core2 = core.clone();
@@ -81,6 +90,7 @@ impl EtcdControlPlane {
             })?;
         }
         core.handle.spawn(core.clone().follow());
+        core.handle.spawn(plane.clone().lead());
         core.handle.spawn(plane.clone().decide());
         core.wait(
             None,
@@ -143,10 +153,7 @@ impl EtcdControlPlane {
             return true;
         }
         let written_at = self.inner.record().2;
-        mirror.synced
-            && written_at > 0
-            && mirror.revision >= written_at
-            && !mirror.members.contains_key(&self.inner.me.id)
+        mirror.synced && written_at > 0 && mirror.revision >= written_at && mirror.mine.is_none()
     }
 }
 
@@ -351,6 +358,49 @@ impl ControlPlane for EtcdControlPlane {
             .await
             .map(|_| ())
         })
+    }
+
+    fn hold(&self, ranks: usize) -> Result<(), ElasticError> {
+        if ranks == 0 || ranks > MAX_RANKS_PER_MEMBER {
+            return Err(ElasticError::Rejected(format!(
+                "a member holds 1 to {MAX_RANKS_PER_MEMBER} ranks, not {ranks}"
+            )));
+        }
+        self.inner.update(|r| r.member.ranks = ranks);
+        let plane = self.inner.clone();
+        match self.inner.core.call(async move { plane.publish().await }) {
+            // The record stays marked unwritten: the next heartbeat writes it.
+            Err(ElasticError::Io(e)) => {
+                debug!(error = %e, ranks, "the ranks this member holds are not written yet");
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    fn kv_all(
+        &self,
+        generation: u64,
+        known: usize,
+        timeout: Duration,
+    ) -> Result<Vec<(String, String)>, ElasticError> {
+        self.inner.core.wait(
+            None,
+            Some(Instant::now() + timeout),
+            |mirror| {
+                if mirror.kv_count.get(&generation).is_some_and(|&n| n > known) {
+                    return Some(Ok(mirror.kv_of(generation)));
+                }
+                let current = mirror.current();
+                if let GenState::Shutdown { reason } = &current.state {
+                    return Some(Err(ElasticError::Shutdown(reason.clone())));
+                }
+                (current.generation > generation
+                    || current.generation == generation && !current.is_running())
+                .then(|| Err(ElasticError::generation_over(generation, "*")))
+            },
+            || Ok(Vec::new()),
+        )
     }
 
     fn kv_get(

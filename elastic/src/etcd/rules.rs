@@ -107,13 +107,52 @@ pub struct MemberRecord {
     pub checkpoint_generation: u64,
 }
 
+/// A member's place in a generation: who, and how many ranks it holds there. Written
+/// as `["ID", RANKS]`, so that the record of 2,048 nodes stays near 30 KiB (see
+/// [`GenRecord`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "(String, usize)", into = "(String, usize)")]
+pub struct Seat {
+    /// The member's id.
+    pub id: String,
+    /// Its ranks in the generation.
+    pub ranks: usize,
+}
+
+impl From<(String, usize)> for Seat {
+    fn from((id, ranks): (String, usize)) -> Seat {
+        Seat { id, ranks }
+    }
+}
+
+impl From<Seat> for (String, usize) {
+    fn from(seat: Seat) -> (String, usize) {
+        (seat.id, seat.ranks)
+    }
+}
+
+impl From<&Member> for Seat {
+    fn from(member: &Member) -> Seat {
+        Seat {
+            id: member.id.clone(),
+            ranks: member.ranks,
+        }
+    }
+}
+
 /// The job's one generation record, advanced only by compare-and-swap.
+///
+/// Every member watches it, so it is kept small: a member's place is its id and its
+/// rank count, nothing else; its size is about 10 bytes plus the id per member (plus
+/// the ids of the members a generation that ended waits for), so 2,048 nodes named
+/// `nNNNN` make about 50 KiB, and members with ids of 64 bytes reach etcd's default
+/// request limit (1.5 MiB) only beyond 10,000 members.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GenRecord {
     /// Strictly increasing.
     pub generation: u64,
     /// Members in rank order.
-    pub members: Vec<Member>,
+    pub members: Vec<Seat>,
     /// Checkpoint generations of this generation's saves are >= this.
     pub floor: u64,
     /// Why it formed.
@@ -124,6 +163,14 @@ pub struct GenRecord {
     /// more, and members waiting to join are told to shut down.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished: Option<String>,
+    /// While it runs: members waiting to join it, as the agent that evaluates the
+    /// rules last counted them ([`waiting`]); a commit regroups when there are any.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub waiting: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The life of a generation.
@@ -176,6 +223,7 @@ impl GenRecord {
                 dropped: Vec::new(),
             },
             finished: None,
+            waiting: 0,
         }
     }
 
@@ -227,6 +275,7 @@ impl GenRecord {
                 expected,
                 dropped: dropped.iter().map(|s| s.to_string()).collect(),
             },
+            waiting: 0,
             ..self.clone()
         }
     }
@@ -260,6 +309,23 @@ fn standing(current: &GenRecord) -> Option<Standing<'_>> {
     })
 }
 
+/// Members waiting to join `current`, as the policy counts them for a regroup:
+/// those asking for a generation that are not in it, and, while it runs, its members
+/// whose records now hold more ranks than their places in it (a node whose rank was
+/// started again; as the coordinator counts them).
+pub fn waiting(current: &GenRecord, live: &BTreeMap<String, Live>) -> usize {
+    let running = current.is_running();
+    live.values()
+        .filter(|l| {
+            let member = &l.record.member;
+            match current.members.iter().find(|m| m.id == member.id) {
+                None => l.record.wants.is_some(),
+                Some(seat) => running && member.ranks > seat.ranks,
+            }
+        })
+        .count()
+}
+
 /// What the world's state asks for, if anything: the next generation record.
 /// `live` holds every member record present in etcd; `timers` are this agent's
 /// observations of the policy's windows.
@@ -284,7 +350,11 @@ pub fn next(
                 .filter(|id| !live.contains_key(*id))
                 .collect();
             if lost.is_empty() {
-                return None;
+                let waiting = waiting(current, live);
+                return (waiting != current.waiting).then(|| GenRecord {
+                    waiting,
+                    ..current.clone()
+                });
             }
             let cause = lost
                 .iter()
@@ -349,7 +419,7 @@ pub fn next(
                 .fold(current.floor, u64::max);
             Some(GenRecord {
                 generation: newest_known + 1,
-                members,
+                members: members.iter().map(Seat::from).collect(),
                 floor,
                 cause: if current.generation == 0 {
                     "initial".into()
@@ -362,6 +432,7 @@ pub fn next(
                     left: None,
                 },
                 finished: None,
+                waiting: 0,
             })
         }
     }

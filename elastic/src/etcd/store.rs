@@ -1,8 +1,13 @@
 //! The connection to etcd that an [`EtcdControlPlane`](super::EtcdControlPlane) and an
 //! [`EtcdJob`](super::EtcdJob) share: the client and its runtime, bounded and
-//! retried requests, the watch that keeps the [`Mirror`] in step (a full read at
+//! retried requests, the watches that keep the [`Mirror`] in step (a read at
 //! revision R, then a watch from R + 1, again after every break), the
 //! compare-and-swap of the generation record, and the job's published settings.
+//!
+//! What is watched is bounded per member, not per job: a member watches the
+//! generation record, the bootstrap keys, the leader key and its own record; a
+//! launcher the generation record alone; only the leader watches every member's
+//! record ([`Core::follow_members`]).
 //!
 //! Calls run on a small runtime of their own and are each bounded by
 //! [`EtcdSettings::request_timeout`].
@@ -14,12 +19,13 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, Txn, TxnOp,
-    WatchOptions,
+    TxnOpResponse, WatchOptions, WatchResponse,
 };
 use tracing::{debug, warn};
 
 use super::EtcdUrl;
-use super::mirror::{Keys, Mirror, apply_kv};
+use super::member::TICK;
+use super::mirror::{Keys, MAX_RECORD, Mirror, apply_kv};
 use super::rules::{GenRecord, JobConfig};
 use crate::cancel::{Waker, wait_on};
 use crate::{Cancel, ElasticError};
@@ -48,6 +54,9 @@ pub(super) struct Core {
     pub(super) handle: tokio::runtime::Handle,
     pub(super) client: Client,
     pub(super) keys: Keys,
+    /// The member whose own record this client watches; `None`: a launcher's
+    /// client, which watches the generation record alone.
+    pub(super) me: Option<String>,
     pub(super) settings: EtcdSettings,
     pub(super) mirror: Mutex<Mirror>,
     pub(super) changed: Condvar,
@@ -78,6 +87,7 @@ impl Core {
     pub(super) fn connect(
         url: &EtcdUrl,
         job: &str,
+        me: Option<&str>,
         settings: EtcdSettings,
     ) -> Result<(Arc<Core>, Runtime), ElasticError> {
         let root = url.root(job).map_err(ElasticError::Rejected)?;
@@ -105,6 +115,7 @@ impl Core {
             handle: runtime.handle().clone(),
             client,
             keys: Keys { root },
+            me: me.map(str::to_owned),
             settings,
             mirror: Mutex::new(Mirror::default()),
             changed: Condvar::new(),
@@ -198,35 +209,56 @@ impl Core {
         }
     }
 
-    /// Reads every key of the job and replaces the mirror; returns the revision.
+    /// What this client watches, as (key, range end) pairs ("": that key alone).
+    fn watched(&self) -> Vec<(String, String)> {
+        match &self.me {
+            Some(id) => {
+                let (start, end) = self.keys.shared_range();
+                vec![(start, end), (self.keys.member(id), String::new())]
+            }
+            None => vec![(self.keys.generation(), String::new())],
+        }
+    }
+
+    /// Reads every key this client watches (in one transaction: one revision) and
+    /// replaces the mirror's copy of them; returns the revision.
     pub(super) async fn resync(&self) -> Result<i64, ElasticError> {
-        let root = self.keys.root.clone();
+        let reads: Vec<TxnOp> = self
+            .watched()
+            .into_iter()
+            .map(|(key, end)| {
+                let options = (!end.is_empty()).then(|| GetOptions::new().with_range(end));
+                TxnOp::get(key, options)
+            })
+            .collect();
+        let txn = Txn::new().and_then(reads);
         let response = self
             .request_any("read", |mut client| {
-                let root = root.clone();
-                async move {
-                    client
-                        .get(root, Some(GetOptions::new().with_prefix()))
-                        .await
-                }
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
             })
             .await?;
         let revision = response.header().map(|h| h.revision()).unwrap_or(0);
         let mut mirror = self.lock();
-        let events = std::mem::take(&mut mirror.events);
-        let gen_before = (mirror.current.clone(), ());
-        let history = std::mem::take(&mut mirror.history);
-        *mirror = Mirror {
-            events,
-            history,
+        // The leader's copy of the member records, the events and the history are
+        // not this watch's: they stay.
+        let kept = Mirror {
+            events: std::mem::take(&mut mirror.events),
+            history: std::mem::take(&mut mirror.history),
+            members: std::mem::take(&mut mirror.members),
+            all_members: mirror.all_members,
+            // Keep the generation's transitions continuous for the events.
+            current: mirror.current.take(),
+            gen_revision: mirror.gen_revision,
             ..Mirror::default()
         };
-        // Keep the generation's transitions continuous for the events.
-        if let (Some(current), _) = gen_before {
-            mirror.current = Some(current);
-        }
-        for kv in response.kvs() {
-            apply_kv(&mut mirror, &self.keys, kv, false);
+        *mirror = kept;
+        for op in response.op_responses() {
+            if let TxnOpResponse::Get(get) = op {
+                for kv in get.kvs() {
+                    apply_kv(&mut mirror, &self.keys, kv, false);
+                }
+            }
         }
         mirror.revision = revision;
         drop(mirror);
@@ -266,12 +298,23 @@ impl Core {
     pub(super) async fn follow_once(&self) -> Result<(), ElasticError> {
         let revision = self.resync().await?;
         let mut client = self.client.clone();
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision + 1);
+        let options = |end: &str| {
+            let options = WatchOptions::new().with_start_revision(revision + 1);
+            if end.is_empty() {
+                options
+            } else {
+                options.with_range(end)
+            }
+        };
+        let mut watched = self.watched().into_iter();
+        let (key, end) = watched.next().expect("a client watches something");
         let mut stream = self
-            .request("watch", client.watch(self.keys.root.clone(), Some(options)))
+            .request("watch", client.watch(key, Some(options(&end))))
             .await?;
+        for (key, end) in watched {
+            self.request("watch", stream.watch(key, Some(options(&end))))
+                .await?;
+        }
         {
             let mut mirror = self.lock();
             mirror.synced = true;
@@ -279,16 +322,7 @@ impl Core {
         self.changed();
         debug!(revision, "etcd watch established");
         loop {
-            let message = stream.message().await.map_err(|e| io("watch", e))?;
-            let Some(response) = message else {
-                return Err(io("watch", "stream ended"));
-            };
-            if response.canceled() {
-                return Err(io(
-                    "watch",
-                    format!("cancelled: {}", response.cancel_reason()),
-                ));
-            }
+            let response = watch_response(stream.message().await)?;
             let mut mirror = self.lock();
             for event in response.events() {
                 if let Some(kv) = event.kv() {
@@ -306,6 +340,76 @@ impl Core {
             drop(mirror);
             self.changed();
         }
+    }
+
+    /// While `leads()` holds: reads every member record into the mirror (`members`,
+    /// then `all_members`), and keeps them in step with a watch. Returns when
+    /// `leads()` turns false (checked at least every [`TICK`]) or the watch breaks;
+    /// either way the mirror's copy is dropped.
+    pub(super) async fn follow_members(
+        &self,
+        leads: impl Fn() -> bool,
+    ) -> Result<(), ElasticError> {
+        let result = self.follow_members_once(&leads).await;
+        {
+            let mut mirror = self.lock();
+            mirror.members.clear();
+            mirror.all_members = false;
+        }
+        self.changed();
+        result
+    }
+
+    async fn follow_members_once(&self, leads: &impl Fn() -> bool) -> Result<(), ElasticError> {
+        let prefix = self.keys.members();
+        let response = self
+            .request_any("read", |mut client| {
+                let prefix = prefix.clone();
+                async move {
+                    client
+                        .get(prefix, Some(GetOptions::new().with_prefix()))
+                        .await
+                }
+            })
+            .await?;
+        let revision = response.header().map(|h| h.revision()).unwrap_or(0);
+        let mut client = self.client.clone();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let mut stream = self
+            .request("watch", client.watch(prefix, Some(options)))
+            .await?;
+        {
+            let mut mirror = self.lock();
+            mirror.members.clear();
+            for kv in response.kvs() {
+                mirror.apply_member(&self.keys, kv, false);
+            }
+            mirror.all_members = true;
+        }
+        self.changed();
+        debug!(
+            revision,
+            members = response.kvs().len(),
+            "leading: following every member's record"
+        );
+        while leads() && !self.closing.load(Ordering::Relaxed) {
+            // `message` is cancel safe: a timeout loses nothing.
+            let Ok(message) = tokio::time::timeout(TICK * 10, stream.message()).await else {
+                continue;
+            };
+            let response = watch_response(message)?;
+            let mut mirror = self.lock();
+            for event in response.events() {
+                if let Some(kv) = event.kv() {
+                    mirror.apply_member(&self.keys, kv, event.event_type() == EventType::Delete);
+                }
+            }
+            drop(mirror);
+            self.changed();
+        }
+        Ok(())
     }
 
     /// Waits on the mirror until `done` gives a result, `cancel` fires or
@@ -340,13 +444,33 @@ impl Core {
     /// (0: absent). Also deletes the bootstrap keys of generations before the
     /// previous one. Returns whether this write won.
     pub(super) async fn swap(&self, revision: i64, next: &GenRecord) -> Result<bool, ElasticError> {
+        self.swap_if(revision, next, Vec::new()).await
+    }
+
+    /// [`Core::swap`], on the further conditions `also`.
+    pub(super) async fn swap_if(
+        &self,
+        revision: i64,
+        next: &GenRecord,
+        also: Vec<Compare>,
+    ) -> Result<bool, ElasticError> {
         let key = self.keys.generation();
         let compare = if revision == 0 {
             Compare::create_revision(key.clone(), CompareOp::Equal, 0)
         } else {
             Compare::mod_revision(key.clone(), CompareOp::Equal, revision)
         };
+        let mut compares = vec![compare];
+        compares.extend(also);
         let value = serde_json::to_vec(next).map_err(|e| io("encode", e))?;
+        if value.len() > MAX_RECORD {
+            return Err(ElasticError::Rejected(format!(
+                "generation record {} of {} members is {} bytes, over the {MAX_RECORD} this backend writes (etcd's default request limit is 1.5 MiB): use shorter member ids or fewer, larger members",
+                next.generation,
+                next.members.len(),
+                value.len()
+            )));
+        }
         let mut ops = vec![TxnOp::put(key, value, None)];
         if next.generation >= 2 {
             ops.push(TxnOp::delete(
@@ -354,7 +478,7 @@ impl Core {
                 Some(DeleteOptions::new().with_range(self.keys.kv_of(next.generation - 1))),
             ));
         }
-        let txn = Txn::new().when(vec![compare]).and_then(ops);
+        let txn = Txn::new().when(compares).and_then(ops);
         let response = self
             .request_any("transaction", |mut client| {
                 let txn = txn.clone();
@@ -411,6 +535,22 @@ impl Core {
             "the generation record kept changing under 16 attempts".into(),
         ))
     }
+}
+
+/// A watch stream's next message, or why the stream is over.
+fn watch_response(
+    message: Result<Option<WatchResponse>, etcd_client::Error>,
+) -> Result<WatchResponse, ElasticError> {
+    let Some(response) = message.map_err(|e| io("watch", e))? else {
+        return Err(io("watch", "stream ended"));
+    };
+    if response.canceled() {
+        return Err(io(
+            "watch",
+            format!("cancelled: {}", response.cancel_reason()),
+        ));
+    }
+    Ok(response)
 }
 
 /// Runs `future` on `handle` and waits for its result, from any thread that is not

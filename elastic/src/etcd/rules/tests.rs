@@ -38,7 +38,7 @@ fn live(records: &[(usize, Option<u64>, u64)]) -> BTreeMap<String, Live> {
 fn running(generation: u64, ids: &[usize]) -> GenRecord {
     GenRecord {
         generation,
-        members: ids.iter().map(|&i| member(i)).collect(),
+        members: ids.iter().map(|&i| Seat::from(&member(i))).collect(),
         floor: 0,
         cause: "initial".into(),
         state: GenState::Running {
@@ -47,6 +47,7 @@ fn running(generation: u64, ids: &[usize]) -> GenRecord {
             left: None,
         },
         finished: None,
+        waiting: 0,
     }
 }
 
@@ -353,16 +354,6 @@ impl Simulation {
             }
         }
     }
-
-    /// Live members waiting to join the current generation.
-    fn waiting(&self) -> usize {
-        self.live
-            .values()
-            .filter(|l| {
-                l.record.wants.is_some() && self.current.rank_of(&l.record.member.id).is_none()
-            })
-            .count()
-    }
 }
 
 impl Backend for Simulation {
@@ -435,8 +426,16 @@ impl Backend for Simulation {
             }
             self.publish(id);
         }
-        let waiting = self.waiting();
-        let next = on_report(&self.current, id, generation, report, waiting, &self.config);
+        // As an agent reports: with the count of waiting members that the rules
+        // keep in the record.
+        let next = on_report(
+            &self.current,
+            id,
+            generation,
+            report,
+            self.current.waiting,
+            &self.config,
+        );
         self.write(next);
         self.settle(now);
     }
