@@ -413,7 +413,7 @@ fn upstream(
                 .etcd
                 .as_deref()
                 .ok_or("--backend etcd needs --etcd etcd://HOST:PORT[,…]/PREFIX")?;
-            let url: ckpt_elastic::EtcdUrl = url.parse().map_err(|e| format!("{url}: {e}"))?;
+            let url = ckpt_elastic::EtcdUrl::parse(url).map_err(|e| format!("{url}: {e}"))?;
             let plane = ckpt_elastic::EtcdControlPlane::connect(
                 &url,
                 member,
@@ -707,7 +707,7 @@ fn etcd_job(config: &Config, job: &str, min: usize, max: usize) -> Result<(), St
         .etcd
         .as_deref()
         .ok_or("--backend etcd needs --etcd etcd://HOST:PORT[,…]/PREFIX")?;
-    let url: ckpt_elastic::EtcdUrl = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    let url = ckpt_elastic::EtcdUrl::parse(url).map_err(|e| format!("{url}: {e}"))?;
     let coordinator = ckpt_elastic::CoordinatorConfig {
         timeouts: config.timeouts,
         ..ckpt_elastic::CoordinatorConfig::new(job, min, max)
