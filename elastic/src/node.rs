@@ -491,16 +491,10 @@ impl Shared {
         member: Member,
         claim: Option<Assignment>,
     ) -> Result<(), String> {
-        let refusal = if version != protocol::VERSION {
-            Some(format!(
-                "protocol version {version} is not supported (this node speaks {})",
-                protocol::VERSION
-            ))
-        } else if member.job != self.config.job {
-            Some(format!(
-                "job mismatch: this node serves job {:?}, member {:?} belongs to job {:?}",
-                self.config.job, member.id, member.job
-            ))
+        let refusal = if let Some(refusal) =
+            protocol::hello_refusal(version, &member, &self.config.job, "node")
+        {
+            Some(refusal)
         } else if member.ranks != 1 {
             Some(format!(
                 "member {:?} holds {} ranks; a rank of a node holds one",

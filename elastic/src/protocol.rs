@@ -122,6 +122,32 @@ pub enum ServerMessage {
     },
 }
 
+/// Longest member id a server accepts.
+pub const MAX_ID: usize = 256;
+
+/// Why a server (`who`: "coordinator", "node") serving `job` refuses a hello of
+/// protocol `version` from `member`, if it does: another version, another job, an id
+/// that is empty or too long. The coordinator and a node agent check the same.
+pub fn hello_refusal(version: u32, member: &Member, job: &str, who: &str) -> Option<String> {
+    if version != VERSION {
+        Some(format!(
+            "protocol version {version} is not supported (this {who} speaks {VERSION})"
+        ))
+    } else if member.job != job {
+        Some(format!(
+            "job mismatch: this {who} serves job {job:?}, member {:?} belongs to job {:?}",
+            member.id, member.job
+        ))
+    } else if member.id.is_empty() || member.id.len() > MAX_ID {
+        Some(format!(
+            "member id must be 1 to {MAX_ID} bytes, got {}",
+            member.id.len()
+        ))
+    } else {
+        None
+    }
+}
+
 /// A line could not be read or decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum LineError {

@@ -30,8 +30,6 @@ const MAX_KEYS: usize = 4096;
 /// Largest generation number accepted from a member: far beyond any real job, and
 /// small enough that counting up from it cannot overflow.
 const MAX_GENERATION: u64 = 1 << 53;
-/// Longest member id accepted.
-const MAX_ID: usize = 256;
 /// Connections up to which a member's ask is answered at once rather than at the
 /// next tick (see [`Core::try_form_soon`]).
 const FORM_AT_ONCE_UP_TO: usize = 64;
@@ -404,21 +402,10 @@ impl Core {
         claim: Option<Assignment>,
         now: Instant,
     ) -> Outcome {
-        let refusal = if version != protocol::VERSION {
-            Some(format!(
-                "protocol version {version} is not supported (this coordinator speaks {})",
-                protocol::VERSION
-            ))
-        } else if member.job != self.config.job {
-            Some(format!(
-                "job mismatch: this coordinator serves job {:?}, member {:?} belongs to job {:?}",
-                self.config.job, member.id, member.job
-            ))
-        } else if member.id.is_empty() || member.id.len() > MAX_ID {
-            Some(format!(
-                "member id must be 1 to {MAX_ID} bytes, got {}",
-                member.id.len()
-            ))
+        let refusal = if let Some(refusal) =
+            protocol::hello_refusal(version, &member, &self.config.job, "coordinator")
+        {
+            Some(refusal)
         } else if member.ranks == 0 || member.ranks > MAX_RANKS_PER_MEMBER {
             Some(format!(
                 "member {:?} holds {} ranks; a member holds 1 to {MAX_RANKS_PER_MEMBER}",
