@@ -96,3 +96,32 @@ fn the_last_rank_of_a_node_is_relaunched_in_a_new_process_group() {
         "{text}"
     );
 }
+
+#[test]
+fn a_wedged_rank_is_started_again_without_counting_a_restart() {
+    // `ckpt.elastic` exits 76 when a survivor's training thread stays inside a
+    // collective its abort did not fail; with no restart allowed, only the wedged
+    // path can bring the slot back.
+    let out = launch(&[
+        "--nproc",
+        "1",
+        "--min-ranks",
+        "1",
+        "--max-restarts",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        "echo process $TORCHELASTIC_RESTART_COUNT; \
+         [ \"$TORCHELASTIC_RESTART_COUNT\" = 1 ] || exit 76",
+    ]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("[rank 0] process 0"), "{text}");
+    assert!(text.contains("[rank 0] process 1"), "{text}");
+    assert!(
+        text.contains("could not leave its process group (exit 76)"),
+        "{text}"
+    );
+    assert!(!text.contains("failed"), "{text}");
+}

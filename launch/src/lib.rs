@@ -27,7 +27,9 @@
 //! `ckpt.elastic` sets those four variables for each generation it runs), and the
 //! launcher no longer stops the survivors when one rank fails: the coordinator
 //! re-forms the world without it, and the launcher relaunches the failed rank while it
-//! has restarts left (`--max-restarts`), which then joins as a waiting member. The
+//! has restarts left (`--max-restarts`), which then joins as a waiting member. A rank
+//! that exits with [`EXIT_WEDGED`] (a survivor whose process group could not be
+//! aborted) is started again at once without counting a restart. The
 //! launcher hosts the coordinator itself (on a listener it keeps, so no other process
 //! can take the port between choosing and binding it) unless `--rdzv` names one that
 //! is already running. Without `--min-ranks` the world may not shrink below its
@@ -64,6 +66,19 @@ use ckpt_elastic::{
 /// Exit code of a rank (and of the launcher) that stopped on SIGTERM/SIGINT after
 /// committing a final checkpoint: 75 (`EX_TEMPFAIL`, "try again later": resume).
 pub const EXIT_STOPPED: i32 = 75;
+
+/// Exit code of an elastic rank that survived a failure but could not leave its
+/// generation: its training thread stayed inside a collective the abort did not
+/// fail (gloo can keep waiting on connections it already closed, until the
+/// group's timeout). Nothing is wrong with the rank, so the launcher starts a fresh
+/// process in its place at once, without counting a restart (`ckpt.elastic`'s
+/// `EXIT_WEDGED`).
+pub const EXIT_WEDGED: i32 = 76;
+
+/// Wedged ranks ([`EXIT_WEDGED`]) one launcher starts again before it counts them
+/// as failures: each needs a failure to abort a generation first, so this bounds
+/// only a process group that wedges at every abort.
+const MAX_WEDGED_RELAUNCHES: usize = 64;
 
 /// The environment variable that tells rank 0 which inherited descriptor is the
 /// rendezvous listener the launcher bound for it.
@@ -793,6 +808,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
     plane.expect(config.nproc);
     let mut forwarded = 0;
     let mut restarts = 0;
+    let mut wedged = 0;
     let mut first_failure: Option<i32> = None;
     // After a failure with no restart left and no --min-ranks: SIGKILL at this instant.
     let mut kill_at: Option<Instant> = None;
@@ -841,6 +857,22 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                 continue;
             }
             if (code == EXIT_STOPPED && forwarded > 0) || killed_at.is_some() {
+                continue;
+            }
+            if code == EXIT_WEDGED
+                && forwarded == 0
+                && ending.is_none()
+                && wedged < MAX_WEDGED_RELAUNCHES
+            {
+                wedged += 1;
+                let incarnation = slot.incarnation + 1;
+                say(format_args!(
+                    "launch: rank {label} could not leave its process group (exit {EXIT_WEDGED}); \
+                     a fresh process takes its place, not counted as a restart"
+                ));
+                slot.child = Some(spawner.spawn(local, incarnation)?);
+                slot.incarnation = incarnation;
+                slot.status = None;
                 continue;
             }
             say(format_args!("launch: rank {label} failed: {status}"));

@@ -60,7 +60,13 @@ from ckpt.torch import _api
 #: A rank that stopped on SIGTERM/SIGINT after the agreed final save (EX_TEMPFAIL).
 EXIT_STOPPED = 75
 
-__all__ = ["EXIT_STOPPED", "Context", "WorldChanged", "run"]
+#: A survivor whose training thread stayed blocked in a collective after the abort
+#: (gloo can leave one waiting on pairs it already closed, until the group's
+#: timeout): the process cannot leave its generation, a fresh one can join the next.
+#: ``ckpt launch`` starts it again at once, without counting a restart.
+EXIT_WEDGED = 76
+
+__all__ = ["EXIT_STOPPED", "EXIT_WEDGED", "Context", "WorldChanged", "run"]
 
 
 class WorldChanged(Exception):  # noqa: N818 (it is a control-flow signal, not an error)
@@ -118,6 +124,64 @@ def _tcp_sockets() -> dict[int, tuple[int, int, str]]:
         except FileNotFoundError:
             pass
     return out
+
+
+def _shut_down_store_connections(port: int) -> int:
+    """Shuts down this process's connections to or from the store on ``port`` (the
+    client's, and the server's side where this process serves it); returns how many.
+    Each descriptor is duplicated and its inode checked first, so a number closed
+    and reused meanwhile is left alone; shutdown(2) acts on the socket, so closing
+    the duplicate leaves the store's own descriptor open."""
+    tcp = _tcp_sockets()
+    count = 0
+    for fd, inode in _sockets().items():
+        local, remote, state = tcp.get(inode, (0, 0, "0A"))
+        if state == "0A" or port not in (local, remote):
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            if os.fstat(dup).st_ino != inode:
+                continue
+            with socket.socket(fileno=dup) as conn:
+                dup = -1  # the socket object closes it
+                conn.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            if dup >= 0:
+                os.close(dup)
+    return count
+
+
+class _Forming:
+    """Makes the formation of generation ``generation``'s process group abortable.
+    Its waits (the store's barrier, gloo's exchange of addresses) are blocking calls
+    with the group's timeout, minutes: a peer that never arrives (dropped, or still
+    stuck in the previous generation) would keep this rank there long after the
+    control plane ended the generation. Once the agent aborts it, a thread shuts
+    down the store's connections (again as new ones appear) until the formation
+    ends, which makes every such wait fail at once."""
+
+    def __init__(self, agent: Any, generation: int):
+        self.agent, self.generation = agent, generation
+        self.port: int | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            if self.agent.wait_abort(self.generation, 0.2):
+                break
+        else:
+            return
+        while not self.done.is_set():
+            if self.port is not None:
+                _shut_down_store_connections(self.port)
+            self.done.wait(0.1)
 
 
 def _group_sockets(before: Mapping[int, int], store_port: int) -> list[tuple[int, int]]:
@@ -378,7 +442,18 @@ def _form_group(
 ) -> list[tuple[int, int]]:
     """A process group for generation ``a``: rank 0 serves a fresh TCPStore on a
     free port and publishes it in the generation's key-value space. Returns the
-    sockets the group opened (the abort shuts them down)."""
+    sockets the group opened (the abort shuts them down). An abort of the
+    generation while it forms makes it raise (``_Forming``)."""
+    forming = _Forming(agent, a["generation"])
+    try:
+        return _form_group_watched(agent, a, backend, timeout, forming)
+    finally:
+        forming.done.set()
+
+
+def _form_group_watched(
+    agent: Any, a: Mapping[str, Any], backend: str, timeout: timedelta, forming: _Forming
+) -> list[tuple[int, int]]:
     rank, world, generation = a["rank"], a["world_size"], a["generation"]
     host = agent.member()["host"]
     _forget_meshes()
@@ -387,10 +462,12 @@ def _form_group(
         store = dist.TCPStore(
             host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False
         )
+        forming.port = store.port
         agent.kv_set("torch/store", f"{host}:{store.port}")
     else:
         where = agent.kv_get("torch/store", timeout.total_seconds())
         store_host, port = where.rsplit(":", 1)
+        forming.port = int(port)
         store = dist.TCPStore(store_host, int(port), world, is_master=False, timeout=timeout)
     os.environ.update(
         RANK=str(rank),
@@ -432,15 +509,50 @@ def _teardown(agent: Any, generation: int, aborted: bool, backend: str) -> None:
 #: before the process gives up on it and exits (the others go on without it).
 STUCK_AFTER_ABORT = 15.0
 
+#: The same for a member told it is stale or that the job is shut down: it leaves
+#: whatever the training thread does next, so it waits only for that thread to say
+#: so itself (a collective that no abort reached would otherwise keep it for
+#: ``STUCK_AFTER_ABORT``, past the launcher's patience once the job ends).
+LEAVING_AFTER_ABORT = 2.0
+
+#: How long a survivor's training thread may stay inside ``torch.distributed`` after
+#: the abort before the process counts as wedged (``EXIT_WEDGED``): an aborted
+#: collective fails within milliseconds; this must leave a fresh process the time
+#: to start and ask for the next generation within the join timeout (10 s).
+WEDGED_AFTER_ABORT = 2.0
+
+
+def _in_torch_distributed(thread: int) -> bool:
+    """Whether thread ``thread`` is inside ``torch.distributed`` (a collective, or
+    FSDP around one) now."""
+    frame = sys._current_frames().get(thread)
+    marker = f"{os.sep}torch{os.sep}distributed{os.sep}"
+    while frame is not None:
+        if marker in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
 
 def _watch(
-    agent: Any, generation: int, backend: str, done: threading.Event, seen: dict[str, float]
+    agent: Any,
+    member: str,
+    generation: int,
+    backend: str,
+    done: threading.Event,
+    seen: dict[str, float],
+    trainer: int,
 ) -> None:
-    """The watcher of one generation. Once the agent aborted it (gloo: the agent
-    shut the group's connections down itself), it aborts the communicators on NCCL;
-    then, if the training thread is still blocked after ``STUCK_AFTER_ABORT`` (a
-    collective that no abort reached), it ends the process: a member that cannot
-    leave its generation would hold up the next one until the join timeout drops it."""
+    """The watcher of one generation, whose training thread is ``trainer``. Once the
+    agent aborted it (gloo: the agent shut the group's connections down itself), it
+    aborts the communicators on NCCL; then, if the training thread is still blocked
+    after ``STUCK_AFTER_ABORT`` (a collective that no abort reached), it ends the
+    process: a member that cannot leave its generation would hold up the next one
+    until the join timeout drops it. Two cases end sooner: a member that is stale
+    or shut down leaves anyway (``_left``), so it waits ``LEAVING_AFTER_ABORT``; a
+    survivor still inside ``torch.distributed`` after ``WEDGED_AFTER_ABORT`` is
+    wedged and exits with ``EXIT_WEDGED``, for the launcher to start a fresh
+    process that joins the next generation in its place."""
     while not done.is_set():
         if agent.wait_abort(generation, 0.2):
             seen.setdefault("abort", time.time())
@@ -452,7 +564,27 @@ def _watch(
             dist.distributed_c10d._abort_process_group()
         except Exception:  # noqa: BLE001 (the group may be gone already)
             pass
-    if not done.wait(STUCK_AFTER_ABORT):
+    aborted = time.monotonic()
+    leave_at = None
+    while not done.wait(0.1):
+        now = time.monotonic()
+        if leave_at is None and (agent.directive() or {}).get("kind") in ("stale", "shutdown"):
+            leave_at = now + LEAVING_AFTER_ABORT
+        if leave_at is not None:
+            if now >= leave_at:
+                _left(agent, member)
+                _err(f"generation {generation}: the training thread is still blocked; leaving now")
+                os._exit(1)
+        elif now >= aborted + WEDGED_AFTER_ABORT and _in_torch_distributed(trainer):
+            _err(
+                f"generation {generation}: the training thread is still inside a collective "
+                f"{now - aborted:.1f} s after the abort (the process group did not fail it); "
+                f"exiting with {EXIT_WEDGED} for a fresh process to join the next generation"
+            )
+            os._exit(EXIT_WEDGED)
+        if now >= aborted + STUCK_AFTER_ABORT:
+            break
+    if not done.is_set():
         _err(
             f"generation {generation}: the training thread is still blocked "
             f"{STUCK_AFTER_ABORT:.0f} s after the abort; exiting so the others can go on"
@@ -645,7 +777,9 @@ def _generations(
         done = threading.Event()
         seen: dict[str, float] = {}
         threading.Thread(
-            target=_watch, args=(agent, generation, backend, done, seen), daemon=True
+            target=_watch,
+            args=(agent, member, generation, backend, done, seen, threading.get_ident()),
+            daemon=True,
         ).start()
         if previous is not None and rank == 0:
             threading.Thread(

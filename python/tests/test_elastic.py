@@ -268,6 +268,146 @@ def test_sigcont_after_the_drop_leaves_as_stale(urls):
     assert all(e["dir"].endswith("-e2") for e in later), later
 
 
+def test_a_stale_member_whose_training_thread_stays_blocked_leaves_at_once():
+    """Found by CI: a rank stopped inside a gloo all-gather, dropped, then continued,
+    stayed blocked in it although the abort shut its sockets down; the watcher gave
+    it ``STUCK_AFTER_ABORT`` (15 s), past the launcher's patience once the job ended.
+    A stale member leaves whatever happens, so the watcher ends it after
+    ``LEAVING_AFTER_ABORT``. Here the training thread never returns and the 15 s are
+    made endless: only the stale path can end the process."""
+    script = """
+import threading
+from ckpt import elastic
+
+class Agent:
+    def wait_abort(self, generation, timeout):
+        return True
+
+    def directive(self):
+        return {"kind": "stale", "current": 2}
+
+elastic.STUCK_AFTER_ABORT = 1e9
+elastic._watch(Agent(), "n0-l3-i0", 1, "gloo", threading.Event(), {}, 0)
+print("the watcher returned")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "member n0-l3-i0: stale: this member's generation is over" in done.stderr
+    assert "still blocked; leaving now" in done.stderr
+
+
+_TWO_RANKS = """
+import datetime, sys, threading, time
+import torch.distributed as dist
+from ckpt import elastic
+
+rank = int(sys.argv[1])
+if rank == 0:
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    print(store.port, flush=True)
+else:
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, is_master=False)
+dist.init_process_group(
+    "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600)
+)
+if rank == 1:
+    time.sleep(600)  # never reaches the barrier
+
+class Agent:  # aborted at once, by a restart: this rank survives the failure
+    def wait_abort(self, generation, timeout):
+        return True
+
+    def directive(self):
+        return {"kind": "restart", "generation": 1}
+
+elastic.STUCK_AFTER_ABORT = 1e9
+trainer = threading.get_ident()
+threading.Thread(
+    target=elastic._watch,
+    args=(Agent(), "n0-l0-i0", 1, "gloo", threading.Event(), {}, trainer),
+    daemon=True,
+).start()
+dist.barrier()  # the abort reaches no socket of it: wedged until the group's timeout
+print("the barrier returned")
+"""
+
+
+def test_a_survivor_wedged_in_a_collective_exits_for_a_fresh_process():
+    """Found by CI: after a peer's loss, a survivor's gloo all-gather kept waiting
+    on connections gloo had already closed itself (nothing left for the abort to
+    shut down) until the group's timeout, and the join timeout dropped the rank.
+    The watcher sees the training thread still inside torch.distributed and exits
+    with EXIT_WEDGED, which ``ckpt launch`` answers with a fresh process (tested in
+    cli/tests/launch.rs). Here a real gloo barrier that the peer never reaches
+    stands for the wedged collective."""
+    from ckpt import elastic
+
+    first = subprocess.Popen(
+        [sys.executable, "-c", _TWO_RANKS, "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    port = first.stdout.readline().strip()
+    second = subprocess.Popen(
+        [sys.executable, "-c", _TWO_RANKS, "1", port],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        out, err = first.communicate(timeout=120)
+    finally:
+        second.kill()
+        first.kill()
+    assert first.returncode == elastic.EXIT_WEDGED, (out, err)
+    assert "still inside a collective" in err, err
+    assert "the barrier returned" not in out
+
+
+def test_an_abort_while_the_group_forms_ends_the_formation():
+    """Found by the same CI run: survivors of a generation whose third rank never
+    came (wedged in the one before) waited in init_process_group for the group's
+    timeout (600 s) after the control plane had ended the generation, and the job
+    shut down for want of ranks. The abort now shuts the store's connections down,
+    which fails the formation at once."""
+    script = """
+import datetime, time
+import torch.distributed as dist
+from ckpt import elastic
+
+store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+started = time.monotonic()
+
+class Agent:  # rank 0 never shows up; the generation is aborted after a second
+    def member(self):
+        return {"host": "127.0.0.1"}
+
+    def kv_get(self, key, timeout):
+        return f"127.0.0.1:{store.port}"
+
+    def wait_abort(self, generation, timeout):
+        time.sleep(min(timeout, 0.05))
+        return time.monotonic() - started > 1.0
+
+a = {"rank": 1, "world_size": 2, "generation": 1}
+try:
+    elastic._form_group(Agent(), a, "gloo", datetime.timedelta(seconds=600))
+    print("formed?!")
+except Exception as e:
+    print(f"raised after {time.monotonic() - started:.1f} s: {type(e).__name__}")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    found = re.search(r"raised after ([\d.]+) s", done.stdout)
+    assert found, (done.stdout, done.stderr)
+    # Without the abort it would wait for the 600 s timeout.
+    assert float(found.group(1)) < 120, done.stdout
+
+
 def test_a_node_killed_whole_and_started_again_grows_back_to_four(urls, tmp_path):
     url, ref = urls
     from conftest import free_port
