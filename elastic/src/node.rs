@@ -692,6 +692,28 @@ impl Shared {
             "node has its place in a generation"
         );
         let generation = a.generation;
+        // The control plane's Restart of the generation this one replaces travels
+        // apart from this answer (another thread relays it) and, once this is
+        // installed, would find no generation of its own to end: the ranks still in
+        // the old one hear of its end here, or one of them blocked in a collective
+        // would never be aborted.
+        if let Some(old) = state.generation.as_ref().filter(|g| !g.over)
+            && old.assignment.generation < generation
+        {
+            let restart = Directive::Restart {
+                generation: old.assignment.generation,
+                cause: a.cause.clone(),
+            };
+            let still_in: Vec<LocalId> = old
+                .seats
+                .keys()
+                .filter_map(|id| state.local_of(id))
+                .filter(|c| state.locals.get(c).is_some_and(|l| l.wants.is_none()))
+                .collect();
+            for c in still_in {
+                state.directive(c, restart.clone());
+            }
+        }
         state.generation = Some(Generation {
             assignment: a,
             seats: seats.clone(),
@@ -1337,5 +1359,114 @@ fn kv_loop(shared: &Arc<Shared>) {
                 let _ = shared.changed.wait_timeout(state, TICK);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An upstream that accepts everything and never answers.
+    struct Quiet;
+
+    impl ControlPlane for Quiet {
+        fn rendezvous(&self, _: u64, _: &Cancel) -> Result<Assignment, ElasticError> {
+            Err(ElasticError::Timeout("quiet".into()))
+        }
+        fn heartbeat(&self, _: u64, _: &Progress) -> Result<(), ElasticError> {
+            Ok(())
+        }
+        fn watch(&self, _: u64, _: Duration) -> Result<Option<Directive>, ElasticError> {
+            Ok(None)
+        }
+        fn report(&self, _: u64, _: &Report) -> Result<(), ElasticError> {
+            Ok(())
+        }
+        fn kv_set(&self, _: u64, _: &str, _: &str) -> Result<(), ElasticError> {
+            Ok(())
+        }
+        fn kv_get(&self, _: u64, _: &str, _: &Cancel, _: Duration) -> Result<String, ElasticError> {
+            Err(ElasticError::Timeout("quiet".into()))
+        }
+    }
+
+    fn assignment(generation: u64, ranks: usize, cause: &str) -> Assignment {
+        Assignment {
+            generation,
+            rank: 0,
+            ranks,
+            world_size: ranks,
+            members: 1,
+            roster: 0,
+            checkpoint_generation_floor: 0,
+            cause: cause.into(),
+        }
+    }
+
+    /// Found by the PyTorch elastic tests: a node alone in its job lost a rank, a
+    /// survivor whose collective failed asked again at once, and the coordinator
+    /// formed the next generation at once. The node installed it before its other
+    /// thread relayed the restart of the old one, which then found no generation
+    /// of the node's to end: the survivor blocked in a collective was never aborted
+    /// and was dropped by the join timeout. A rank still in the replaced generation
+    /// is now told at the install; one already asking gets its place instead.
+    #[test]
+    fn installing_a_newer_generation_ends_the_running_one_for_its_ranks() {
+        let shared = Shared {
+            config: NodeConfig::new("job"),
+            upstream: Arc::new(Quiet),
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            silent: AtomicBool::new(false),
+        };
+        let (queue, lines) = std::sync::mpsc::sync_channel(16);
+        let now = Instant::now();
+        {
+            let mut state = shared.lock();
+            for (tag, id) in ["blocked", "asking"].into_iter().enumerate() {
+                let c = state.next_local;
+                state.next_local += 1;
+                state.locals.insert(
+                    c,
+                    Local {
+                        outbox: Outbox::Attached {
+                            tag,
+                            queue: queue.clone(),
+                        },
+                        member: Some(Member::new("job", id, "127.0.0.1", "n0")),
+                        last_seen: now,
+                        progress: None,
+                        wants: (id == "asking").then_some((1, now)),
+                        out: false,
+                    },
+                );
+            }
+            state.generation = Some(Generation {
+                assignment: assignment(1, 3, "initial"),
+                seats: [("asking".to_owned(), 0), ("blocked".to_owned(), 1)].into(),
+                formed: now,
+                over: false,
+                kv: Vec::new(),
+            });
+        }
+        shared.install(assignment(2, 2, "lost member gone: connection closed"), now);
+        let got: Vec<(usize, ServerMessage)> = lines
+            .try_iter()
+            .map(|(tag, line)| (tag, protocol::decode(line.as_bytes()).unwrap()))
+            .collect();
+        let restart = ServerMessage::Directive {
+            directive: Directive::Restart {
+                generation: 1,
+                cause: "lost member gone: connection closed".into(),
+            },
+        };
+        assert!(got.contains(&(0, restart.clone())), "{got:?}");
+        assert!(!got.contains(&(1, restart)), "{got:?}");
+        assert!(
+            got.iter().any(|(tag, m)| *tag == 1
+                && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == 2)),
+            "{got:?}"
+        );
     }
 }
