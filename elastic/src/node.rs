@@ -242,6 +242,9 @@ impl State {
     }
 
     fn directive(&mut self, c: LocalId, directive: Directive) {
+        if let Some(local) = self.locals.get(&c) {
+            debug!(rank = local.id(), ?directive, "directive to a rank");
+        }
         self.send(c, &ServerMessage::Directive { directive });
     }
 

@@ -437,6 +437,19 @@ def _forget_meshes() -> None:
         pass
 
 
+def _reset_group_names() -> None:
+    """Names the next default group as a fresh process would. torch names groups by
+    a process-wide counter (``str(group_count)``, also the store prefix of its
+    keys) that only a successful ``destroy_process_group`` resets: after a
+    formation that failed inside ``init_process_group`` (aborted), this rank would
+    name the next group "1" while its peers name it "0", and each would wait for
+    the others' keys under its own prefix until the timeout. Best effort: a private
+    name, checked."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
 def _form_group(
     agent: Any, a: Mapping[str, Any], backend: str, timeout: timedelta
 ) -> list[tuple[int, int]]:
@@ -476,6 +489,7 @@ def _form_group_watched(
         MASTER_PORT=str(store.port),
     )
     kwargs = _device_kwargs(backend)
+    _reset_group_names()
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"ckpt-g{generation}", store),
