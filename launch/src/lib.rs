@@ -72,7 +72,8 @@ pub const EXIT_STOPPED: i32 = 75;
 /// fail (gloo can keep waiting on connections it already closed, until the
 /// group's timeout). Nothing is wrong with the rank, so the launcher starts a fresh
 /// process in its place at once, without counting a restart (`ckpt.elastic`'s
-/// `EXIT_WEDGED`).
+/// `EXIT_WEDGED`). The fresh process's `TORCHELASTIC_RESTART_COUNT` (its slot's
+/// incarnation, which also makes its member id new) still goes up by one.
 pub const EXIT_WEDGED: i32 = 76;
 
 /// Wedged ranks ([`EXIT_WEDGED`]) one launcher starts again before it counts them
