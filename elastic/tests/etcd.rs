@@ -326,3 +326,80 @@ fn hundreds_of_node_members_form_one_generation_and_survive_a_lost_node() {
     heart.join().unwrap();
     drop(launcher);
 }
+
+/// Members connected on one runtime the caller shares (as the scale bench runs
+/// thousands): they form a generation like members with runtimes of their own, and
+/// a member dropped ends every task it started there, so that a dropped node's
+/// client stops following the job rather than living on in the process.
+#[test]
+fn members_on_a_shared_runtime_form_and_leave_no_task_behind() {
+    if !has(Capability::Etcd) {
+        return;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let alive = || runtime.metrics().num_alive_tasks();
+    let idle = alive();
+    let job = unique_job("shared");
+    let config = CoordinatorConfig::new(job.clone(), 2, 3);
+    let launcher = EtcdJob::connect(&url(), &config, EtcdSettings::default()).unwrap();
+    let mut planes: Vec<Arc<EtcdControlPlane>> = (0..3)
+        .map(|i| {
+            Arc::new(
+                EtcdControlPlane::connect_in(
+                    runtime.handle(),
+                    &url(),
+                    member(&job, i),
+                    None,
+                    EtcdSettings::default(),
+                )
+                .unwrap(),
+            )
+        })
+        .collect();
+    let first = rendezvous_all(&planes, 0);
+    assert!(
+        first
+            .iter()
+            .all(|a| a.generation == first[0].generation && a.members == 3)
+    );
+    let g1 = first[0].generation;
+    let with_three = alive();
+    assert!(
+        with_three > idle,
+        "the members' tasks run on the shared runtime"
+    );
+    drop(planes.pop());
+    for plane in &planes {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            assert!(Instant::now() < deadline, "no restart after a member left");
+            if let Some(d) = plane.watch(g1, Duration::from_millis(200)).unwrap() {
+                assert!(matches!(d, Directive::Restart { .. }), "{d:?}");
+                break;
+            }
+        }
+    }
+    let next = rendezvous_all(&planes, g1);
+    assert!(next.iter().all(|a| a.generation > g1 && a.members == 2));
+    // Aborted tasks (and the client's connection tasks they held) end soon after,
+    // not at once: no event says when, so the count is read until a deadline.
+    let gone = |limit: usize| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while alive() > limit {
+            assert!(
+                Instant::now() < deadline,
+                "{} tasks alive, expected at most {limit}",
+                alive()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    gone(with_three - 3);
+    drop(planes);
+    gone(idle);
+    drop(launcher);
+}

@@ -395,6 +395,7 @@ impl Drop for CoordinatorProcess {
 fn upstream(
     config: &Config,
     coordinator: Option<SocketAddr>,
+    etcd_runtime: Option<&tokio::runtime::Handle>,
     member: Member,
 ) -> Result<Arc<dyn ControlPlane>, String> {
     match (config.backend, coordinator) {
@@ -414,7 +415,9 @@ fn upstream(
                 .as_deref()
                 .ok_or("--backend etcd needs --etcd etcd://HOST:PORT[,…]/PREFIX")?;
             let url = ckpt_elastic::EtcdUrl::parse(url).map_err(|e| format!("{url}: {e}"))?;
-            let plane = ckpt_elastic::EtcdControlPlane::connect(
+            let runtime = etcd_runtime.ok_or("no runtime for the etcd clients")?;
+            let plane = ckpt_elastic::EtcdControlPlane::connect_in(
+                runtime,
                 &url,
                 member,
                 None,
@@ -449,6 +452,18 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
             None
         }
     };
+    // Every simulated node's etcd client on one runtime: a runtime (and its
+    // threads) per client, as a real launcher has, made thousands of threads here.
+    let etcd_runtime = match config.backend {
+        Backend::Etcd => Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .thread_name("bench-etcd")
+                .enable_all()
+                .build()
+                .map_err(|e| format!("etcd clients' runtime: {e}"))?,
+        ),
+        Backend::Tcp => None,
+    };
     let sent = Arc::new(AtomicU64::new(0));
     let (queue, lines) = sync_channel::<(usize, Arc<str>)>(4 * ranks_total + 1024);
     let ranks = Arc::new(Ranks {
@@ -480,7 +495,12 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
             ranks: config.ranks_per_node,
             ..Member::new(&job, &id, "127.0.0.1", &id)
         };
-        let plane = upstream(config, coordinator.as_ref().map(|c| c.addr), member)?;
+        let plane = upstream(
+            config,
+            coordinator.as_ref().map(|c| c.addr),
+            etcd_runtime.as_ref().map(tokio::runtime::Runtime::handle),
+            member,
+        )?;
         let counted = Arc::new(Counted {
             inner: plane,
             sent: sent.clone(),
@@ -672,6 +692,9 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
         .unwrap_or_else(|p| p.into_inner())
         .clear();
     let _ = answering.join();
+    if let Some(runtime) = etcd_runtime {
+        runtime.shutdown_background();
+    }
     drop(coordinator);
     Ok(ControlPlaneReport {
         backend: config.backend,

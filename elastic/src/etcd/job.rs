@@ -36,14 +36,14 @@ impl EtcdJob {
         settings: EtcdSettings,
     ) -> Result<EtcdJob, ElasticError> {
         config.validate().map_err(ElasticError::Rejected)?;
-        let (core, runtime) = Core::connect(url, &config.job, None, settings)?;
+        let (core, runtime) = Core::connect(url, &config.job, None, settings, None)?;
         let mine = JobConfig::from_coordinator(config);
         let deadline = Instant::now() + core.settings.connect_timeout;
         let (config, adopted) = {
             let core2 = core.clone();
             core.call(async move { settings_of(&core2, Some(&mine), deadline).await })?
         };
-        core.handle.spawn(core.clone().follow());
+        runtime.spawn(core.clone().follow());
         Ok(EtcdJob {
             core,
             _runtime: runtime,

@@ -37,6 +37,30 @@ impl EtcdControlPlane {
         lease: Option<i64>,
         settings: EtcdSettings,
     ) -> Result<EtcdControlPlane, ElasticError> {
+        Self::connect_on(None, url, member, lease, settings)
+    }
+
+    /// [`connect`](Self::connect), with the client's tasks on `runtime` instead of a
+    /// runtime of its own: for many members in one process (the scale bench runs
+    /// thousands). `runtime` must have time and I/O enabled and outlive the plane;
+    /// the plane's blocking calls must not be made from its worker threads.
+    pub fn connect_in(
+        runtime: &tokio::runtime::Handle,
+        url: &EtcdUrl,
+        member: Member,
+        lease: Option<i64>,
+        settings: EtcdSettings,
+    ) -> Result<EtcdControlPlane, ElasticError> {
+        Self::connect_on(Some(runtime), url, member, lease, settings)
+    }
+
+    fn connect_on(
+        shared: Option<&tokio::runtime::Handle>,
+        url: &EtcdUrl,
+        member: Member,
+        lease: Option<i64>,
+        settings: EtcdSettings,
+    ) -> Result<EtcdControlPlane, ElasticError> {
         if member.id.is_empty() || member.id.contains('/') || member.id.len() > 256 {
             return Err(ElasticError::Rejected(format!(
                 "member id {:?} must be 1 to 256 characters without '/'",
@@ -49,7 +73,7 @@ impl EtcdControlPlane {
                 member.id, member.ranks
             )));
         }
-        let (core, runtime) = Core::connect(url, &member.job, Some(&member.id), settings)?;
+        let (core, runtime) = Core::connect(url, &member.job, Some(&member.id), settings, shared)?;
         let deadline = Instant::now() + core.settings.connect_timeout;
         let (config, _) = {
             let core2 = core.clone();
@@ -89,9 +113,9 @@ impl EtcdControlPlane {
                 }
             })?;
         }
-        core.handle.spawn(core.clone().follow());
-        core.handle.spawn(plane.clone().lead());
-        core.handle.spawn(plane.clone().decide());
+        runtime.spawn(core.clone().follow());
+        runtime.spawn(plane.clone().lead());
+        runtime.spawn(plane.clone().decide());
         core.wait(
             None,
             Some(deadline),

@@ -9,8 +9,9 @@
 //! launcher the generation record alone; only the leader watches every member's
 //! record ([`Core::follow_members`]).
 //!
-//! Calls run on a small runtime of their own and are each bounded by
-//! [`EtcdSettings::request_timeout`].
+//! Calls run on a small runtime of their own (or, for many members in one process
+//! as the scale bench simulates them, on one runtime the caller shares) and are
+//! each bounded by [`EtcdSettings::request_timeout`].
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -82,21 +83,28 @@ pub(super) fn io(what: &str, e: impl std::fmt::Display) -> ElasticError {
 }
 
 impl Core {
-    /// Connects; the runtime returned runs the client and must outlive the core's
-    /// use (its owner shuts it down on drop, which ends the background tasks).
+    /// Connects on `shared`, or on a runtime of its own when `None`; the
+    /// [`Runtime`] returned runs the client's tasks and must outlive the core's use
+    /// (its owner's drop ends them).
     pub(super) fn connect(
         url: &EtcdUrl,
         job: &str,
         me: Option<&str>,
         settings: EtcdSettings,
+        shared: Option<&tokio::runtime::Handle>,
     ) -> Result<(Arc<Core>, Runtime), ElasticError> {
         let root = url.root(job).map_err(ElasticError::Rejected)?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("ckpt-etcd")
-            .enable_all()
-            .build()
-            .map_err(|e| io("runtime", e))?;
+        let runtime = match shared {
+            Some(handle) => Runtime::shared(handle.clone()),
+            None => Runtime::own(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name("ckpt-etcd")
+                    .enable_all()
+                    .build()
+                    .map_err(|e| io("runtime", e))?,
+            ),
+        };
         let options = ConnectOptions::new()
             .with_connect_timeout(settings.request_timeout)
             .with_timeout(settings.request_timeout)
@@ -106,13 +114,13 @@ impl Core {
             .with_require_leader(true);
         let endpoints = url.endpoints.clone();
         let what = format!("connect to {url}");
-        let client = block(runtime.handle(), async move {
+        let client = block(&runtime.handle, async move {
             Client::connect(endpoints, Some(options))
                 .await
                 .map_err(|e| io(&what, e))
         })?;
         let core = Arc::new(Core {
-            handle: runtime.handle().clone(),
+            handle: runtime.handle.clone(),
             client,
             keys: Keys { root },
             me: me.map(str::to_owned),
@@ -123,7 +131,7 @@ impl Core {
             closing: AtomicBool::new(false),
             requests: AtomicU64::new(0),
         });
-        Ok((core, Runtime(Some(runtime))))
+        Ok((core, runtime))
     }
 
     pub(super) fn lock(&self) -> MutexGuard<'_, Mirror> {
@@ -567,13 +575,53 @@ pub(super) fn block<T: Send + 'static>(
         .unwrap_or_else(|_| Err(ElasticError::Io("the etcd client is shutting down".into())))
 }
 
-/// The client's runtime: shut down (ending the background tasks) when its owner is
-/// dropped.
-pub(super) struct Runtime(Option<tokio::runtime::Runtime>);
+/// Where a client's tasks run, ended when its owner is dropped: a runtime of its
+/// own is shut down; on a shared one, the tasks it started are aborted (which drops
+/// the client they hold, and with it the client's connections).
+pub(super) struct Runtime {
+    pub(super) handle: tokio::runtime::Handle,
+    own: Option<tokio::runtime::Runtime>,
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl Runtime {
+    fn own(runtime: tokio::runtime::Runtime) -> Runtime {
+        Runtime {
+            handle: runtime.handle().clone(),
+            own: Some(runtime),
+            tasks: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn shared(handle: tokio::runtime::Handle) -> Runtime {
+        Runtime {
+            handle,
+            own: None,
+            tasks: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Starts a task that lives as long as this runtime's owner.
+    pub(super) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let task = self.handle.spawn(task);
+        self.tasks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(task.abort_handle());
+    }
+}
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        if let Some(runtime) = self.0.take() {
+        for task in self
+            .tasks
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+        {
+            task.abort();
+        }
+        if let Some(runtime) = self.own.take() {
             runtime.shutdown_background();
         }
     }
