@@ -74,6 +74,19 @@ pub struct JobSecret {
     key: [u8; 32],
 }
 
+/// Equal secrets derive equal keys (compared without an early exit).
+impl PartialEq for JobSecret {
+    fn eq(&self, other: &Self) -> bool {
+        self.key
+            .iter()
+            .zip(other.key.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+impl Eq for JobSecret {}
+
 impl std::fmt::Debug for JobSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("JobSecret(…)")
@@ -543,8 +556,14 @@ impl Gatekeeper {
     /// Admits the connection from `peer` when it proves the secret (or when there
     /// is none to prove); a refusal is counted and logged.
     pub fn admit(&self, stream: &TcpStream, peer: SocketAddr) -> bool {
+        self.screen(stream, peer).is_ok()
+    }
+
+    /// [`admit`](Self::admit), saying why a connection was refused (a server can
+    /// then tell a peer of its own protocol that it lacks the secret).
+    pub fn screen(&self, stream: &TcpStream, peer: SocketAddr) -> Result<(), AuthError> {
         let Some(secret) = &self.secret else {
-            return true;
+            return Ok(());
         };
         let result = match self.enter() {
             Some(_slot) => check_tcp(stream, secret),
@@ -559,8 +578,17 @@ impl Gatekeeper {
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
+        self.screen_async(stream, peer).await.is_ok()
+    }
+
+    /// [`screen`](Self::screen) on a tokio stream.
+    #[cfg(feature = "tokio")]
+    pub async fn screen_async<S>(&self, stream: &mut S, peer: SocketAddr) -> Result<(), AuthError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
         let Some(secret) = &self.secret else {
-            return true;
+            return Ok(());
         };
         let result = match self.enter() {
             Some(_slot) => check_async(stream, secret).await,
@@ -575,12 +603,11 @@ impl Gatekeeper {
         (before < self.max_in_progress).then_some(slot)
     }
 
-    fn settle(&self, result: Result<(), AuthError>, peer: SocketAddr) -> bool {
-        let Err(why) = result else {
-            return true;
-        };
-        self.record(peer, &why);
-        false
+    fn settle(&self, result: Result<(), AuthError>, peer: SocketAddr) -> Result<(), AuthError> {
+        if let Err(why) = &result {
+            self.record(peer, why);
+        }
+        result
     }
 
     /// Counts and logs a refused connection (also for a server that refuses for

@@ -64,11 +64,15 @@ impl Environment {
         let _ = std::fs::remove_dir_all(scratch);
         std::fs::create_dir_all(scratch)
             .map_err(|e| Unavailable::Error(format!("{}: {e}", scratch.display())))?;
+        // Every run's processes prove a secret of the run's own, as a job's would
+        // on a shared cluster: launchers, the coordinator and the ranks.
+        let secret =
+            ckpt_auth::JobSecret::generate_text().map_err(|e| Unavailable::Error(e.to_string()))?;
         let mut env = Environment {
             url: String::new(),
             local_dir: None,
             store_options: Vec::new(),
-            launcher_env: Vec::new(),
+            launcher_env: vec![(ckpt_auth::SECRET_ENV.to_owned(), secret)],
             proxy: None,
             etcd: None,
             network: None,

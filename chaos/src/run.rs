@@ -364,11 +364,13 @@ fn start_node(
 /// Starts `ckpt coordinator` for the job on `listen`; returns it and its address.
 fn start_coordinator(
     setup: &Setup,
+    env: &Environment,
     scenario: &Scenario,
     job: &str,
     listen: &str,
 ) -> std::io::Result<(Child, String)> {
     let mut child = Command::new(&setup.ckpt)
+        .envs(env.launcher_env.iter().map(|(k, v)| (k, v)))
         .args(["coordinator", "--listen", listen, "--job", job])
         .args(["--min-ranks", &scenario.min_ranks.to_string()])
         .args(["--max-ranks", &scenario.world().to_string()])
@@ -683,7 +685,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
     };
     let mut coordinator = match scenario.coordinator {
         CoordinatorKind::Standalone => {
-            let (child, addr) = start_coordinator(setup, scenario, &job, &listen)?;
+            let (child, addr) = start_coordinator(setup, env, scenario, &job, &listen)?;
             watch.coordinator = Some(format!("tcp://{addr}"));
             Some((child, addr))
         }
@@ -789,8 +791,10 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                 Later::RestartCoordinator => {
                     if let Some((_, addr)) = &coordinator {
                         let addr = addr.clone();
-                        coordinator =
-                            Some((start_coordinator(setup, scenario, &job, &addr)?.0, addr));
+                        coordinator = Some((
+                            start_coordinator(setup, env, scenario, &job, &addr)?.0,
+                            addr,
+                        ));
                     }
                 }
                 Later::Heal(node) => {

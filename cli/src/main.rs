@@ -377,8 +377,24 @@ fn run_coordinator(args: CoordinatorArgs) -> ExitCode {
         settle: timeouts.heartbeat_timeout,
         max_connections: ckpt_elastic::CoordinatorConfig::DEFAULT_MAX_CONNECTIONS,
     };
+    // The job's secret, which every member must prove: CKPT_JOB_SECRET or
+    // CKPT_JOB_SECRET_FILE, as its launchers and ranks have it.
+    let secret = match ckpt_auth::JobSecret::from_env() {
+        Ok(secret) => secret,
+        Err(e) => {
+            errln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    if secret.is_none() {
+        errln!(
+            "coordinator: no job secret ({} or {}): any process that reaches this port may join the job",
+            ckpt_auth::SECRET_ENV,
+            ckpt_auth::SECRET_FILE_ENV
+        );
+    }
     let coordinator = match ckpt_elastic::Coordinator::bind(args.listen, config) {
-        Ok(coordinator) => coordinator,
+        Ok(coordinator) => coordinator.with_secret(secret),
         Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
             errln!("error: {e}");
             return ExitCode::from(EXIT_USAGE);

@@ -125,3 +125,47 @@ fn a_wedged_rank_is_started_again_without_counting_a_restart() {
     );
     assert!(!text.contains("failed"), "{text}");
 }
+
+/// Without a job secret in the environment, a launch whose ranks are all its own
+/// gives them one secret (the same for all, new for every launch); a secret of the
+/// environment reaches them unchanged; one too short stops the launch, named.
+#[test]
+fn the_ranks_share_a_job_secret_generated_per_launch_unless_one_is_given() {
+    let secret_of = |envs: &[(&str, &str)], elastic: &[&str]| -> (Output, Vec<String>) {
+        let out = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .arg("launch")
+            .env_remove("CKPT_JOB_SECRET")
+            .env_remove("CKPT_JOB_SECRET_FILE")
+            .envs(envs.iter().copied())
+            .args(["--nproc", "2"])
+            .args(elastic)
+            .args(["--", "sh", "-c", "echo secret=$CKPT_JOB_SECRET"])
+            .output()
+            .expect("running ckpt launch");
+        let secrets = stdout(&out)
+            .lines()
+            .filter_map(|l| l.split_once("secret=").map(|(_, s)| s.to_owned()))
+            .collect();
+        (out, secrets)
+    };
+    let (out, first) = secret_of(&[], &[]);
+    assert!(out.status.success(), "{}", stdout(&out));
+    assert_eq!(first.len(), 2, "{}", stdout(&out));
+    assert_eq!(first[0], first[1], "one secret for the job's ranks");
+    assert_eq!(first[0].len(), 64, "{first:?}");
+    let (_, second) = secret_of(&[], &["--min-ranks", "1"]);
+    assert_eq!(second.len(), 2);
+    assert_eq!(second[0], second[1]);
+    assert_ne!(second[0], first[0], "a new secret per launch");
+
+    let given = "the secret of this job, from its user";
+    let (out, secrets) = secret_of(&[("CKPT_JOB_SECRET", given)], &["--min-ranks", "1"]);
+    assert!(out.status.success(), "{}", stdout(&out));
+    assert_eq!(secrets, [given, given]);
+
+    let (out, secrets) = secret_of(&[("CKPT_JOB_SECRET", "too short")], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(secrets.is_empty(), "no rank started: {secrets:?}");
+    assert!(stderr.contains("at least 16"), "{stderr}");
+}

@@ -87,6 +87,9 @@ pub struct RankEnv {
     pub member: Member,
     /// The etcd lease the launcher granted this rank, if any.
     pub etcd_lease: Option<i64>,
+    /// The job's secret (`CKPT_JOB_SECRET` or `CKPT_JOB_SECRET_FILE`), proved to the
+    /// launcher's agent or the coordinator.
+    pub secret: Option<ckpt_auth::JobSecret>,
 }
 
 impl RankEnv {
@@ -110,6 +113,7 @@ impl RankEnv {
                     .map_err(|_| format!("CKPT_ETCD_LEASE={lease:?} is not a lease id"))?,
             ),
         };
+        let secret = ckpt_auth::JobSecret::from_env().map_err(|e| e.to_string())?;
         Ok(Some(RankEnv {
             member: Member {
                 job: env("CKPT_JOB_ID").unwrap_or_else(|| "default".into()),
@@ -120,6 +124,7 @@ impl RankEnv {
             },
             rdzv,
             etcd_lease,
+            secret,
         }))
     }
 
@@ -137,7 +142,11 @@ impl RankEnv {
         let who = &self.member.id;
         match &self.rdzv {
             Rdzv::Tcp(addr) => {
-                TcpControlPlane::connect(*addr, self.member.clone(), TcpSettings::default())
+                let settings = TcpSettings {
+                    secret: self.secret.clone(),
+                    ..TcpSettings::default()
+                };
+                TcpControlPlane::connect(*addr, self.member.clone(), settings)
                     .map(|p| Arc::new(p) as Arc<dyn ControlPlane>)
                     .map_err(|e| format!("member {who}: coordinator {addr}: {e}"))
             }

@@ -83,6 +83,9 @@ pub struct NodeConfig {
     pub last_call: Duration,
     /// Time between the node's heartbeats upstream.
     pub heartbeat_interval: Duration,
+    /// The job's secret, which every rank connection must prove (`None`: any
+    /// process that reaches the listener is served).
+    pub secret: Option<ckpt_auth::JobSecret>,
 }
 
 impl NodeConfig {
@@ -94,6 +97,7 @@ impl NodeConfig {
             timeouts: Timeouts::DEFAULT,
             last_call: Duration::from_secs(30),
             heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
+            secret: None,
         }
     }
 }
@@ -108,6 +112,8 @@ pub struct NodeAgent {
 }
 
 struct Shared {
+    /// Who is served (with a job secret: who proves it).
+    gate: Arc<ckpt_auth::Gatekeeper>,
     config: NodeConfig,
     upstream: Arc<dyn ControlPlane>,
     state: Mutex<State>,
@@ -924,6 +930,11 @@ fn error(message: &str, fatal: bool) -> ServerMessage {
 }
 
 impl NodeAgent {
+    /// Connections refused for lacking the job's secret.
+    pub fn refused_connections(&self) -> u64 {
+        self.shared.gate.refused()
+    }
+
     /// Serves the node's ranks on `listen` (port 0: any), standing for them through
     /// `upstream`, a control plane connected as this node's member.
     pub fn start(
@@ -938,6 +949,7 @@ impl NodeAgent {
         let listener = TcpListener::bind(listen)?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
+            gate: ckpt_auth::Gatekeeper::new("node agent", config.secret.clone()),
             config,
             upstream,
             state: Mutex::new(State::default()),
@@ -1113,6 +1125,18 @@ fn write_lines(mut socket: TcpStream, outbox: Receiver<Arc<str>>) {
 
 fn serve_rank(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    match shared.gate.screen(&stream, peer) {
+        Ok(()) => {}
+        Err(ckpt_auth::AuthError::NoHandshake) => {
+            // One of the node's ranks started without the secret, most likely: say
+            // so in its own protocol.
+            if let Ok(line) = protocol::encode(&error(&protocol::without_secret(), true)) {
+                let _ = (&stream).write_all(line.as_bytes());
+            }
+            return;
+        }
+        Err(_) => return,
+    }
     let (Ok(for_writer), Ok(for_state)) = (stream.try_clone(), stream.try_clone()) else {
         warn!(%peer, "cannot clone a rank's socket");
         return;
@@ -1416,6 +1440,7 @@ mod tests {
     #[test]
     fn installing_a_newer_generation_ends_the_running_one_for_its_ranks() {
         let shared = Shared {
+            gate: ckpt_auth::Gatekeeper::new("node agent", None),
             config: NodeConfig::new("job"),
             upstream: Arc::new(Quiet),
             state: Mutex::new(State::default()),

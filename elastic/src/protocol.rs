@@ -25,6 +25,16 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// Protocol version a member announces in `hello`; the coordinator rejects others.
 pub const VERSION: u32 = 1;
 
+/// What a member that did not prove the job's secret is told.
+pub(crate) fn without_secret() -> String {
+    format!(
+        "this control plane admits only processes that prove the job's secret: set {} or {} \
+         to the job's (ckpt launch passes it to the ranks it starts)",
+        ckpt_auth::SECRET_ENV,
+        ckpt_auth::SECRET_FILE_ENV
+    )
+}
+
 /// A message from a member to the coordinator.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]

@@ -47,6 +47,9 @@ pub struct TcpSettings {
     pub unreachable_timeout: Duration,
     /// Bound on one write to the coordinator (5 s).
     pub write_timeout: Duration,
+    /// The job's secret, proved on every connection before the hello (`None`: the
+    /// coordinator admits anyone, and no proof is offered).
+    pub secret: Option<ckpt_auth::JobSecret>,
 }
 
 impl Default for TcpSettings {
@@ -56,6 +59,7 @@ impl Default for TcpSettings {
             reconnect_backoff_max: Duration::from_secs(1),
             unreachable_timeout: Duration::from_secs(60),
             write_timeout: Duration::from_secs(5),
+            secret: None,
         }
     }
 }
@@ -225,6 +229,29 @@ impl Inner {
     /// Says hello on a fresh connection (claiming the running generation, repeating
     /// a pending rendezvous) and makes it the one writes go to. Holding the writer
     /// lock throughout orders the hello before any other message.
+    /// Proves the job's secret on a new connection, when there is one. A proof
+    /// refused (or a coordinator that proves another secret) rejects this member
+    /// for good: the same secret would be refused again. A connection that failed
+    /// during the handshake is retried like any lost connection.
+    fn prove(&self, stream: &TcpStream) -> bool {
+        let Some(secret) = &self.settings.secret else {
+            return true;
+        };
+        match ckpt_auth::prove_tcp(stream, secret) {
+            Ok(()) => true,
+            Err(ckpt_auth::AuthError::Io(e)) => {
+                warn!(coordinator = %self.addr, "{}", ckpt_auth::AuthError::Io(e));
+                false
+            }
+            Err(e) => {
+                let mut state = self.lock();
+                state.rejected = Some(format!("the control plane at {}: {e}", self.addr));
+                self.changed.notify_all();
+                false
+            }
+        }
+    }
+
     fn install(&self, stream: &TcpStream) -> bool {
         let mut writer = self.lock_writer();
         let (hello, rendezvous) = {
@@ -307,6 +334,15 @@ impl Inner {
                 },
             };
             backoff = FIRST_BACKOFF;
+            if !self.prove(&stream) {
+                if self.lock().rejected.is_some() {
+                    return;
+                }
+                if !self.pause(backoff) {
+                    return;
+                }
+                continue;
+            }
             if self.install(&stream) {
                 self.read(stream);
             }

@@ -50,7 +50,7 @@ pub mod signals;
 pub use args::{LaunchArgs, Program, parse_grace};
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -58,6 +58,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use ckpt_auth::JobSecret;
 use ckpt_elastic::{
     Coordinator, CoordinatorConfig, Event, JobOver, Member, NodeAgent, NodeConfig, TcpControlPlane,
     TcpSettings,
@@ -302,6 +303,13 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
     // One run id per launch, shared by its ranks: a relaunch that saves a step again
     // writes a new save attempt instead of meeting the old one's objects.
     let run_id = std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id());
+    // Every rank of this job is started here: a secret of its own unless the
+    // environment holds the job's (which the ranks inherit).
+    let generated_secret = match JobSecret::from_env() {
+        Err(e) => return Err(std::io::Error::new(ErrorKind::InvalidInput, e)),
+        Ok(Some(_)) => None,
+        Ok(None) => Some(JobSecret::generate_text().map_err(std::io::Error::other)?),
+    };
     let mut children: Vec<Option<Child>> = Vec::with_capacity(config.nproc);
     let mut pumps = Vec::new();
     let mut pgid = 0;
@@ -320,6 +328,9 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(pgid);
+        if let Some(text) = &generated_secret {
+            command.env(ckpt_auth::SECRET_ENV, text);
+        }
         if rank == 0
             && let Some(listener) = &rendezvous
         {
@@ -433,6 +444,9 @@ struct Spawner<'a> {
     elastic: &'a ElasticLaunch,
     /// What the ranks get as `CKPT_RDZV`.
     rdzv: String,
+    /// A job secret this launcher generated, for the ranks (one the environment
+    /// holds reaches them as it is).
+    generated_secret: Option<String>,
     plane: &'a Plane,
     run_id: String,
     pgid: i32,
@@ -474,6 +488,9 @@ impl Spawner<'_> {
             .process_group(self.pgid);
         // A rank is a member of its node, not of etcd: no lease of its own.
         command.env_remove("CKPT_ETCD_LEASE");
+        if let Some(text) = &self.generated_secret {
+            command.env(ckpt_auth::SECRET_ENV, text);
+        }
         let mut child = match spawn(&mut command, &config.program) {
             // The ranks' process group is gone: every rank of this node exited, the
             // group's leader included, and a group with no member cannot be joined
@@ -648,10 +665,12 @@ fn serve_node(
     ip: IpAddr,
     elastic: &ElasticLaunch,
     timeouts: ckpt_elastic::Timeouts,
+    secret: Option<&JobSecret>,
 ) -> std::io::Result<NodeAgent> {
     let settings = NodeConfig {
         timeouts,
         last_call: timeouts.last_call,
+        secret: secret.cloned(),
         ..NodeConfig::new(&elastic.job)
     };
     NodeAgent::start(upstream, SocketAddr::new(ip, 0), settings)
@@ -663,17 +682,51 @@ fn start_node(
     config: &LaunchConfig,
     elastic: &ElasticLaunch,
     coordinator: SocketAddr,
+    secret: Option<&JobSecret>,
 ) -> std::io::Result<NodeAgent> {
     let ip = ckpt_elastic::env::local_ip_towards(coordinator)?;
     let member = node_member(config, elastic, ip);
-    let upstream = TcpControlPlane::connect(coordinator, member, TcpSettings::default())
+    let settings = TcpSettings {
+        secret: secret.cloned(),
+        ..TcpSettings::default()
+    };
+    let upstream = TcpControlPlane::connect(coordinator, member, settings)
         .map_err(|e| std::io::Error::other(format!("coordinator {coordinator}: {e}")))?;
     serve_node(
         std::sync::Arc::new(upstream),
         ip,
         elastic,
         elastic.coordinator.timeouts,
+        secret,
     )
+}
+
+/// The job's secret: the one the environment names ([`ckpt_auth::SECRET_ENV`] or
+/// [`ckpt_auth::SECRET_FILE_ENV`], which the ranks inherit), else one generated here
+/// when no other launcher can be part of the job (it hosts the control plane's
+/// only entry and its ranks are the most the job holds) — returned as text too, to
+/// pass to the ranks. Otherwise none, said once: the control plane then admits any
+/// process that reaches it, as every launcher would need the same secret.
+fn job_secret(
+    config: &LaunchConfig,
+    elastic: &ElasticLaunch,
+) -> std::io::Result<(Option<JobSecret>, Option<String>)> {
+    let invalid = |e: ckpt_auth::SecretError| std::io::Error::new(ErrorKind::InvalidInput, e);
+    if let Some(secret) = JobSecret::from_env().map_err(invalid)? {
+        return Ok((Some(secret), None));
+    }
+    let alone = elastic.rdzv.is_none() && elastic.max_ranks <= config.nproc;
+    if !alone {
+        say(format_args!(
+            "launch: no job secret ({} or {}): the control plane admits any process that reaches it (docs/ELASTIC.md, \"A job secret\")",
+            ckpt_auth::SECRET_ENV,
+            ckpt_auth::SECRET_FILE_ENV
+        ));
+        return Ok((None, None));
+    }
+    let text = JobSecret::generate_text().map_err(std::io::Error::other)?;
+    let secret = JobSecret::new(&text, "generated").map_err(invalid)?;
+    Ok((Some(secret), Some(text)))
 }
 
 /// Joins the job in etcd at `url` as this node: one member holding the node's
@@ -685,6 +738,7 @@ fn start_etcd_node(
     elastic: &ElasticLaunch,
     url: &ckpt_elastic::EtcdUrl,
     job: &ckpt_elastic::EtcdJob,
+    secret: Option<&JobSecret>,
 ) -> std::io::Result<NodeAgent> {
     let toward = ckpt_elastic::Rdzv::Etcd(url.clone())
         .toward()
@@ -703,11 +757,13 @@ fn start_etcd_node(
         ip,
         elastic,
         job.config().timeouts(),
+        secret,
     )
 }
 
 fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
     signals::install();
+    let (secret, generated_secret) = job_secret(config, elastic)?;
     let (plane, rdzv) = match &elastic.etcd {
         #[cfg(feature = "etcd")]
         Some(url) => {
@@ -724,7 +780,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                     elastic.job, c.min_ranks, c.max_ranks, c.heartbeat_timeout_ms
                 ));
             }
-            let node = start_etcd_node(config, elastic, url, &job)?;
+            let node = start_etcd_node(config, elastic, url, &job, secret.as_ref())?;
             let rdzv = node.local_addr().to_string();
             (
                 Plane::Etcd {
@@ -757,12 +813,12 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                 (None, Some(addr)) => addr,
                 (None, None) => unreachable!("hosted when no address is given"),
             };
-            let hosted = hosted.map(Coordinator::spawn);
+            let hosted = hosted.map(|c| c.with_secret(secret.clone()).spawn());
             // This launcher is the node's member of the control plane; its ranks
             // talk to it. A coordinator that cannot be reached (a node started
             // after the job and its coordinator ended) is left to the ranks, which
             // know from the store whether anything is left to do.
-            let node = match start_node(config, elastic, coordinator) {
+            let node = match start_node(config, elastic, coordinator, secret.as_ref()) {
                 Ok(node) => Some(node),
                 Err(e) => {
                     say(format_args!(
@@ -791,6 +847,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         config,
         elastic,
         rdzv,
+        generated_secret,
         plane: &plane,
         run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id()),
         pgid: 0,

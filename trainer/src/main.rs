@@ -279,8 +279,13 @@ fn inherited_rendezvous(world: &World) -> Result<Option<std::net::TcpListener>, 
 }
 
 fn connect(world: &World, timeout_secs: f64) -> Result<TcpCollective, String> {
+    // The job's secret, which the launcher passes to its ranks: the ring admits
+    // only ranks that prove it.
+    let secret =
+        ckpt_auth::JobSecret::from_env().map_err(|e| format!("rank {}: {e}", world.rank))?;
     let config = TcpConfig {
         timeout: Duration::from_secs_f64(timeout_secs),
+        secret,
         ..TcpConfig::default()
     };
     match inherited_rendezvous(world).map_err(|e| format!("rank {}: {e}", world.rank))? {
@@ -676,6 +681,7 @@ fn run_elastic_rank(
     let agent = Agent::new(plane, AgentConfig::default());
     let tcp = TcpConfig {
         timeout: Duration::from_secs_f64(args.timeout_secs),
+        secret: rank_env.secret.clone(),
         ..TcpConfig::default()
     };
     match elastic_rank::run(

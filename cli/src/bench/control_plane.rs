@@ -344,9 +344,12 @@ impl CoordinatorProcess {
         job: &str,
         min: usize,
         max: usize,
+        secret: &str,
     ) -> Result<CoordinatorProcess, String> {
         let t = &config.timeouts;
         let mut child = Command::new(&config.ckpt)
+            .env(ckpt_auth::SECRET_ENV, secret)
+            .env_remove(ckpt_auth::SECRET_FILE_ENV)
             .args(["coordinator", "--listen", "127.0.0.1:0", "--job", job])
             .args(["--min-ranks", &min.to_string()])
             .args(["--max-ranks", &max.to_string()])
@@ -396,12 +399,14 @@ fn upstream(
     config: &Config,
     coordinator: Option<SocketAddr>,
     etcd_runtime: Option<&tokio::runtime::Handle>,
+    secret: &ckpt_auth::JobSecret,
     member: Member,
 ) -> Result<Arc<dyn ControlPlane>, String> {
     match (config.backend, coordinator) {
         (Backend::Tcp, Some(addr)) => {
             let settings = TcpSettings {
                 connect_timeout: Duration::from_secs(60),
+                secret: Some(secret.clone()),
                 ..TcpSettings::default()
             };
             let plane = TcpControlPlane::connect(addr, member, settings)
@@ -427,7 +432,10 @@ fn upstream(
             Ok(Arc::new(plane))
         }
         #[cfg(not(feature = "etcd"))]
-        (Backend::Etcd, _) => Err("this ckpt was built without the etcd backend".into()),
+        (Backend::Etcd, _) => {
+            let _ = etcd_runtime;
+            Err("this ckpt was built without the etcd backend".into())
+        }
         (Backend::Tcp, None) => Err("no coordinator".into()),
     }
 }
@@ -444,8 +452,18 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
     // As a large job would set it: a generation forms as soon as every rank asks
     // (the most), and survives the loss of one node (the least).
     let (min, max) = (ranks_total - config.ranks_per_node, ranks_total);
+    // As a launcher would have it: every connection to the coordinator proves the
+    // job's secret (etcd's clients authenticate to etcd, not to each other).
+    let secret_text = ckpt_auth::JobSecret::generate_text().map_err(|e| e.to_string())?;
+    let secret = ckpt_auth::JobSecret::new(&secret_text, "generated").map_err(|e| e.to_string())?;
     let coordinator = match config.backend {
-        Backend::Tcp => Some(CoordinatorProcess::start(config, &job, min, max)?),
+        Backend::Tcp => Some(CoordinatorProcess::start(
+            config,
+            &job,
+            min,
+            max,
+            &secret_text,
+        )?),
         Backend::Etcd => {
             #[cfg(feature = "etcd")]
             etcd_job(config, &job, min, max)?;
@@ -499,6 +517,7 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
             config,
             coordinator.as_ref().map(|c| c.addr),
             etcd_runtime.as_ref().map(tokio::runtime::Runtime::handle),
+            &secret,
             member,
         )?;
         let counted = Arc::new(Counted {

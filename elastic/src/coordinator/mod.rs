@@ -196,7 +196,13 @@ impl std::fmt::Display for JobOver {
 pub struct Coordinator {
     listener: TcpListener,
     config: CoordinatorConfig,
+    secret: Option<ckpt_auth::JobSecret>,
 }
+
+/// Job-secret handshakes the coordinator runs at once: room for every node of a
+/// large job reconnecting together (a handshake is two messages and two HMACs),
+/// while a flood of silent connections holds at most this many descriptors.
+const MAX_HANDSHAKES: usize = 4096;
 
 impl Coordinator {
     /// Validates `config` and binds `addr` (port 0 picks a free port).
@@ -206,7 +212,17 @@ impl Coordinator {
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let listener = TcpListener::bind(addr)?;
         widen_backlog(&listener, config.max_connections);
-        Ok(Coordinator { listener, config })
+        Ok(Coordinator {
+            listener,
+            config,
+            secret: None,
+        })
+    }
+
+    /// Admits only connections that prove `secret` (the job's; see `ckpt_auth`).
+    pub fn with_secret(mut self, secret: Option<ckpt_auth::JobSecret>) -> Coordinator {
+        self.secret = secret;
+        self
     }
 
     /// The address it listens on.
@@ -226,6 +242,7 @@ impl Coordinator {
             events_changed: Condvar::new(),
             stop: Notify::new(),
             stopping: AtomicBool::new(false),
+            gate: ckpt_auth::Gatekeeper::with_limit("coordinator", self.secret, MAX_HANDSHAKES),
         });
         let started = start_runtime(&shared, self.listener);
         let (threads, spawn_error) = match started {
@@ -259,6 +276,12 @@ pub struct CoordinatorHandle {
 }
 
 impl CoordinatorHandle {
+    /// Connections refused for lacking the job's secret (or for arriving while too
+    /// many handshakes were in progress).
+    pub fn refused_connections(&self) -> u64 {
+        self.shared.gate.refused()
+    }
+
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
@@ -371,6 +394,8 @@ struct Shared {
     /// Wakes the accept task when the coordinator stops.
     stop: Notify,
     stopping: AtomicBool,
+    /// Who is admitted (with a job secret: who proves it).
+    gate: Arc<ckpt_auth::Gatekeeper>,
 }
 
 /// Starts the coordinator's thread: a single-threaded tokio runtime serving

@@ -180,7 +180,7 @@ async fn write_lines(
 }
 
 /// Tells a connection beyond the cap why it is closed, then closes it.
-async fn refuse(mut stream: TcpStream, message: &str) {
+async fn refuse(stream: &mut TcpStream, message: &str) {
     let error = ServerMessage::Error {
         message: message.to_owned(),
         fatal: true,
@@ -191,8 +191,18 @@ async fn refuse(mut stream: TcpStream, message: &str) {
     let _ = timeout(Duration::from_secs(1), stream.shutdown()).await;
 }
 
-async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    match shared.gate.screen_async(&mut stream, peer).await {
+        Ok(()) => {}
+        Err(ckpt_auth::AuthError::NoHandshake) => {
+            // Most likely one of the job's processes started without the secret:
+            // say so in its own protocol.
+            refuse(&mut stream, &protocol::without_secret()).await;
+            return;
+        }
+        Err(_) => return,
+    }
     let (outbox, lines) = mpsc::channel(OUTBOX);
     let hangup = Hangup::new();
     let id = shared.with_core(|core| core.register(Some(hangup.clone()), outbox, peer));
@@ -200,7 +210,7 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAd
         let max = shared.lock().config.max_connections;
         let message = format!("too many connections (max_connections is {max})");
         warn!(%peer, "{message}; refused");
-        refuse(stream, &message).await;
+        refuse(&mut stream, &message).await;
         return;
     };
     let (read, write) = stream.into_split();

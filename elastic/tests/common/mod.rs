@@ -76,6 +76,7 @@ pub(crate) fn settings() -> TcpSettings {
         reconnect_backoff_max: Duration::from_millis(100),
         unreachable_timeout: Duration::from_secs(30),
         write_timeout: Duration::from_secs(2),
+        secret: None,
     }
 }
 

@@ -305,6 +305,7 @@ mod tests {
         let config = TcpConfig {
             timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(20),
+            secret: None,
         };
         let mut listener = Some(listener);
         std::thread::scope(|s| {

@@ -13,6 +13,19 @@
 //! when launched), every rank binds a data listener on the interface it reaches the
 //! rendezvous from and reports it; rank 0 answers everyone with the table of
 //! addresses; each rank then connects to its successor and accepts its predecessor.
+//! With a job secret configured ([`TcpConfig::secret`]), every connection first runs
+//! the job-secret handshake of `ckpt_auth` (a mutual HMAC challenge, the secret never
+//! sent), before a byte of the ring's own protocol: whoever can reach the rendezvous
+//! port or a data listener on a shared cluster (another job's process, a stale one of
+//! this job, a port scanner) could otherwise take a rank's place in the table or a
+//! neighbour's place in the ring, and read or corrupt its gradients. A connection
+//! that fails the check is closed, counted ([`TcpCollective::refused_connections`])
+//! and logged, and the listener goes on waiting for the right peer until the
+//! bootstrap's deadline, so a stranger can neither make the bootstrap fail nor be
+//! taken for a neighbour; each candidate's handshake runs on a thread of its own, so
+//! a stranger that connects and stays silent does not hold up the peers behind it.
+//! A connection this rank opens whose peer does not prove the secret is an error
+//! naming that peer: another process holds its address.
 //! An elastic world skips the rank-0 rendezvous ([`TcpCollective::from_peers`]): its
 //! control plane's key-value space carries the addresses, so no rank is special and
 //! losing any one of them does not stop the survivors from forming the next ring. The
@@ -27,8 +40,11 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use ckpt_auth::{AuthError, Gatekeeper, JobSecret};
 
 use super::{
     Collective, CollectiveError, CollectiveResult, Summable, pod_bytes, pod_bytes_mut, shard_counts,
@@ -41,6 +57,16 @@ pub struct TcpConfig {
     pub timeout: Duration,
     /// How long bootstrap waits for every rank to show up. Default 120 s.
     pub connect_timeout: Duration,
+    /// The job's secret. When set, every connection the ring accepts (rank 0's
+    /// rendezvous listener, each rank's data listener) must prove it before anything
+    /// else is read from it, and every connection the ring opens proves it right
+    /// after connecting (see `ckpt_auth` for the handshake). A connection that fails
+    /// the check is closed, counted ([`TcpCollective::refused_connections`]) and
+    /// logged, and the wait for the right peer goes on; a peer this rank connects to
+    /// that does not prove it fails the bootstrap, naming that peer. Every rank of a
+    /// world needs the same setting. Default `None`: whoever reaches the ports may
+    /// join, as suits a cluster that the job owns.
+    pub secret: Option<JobSecret>,
 }
 
 impl Default for TcpConfig {
@@ -48,6 +74,7 @@ impl Default for TcpConfig {
         Self {
             timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(120),
+            secret: None,
         }
     }
 }
@@ -81,6 +108,9 @@ pub struct TcpCollective {
     handles: Vec<TcpStream>,
     aborted: AtomicBool,
     poisoned: Mutex<Option<CollectiveError>>,
+    /// Checks the job secret of every connection the bootstrap accepted, and counts
+    /// the refused ones.
+    gate: Arc<Gatekeeper>,
 }
 
 impl std::fmt::Debug for TcpCollective {
@@ -89,6 +119,7 @@ impl std::fmt::Debug for TcpCollective {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("aborted", &self.aborted.load(Ordering::Relaxed))
+            .field("refused_connections", &self.gate.refused())
             .finish()
     }
 }
@@ -107,38 +138,184 @@ fn never() -> bool {
     false
 }
 
-/// Polls a non-blocking listener until a connection arrives, the deadline passes or
-/// `aborted` says so (checked every poll, so an elastic agent can cancel a bootstrap
-/// whose peers will never come).
-fn accept_until(
-    listener: &TcpListener,
-    deadline: Instant,
-    op: &'static str,
-    aborted: &dyn Fn() -> bool,
-) -> CollectiveResult<TcpStream> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| io_err(op, None, e))?;
-    loop {
-        match listener.accept() {
-            Ok((stream, _)) => {
-                stream
-                    .set_nonblocking(false)
-                    .map_err(|e| io_err(op, None, e))?;
-                return Ok(stream);
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if aborted() {
-                    return Err(CollectiveError::Aborted { op });
+/// How many job-secret handshakes one listener runs at once. More connections wait
+/// in the listener's backlog meanwhile (they are not refused: the rendezvous of a large
+/// world sees all its ranks at once, and a rank's own handshake waits for its turn
+/// until the bootstrap's deadline). Below [`ckpt_auth::MAX_HANDSHAKES`], the
+/// gatekeeper's own bound, which would refuse the excess instead.
+const MAX_ADMISSIONS: usize = 16;
+
+/// The note that a bootstrap timeout adds when connections were refused for not
+/// proving the job secret: the likely reason why a rank never showed up.
+fn refusals(gate: &Gatekeeper) -> String {
+    match gate.refused() {
+        0 => String::new(),
+        1 => "; 1 connection was refused for not proving the job secret".to_string(),
+        n => format!("; {n} connections were refused for not proving the job secret"),
+    }
+}
+
+/// A listener that hands out only the connections whose peer proved the job secret
+/// (all of them when there is none).
+///
+/// Each candidate's handshake runs on a thread of its own, which reports the admitted
+/// stream (or the refusal) over a channel that the accept loop polls between accepts.
+/// Why not a handshake on the accepting thread with a shorter bound per candidate: a
+/// stranger that connects and stays silent would then hold the loop for that bound,
+/// once per stranger, and a bound short enough not to matter would refuse a rank on a
+/// loaded host; the right peer, queued behind, would see its own handshake stall. A
+/// thread per candidate is cheap here (a handful per bootstrap, at most
+/// [`MAX_ADMISSIONS`] at once), and a silent stranger holds only its own, for
+/// [`ckpt_auth::HANDSHAKE_TIMEOUT`], also after the bootstrap returned (its
+/// connection is then refused and dropped).
+struct Door<'a> {
+    listener: &'a TcpListener,
+    gate: Arc<Gatekeeper>,
+    tx: Sender<Option<TcpStream>>,
+    rx: Receiver<Option<TcpStream>>,
+    /// Handshakes started whose outcome was not received yet.
+    in_flight: usize,
+}
+
+impl<'a> Door<'a> {
+    fn new(
+        listener: &'a TcpListener,
+        gate: &Arc<Gatekeeper>,
+        op: &'static str,
+    ) -> CollectiveResult<Self> {
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| io_err(op, None, e))?;
+        let (tx, rx) = channel();
+        Ok(Self {
+            listener,
+            gate: Arc::clone(gate),
+            tx,
+            rx,
+            in_flight: 0,
+        })
+    }
+
+    /// Polls the non-blocking listener until an admitted connection arrives, the
+    /// deadline passes or `aborted` says so (checked every poll, so an elastic agent
+    /// can cancel a bootstrap whose peers will never come).
+    fn accept_until(
+        &mut self,
+        deadline: Instant,
+        op: &'static str,
+        aborted: &dyn Fn() -> bool,
+    ) -> CollectiveResult<TcpStream> {
+        loop {
+            while let Ok(outcome) = self.rx.try_recv() {
+                self.in_flight -= 1;
+                if let Some(stream) = outcome {
+                    return Ok(stream);
                 }
-                if Instant::now() >= deadline {
-                    return Err(io_err(op, None, "timed out waiting for a peer to connect"));
-                }
-                std::thread::sleep(Duration::from_millis(2));
             }
-            Err(e) => return Err(io_err(op, None, e)),
+            if self.in_flight < MAX_ADMISSIONS {
+                match self.listener.accept() {
+                    Ok((stream, peer)) => {
+                        stream
+                            .set_nonblocking(false)
+                            .map_err(|e| io_err(op, None, e))?;
+                        if self.gate.secret().is_none() {
+                            return Ok(stream);
+                        }
+                        self.screen(stream, peer);
+                        continue;
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(io_err(op, None, e)),
+                }
+            }
+            if aborted() {
+                return Err(CollectiveError::Aborted { op });
+            }
+            if Instant::now() >= deadline {
+                return Err(io_err(
+                    op,
+                    None,
+                    format!(
+                        "timed out waiting for a peer to connect{}",
+                        refusals(&self.gate)
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
+
+    /// Starts the handshake of the connection from `peer`; its outcome arrives on
+    /// the channel (a refused connection is closed once the gatekeeper counted it).
+    fn screen(&mut self, stream: TcpStream, peer: SocketAddr) {
+        let gate = Arc::clone(&self.gate);
+        let tx = self.tx.clone();
+        let started = std::thread::Builder::new()
+            .name("ckpt-ring-admit".into())
+            .spawn(move || {
+                let admitted = gate.admit(&stream, peer);
+                // The receiver is gone when the bootstrap already returned.
+                let _ = tx.send(admitted.then_some(stream));
+            });
+        match started {
+            Ok(_) => self.in_flight += 1,
+            // The closure, and with it the connection, was dropped.
+            Err(e) => self.gate.record(peer, &AuthError::Io(e)),
+        }
+    }
+}
+
+/// Proves the job secret (when there is one) on a connection this rank opened,
+/// waiting for the peer's answers until `deadline`: the peer may have bound and
+/// published its listener before it accepts (a successor still starting), which is
+/// a wait, not a failure; a wrong process answers wrongly, or closes, at once.
+fn prove_until(
+    stream: &TcpStream,
+    secret: Option<&JobSecret>,
+    deadline: Instant,
+) -> Result<(), AuthError> {
+    let Some(secret) = secret else {
+        return Ok(());
+    };
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    let (read, write) = (stream.read_timeout()?, stream.write_timeout()?);
+    stream.set_read_timeout(Some(left))?;
+    stream.set_write_timeout(Some(left))?;
+    let mut s = stream;
+    let result = ckpt_auth::prove(&mut s, secret);
+    stream.set_read_timeout(read)?;
+    stream.set_write_timeout(write)?;
+    result
+}
+
+/// Why the job-secret handshake with the peer at `addr` failed, for an error that
+/// names the peer (the caller adds its rank).
+fn handshake_failure(addr: SocketAddr, e: &AuthError) -> String {
+    let why = match e {
+        AuthError::Io(io) if matches!(io.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+            "no answer before the bootstrap's deadline".to_string()
+        }
+        AuthError::Io(io)
+            if matches!(
+                io.kind(),
+                ErrorKind::UnexpectedEof
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::BrokenPipe
+            ) =>
+        {
+            format!(
+                "the peer closed the connection ({io}): it runs without the job secret, or it is not this job's process"
+            )
+        }
+        AuthError::ServerUnproven => "it did not prove the job secret that this rank holds \
+             (another job's process holds that address, or this rank's secret is not the job's)"
+            .to_string(),
+        e => e.to_string(),
+    };
+    format!("{addr} failed the job-secret handshake: {why}")
 }
 
 fn read_u32(stream: &mut TcpStream) -> std::io::Result<u32> {
@@ -173,6 +350,72 @@ fn parse_addr(table: &[String], rank: usize) -> CollectiveResult<SocketAddr> {
             format!("bad address {:?}: {e}", table[rank]),
         )
     })
+}
+
+/// The outgoing half of joining the ring: proves the job secret to the successor
+/// (when there is one), then sends the ring's handshake (rank and generation).
+fn greet(
+    mut next: TcpStream,
+    secret: Option<&JobSecret>,
+    rank: usize,
+    generation: u64,
+    next_rank: usize,
+    next_addr: SocketAddr,
+    deadline: Instant,
+) -> CollectiveResult<TcpStream> {
+    let op = "bootstrap";
+    prove_until(&next, secret, deadline)
+        .map_err(|e| io_err(op, Some(next_rank), handshake_failure(next_addr, &e)))?;
+    next.write_all(MAGIC)
+        .and_then(|_| next.write_all(&(rank as u32).to_le_bytes()))
+        .and_then(|_| next.write_all(&generation.to_le_bytes()))
+        .map_err(|e| io_err(op, Some(next_rank), e))?;
+    Ok(next)
+}
+
+/// The incoming half of joining the ring: accepts until the predecessor of this
+/// generation shows up (having proved the job secret, when there is one); anything
+/// else (a stale rank of an older generation, a port scanner, a process without the
+/// secret) is dropped with a warning.
+fn accept_prev(
+    door: &mut Door<'_>,
+    rank: usize,
+    prev_rank: usize,
+    generation: u64,
+    config: &TcpConfig,
+    deadline: Instant,
+    stop: &dyn Fn() -> bool,
+) -> CollectiveResult<TcpStream> {
+    let op = "bootstrap";
+    loop {
+        let mut stream = door.accept_until(deadline, op, stop).map_err(|e| match e {
+            CollectiveError::Aborted { .. } => e,
+            e => io_err(op, Some(prev_rank), e),
+        })?;
+        stream
+            .set_read_timeout(Some(config.connect_timeout.min(Duration::from_secs(10))))
+            .map_err(|e| io_err(op, Some(prev_rank), e))?;
+        let hello = (|| -> std::io::Result<(usize, u64)> {
+            let mut magic = [0u8; 8];
+            stream.read_exact(&mut magic)?;
+            if &magic != MAGIC {
+                return Err(std::io::Error::new(ErrorKind::InvalidData, "bad magic"));
+            }
+            let who = read_u32(&mut stream)? as usize;
+            let mut g = [0u8; 8];
+            stream.read_exact(&mut g)?;
+            Ok((who, u64::from_le_bytes(g)))
+        })();
+        match hello {
+            Ok((who, g)) if who == prev_rank && g == generation => return Ok(stream),
+            Ok((who, g)) => tracing::warn!(
+                rank,
+                generation,
+                "refused rank {who} of generation {g}: expected rank {prev_rank} of generation {generation}"
+            ),
+            Err(e) => tracing::warn!(rank, error = %e, "ignoring a bad ring connection"),
+        }
+    }
 }
 
 impl TcpCollective {
@@ -216,6 +459,8 @@ impl TcpCollective {
                 }
             }
         };
+        prove_until(&master, config.secret.as_ref(), deadline)
+            .map_err(|e| io_err(op, Some(0), handshake_failure(rendezvous, &e)))?;
         master
             .set_read_timeout(Some(config.connect_timeout))
             .map_err(|e| io_err(op, Some(0), e))?;
@@ -239,10 +484,23 @@ impl TcpCollective {
             }
             (0..n).map(|_| read_str(&mut master)).collect()
         })()
-        .map_err(|e| io_err(op, Some(0), e))?;
+        .map_err(|e| match e.kind() {
+            // What a rendezvous that requires a job secret does to a rank without it.
+            ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset if config.secret.is_none() => {
+                io_err(
+                    op,
+                    Some(0),
+                    format!(
+                        "the rendezvous {rendezvous} closed the connection ({e}): does it require a job secret that this rank lacks?"
+                    ),
+                )
+            }
+            _ => io_err(op, Some(0), e),
+        })?;
         let next_addr = parse_addr(&table, (rank + 1) % world)?;
+        let gate = Gatekeeper::new("ring", config.secret.clone());
         Self::connect_ring(
-            rank, world, 0, listener, next_addr, config, deadline, &never,
+            rank, world, 0, listener, next_addr, config, gate, deadline, &never,
         )
     }
 
@@ -268,16 +526,19 @@ impl TcpCollective {
             .local_addr()
             .map_err(|e| io_err(op, None, e))?
             .to_string();
+        let gate = Gatekeeper::new("ring", config.secret.clone());
+        let mut door = Door::new(&rendezvous, &gate, op)?;
         let mut joined: Vec<(usize, TcpStream)> = Vec::with_capacity(world - 1);
         while joined.len() < world - 1 {
-            let mut stream = accept_until(&rendezvous, deadline, op, &never).map_err(|_| {
+            let mut stream = door.accept_until(deadline, op, &never).map_err(|_| {
                 io_err(
                     op,
                     None,
                     format!(
-                        "only {} of {world} ranks joined within {:?}",
+                        "only {} of {world} ranks joined within {:?}{}",
                         joined.len() + 1,
-                        config.connect_timeout
+                        config.connect_timeout,
+                        refusals(&gate)
                     ),
                 )
             })?;
@@ -322,11 +583,15 @@ impl TcpCollective {
             })()
             .map_err(|e| io_err(op, Some(*rank), e))?;
         }
+        drop(door);
         let next_addr = parse_addr(&table, 1)?;
-        Self::connect_ring(0, world, 0, listener, next_addr, config, deadline, &never)
+        Self::connect_ring(
+            0, world, 0, listener, next_addr, config, gate, deadline, &never,
+        )
     }
 
     fn single(config: TcpConfig) -> Self {
+        let gate = Gatekeeper::new("ring", config.secret.clone());
         Self {
             rank: 0,
             world: 1,
@@ -335,7 +600,16 @@ impl TcpCollective {
             handles: Vec::new(),
             aborted: AtomicBool::new(false),
             poisoned: Mutex::new(None),
+            gate,
         }
+    }
+
+    /// How many connections the bootstrap of this communicator refused because they
+    /// did not prove the job secret ([`TcpConfig::secret`]; always 0 without one).
+    /// Counted until the last handshake started ends: a stranger's connection still
+    /// in its handshake when the bootstrap returned is counted when it fails.
+    pub fn refused_connections(&self) -> u64 {
+        self.gate.refused()
     }
 
     /// Joins the ring of an elastic world whose membership a control plane fixed:
@@ -363,11 +637,17 @@ impl TcpCollective {
             return Ok(Self::single(config));
         }
         let deadline = Instant::now() + config.connect_timeout;
+        let gate = Gatekeeper::new("ring", config.secret.clone());
         Self::connect_ring(
-            rank, world, generation, listener, next, config, deadline, aborted,
+            rank, world, generation, listener, next, config, gate, deadline, aborted,
         )
     }
 
+    /// Connects to the successor at `next_addr` and accepts the predecessor on
+    /// `listener`. The outgoing handshakes (the job secret's, then the ring's) run on
+    /// a thread of their own while this thread accepts: every rank connects before it
+    /// accepts, so a rank that waited for its successor's answer before accepting
+    /// would wait for a successor waiting in turn, around the ring.
     #[allow(clippy::too_many_arguments)]
     fn connect_ring(
         rank: usize,
@@ -376,13 +656,14 @@ impl TcpCollective {
         listener: TcpListener,
         next_addr: SocketAddr,
         config: TcpConfig,
+        gate: Arc<Gatekeeper>,
         deadline: Instant,
         aborted: &dyn Fn() -> bool,
     ) -> CollectiveResult<Self> {
         let op = "bootstrap";
         let next_rank = (rank + 1) % world;
         let prev_rank = (rank + world - 1) % world;
-        let mut next = loop {
+        let next = loop {
             match TcpStream::connect_timeout(&next_addr, Duration::from_secs(1)) {
                 Ok(stream) => break stream,
                 Err(_) if aborted() => return Err(CollectiveError::Aborted { op }),
@@ -395,41 +676,46 @@ impl TcpCollective {
                 }
             }
         };
-        next.write_all(MAGIC)
-            .and_then(|_| next.write_all(&(rank as u32).to_le_bytes()))
-            .and_then(|_| next.write_all(&generation.to_le_bytes()))
+        // Shut down to wake the greeting thread when the accepting side fails first.
+        let next_handle = next
+            .try_clone()
             .map_err(|e| io_err(op, Some(next_rank), e))?;
-        // Accept until the predecessor of this generation shows up; anything else (a
-        // stale rank of an older generation, a port scanner) is dropped with a warning.
-        let prev = loop {
-            let mut stream =
-                accept_until(&listener, deadline, op, aborted).map_err(|e| match e {
-                    CollectiveError::Aborted { .. } => e,
-                    e => io_err(op, Some(prev_rank), e),
-                })?;
-            stream
-                .set_read_timeout(Some(config.connect_timeout.min(Duration::from_secs(10))))
-                .map_err(|e| io_err(op, Some(prev_rank), e))?;
-            let hello = (|| -> std::io::Result<(usize, u64)> {
-                let mut magic = [0u8; 8];
-                stream.read_exact(&mut magic)?;
-                if &magic != MAGIC {
-                    return Err(std::io::Error::new(ErrorKind::InvalidData, "bad magic"));
-                }
-                let who = read_u32(&mut stream)? as usize;
-                let mut g = [0u8; 8];
-                stream.read_exact(&mut g)?;
-                Ok((who, u64::from_le_bytes(g)))
-            })();
-            match hello {
-                Ok((who, g)) if who == prev_rank && g == generation => break stream,
-                Ok((who, g)) => tracing::warn!(
-                    rank,
-                    generation,
-                    "refused rank {who} of generation {g}: expected rank {prev_rank} of generation {generation}"
-                ),
-                Err(e) => tracing::warn!(rank, error = %e, "ignoring a bad ring connection"),
+        let mut door = Door::new(&listener, &gate, op)?;
+        let greeting_failed = AtomicBool::new(false);
+        let stop = || aborted() || greeting_failed.load(Ordering::SeqCst);
+        let (greeted, accepted) = std::thread::scope(|scope| {
+            let greeter = {
+                let (secret, failed) = (config.secret.as_ref(), &greeting_failed);
+                scope.spawn(move || {
+                    let greeted = greet(
+                        next, secret, rank, generation, next_rank, next_addr, deadline,
+                    );
+                    if greeted.is_err() {
+                        failed.store(true, Ordering::SeqCst);
+                    }
+                    greeted
+                })
+            };
+            let accepted = accept_prev(
+                &mut door, rank, prev_rank, generation, &config, deadline, &stop,
+            );
+            if accepted.is_err() {
+                let _ = next_handle.shutdown(Shutdown::Both);
             }
+            let greeted = greeter.join().unwrap_or_else(|_| {
+                Err(CollectiveError::Invalid {
+                    op,
+                    message: "the thread greeting the successor panicked".into(),
+                })
+            });
+            (greeted, accepted)
+        });
+        let (next, prev) = match (greeted, accepted) {
+            (Ok(next), Ok(prev)) => (next, prev),
+            // The accepting side stopped because the greeting failed: that failure is
+            // the error (the successor is the wrong process, or gone).
+            (Err(e), Err(CollectiveError::Aborted { .. })) if !aborted() => return Err(e),
+            (_, Err(e)) | (Err(e), Ok(_)) => return Err(e),
         };
         for s in [&next, &prev] {
             s.set_nodelay(true).map_err(|e| io_err(op, None, e))?;
@@ -450,6 +736,7 @@ impl TcpCollective {
             handles,
             aborted: AtomicBool::new(false),
             poisoned: Mutex::new(None),
+            gate,
         })
     }
 
@@ -841,3 +1128,6 @@ impl Collective for TcpCollective {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
