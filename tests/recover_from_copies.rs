@@ -8,7 +8,8 @@ use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
 use ckpt::copies::{
-    Copies, CopyConfig, CopyKey, FallbackReason, FromCopies, Holding, RankCopy, Sources, load_into,
+    Copies, CopyConfig, CopyKey, FallbackReason, FromCopies, Holding, JobSecret, RankCopy, Sources,
+    load_into,
 };
 use ckpt::region::for_each_run;
 use ckpt::storage::Store;
@@ -426,6 +427,97 @@ async fn a_peer_that_answers_garbage_or_is_gone_sends_its_file_to_the_store() {
             "{what}: {got:?}"
         );
     }
+}
+
+/// Waits until `copies` has refused `n` connections, and checks it refused no more.
+/// Nothing signals a refusal, which the server counts once it has read the
+/// stranger's last byte (possibly after the stranger gave up): look every
+/// millisecond.
+fn wait_for_refusals(copies: &Copies, n: u64) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while copies.refused_connections() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} refusals, {n} expected",
+            copies.refused_connections()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(copies.refused_connections(), n);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_without_the_job_secret_is_passed_over_and_its_file_is_read_from_the_store() {
+    let job = JobSecret::new("the secret of this job", "a test").unwrap();
+    let with = |secret: Option<&JobSecret>| CopyConfig {
+        secret: secret.cloned(),
+        ..CopyConfig::default()
+    };
+    // Every rank holds the job's secret: the replicas are pulled through it.
+    let saved = save_world(2, Codec::None, with(Some(&job))).await;
+    assert!(
+        saved.holder(0).get(&saved.key(1)).is_some(),
+        "replica pulled"
+    );
+    assert!(
+        saved.holder(1).get(&saved.key(0)).is_some(),
+        "replica pulled"
+    );
+    let server = saved.holder(1);
+    let addr = server.addr().unwrap();
+    let table = |own: &Copies| {
+        vec![
+            own.holding(),
+            Holding {
+                addr: Some(addr),
+                held: vec![saved.key(1)],
+            },
+        ]
+    };
+    // Rank 0 of the new world holds only its own copy: rank 1's file must come from
+    // rank 1's server. With the job's secret, it does.
+    let own = Copies::new(with(Some(&job)));
+    assert!(own.keep_copy(saved.handles[0].copy().unwrap()));
+    let got = load_checked(&saved.store, &own, &table(&own), 0, 1).await;
+    assert!(
+        got.all_from_memory() && got.fallbacks.is_empty() && got.peer_bytes > 0,
+        "{got:?}"
+    );
+    assert_eq!(server.refused_connections(), 0);
+    // With another secret, or none, the server is passed over like one that does
+    // not answer: the file comes from the store, bitwise the same.
+    let other = JobSecret::new("the secret of another job", "a test").unwrap();
+    for (n, (what, secret)) in [("another secret", Some(&other)), ("no secret", None)]
+        .into_iter()
+        .enumerate()
+    {
+        let stranger = Copies::new(with(secret));
+        assert!(stranger.keep_copy(saved.handles[0].copy().unwrap()));
+        let got = load_checked(&saved.store, &stranger, &table(&stranger), 0, 1).await;
+        assert_eq!(
+            (got.files_from_store, got.peer_bytes),
+            (1, 0),
+            "{what}: {got:?}"
+        );
+        let [fallback] = &got.fallbacks[..] else {
+            panic!("{what}: one fallback expected: {got:?}");
+        };
+        assert_eq!(
+            (fallback.saved_rank, fallback.holder),
+            (1, Some(1)),
+            "{what}"
+        );
+        assert!(
+            matches!(&fallback.reason, FallbackReason::Unavailable(why)
+                if why.contains(&addr.to_string())),
+            "{what}: the peer is named: {fallback:?}"
+        );
+        wait_for_refusals(server, n as u64 + 1);
+    }
+    // The job's ranks are still served.
+    let got = load_checked(&saved.store, &own, &table(&own), 0, 1).await;
+    assert!(got.all_from_memory() && got.peer_bytes > 0, "{got:?}");
+    assert_eq!(server.refused_connections(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

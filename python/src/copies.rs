@@ -45,13 +45,25 @@ pub(crate) fn decode_table(records: &[Vec<u8>]) -> PyResult<Vec<Holding>> {
 
 #[pymethods]
 impl Copies {
-    /// Serves this process's copies on `ip` (a free port).
+    /// Serves this process's copies on `ip` (a free port). With a job secret in the
+    /// environment (`CKPT_JOB_SECRET` or `CKPT_JOB_SECRET_FILE`) the server admits
+    /// only peers that prove it, and this holder proves it to its peers; a bad
+    /// secret there raises `InvalidError`.
     #[new]
     fn new(ip: &str) -> PyResult<Copies> {
         let ip: IpAddr = ip
             .parse()
             .map_err(|e| InvalidError::new_err(format!("{ip:?} is not an IP address: {e}")))?;
-        let inner = ckpt::copies::Copies::serve(ip, CopyConfig::default())
+        // The job's secret, when the launcher set one: the server then admits only
+        // the job's ranks, and this holder proves it to theirs.
+        let secret = ckpt_auth::JobSecret::from_env().map_err(|e| {
+            InvalidError::new_err(format!("in-memory copies need a valid job secret: {e}"))
+        })?;
+        let config = CopyConfig {
+            secret,
+            ..CopyConfig::default()
+        };
+        let inner = ckpt::copies::Copies::serve(ip, config)
             .map_err(|e| InvalidError::new_err(format!("serving in-memory copies on {ip}: {e}")))?;
         Ok(Copies {
             inner: Arc::new(inner),

@@ -4,6 +4,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
+use ckpt_auth::JobSecret;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -28,6 +29,14 @@ pub struct CopyConfig {
     /// Peer connections the copy server serves at once; further ones are answered
     /// with an error and closed. Default 64.
     pub max_connections: usize,
+    /// The job's secret ([`JobSecret::from_env`]): with one, the copy server admits
+    /// only peers that prove it (a mutual handshake before any request, see the
+    /// [module docs](super)), and this holder proves it to every copy server it
+    /// connects to (replica pulls, [`load_into`](super::load_into)); a server that
+    /// does not prove it back is treated like one that does not answer. Every rank
+    /// of a job must hold the same one. Default `None`: no handshake, any peer that
+    /// connects is answered.
+    pub secret: Option<JobSecret>,
 }
 
 impl Default for CopyConfig {
@@ -37,6 +46,7 @@ impl Default for CopyConfig {
             peer_timeout: Duration::from_secs(5),
             pull_patience: Duration::from_secs(30),
             max_connections: 64,
+            secret: None,
         }
     }
 }
@@ -233,6 +243,14 @@ impl Copies {
     /// The settings.
     pub fn config(&self) -> &CopyConfig {
         &self.config
+    }
+
+    /// Connections the copy server refused because the peer did not prove the job
+    /// secret ([`CopyConfig::secret`]) since it started; 0 without a server or a
+    /// secret. Each refusal is also logged (the first ones one by one, then one line
+    /// per thousand).
+    pub fn refused_connections(&self) -> u64 {
+        self.server.as_ref().map_or(0, Server::refused)
     }
 
     /// Keeps the save `handle` follows as this rank's own copy, once it has staged

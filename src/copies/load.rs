@@ -329,7 +329,9 @@ fn peer(
             file.object
         )))
     })?;
-    let mut peer = Peer::connect(addr, sources.own.config().peer_timeout).map_err(unavailable)?;
+    let config = sources.own.config();
+    let mut peer =
+        Peer::connect(addr, config.peer_timeout, config.secret.as_ref()).map_err(unavailable)?;
     check_len(file, peer.len(key).map_err(unavailable)?)?;
     let scratch = std::sync::Mutex::default();
     each_batch(file, sources, batch_bytes, |blocks, raw, copies| {

@@ -72,8 +72,25 @@
 //!
 //! # The copy server and its protocol
 //!
-//! One request line, at most 1 KiB, and one answer per exchange, many exchanges per
-//! connection; `DIR WORLD RANK` is a [`CopyKey`]:
+//! With a job secret ([`CopyConfig::secret`]), every connection opens with the
+//! mutual job-secret handshake of `ckpt-auth` (the client proves the secret, the
+//! server proves it back, neither sends it): the server reads no request line of a
+//! peer that has not proved it, and closes such a connection without an answer
+//! (counted by [`Copies::refused_connections`] and logged). A copy is a rank's whole
+//! training state, so on a shared cluster (Kubernetes, a multi-tenant Slurm) a
+//! server that answers anyone hands the model to any process that can reach the
+//! port; and a client that fetched from anyone could be fed bytes made to pass the
+//! block CRC32s (which catch rot, not forgery), so the client checks the server's
+//! proof too. A client that fails the handshake, or whose server does not prove the
+//! secret, treats that server like one that does not answer: a replica is not
+//! pulled, a recovery reads the file from the next holder or the store. The
+//! handshake runs on the peer's own thread, so a connection that never sends its
+//! half holds one of [`CopyConfig::max_connections`] places until the handshake's
+//! timeout (5 s), but never blocks other peers. Without a secret there is no
+//! handshake, and the exchanges below start at once.
+//!
+//! Then one request line, at most 1 KiB, and one answer per exchange, many exchanges
+//! per connection; `DIR WORLD RANK` is a [`CopyKey`]:
 //!
 //! - `len DIR WORLD RANK` is answered by `ok N`, the copy's length in bytes;
 //! - `raw DIR WORLD RANK START END` by `ok N` (N = END − START) and the copy's bytes
@@ -88,8 +105,9 @@
 //! control plane into every user of the library; the reverse would pull the data
 //! path (zstd, the object store) into the coordinator. The bounded read of a request
 //! line is a few lines on top of the standard library, so the copy server has its
-//! own, and the library's default build gains no dependency. Like the training ring,
-//! the copy servers trust the cluster network: they answer any peer that connects.
+//! own, and the library's default build gains no dependency for it. Without a
+//! [`CopyConfig::secret`] the copy servers trust the cluster network, like the
+//! training ring: they answer any peer that connects.
 
 mod held;
 mod load;
@@ -102,6 +120,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::staging::Pooled;
 
+/// The job's secret that [`CopyConfig::secret`] holds (from `ckpt-auth`).
+pub use ckpt_auth::JobSecret;
 pub use held::{Copies, CopyConfig, Holding};
 pub use load::{Fallback, FallbackReason, FromCopies, Sources, load_into};
 pub use verify::{ReadBox, VerifiedBytes, file_header, read_verified};

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
+use ckpt_auth::{Gatekeeper, JobSecret};
+
 use super::held::Shared;
 use super::{CopyConfig, CopyKey, RankCopy};
 
@@ -36,11 +38,13 @@ fn read_line(reader: &mut impl BufRead, max: usize, line: &mut Vec<u8>) -> std::
     Ok(true)
 }
 
-/// A running copy server: a thread accepting peers, and one thread per peer.
+/// A running copy server: a thread accepting peers, and one thread per peer (which
+/// first runs the job-secret handshake, when there is a secret).
 #[derive(Debug)]
 pub(crate) struct Server {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    gate: Arc<Gatekeeper>,
 }
 
 impl Server {
@@ -51,15 +55,21 @@ impl Server {
     ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
+        let gate = Gatekeeper::new("copies", config.secret.clone());
+        let (stopped, admitting) = (stop.clone(), gate.clone());
         std::thread::Builder::new()
             .name("ckpt-copy-server".into())
-            .spawn(move || accept(listener, &shared, &config, &stopped))?;
-        Ok(Self { addr, stop })
+            .spawn(move || accept(listener, &shared, &config, &admitting, &stopped))?;
+        Ok(Self { addr, stop, gate })
     }
 
     pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections refused for want of the job secret.
+    pub(crate) fn refused(&self) -> u64 {
+        self.gate.refused()
     }
 }
 
@@ -71,19 +81,24 @@ impl Drop for Server {
     }
 }
 
+/// Accepts peers until stopped. The handshake runs on each peer's thread, not here:
+/// a connection that never sends its half holds one of the `max_connections`
+/// places until the handshake's timeout, but never the accepting.
 fn accept(
     listener: TcpListener,
     shared: &Arc<Shared>,
     config: &CopyConfig,
+    gate: &Arc<Gatekeeper>,
     stop: &Arc<AtomicBool>,
 ) {
     let serving = Arc::new(AtomicUsize::new(0));
-    for stream in listener.incoming() {
+    loop {
+        let accepted = listener.accept();
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let mut stream = match stream {
-            Ok(stream) => stream,
+        let (mut stream, from) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of descriptors, say: let some connections end before the next.
                 tracing::debug!(error = %e, "copy server cannot accept");
@@ -96,11 +111,12 @@ fn accept(
             let _ = stream.write_all(b"no too many connections\n");
             continue;
         }
-        let (shared, serving, stop) = (shared.clone(), serving.clone(), stop.clone());
+        let (shared, gate, serving, stop) =
+            (shared.clone(), gate.clone(), serving.clone(), stop.clone());
         let spawned = std::thread::Builder::new()
             .name("ckpt-copy-peer".into())
             .spawn(move || {
-                if let Err(e) = serve_peer(stream, &shared, &stop) {
+                if let Err(e) = serve_peer(stream, from, &gate, &shared, &stop) {
                     tracing::debug!(error = %e, "copy peer connection ended");
                 }
                 serving.fetch_sub(1, Ordering::SeqCst);
@@ -112,9 +128,20 @@ fn accept(
 }
 
 /// Answers one peer's requests until it hangs up, stays idle for [`IDLE`], or the
-/// server is stopped (checked between requests).
-fn serve_peer(stream: TcpStream, shared: &Shared, stop: &AtomicBool) -> std::io::Result<()> {
+/// server is stopped (checked between requests). With a job secret, the peer must
+/// prove it first: a peer that does not is closed without an answer (the gatekeeper
+/// counts and logs it), before any of its bytes is read as a request.
+fn serve_peer(
+    stream: TcpStream,
+    from: SocketAddr,
+    gate: &Gatekeeper,
+    shared: &Shared,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
+    if !gate.admit(&stream, from) {
+        return Ok(());
+    }
     stream.set_read_timeout(Some(IDLE))?;
     let mut out = stream.try_clone()?;
     let mut reader = BufReader::with_capacity(MAX_LINE, stream);
@@ -213,37 +240,57 @@ pub(crate) struct Peer {
     out: TcpStream,
     reader: BufReader<TcpStream>,
     line: Vec<u8>,
+    /// What a failure before the first answer may mean: set when this side proved
+    /// no secret (a server that requires one closes such a connection unanswered).
+    hint: Option<&'static str>,
 }
 
 impl Peer {
-    /// Connects to `addr`; every later read or write waits at most `timeout`.
-    pub(crate) fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, Asked> {
+    /// Connects to `addr` and, with a `secret`, proves it to the server and checks
+    /// the server's proof (an error naming `addr` when either fails: the peer is
+    /// then as unusable as one that does not answer); every later read or write
+    /// waits at most `timeout`.
+    pub(crate) fn connect(
+        addr: SocketAddr,
+        timeout: Duration,
+        secret: Option<&JobSecret>,
+    ) -> Result<Self, Asked> {
         let failed = |e: std::io::Error| Asked::Failed(format!("{addr}: {e}"));
         let stream = TcpStream::connect_timeout(&addr, timeout).map_err(failed)?;
         stream.set_nodelay(true).map_err(failed)?;
         stream.set_read_timeout(Some(timeout)).map_err(failed)?;
         stream.set_write_timeout(Some(timeout)).map_err(failed)?;
+        if let Some(secret) = secret {
+            ckpt_auth::prove_tcp(&stream, secret)
+                .map_err(|e| Asked::Failed(format!("{addr}: copy server handshake: {e}")))?;
+        }
         let reader = BufReader::with_capacity(64 << 10, stream.try_clone().map_err(failed)?);
         Ok(Self {
             addr,
             out: stream,
             reader,
             line: Vec::with_capacity(MAX_LINE),
+            hint: secret.is_none().then_some(
+                " (if that copy server requires the job secret, this process proved none)",
+            ),
         })
     }
 
     /// Sends `request` and reads the number of its `ok` answer.
     pub(crate) fn ask(&mut self, request: &str) -> Result<u64, Asked> {
         let addr = self.addr;
-        let failed = |e: std::io::Error| Asked::Failed(format!("{addr}: {e}"));
+        let hint = self.hint.unwrap_or("");
+        let failed = |e: std::io::Error| Asked::Failed(format!("{addr}: {e}{hint}"));
         self.out
             .write_all(format!("{request}\n").as_bytes())
             .map_err(failed)?;
         let answered = read_line(&mut self.reader, MAX_LINE, &mut self.line).map_err(failed)?;
         let line = String::from_utf8_lossy(&self.line);
         if !answered {
-            return Err(Asked::Failed(format!("{addr}: connection closed")));
+            return Err(Asked::Failed(format!("{addr}: connection closed{hint}")));
         }
+        // Answered: whatever fails later is not the handshake that was missing.
+        self.hint = None;
         if let Some(n) = line.strip_prefix("ok ") {
             return n
                 .parse()
@@ -324,7 +371,8 @@ pub(crate) fn pull_replicas(pulls: mpsc::Receiver<Pull>, shared: &Shared, config
 fn pull_one(pull: &Pull, shared: &Shared, config: &CopyConfig) -> Result<u64, String> {
     let deadline = Instant::now() + config.pull_patience;
     let mut pause = Duration::from_millis(10);
-    let mut peer = Peer::connect(pull.from, config.peer_timeout).map_err(|e| e.to_string())?;
+    let mut peer = Peer::connect(pull.from, config.peer_timeout, config.secret.as_ref())
+        .map_err(|e| e.to_string())?;
     let len = loop {
         match peer.len(&pull.key) {
             Ok(len) => break len,
@@ -372,6 +420,199 @@ mod tests {
     use super::*;
     use crate::copies::Copies;
 
+    const TIMEOUT: Duration = Duration::from_secs(5);
+
+    fn secret(text: &str) -> JobSecret {
+        JobSecret::new(text, "a test").unwrap()
+    }
+
+    fn with_secret(secret: &JobSecret) -> CopyConfig {
+        CopyConfig {
+            secret: Some(secret.clone()),
+            ..CopyConfig::default()
+        }
+    }
+
+    /// Waits until `copies` has refused `n` connections. A refusal is counted once
+    /// the server has read the stranger's last byte, which can come after the
+    /// stranger's own failure (one whose server proved another secret hangs up
+    /// first), and nothing signals it: look every millisecond.
+    fn wait_for_refusals(copies: &Copies, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while copies.refused_connections() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{} refusals, {n} expected",
+                copies.refused_connections()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            copies.refused_connections(),
+            n,
+            "more refusals than expected"
+        );
+    }
+
+    /// A server with secret `job` holding `bytes` as `key`'s copy.
+    fn serving(job: &JobSecret, key: &CopyKey, bytes: &[u8]) -> Copies {
+        let copies = Copies::serve("127.0.0.1".parse().unwrap(), with_secret(job)).unwrap();
+        copies.keep_copy(RankCopy::new(key.clone(), bytes.to_vec()));
+        copies
+    }
+
+    /// The whole of `key`'s copy, fetched over `peer`.
+    fn fetch(peer: &mut Peer, key: &CopyKey) -> Result<Vec<u8>, Asked> {
+        let mut bytes = vec![0; peer.len(key)? as usize];
+        peer.raw(key, 0, &mut [&mut bytes])?;
+        Ok(bytes)
+    }
+
+    fn key() -> CopyKey {
+        CopyKey {
+            dir: "step-1/g1-a".into(),
+            world: 1,
+            rank: 0,
+        }
+    }
+
+    #[test]
+    fn with_a_secret_only_peers_that_prove_it_are_served() {
+        let (job, other) = (
+            secret("the job's secret, 1"),
+            secret("another job's secret"),
+        );
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
+        let copies = serving(&job, &key(), &bytes);
+        let addr = copies.addr().unwrap();
+        // The job's peer: served as without a secret, many exchanges per connection.
+        let mut peer = Peer::connect(addr, TIMEOUT, Some(&job)).unwrap();
+        assert_eq!(fetch(&mut peer, &key()).unwrap(), bytes);
+        assert_eq!(fetch(&mut peer, &key()).unwrap(), bytes);
+        assert_eq!(copies.refused_connections(), 0);
+        // A peer without the secret connects, but its first request is closed
+        // unanswered (counted before the close that it sees).
+        let mut stranger = Peer::connect(addr, TIMEOUT, None).unwrap();
+        let Err(Asked::Failed(why)) = stranger.len(&key()) else {
+            panic!("a peer without the secret was answered");
+        };
+        assert!(
+            why.contains(&addr.to_string()) && why.contains("job secret"),
+            "{why}"
+        );
+        assert_eq!(copies.refused_connections(), 1);
+        // A peer with another secret: the server does not prove its secret, so the
+        // peer gives up in the handshake, and the server refuses it.
+        let Err(Asked::Failed(why)) = Peer::connect(addr, TIMEOUT, Some(&other)) else {
+            panic!("a server with another secret was accepted");
+        };
+        assert!(
+            why.contains(&addr.to_string()) && why.contains("did not prove"),
+            "{why}"
+        );
+        wait_for_refusals(&copies, 2);
+        // The job's connection is still served.
+        assert_eq!(fetch(&mut peer, &key()).unwrap(), bytes);
+    }
+
+    #[test]
+    fn strangers_refused_meanwhile_do_not_disturb_the_jobs_peers() {
+        let (job, other) = (
+            secret("the job's secret, 2"),
+            secret("another job's secret"),
+        );
+        let bytes: Vec<u8> = (0..=255u8).rev().cycle().take(300_000).collect();
+        let copies = serving(&job, &key(), &bytes);
+        let addr = copies.addr().unwrap();
+        const STRANGERS: u64 = 20;
+        let start = std::sync::Barrier::new(2);
+        let mut peer = Peer::connect(addr, TIMEOUT, Some(&job)).unwrap();
+        let fetched = std::thread::scope(|s| {
+            let legitimate = s.spawn(|| {
+                start.wait();
+                let mut fetched = 0;
+                for round in 0..40 {
+                    if round % 10 == 9 {
+                        peer = Peer::connect(addr, TIMEOUT, Some(&job)).unwrap();
+                    }
+                    assert!(fetch(&mut peer, &key()).unwrap() == bytes, "round {round}");
+                    fetched += 1;
+                }
+                fetched
+            });
+            start.wait();
+            for i in 0..STRANGERS {
+                let refused = if i % 2 == 0 {
+                    Peer::connect(addr, TIMEOUT, None).and_then(|mut p| p.len(&key()))
+                } else {
+                    Peer::connect(addr, TIMEOUT, Some(&other)).map(|_| 0)
+                };
+                assert!(matches!(refused, Err(Asked::Failed(_))), "stranger {i}");
+            }
+            legitimate.join().unwrap()
+        });
+        assert_eq!(fetched, 40);
+        wait_for_refusals(&copies, STRANGERS);
+    }
+
+    #[test]
+    fn a_silent_connection_does_not_hold_up_the_others() {
+        let job = secret("the job's secret, 3");
+        let copies = serving(&job, &key(), b"some bytes");
+        let addr = copies.addr().unwrap();
+        // Connected, and never a byte of the handshake: the server waits for it on
+        // the connection's own thread, not the accepting one.
+        let silent = TcpStream::connect(addr).unwrap();
+        let started = Instant::now();
+        let mut peer = Peer::connect(addr, TIMEOUT, Some(&job)).unwrap();
+        assert_eq!(fetch(&mut peer, &key()).unwrap(), b"some bytes");
+        assert!(
+            started.elapsed() < ckpt_auth::HANDSHAKE_TIMEOUT / 2,
+            "the job's peer waited {:?} behind a silent connection",
+            started.elapsed()
+        );
+        assert_eq!(copies.refused_connections(), 0);
+        drop(silent);
+        wait_for_refusals(&copies, 1);
+    }
+
+    #[test]
+    fn replicas_are_pulled_only_from_a_server_with_the_same_secret() {
+        let ip = "127.0.0.1".parse().unwrap();
+        let (job, other) = (
+            secret("the job's secret, 4"),
+            secret("another job's secret"),
+        );
+        let key = CopyKey {
+            dir: "step-1/g1-a".into(),
+            world: 2,
+            rank: 0,
+        };
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+        let source = serving(&job, &key, &bytes);
+        for (secret, pulled) in [(Some(&other), false), (None, false), (Some(&job), true)] {
+            let config = CopyConfig {
+                secret: secret.cloned(),
+                ..CopyConfig::default()
+            };
+            let successor = Copies::serve(ip, config).unwrap();
+            let own = CopyKey {
+                rank: 1,
+                ..key.clone()
+            };
+            successor.keep_copy(RankCopy::new(own, vec![1; 10]));
+            successor.replicate(source.addr().unwrap(), key.clone());
+            assert!(successor.wait_for_pulls(Duration::from_secs(20)));
+            let got = successor.get(&key);
+            assert_eq!(got.is_some(), pulled, "with {secret:?}");
+            if pulled {
+                assert_eq!(got.unwrap().bytes(), &bytes[..]);
+            }
+        }
+        // The two strangers were refused, the job's puller was not.
+        wait_for_refusals(&source, 2);
+    }
+
     #[test]
     fn lines_are_bounded_and_a_torn_last_line_is_dropped() {
         let mut line = Vec::new();
@@ -396,7 +637,7 @@ mod tests {
         };
         copies.keep_copy(RankCopy::new(key.clone(), (0..100u8).collect()));
         let addr = copies.addr().unwrap();
-        let mut peer = Peer::connect(addr, Duration::from_secs(5)).unwrap();
+        let mut peer = Peer::connect(addr, Duration::from_secs(5), None).unwrap();
         for bad in [
             "raw step-1/g1-a 1 0 5 1",
             "raw step-1/g1-a 1 0 0 101",
@@ -419,7 +660,7 @@ mod tests {
         // An overlong line: an error, then the server closes this connection only.
         let long = "x".repeat(2 * MAX_LINE);
         assert!(peer.ask(&long).is_err());
-        let mut peer = Peer::connect(addr, Duration::from_secs(5)).unwrap();
+        let mut peer = Peer::connect(addr, Duration::from_secs(5), None).unwrap();
         assert_eq!(peer.len(&key).unwrap(), 100);
     }
 

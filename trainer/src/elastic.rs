@@ -209,7 +209,12 @@ pub fn run(
 ) -> Exit {
     let mut checkpointing = Checkpointing::default();
     if config.memory_copies && store.is_some() {
-        match Copies::serve(ip, CopyConfig::default()) {
+        // The job's secret guards the copy servers as it does the ring.
+        let copy_config = CopyConfig {
+            secret: tcp.secret.clone(),
+            ..CopyConfig::default()
+        };
+        match Copies::serve(ip, copy_config) {
             Ok(copies) => checkpointing.copies = Some(Arc::new(copies)),
             Err(e) => {
                 tracing::warn!(%ip, error = %e, "no in-memory copies (recoveries read the store)")
