@@ -132,7 +132,7 @@ impl EtcdJob {
     /// Why the job is over, once this launcher has seen it end (finished, or shut
     /// down); `None` while it may still train.
     pub fn job_over(&self) -> Option<JobOver> {
-        let current = self.core.lock().current();
+        let current = self.core.lock().current().clone();
         match (&current.finished, &current.state) {
             (Some(reason), _) => Some(JobOver::Finished(reason.clone())),
             (None, GenState::Shutdown { reason }) => Some(JobOver::ShutDown(reason.clone())),

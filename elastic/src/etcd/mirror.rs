@@ -92,15 +92,18 @@ pub(super) struct Mirror {
 }
 
 impl Mirror {
-    pub(super) fn current(&self) -> GenRecord {
-        self.current.clone().unwrap_or_else(GenRecord::none)
+    /// The generation record as last read (borrowed: it lists every node, and the
+    /// waits of every node's agent look at it on each change of the mirror).
+    pub(super) fn current(&self) -> &GenRecord {
+        static NONE: std::sync::LazyLock<GenRecord> = std::sync::LazyLock::new(GenRecord::none);
+        self.current.as_ref().unwrap_or(&NONE)
     }
 
     pub(super) fn set_gen(&mut self, record: GenRecord, revision: i64) {
         if revision <= self.gen_revision {
             return;
         }
-        let previous = self.current();
+        let previous = self.current.take().unwrap_or_else(GenRecord::none);
         let at = SystemTime::now();
         if previous.is_running() && previous.generation == record.generation {
             // Members that left the running generation on purpose (a lost member
@@ -110,10 +113,14 @@ impl Mirror {
                 GenState::Ended { cause, .. } => Some(cause.clone()),
                 GenState::Shutdown { .. } => None,
             };
+            // Every node reads every change of the record: a set, not a search of
+            // the record per member (nodes² comparisons at each node otherwise).
+            let staying: std::collections::HashSet<&str> =
+                record.members.iter().map(|m| m.id.as_str()).collect();
             for gone in previous
                 .members
                 .iter()
-                .filter(|m| record.rank_of(&m.id).is_none())
+                .filter(|m| !staying.contains(m.id.as_str()))
             {
                 self.push(Event::Left {
                     generation: record.generation,
