@@ -198,7 +198,7 @@ impl Plane {
                 let current = mirror.current();
                 // Counted by the leader (this member may not see the others).
                 let waiting = current.waiting;
-                rules::on_report(&current, &id, generation, report, waiting, &config)
+                rules::on_report(current, &id, generation, report, waiting, &config)
             })
             .await?;
         Ok(())
@@ -353,7 +353,7 @@ impl Plane {
                 } else {
                     let current = mirror.current();
                     let next = rules::next(
-                        &current,
+                        current,
                         &mirror.members,
                         &self.config,
                         &mut timers,

@@ -225,7 +225,7 @@ impl ControlPlane for EtcdControlPlane {
                     .transition(|mirror| {
                         let current = mirror.current();
                         (current.generation <= after)
-                            .then(|| rules::on_leave_running(&current, &id, &plane.config))
+                            .then(|| rules::on_leave_running(current, &id, &plane.config))
                             .flatten()
                     })
                     .await
@@ -284,7 +284,7 @@ impl ControlPlane for EtcdControlPlane {
                     .transition(|mirror| {
                         let current = mirror.current();
                         (current.generation == generation)
-                            .then(|| rules::on_hung(&current, &id, idle))
+                            .then(|| rules::on_hung(current, &id, idle))
                             .flatten()
                     })
                     .await?;
@@ -313,7 +313,7 @@ impl ControlPlane for EtcdControlPlane {
                     &id,
                     generation,
                     mirror.history.get(&generation),
-                    &mirror.current(),
+                    mirror.current(),
                     waiting,
                     generation > 0 && self.lost(mirror),
                 )?;
