@@ -1114,3 +1114,132 @@ mod on_etcd {
         assert_identical(reference_dir.path(), dir.path());
     }
 }
+
+/// The TCP ports that processes `pids` listen on (IPv4 and IPv6), from `/proc`.
+fn listening_ports(pids: &[i32]) -> Vec<u16> {
+    let mut inodes = std::collections::HashSet::new();
+    for pid in pids {
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(target) = std::fs::read_link(fd.path())
+                && let Some(inode) = target
+                    .to_str()
+                    .and_then(|t| t.strip_prefix("socket:["))
+                    .and_then(|t| t.strip_suffix(']'))
+            {
+                inodes.insert(inode.to_owned());
+            }
+        }
+    }
+    let mut ports = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // local address, state (0A: LISTEN), inode
+            if fields.len() > 9 && fields[3] == "0A" && inodes.contains(fields[9]) {
+                let port = fields[1].rsplit(':').next().unwrap();
+                ports.push(u16::from_str_radix(port, 16).unwrap());
+            }
+        }
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
+
+/// A job's listeners (its coordinator, its node agent, its ranks' ring and copy
+/// servers) under a flood of strangers: 10,000 connections that speak nonsense or
+/// prove another job's secret. Every one is refused, and the job trains on to the
+/// failure-free run's weights, with no generation ended; what was refused is logged
+/// with its peer.
+#[test]
+fn strangers_at_every_port_of_a_job_are_refused_and_training_is_not_disturbed() {
+    let _serial = one_at_a_time();
+    // Long enough that the job still trains when the flood is over.
+    let steps = 3000;
+    let reference_dir = tempdir();
+    let every = ["--ckpt-every", "500"];
+    let output = Command::new(BIN)
+        .args(["launch", "--nproc", "2", "--"])
+        .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
+        .args([
+            "--steps",
+            &steps.to_string(),
+            "--ckpt",
+            &url(reference_dir.path()),
+        ])
+        .args(every)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "reference run failed");
+    let stranger = ckpt_auth::JobSecret::new("another job's secret, not this one", "test")
+        .expect("a valid secret");
+    const FLOOD: usize = 10_000;
+    // One node, hosting its coordinator: the launcher generates the job's secret.
+    let dir = tempdir();
+    let args = [
+        "--steps".to_string(),
+        steps.to_string(),
+        "--ckpt".into(),
+        url(dir.path()),
+        every[0].into(),
+        every[1].into(),
+        "--log-every".into(),
+        "1".into(),
+    ];
+    let mut launch = Launch::start(&["--nproc", "2", "--min-ranks", "1"], &as_strs(&args));
+    launch.expect("of step 5", |l| l.contains("step 5 loss"));
+    let from_step_5 = Instant::now();
+    let mut pids: Vec<i32> = pids(&launch.seen).into_iter().map(|(_, p)| p).collect();
+    pids.push(launch.child.id() as i32);
+    let ports = listening_ports(&pids);
+    assert!(
+        ports.len() >= 4,
+        "a coordinator, a node agent and two copy servers at least: {ports:?}"
+    );
+    std::thread::scope(|scope| {
+        for t in 0..4 {
+            let (ports, stranger) = (&ports, &stranger);
+            scope.spawn(move || {
+                for i in (t..FLOOD).step_by(4) {
+                    let port = ports[i % ports.len()];
+                    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                        continue;
+                    };
+                    if i % 10 == 0 {
+                        // A stranger that speaks the handshake, with its own secret.
+                        let _ = ckpt_auth::prove_tcp(&stream, stranger);
+                    } else {
+                        let _ = std::io::Write::write_all(&mut stream, b"GET / HTTP/1.1\r\n\r\n");
+                    }
+                }
+            });
+        }
+    });
+    eprintln!(
+        "{FLOOD} connections to ports {ports:?} in {:.1} s",
+        from_step_5.elapsed().as_secs_f64()
+    );
+    assert!(
+        launch.child.try_wait().unwrap().is_none(),
+        "the job was still running when the flood ended (or the test proves nothing)"
+    );
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the job must finish:\n{output}");
+    assert!(
+        !output.contains("recovery:"),
+        "no generation may end:\n{output}"
+    );
+    assert_identical(reference_dir.path(), dir.path());
+    for service in ["coordinator", "node agent", "copies"] {
+        assert!(
+            output
+                .lines()
+                .any(|l| l.contains("connection refused") && l.contains(service)),
+            "{service} logs what it refused, with the peer:\n{output}"
+        );
+    }
+}
