@@ -435,7 +435,20 @@ fn with_timeouts<T>(
 
 /// [`prove`] on a TCP stream, bounded by [`HANDSHAKE_TIMEOUT`].
 pub fn prove_tcp(stream: &TcpStream, secret: &JobSecret) -> Result<(), AuthError> {
-    with_timeouts(stream, HANDSHAKE_TIMEOUT, |s| prove(s, secret))
+    prove_tcp_within(stream, secret, HANDSHAKE_TIMEOUT)
+}
+
+/// [`prove`] on a TCP stream, each read and write bounded by `timeout` (a caller
+/// with a deadline of its own: a peer that listens before it accepts is a wait,
+/// not a failure). The stream's own timeouts are put back afterwards.
+pub fn prove_tcp_within(
+    stream: &TcpStream,
+    secret: &JobSecret,
+    timeout: Duration,
+) -> Result<(), AuthError> {
+    with_timeouts(stream, timeout.max(Duration::from_millis(1)), |s| {
+        prove(s, secret)
+    })
 }
 
 /// [`check`] on a TCP stream, bounded by [`HANDSHAKE_TIMEOUT`].

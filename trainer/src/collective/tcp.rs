@@ -274,20 +274,14 @@ fn prove_until(
     secret: Option<&JobSecret>,
     deadline: Instant,
 ) -> Result<(), AuthError> {
-    let Some(secret) = secret else {
-        return Ok(());
-    };
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
-    let (read, write) = (stream.read_timeout()?, stream.write_timeout()?);
-    stream.set_read_timeout(Some(left))?;
-    stream.set_write_timeout(Some(left))?;
-    let mut s = stream;
-    let result = ckpt_auth::prove(&mut s, secret);
-    stream.set_read_timeout(read)?;
-    stream.set_write_timeout(write)?;
-    result
+    match secret {
+        None => Ok(()),
+        Some(secret) => ckpt_auth::prove_tcp_within(
+            stream,
+            secret,
+            deadline.saturating_duration_since(Instant::now()),
+        ),
+    }
 }
 
 /// Why the job-secret handshake with the peer at `addr` failed, for an error that
