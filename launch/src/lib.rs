@@ -305,11 +305,7 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
     let run_id = std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id());
     // Every rank of this job is started here: a secret of its own unless the
     // environment holds the job's (which the ranks inherit).
-    let generated_secret = match JobSecret::from_env() {
-        Err(e) => return Err(std::io::Error::new(ErrorKind::InvalidInput, e)),
-        Ok(Some(_)) => None,
-        Ok(None) => Some(JobSecret::generate_text().map_err(std::io::Error::other)?),
-    };
+    let (_, generated_secret) = job_secret(true)?;
     let mut children: Vec<Option<Child>> = Vec::with_capacity(config.nproc);
     let mut pumps = Vec::new();
     let mut pgid = 0;
@@ -702,20 +698,17 @@ fn start_node(
 }
 
 /// The job's secret: the one the environment names ([`ckpt_auth::SECRET_ENV`] or
-/// [`ckpt_auth::SECRET_FILE_ENV`], which the ranks inherit), else one generated here
-/// when no other launcher can be part of the job (it hosts the control plane's
-/// only entry and its ranks are the most the job holds) — returned as text too, to
-/// pass to the ranks. Otherwise none, said once: the control plane then admits any
-/// process that reaches it, as every launcher would need the same secret.
-fn job_secret(
-    config: &LaunchConfig,
-    elastic: &ElasticLaunch,
-) -> std::io::Result<(Option<JobSecret>, Option<String>)> {
+/// [`ckpt_auth::SECRET_FILE_ENV`], which the ranks inherit), else, when `alone` (no
+/// other launcher can be part of the job: a fixed launch, or an elastic one that
+/// hosts the control plane's only entry with its ranks the most the job holds), one
+/// generated here, returned as text too, to pass to the ranks. Otherwise none, said
+/// once: the control plane then admits any process that reaches it, as every
+/// launcher would need the same secret.
+fn job_secret(alone: bool) -> std::io::Result<(Option<JobSecret>, Option<String>)> {
     let invalid = |e: ckpt_auth::SecretError| std::io::Error::new(ErrorKind::InvalidInput, e);
     if let Some(secret) = JobSecret::from_env().map_err(invalid)? {
         return Ok((Some(secret), None));
     }
-    let alone = elastic.rdzv.is_none() && elastic.max_ranks <= config.nproc;
     if !alone {
         say(format_args!(
             "launch: no job secret ({} or {}): the control plane admits any process that reaches it (docs/ELASTIC.md, \"A job secret\")",
@@ -763,7 +756,8 @@ fn start_etcd_node(
 
 fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Result<i32> {
     signals::install();
-    let (secret, generated_secret) = job_secret(config, elastic)?;
+    let alone = elastic.rdzv.is_none() && elastic.max_ranks <= config.nproc;
+    let (secret, generated_secret) = job_secret(alone)?;
     let (plane, rdzv) = match &elastic.etcd {
         #[cfg(feature = "etcd")]
         Some(url) => {
