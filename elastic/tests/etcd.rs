@@ -50,6 +50,22 @@ fn start_with(
     (launcher, planes, job)
 }
 
+/// Waits (20 s at most) for `plane`'s directive about `generation`, which must be a
+/// restart.
+fn await_restart(plane: &EtcdControlPlane, generation: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no restart of generation {generation}"
+        );
+        if let Some(d) = plane.watch(generation, Duration::from_millis(200)).unwrap() {
+            assert!(matches!(d, Directive::Restart { .. }), "{d:?}");
+            return;
+        }
+    }
+}
+
 /// Every plane rendezvous at once (after `after`); returns the assignments.
 fn rendezvous_all(planes: &[Arc<EtcdControlPlane>], after: u64) -> Vec<ckpt_elastic::Assignment> {
     let threads: Vec<_> = planes
@@ -297,16 +313,7 @@ fn hundreds_of_node_members_form_one_generation_and_survive_a_lost_node() {
     drop(planes.pop());
     std::thread::scope(|scope| {
         for plane in &planes {
-            scope.spawn(move || {
-                let deadline = Instant::now() + Duration::from_secs(20);
-                loop {
-                    assert!(Instant::now() < deadline, "no restart");
-                    if let Some(d) = plane.watch(g1, Duration::from_millis(200)).unwrap() {
-                        assert!(matches!(d, Directive::Restart { .. }), "{d:?}");
-                        return;
-                    }
-                }
-            });
+            scope.spawn(move || await_restart(plane, g1));
         }
     });
     let told = lost.elapsed();
@@ -374,14 +381,7 @@ fn members_on_a_shared_runtime_form_and_leave_no_task_behind() {
     );
     drop(planes.pop());
     for plane in &planes {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            assert!(Instant::now() < deadline, "no restart after a member left");
-            if let Some(d) = plane.watch(g1, Duration::from_millis(200)).unwrap() {
-                assert!(matches!(d, Directive::Restart { .. }), "{d:?}");
-                break;
-            }
-        }
+        await_restart(plane, g1);
     }
     let next = rendezvous_all(&planes, g1);
     assert!(next.iter().all(|a| a.generation > g1 && a.members == 2));
