@@ -316,6 +316,15 @@ impl Agent {
         self.shared.plane.report(generation, &report)
     }
 
+    /// Sends a report about the current generation and waits up to `timeout` until
+    /// the control plane has handled it ([`ControlPlane::report_handled`]).
+    pub fn report_handled(&self, report: Report, timeout: Duration) -> Result<(), ElasticError> {
+        let generation = self.shared.generation().unwrap_or(0);
+        self.shared
+            .plane
+            .report_handled(generation, &report, timeout)
+    }
+
     /// Sets a key in the current generation.
     pub fn kv_set(&self, key: &str, value: &str) -> Result<(), ElasticError> {
         let generation = self.current()?;

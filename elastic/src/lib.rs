@@ -349,6 +349,20 @@ pub trait ControlPlane: Send + Sync {
     fn watch(&self, generation: u64, timeout: Duration) -> Result<Option<Directive>, ElasticError>;
     /// Tells the control plane something about `generation` (see [`Report`]).
     fn report(&self, generation: u64, report: &Report) -> Result<(), ElasticError>;
+    /// Like [`report`](ControlPlane::report), but returns only once the control plane
+    /// has handled the report (waiting up to `timeout`): a member that failed says
+    /// so before it closes its collectives, and its peers' errors about the closed
+    /// connections cannot reach the control plane first. Backends whose `report`
+    /// returns once the report is stored (etcd) keep this default.
+    fn report_handled(
+        &self,
+        generation: u64,
+        report: &Report,
+        timeout: Duration,
+    ) -> Result<(), ElasticError> {
+        let _ = timeout;
+        self.report(generation, report)
+    }
     /// Generation-scoped key-value space for bootstrapping collectives.
     fn kv_set(&self, generation: u64, key: &str, value: &str) -> Result<(), ElasticError>;
     /// From now on this member holds `ranks` ranks (see [`Member::ranks`]): a node's

@@ -489,6 +489,12 @@ impl Shared {
                 state.send(c, &error(text, false));
                 Ok(false)
             }
+            ClientMessage::Sync { token } => {
+                // A rank's messages are handled in order, and what a report sends
+                // upstream is on its way before this answer.
+                state.send(c, &ServerMessage::Synced { token });
+                Ok(false)
+            }
         }
     }
 

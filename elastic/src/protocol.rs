@@ -89,6 +89,15 @@ pub enum ClientMessage {
         /// The value.
         value: String,
     },
+    /// Answer with [`ServerMessage::Synced`] carrying `token` once every message sent
+    /// before this one on the connection was handled: how a member knows that a
+    /// report reached the control plane before it does what the report warns of
+    /// (a rank that failed reports it, syncs, and only then closes its
+    /// collectives, so that its peers' errors cannot overtake its own).
+    Sync {
+        /// Echoed in the answer.
+        token: u64,
+    },
 }
 
 /// A message from the coordinator to a member.
@@ -120,6 +129,12 @@ pub enum ServerMessage {
         key: String,
         /// The value.
         value: String,
+    },
+    /// Every message before the member's [`ClientMessage::Sync`] with this token was
+    /// handled.
+    Synced {
+        /// The sync's token.
+        token: u64,
     },
     /// The member's last message was refused.
     Error {

@@ -102,6 +102,13 @@ struct State {
     /// A fatal refusal: the coordinator will never accept this member.
     rejected: Option<String>,
     shutdown: Option<String>,
+    /// The token of the newest [`ClientMessage::Sync`] sent, and of the newest
+    /// answered.
+    sync_sent: u64,
+    synced: u64,
+    /// Connections lost so far: a sync sent on a connection that broke is never
+    /// answered.
+    disconnects: u64,
 }
 
 impl State {
@@ -161,6 +168,7 @@ impl State {
                     self.kv.insert(key, value);
                 }
             }
+            ServerMessage::Synced { token } => self.synced = self.synced.max(token),
             ServerMessage::Error { message, fatal } => {
                 warn!(coordinator = %addr, fatal, "coordinator refused a message: {message}");
                 if fatal {
@@ -224,6 +232,62 @@ impl Inner {
             )));
         }
         Ok(())
+    }
+
+    /// Sends a [`ClientMessage::Sync`] and waits up to `timeout` for its answer: every
+    /// message sent before it was handled.
+    fn sync(self: &Arc<Self>, timeout: Duration) -> Result<(), ElasticError> {
+        let (token, connection) = {
+            // The token is taken under the writer's lock, so that tokens go out in
+            // order and an answer to a later one covers an earlier one.
+            let mut writer = self.lock_writer();
+            let Some(stream) = writer.as_mut() else {
+                return Err(ElasticError::Io(format!(
+                    "not connected to the coordinator at {} (reconnecting)",
+                    self.addr
+                )));
+            };
+            let (token, connection) = {
+                let mut state = self.lock();
+                state.sync_sent += 1;
+                (state.sync_sent, state.disconnects)
+            };
+            let line = protocol::encode(&ClientMessage::Sync { token })
+                .map_err(|e| ElasticError::Rejected(e.to_string()))?;
+            if let Err(e) = stream.write_all(line.as_bytes()) {
+                let _ = stream.shutdown(Shutdown::Both);
+                *writer = None;
+                return Err(ElasticError::Io(format!(
+                    "cannot write to the coordinator at {}: {e}",
+                    self.addr
+                )));
+            }
+            (token, connection)
+        };
+        let addr = self.addr;
+        self.wait(
+            None,
+            Some(Instant::now() + timeout),
+            |state, _| {
+                if state.synced >= token {
+                    Some(Ok(()))
+                } else if let Some(reason) = &state.rejected {
+                    Some(Err(ElasticError::Rejected(reason.clone())))
+                } else {
+                    (state.disconnects != connection).then(|| {
+                        Err(ElasticError::Io(format!(
+                            "the connection to the coordinator at {addr} broke before it answered"
+                        )))
+                    })
+                }
+            },
+            || {
+                Err(ElasticError::Timeout(format!(
+                    "the coordinator at {addr} did not answer a sync within {} ms",
+                    timeout.as_millis()
+                )))
+            },
+        )
     }
 
     /// Says hello on a fresh connection (claiming the running generation, repeating
@@ -300,6 +364,7 @@ impl Inner {
         }
         let mut state = self.lock();
         state.welcomed = false;
+        state.disconnects += 1;
         state.disconnected_since.get_or_insert_with(Instant::now);
         self.changed.notify_all();
     }
@@ -593,6 +658,16 @@ impl ControlPlane for TcpControlPlane {
             generation,
             report: report.clone(),
         })
+    }
+
+    fn report_handled(
+        &self,
+        generation: u64,
+        report: &Report,
+        timeout: Duration,
+    ) -> Result<(), ElasticError> {
+        self.report(generation, report)?;
+        self.inner.sync(timeout)
     }
 
     fn kv_set(&self, generation: u64, key: &str, value: &str) -> Result<(), ElasticError> {

@@ -67,6 +67,18 @@ fn agents(addr: SocketAddr, ids: std::ops::Range<usize>) -> Vec<Agent> {
     ids.map(|i| agent_on(plane(addr, i))).collect()
 }
 
+/// A coordinator of one to three ranks, and members m0, m1, m2 in its first
+/// generation (returned).
+fn three_in_one_generation() -> (CoordinatorHandle, Vec<Agent>, u64) {
+    let coordinator = start(config(1, 3));
+    let agents = agents(coordinator.local_addr(), 0..3);
+    let generation = assert_one_generation(
+        &rendezvous_all(&agents.iter().collect::<Vec<_>>()),
+        &["m0", "m1", "m2"],
+    );
+    (coordinator, agents, generation)
+}
+
 /// A rendezvous on its own thread, cancellable.
 fn spawn_rendezvous(
     plane: Arc<TcpControlPlane>,
@@ -783,13 +795,40 @@ fn a_waiting_member_and_a_commit_regroup_the_world_into_a_bigger_generation() {
 }
 
 #[test]
-fn fatal_and_leaving_reports_drop_the_reporting_member() {
-    let coordinator = start(config(1, 3));
-    let agents = agents(coordinator.local_addr(), 0..3);
-    let g1 = assert_one_generation(
-        &rendezvous_all(&agents.iter().collect::<Vec<_>>()),
-        &["m0", "m1", "m2"],
+fn a_report_waited_for_is_handled_when_the_call_returns() {
+    let (coordinator, agents, g1) = three_in_one_generation();
+    agents[2]
+        .report_handled(
+            Report::Fatal {
+                reason: "device lost".into(),
+            },
+            PATIENCE,
+        )
+        .unwrap();
+    // No wait: the generation already ended on m2's account, so a peer's error about
+    // m2's closed connections, sent from now on, cannot be taken for the cause.
+    let ended: Vec<Event> = coordinator
+        .events()
+        .into_iter()
+        .filter(|e| matches!(e, Event::Ended { generation, .. } if *generation == g1))
+        .collect();
+    assert!(
+        matches!(&ended[..], [Event::Ended { cause, .. }] if cause.contains("m2") && cause.contains("device lost")),
+        "{ended:?}"
     );
+    agents[0]
+        .report(Report::CollectiveFailed {
+            peer: Some(2),
+            reason: "lost rank 2: broken pipe".into(),
+        })
+        .unwrap();
+    let g2 = assert_one_generation(&rendezvous_all(&[&agents[0], &agents[1]]), &["m0", "m1"]);
+    assert!(g2 > g1);
+}
+
+#[test]
+fn fatal_and_leaving_reports_drop_the_reporting_member() {
+    let (coordinator, agents, g1) = three_in_one_generation();
 
     agents[2]
         .report(Report::Fatal {

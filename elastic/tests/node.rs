@@ -14,7 +14,7 @@ use common::{rendezvous_all, settings};
 
 use ckpt_elastic::{
     Agent, AgentConfig, Coordinator, CoordinatorConfig, CoordinatorHandle, Directive, Event,
-    Member, NodeAgent, NodeConfig, TcpControlPlane, Timeouts,
+    Member, NodeAgent, NodeConfig, Report, TcpControlPlane, Timeouts,
 };
 
 const JOB: &str = "node-test";
@@ -213,6 +213,44 @@ fn a_rank_killed_is_named_and_its_node_comes_back_holding_fewer() {
         next[0].cause.contains("lost member m1"),
         "{}",
         next[0].cause
+    );
+}
+
+#[test]
+fn a_rank_that_fails_is_named_even_when_its_peers_report_their_broken_collectives_at_once() {
+    let world = two_nodes_of_two();
+    // m1 fails and waits until its node has the report; only then does it close its
+    // collectives, and its peer on the same node reports the broken connection at
+    // once. The node's two reports travel upstream in that order.
+    world
+        .rank(1)
+        .report_handled(
+            Report::Fatal {
+                reason: "device error".into(),
+            },
+            PATIENCE,
+        )
+        .unwrap();
+    world
+        .rank(0)
+        .report(Report::CollectiveFailed {
+            peer: Some(1),
+            reason: "all_gather: lost rank 1: broken pipe".into(),
+        })
+        .unwrap();
+    for i in [0, 2, 3] {
+        let cause = restarted(world.rank(i));
+        assert!(
+            cause.contains("m1") && cause.contains("device error"),
+            "rank {i}: {cause}"
+        );
+    }
+    let survivors: Vec<&Agent> = [0, 2, 3].iter().map(|&i| world.rank(i).as_ref()).collect();
+    let next = rendezvous_all(&survivors);
+    assert_eq!(
+        next.iter().map(|a| a.world_size).collect::<Vec<_>>(),
+        [3, 3, 3],
+        "the failed rank is not waited for"
     );
 }
 

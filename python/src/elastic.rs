@@ -19,6 +19,9 @@ use pyo3::types::PyDict;
 
 use super::ElasticError;
 
+/// How long a "fatal" report waits for the control plane to handle it.
+const FATAL_REPORT_WAIT: Duration = Duration::from_secs(2);
+
 /// The generations whose abort hook fired, newest last, and the sockets the hook
 /// shuts down.
 #[derive(Default)]
@@ -255,7 +258,8 @@ impl Agent {
 
     /// Tells the control plane about the current generation. `kind`: "committed",
     /// "ended", "finished" (with `step`), "leaving", "fatal" (with `reason`),
-    /// "collective_failed" (with `reason`, and `peer` when known).
+    /// "collective_failed" (with `reason`, and `peer` when known). A "fatal" report
+    /// returns once the control plane has handled it (up to 2 s).
     #[pyo3(signature = (kind, *, step = None, reason = None, peer = None))]
     fn report(
         &self,
@@ -284,6 +288,13 @@ impl Agent {
                 )));
             }
         };
+        if matches!(report, Report::Fatal { .. }) {
+            // The caller aborts its process group next: the control plane must have
+            // this report before the peers' errors about the closed connections.
+            return py
+                .detach(|| self.agent.report_handled(report, FATAL_REPORT_WAIT))
+                .map_err(to_py);
+        }
         py.detach(|| self.agent.report(report)).map_err(to_py)
     }
 

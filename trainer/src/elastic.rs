@@ -35,6 +35,10 @@ use crate::train::{
     Checkpointing, Outcome, Stats, Supervisor, TrainConfig, TrainError, run_supervised,
 };
 
+/// How long a rank that failed waits for the control plane to handle its report
+/// before it closes its collectives anyway.
+const FATAL_REPORT_WAIT: Duration = Duration::from_secs(2);
+
 /// How an elastic rank ended.
 #[derive(Debug)]
 pub enum Exit {
@@ -433,12 +437,16 @@ pub fn run(
                         }
                         TrainError::Cancelled(_) => {}
                         _ => {
-                            // Report before aborting: the peers notice the abort at
-                            // once and would otherwise report a collective failure
-                            // first, which names no culprit.
-                            let _ = agent.report(Report::Fatal {
-                                reason: e.to_string(),
-                            });
+                            // Report, and wait until the control plane has it, before
+                            // aborting: the peers notice the abort at once and would
+                            // otherwise report a collective failure first, which names
+                            // no culprit.
+                            let _ = agent.report_handled(
+                                Report::Fatal {
+                                    reason: e.to_string(),
+                                },
+                                FATAL_REPORT_WAIT,
+                            );
                             comm.abort();
                             return Exit::Failed(e.to_string());
                         }

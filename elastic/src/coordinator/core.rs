@@ -332,7 +332,7 @@ impl Core {
                 vec![*seen, claim.as_ref().map_or(0, |a| a.generation)]
             }
             ClientMessage::Rendezvous { after } => vec![*after],
-            ClientMessage::Hold { .. } => Vec::new(),
+            ClientMessage::Hold { .. } | ClientMessage::Sync { .. } => Vec::new(),
             ClientMessage::Heartbeat { generation, .. }
             | ClientMessage::Report { generation, .. }
             | ClientMessage::KvSet { generation, .. } => vec![*generation],
@@ -386,6 +386,12 @@ impl Core {
                 value,
             } => {
                 self.kv_set(c, generation, key, value);
+                Outcome::Continue
+            }
+            ClientMessage::Sync { token } => {
+                // The connection's messages are handled in order: all before this
+                // one are done.
+                self.send(c, &ServerMessage::Synced { token });
                 Outcome::Continue
             }
         }
