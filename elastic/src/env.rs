@@ -6,7 +6,9 @@
 //! (`CKPT_MEMBER_ID`) and its node (`CKPT_NODE_ID`); `CKPT_RDZV` is the launcher's
 //! own address, since the launcher stands for its node's ranks in the control plane.
 //! A rank started by hand on etcd (`CKPT_RDZV=etcd://…`) is a member of its own, under
-//! a lease of its own or one named by `CKPT_ETCD_LEASE`.
+//! a lease of its own or one named by `CKPT_ETCD_LEASE`, with etcd's TLS and user
+//! from `CKPT_ETCD_CACERT`… ([`EtcdSettings::from_env`](crate::EtcdSettings::from_env)
+//! with the `etcd` feature).
 //! Every kind of rank reads them here — the reference trainer and a Python script
 //! through the binding alike — so that the two cannot drift apart.
 
@@ -137,7 +139,8 @@ impl RankEnv {
     }
 
     /// Joins the control plane (connects; does not rendezvous). The error names the
-    /// member and the control plane.
+    /// member and the control plane. On etcd, TLS and the user come from the
+    /// environment (`CKPT_ETCD_CACERT`…).
     pub fn connect(&self) -> Result<Arc<dyn ControlPlane>, String> {
         let who = &self.member.id;
         match &self.rdzv {
@@ -151,14 +154,18 @@ impl RankEnv {
                     .map_err(|e| format!("member {who}: coordinator {addr}: {e}"))
             }
             #[cfg(feature = "etcd")]
-            Rdzv::Etcd(url) => super::EtcdControlPlane::connect(
-                url,
-                self.member.clone(),
-                self.etcd_lease,
-                super::EtcdSettings::default(),
-            )
-            .map(|p| Arc::new(p) as Arc<dyn ControlPlane>)
-            .map_err(|e| format!("member {who}: {url}: {e}")),
+            Rdzv::Etcd(url) => {
+                let settings = super::EtcdSettings::from_env()
+                    .map_err(|e| format!("member {who}: {url}: {e}"))?;
+                super::EtcdControlPlane::connect(
+                    url,
+                    self.member.clone(),
+                    self.etcd_lease,
+                    settings,
+                )
+                .map(|p| Arc::new(p) as Arc<dyn ControlPlane>)
+                .map_err(|e| format!("member {who}: {url}: {e}"))
+            }
             #[cfg(not(feature = "etcd"))]
             Rdzv::Etcd(url) => Err(format!(
                 "member {who}: {url}: this program was built without the etcd backend (the `etcd` feature)"

@@ -109,7 +109,7 @@ pub use coordinator::{Coordinator, CoordinatorConfig, CoordinatorHandle, Event, 
 pub use env::{RankEnv, Rdzv};
 pub use etcd::EtcdUrl;
 #[cfg(feature = "etcd")]
-pub use etcd::{EtcdControlPlane, EtcdJob, EtcdSettings};
+pub use etcd::{EtcdControlPlane, EtcdJob, EtcdSettings, EtcdTls, EtcdUser};
 pub use node::{NodeAgent, NodeConfig};
 pub use tcp::{TcpControlPlane, TcpSettings};
 pub use timeouts::Timeouts;

@@ -482,8 +482,13 @@ impl Spawner<'_> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(self.pgid);
-        // A rank is a member of its node, not of etcd: no lease of its own.
+        // A rank is a member of its node, not of etcd: no lease of its own, and none
+        // of etcd's credentials (it talks to its node agent, with the job secret).
         command.env_remove("CKPT_ETCD_LEASE");
+        #[cfg(feature = "etcd")]
+        for name in ckpt_elastic::etcd::security::ALL_ENV {
+            command.env_remove(name);
+        }
         if let Some(text) = &self.generated_secret {
             command.env(ckpt_auth::SECRET_ENV, text);
         }
@@ -731,6 +736,7 @@ fn start_etcd_node(
     elastic: &ElasticLaunch,
     url: &ckpt_elastic::EtcdUrl,
     job: &ckpt_elastic::EtcdJob,
+    settings: ckpt_elastic::EtcdSettings,
     secret: Option<&JobSecret>,
 ) -> std::io::Result<NodeAgent> {
     let toward = ckpt_elastic::Rdzv::Etcd(url.clone())
@@ -738,13 +744,8 @@ fn start_etcd_node(
         .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
     let ip = ckpt_elastic::env::local_ip_towards(toward)?;
     let member = node_member(config, elastic, ip);
-    let upstream = ckpt_elastic::EtcdControlPlane::connect(
-        url,
-        member,
-        None,
-        ckpt_elastic::EtcdSettings::default(),
-    )
-    .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
+    let upstream = ckpt_elastic::EtcdControlPlane::connect(url, member, None, settings)
+        .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
     serve_node(
         std::sync::Arc::new(upstream),
         ip,
@@ -761,12 +762,12 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
     let (plane, rdzv) = match &elastic.etcd {
         #[cfg(feature = "etcd")]
         Some(url) => {
-            let job = ckpt_elastic::EtcdJob::connect(
-                url,
-                &elastic.coordinator,
-                ckpt_elastic::EtcdSettings::default(),
-            )
-            .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
+            // TLS and the etcd user (CKPT_ETCD_CACERT…): the launcher's handle and
+            // its node's member connect alike.
+            let settings = ckpt_elastic::EtcdSettings::from_env()
+                .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
+            let job = ckpt_elastic::EtcdJob::connect(url, &elastic.coordinator, settings.clone())
+                .map_err(|e| std::io::Error::other(format!("{url}: {e}")))?;
             let c = job.config();
             if job.adopted() {
                 say(format_args!(
@@ -774,7 +775,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
                     elastic.job, c.min_ranks, c.max_ranks, c.heartbeat_timeout_ms
                 ));
             }
-            let node = start_etcd_node(config, elastic, url, &job, secret.as_ref())?;
+            let node = start_etcd_node(config, elastic, url, &job, settings, secret.as_ref())?;
             let rdzv = node.local_addr().to_string();
             (
                 Plane::Etcd {

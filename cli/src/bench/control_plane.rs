@@ -421,14 +421,12 @@ fn upstream(
                 .ok_or("--backend etcd needs --etcd etcd://HOST:PORT[,…]/PREFIX")?;
             let url = ckpt_elastic::EtcdUrl::parse(url).map_err(|e| format!("{url}: {e}"))?;
             let runtime = etcd_runtime.ok_or("no runtime for the etcd clients")?;
-            let plane = ckpt_elastic::EtcdControlPlane::connect_in(
-                runtime,
-                &url,
-                member,
-                None,
-                ckpt_elastic::EtcdSettings::default(),
-            )
-            .map_err(|e| format!("node on etcd: {e}"))?;
+            // TLS and the etcd user from CKPT_ETCD_CACERT…, as a launcher takes them.
+            let settings =
+                ckpt_elastic::EtcdSettings::from_env().map_err(|e| format!("{url}: {e}"))?;
+            let plane =
+                ckpt_elastic::EtcdControlPlane::connect_in(runtime, &url, member, None, settings)
+                    .map_err(|e| format!("node on etcd: {e}"))?;
             Ok(Arc::new(plane))
         }
         #[cfg(not(feature = "etcd"))]
@@ -754,9 +752,9 @@ fn etcd_job(config: &Config, job: &str, min: usize, max: usize) -> Result<(), St
         timeouts: config.timeouts,
         ..ckpt_elastic::CoordinatorConfig::new(job, min, max)
     };
-    let handle =
-        ckpt_elastic::EtcdJob::connect(&url, &coordinator, ckpt_elastic::EtcdSettings::default())
-            .map_err(|e| format!("{url}: {e}"))?;
+    let settings = ckpt_elastic::EtcdSettings::from_env().map_err(|e| format!("{url}: {e}"))?;
+    let handle = ckpt_elastic::EtcdJob::connect(&url, &coordinator, settings)
+        .map_err(|e| format!("{url}: {e}"))?;
     // The settings stay in etcd; the handle is only the launcher's view.
     drop(handle);
     Ok(())

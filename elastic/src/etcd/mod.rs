@@ -67,12 +67,16 @@ mod mirror;
 #[cfg(feature = "etcd")]
 mod plane;
 #[cfg(feature = "etcd")]
+pub mod security;
+#[cfg(feature = "etcd")]
 mod store;
 
 #[cfg(feature = "etcd")]
 pub use job::EtcdJob;
 #[cfg(feature = "etcd")]
 pub use plane::EtcdControlPlane;
+#[cfg(feature = "etcd")]
+pub use security::{EtcdTls, EtcdUser};
 #[cfg(feature = "etcd")]
 pub use store::EtcdSettings;
 

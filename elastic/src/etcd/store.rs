@@ -28,16 +28,23 @@ use super::EtcdUrl;
 use super::member::TICK;
 use super::mirror::{Keys, MAX_RECORD, Mirror, apply_kv};
 use super::rules::{GenRecord, JobConfig};
+use super::security::{EtcdTls, EtcdUser, protocol_mismatch, refusal, tls_options};
 use crate::cancel::{Waker, wait_on};
 use crate::{Cancel, ElasticError};
 
-/// How the backend talks to etcd.
+/// How the backend talks to etcd. [`EtcdSettings::from_env`] is the default with
+/// TLS and the user from the environment (`CKPT_ETCD_CACERT`…), what every process
+/// that talks to etcd should use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdSettings {
     /// How long connecting waits for etcd and the job's settings (30 s).
     pub connect_timeout: Duration,
     /// Bound on one request (3 s): longer than an etcd leader election.
     pub request_timeout: Duration,
+    /// TLS to etcd (`None`: plaintext).
+    pub tls: Option<EtcdTls>,
+    /// The etcd user requests are made as (`None`: none, for a cluster without auth).
+    pub user: Option<EtcdUser>,
 }
 
 impl Default for EtcdSettings {
@@ -45,6 +52,8 @@ impl Default for EtcdSettings {
         EtcdSettings {
             connect_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(3),
+            tls: None,
+            user: None,
         }
     }
 }
@@ -54,6 +63,8 @@ impl Default for EtcdSettings {
 pub(super) struct Core {
     pub(super) handle: tokio::runtime::Handle,
     pub(super) client: Client,
+    /// The endpoints, `HOST:PORT`.
+    pub(super) hosts: Vec<String>,
     pub(super) keys: Keys,
     /// The member whose own record this client watches; `None`: a launcher's
     /// client, which watches the generation record alone.
@@ -69,8 +80,12 @@ pub(super) struct Core {
 }
 
 /// The request did not reach a serving member: the endpoint refused the connection
-/// or answered `Unavailable` (gRPC code 14).
-pub(super) fn unreachable_endpoint(e: &etcd_client::Error) -> bool {
+/// or answered `Unavailable` (gRPC code 14) — but not a TLS handshake that failed,
+/// which another endpoint would fail the same way ([`refusal`]).
+pub(super) fn unreachable_endpoint(e: &etcd_client::Error, settings: &EtcdSettings) -> bool {
+    if refusal(e, settings).is_some() {
+        return false;
+    }
     match e {
         etcd_client::Error::TransportError(_) => true,
         etcd_client::Error::GRpcStatus(status) => i32::from(status.code()) == 14,
@@ -80,6 +95,15 @@ pub(super) fn unreachable_endpoint(e: &etcd_client::Error) -> bool {
 
 pub(super) fn io(what: &str, e: impl std::fmt::Display) -> ElasticError {
     ElasticError::Io(format!("etcd {what}: {e}"))
+}
+
+/// An error of etcd's client: [`ElasticError::Rejected`] when TLS or etcd refused
+/// (retrying cannot help: see [`refusal`]), [`ElasticError::Io`] otherwise.
+pub(super) fn failed(what: &str, e: &etcd_client::Error, settings: &EtcdSettings) -> ElasticError {
+    match refusal(e, settings) {
+        Some(why) => ElasticError::Rejected(format!("etcd {what}: {why}")),
+        None => io(what, e),
+    }
 }
 
 impl Core {
@@ -105,23 +129,66 @@ impl Core {
                     .map_err(|e| io("runtime", e))?,
             ),
         };
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(settings.request_timeout)
             .with_timeout(settings.request_timeout)
             // HTTP/2 pings find a dead connection; etcd closes connections that
             // ping more often than every 5 s (--grpc-keepalive-min-time).
             .with_keep_alive(Duration::from_secs(10), settings.request_timeout)
             .with_require_leader(true);
-        let endpoints = url.endpoints.clone();
+        let mut endpoints = url.endpoints.clone();
+        if let Some(tls) = &settings.tls {
+            options = options.with_tls(tls_options(tls)?);
+            for endpoint in &mut endpoints {
+                *endpoint = endpoint.replacen("http://", "https://", 1);
+            }
+        }
+        if let Some(user) = &settings.user {
+            if settings.tls.is_none() {
+                warn!(user = %user.name, "the etcd password goes to etcd unencrypted: set CKPT_ETCD_CACERT to use TLS");
+            }
+            // Tokens expire (etcd's --auth-token-ttl, or a JWT's own): the client
+            // authenticates again when etcd says a token is no longer valid.
+            options = options
+                .with_user(user.name.clone(), user.password())
+                .with_auto_token_refresh(true);
+        }
+        let hosts: Vec<String> = url
+            .endpoints
+            .iter()
+            .map(|e| e.trim_start_matches("http://").to_owned())
+            .collect();
         let what = format!("connect to {url}");
+        let (checked, probed) = (settings.clone(), hosts.clone());
         let client = block(&runtime.handle, async move {
-            Client::connect(endpoints, Some(options))
-                .await
-                .map_err(|e| io(&what, e))
+            // With a user, connecting authenticates (one request), which is retried
+            // while etcd does not answer; without one, nothing is sent yet, and the
+            // first request (`settings_of`) finds out whether etcd accepts this client.
+            let deadline = tokio::time::Instant::now() + checked.connect_timeout;
+            let mut asked_tls = false;
+            loop {
+                let e = match Client::connect(&endpoints, Some(options.clone())).await {
+                    Ok(client) => return Ok(client),
+                    Err(e) => failed(&what, &e, &checked),
+                };
+                let ElasticError::Io(_) = e else {
+                    return Err(e);
+                };
+                if !std::mem::replace(&mut asked_tls, true)
+                    && let Some(refused) = protocol_mismatch(&probed, &checked, &e).await
+                {
+                    return Err(refused);
+                }
+                if tokio::time::Instant::now() + Duration::from_millis(100) >= deadline {
+                    return Err(e);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         })?;
         let core = Arc::new(Core {
             handle: runtime.handle.clone(),
             client,
+            hosts,
             keys: Keys { root },
             me: me.map(str::to_owned),
             settings,
@@ -160,7 +227,7 @@ impl Core {
         self.requests.fetch_add(1, Ordering::Relaxed);
         match tokio::time::timeout(self.settings.request_timeout, future).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(io(what, e)),
+            Ok(Err(e)) => Err(failed(what, &e, &self.settings)),
             Err(_) => Err(io(
                 what,
                 format!(
@@ -201,8 +268,8 @@ impl Core {
             let limit = deadline.min(tokio::time::Instant::now() + attempt_limit);
             let error = match tokio::time::timeout_at(limit, make(self.client.clone())).await {
                 Ok(Ok(v)) => return Ok(v),
-                Ok(Err(e)) if unreachable_endpoint(&e) => e.to_string(),
-                Ok(Err(e)) => return Err(io(what, e)),
+                Ok(Err(e)) if unreachable_endpoint(&e, &self.settings) => e.to_string(),
+                Ok(Err(e)) => return Err(failed(what, &e, &self.settings)),
                 Err(_) => format!(
                     "no answer within {} ms",
                     limit.duration_since(started).as_millis()
@@ -642,6 +709,7 @@ pub(super) async fn settings_of(
 ) -> Result<(JobConfig, bool), ElasticError> {
     let key = core.keys.config();
     let mut last_error = None;
+    let mut asked_tls = false;
     while Instant::now() < deadline {
         let attempt = async {
             if let Some(config) = publish {
@@ -689,6 +757,12 @@ pub(super) async fn settings_of(
         match attempt.await {
             Ok(Some(found)) => return Ok(found),
             Ok(None) => last_error = Some(format!("no job settings at {key}")),
+            Err(e @ ElasticError::Io(_)) if !std::mem::replace(&mut asked_tls, true) => {
+                if let Some(refused) = protocol_mismatch(&core.hosts, &core.settings, &e).await {
+                    return Err(refused);
+                }
+                last_error = Some(e.to_string());
+            }
             Err(ElasticError::Io(e)) => last_error = Some(e),
             Err(e) => return Err(e),
         }
