@@ -18,6 +18,14 @@
 //! is then checked over the memory it landed in; a block that fails leaves the load
 //! failed, never delivered. Other stores and compressed files go through ranged gets:
 //! verify (and decompress) the fetched bytes, then copy the runs out.
+//!
+//! A remote store's bytes cross a network, where a byte can change after TCP checked
+//! it (a middlebox, a NIC): blocks, or a rank part, that fail their checksums as read
+//! from S3, GCS or Azure are read again, up to three reads in all, before the
+//! failure counts as corruption at rest (and [`load_latest`] falls back to the commit
+//! before). A damaged response thus costs one more request, not the checkpoint;
+//! bytes damaged in storage fail every read, and the error names the object, the
+//! offset and the number of reads. Local disk and memory are read once.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -352,23 +360,31 @@ impl CheckpointReader {
             )
             .into());
         }
-        let bytes = self
-            .store
-            .get_range(&key, 0..entry.part_bytes)
-            .await
-            .map_err(missing)?;
-        let crc = crc32fast::hash(&bytes);
-        if crc != entry.part_crc32 {
-            return Err(FormatError::new(
+        let mut reads = 0;
+        let bytes = loop {
+            let bytes = self
+                .store
+                .get_range(&key, 0..entry.part_bytes)
+                .await
+                .map_err(missing)?;
+            reads += 1;
+            let crc = crc32fast::hash(&bytes);
+            if crc == entry.part_crc32 {
+                break bytes;
+            }
+            let e = Error::from(FormatError::new(
                 &key,
-                None,
+                Some(0),
                 format!(
                     "crc32 {crc:08x}, the manifest says {:08x}",
                     entry.part_crc32
                 ),
-            )
-            .into());
-        }
+            ));
+            if reads >= reads_on_mismatch(&self.store) {
+                return Err(read_again(e, reads));
+            }
+            warn!(object = %key, error = %e, "a rank part failed its checksum as read from a remote store; reading it again (damaged in flight?)");
+        };
         let part = RankPart::parse(&bytes, &key)?;
         self.assignments
             .get_or_init(|| Assignments::new(&self.manifest))
@@ -1313,23 +1329,37 @@ impl FileRead {
         let mut tally = Tally::default();
         let mut done = futures::stream::iter(jobs)
             .map(|(blocks, copies)| async move {
-                let started = Instant::now();
-                let stored = crate::blocks::fetch(store, &this.object, &this.map, &blocks).await?;
-                let waited = started.elapsed();
-                // Verified and copied within this poll (see `read_plan`).
-                let mut tally = in_this_poll(|| {
-                    verify_and_copy(
-                        &this.object,
-                        &this.part,
-                        &this.map,
-                        &this.dest,
-                        blocks,
-                        stored,
-                        &copies,
-                    )
-                })?;
-                tally.timings.read += waited;
-                Ok::<_, Error>(tally)
+                let mut waited = Duration::ZERO;
+                let mut reads = 0;
+                loop {
+                    let started = Instant::now();
+                    let stored =
+                        crate::blocks::fetch(store, &this.object, &this.map, &blocks).await?;
+                    waited += started.elapsed();
+                    reads += 1;
+                    // Verified and copied within this poll (see `read_plan`); a batch
+                    // that fails its checks copies nothing.
+                    match in_this_poll(|| {
+                        verify_and_copy(
+                            &this.object,
+                            &this.part,
+                            &this.map,
+                            &this.dest,
+                            blocks.clone(),
+                            stored,
+                            &copies,
+                        )
+                    }) {
+                        Ok(mut tally) => {
+                            tally.timings.read += waited;
+                            return Ok::<_, Error>(tally);
+                        }
+                        Err(e) if e.is_corruption() && reads < reads_on_mismatch(store) => {
+                            warn!(object = %this.object, blocks = ?blocks, error = %e, "blocks failed their checks as read from a remote store; reading them again (damaged in flight?)");
+                        }
+                        Err(e) => return Err(read_again(e, reads)),
+                    }
+                }
             })
             .buffered(in_flight_batches);
         while let Some(batch) = done.try_next().await? {
@@ -1337,6 +1367,29 @@ impl FileRead {
         }
         Ok(tally)
     }
+}
+
+/// How many times blocks (or a rank part) that fail their checksums are read before
+/// the failure counts as corruption at rest: three from a remote store, where bytes
+/// cross a network and its middleboxes and a damaged response is transient (the
+/// block CRC32 finds it; a second read gets the stored bytes); once from local disk
+/// or memory, where reading again returns the same bytes.
+fn reads_on_mismatch(store: &Store) -> u32 {
+    match store.backend() {
+        ckpt_storage::Backend::Local | ckpt_storage::Backend::Memory => 1,
+        _ => 3,
+    }
+}
+
+/// A corruption error found on every one of `reads` reads, saying so.
+fn read_again(mut e: Error, reads: u32) -> Error {
+    if reads > 1
+        && let Error::Corrupt(f) = &mut e
+    {
+        f.message
+            .push_str(&format!(" (the same in {reads} reads: damaged at rest)"));
+    }
+    e
 }
 
 /// A reader of raw bytes of a plain file into memory: `read(at, buffers)` fills

@@ -8,8 +8,11 @@
 
 use ckpt::storage::{Store, StoreConfig};
 use ckpt::tools::verify::{VerifyOptions, verify};
-use ckpt::{CheckpointConfig, CheckpointReader, Checkpointer, DType, LoadRequest, Region, State};
-use ckpt_chaos::storage_proxy::{StorageFault, StorageProxy};
+use ckpt::{
+    CheckpointConfig, CheckpointReader, Checkpointer, DType, LoadRequest, Region, State,
+    load_latest,
+};
+use ckpt_chaos::storage_proxy::{Direction, StorageFault, StorageProxy};
 
 const PART: usize = ckpt::storage::MIN_PART_SIZE;
 
@@ -124,4 +127,202 @@ async fn errors_and_resets_within_the_retry_budget_cost_a_multipart_save_nothing
         .unwrap();
     assert!(report.ok, "{:?}", report.faults);
     assert!(read_back(&store, 7, &shape).await == data);
+}
+
+/// 64 KiB of f32, different per step: one plain data file written in one PUT and
+/// read back in one ranged GET, as the reference trainer's tiny checkpoints are.
+fn small_weights(step: u64) -> Vec<u8> {
+    (0..16 * 1024u32)
+        .flat_map(|i| (i as f32 * 0.25 + step as f32).to_le_bytes())
+        .collect()
+}
+
+/// Saves `small_weights(step)` as tensor `w` and waits for its commit.
+async fn save_small(saver: &Checkpointer, step: u64) -> Vec<u8> {
+    let data = small_weights(step);
+    let mut state = State::new();
+    state
+        .add_dim0_shard("w", DType::F32, &[16 * 1024], 0, 1, &data)
+        .unwrap();
+    saver
+        .save(step, &state)
+        .await
+        .unwrap()
+        .committed()
+        .await
+        .unwrap();
+    data
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_flipped_in_a_read_is_read_again_and_the_load_succeeds() {
+    let Some((endpoint, bucket)) = server() else {
+        return;
+    };
+    let proxy = StorageProxy::start(&endpoint).unwrap();
+    let store = store_through(&proxy, &bucket, "corrupt-get");
+    let saver = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 1)).unwrap();
+    save_small(&saver, 1).await;
+    let data = save_small(&saver, 2).await;
+
+    // The block CRC32 finds the damaged response; a second read gets the stored
+    // bytes: the newest checkpoint loads, bitwise, and is not taken for corrupt.
+    let reads_before = store.requests();
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Get,
+        count: 1,
+    });
+    let (reader, mut loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(proxy.stats().corrupted, 1, "the fault met a read");
+    assert_eq!(reader.step(), 2, "no fallback for a damaged response");
+    assert!(
+        loaded.tensors.remove(0).data == data,
+        "step 2 loads bitwise"
+    );
+    assert!(
+        store.requests() > reads_before,
+        "the load went through the store"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_damaged_every_time_falls_back_naming_the_object_and_offset() {
+    let Some((endpoint, bucket)) = server() else {
+        return;
+    };
+    let proxy = StorageProxy::start(&endpoint).unwrap();
+    let store = store_through(&proxy, &bucket, "corrupt-get-thrice");
+    let saver = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 1)).unwrap();
+    let one = save_small(&saver, 1).await;
+    save_small(&saver, 2).await;
+    // Fetch step 2's rank part first, so that the damaged reads all meet its data.
+    let reader = CheckpointReader::open(&store, Some(2)).await.unwrap();
+    reader.rank_states().await.unwrap();
+
+    // Three reads, three damaged responses: corruption, named.
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Get,
+        count: 3,
+    });
+    let request = LoadRequest::new().tensor("w", Region::full(&[16 * 1024]));
+    let error = reader.load(&request).await.unwrap_err();
+    assert_eq!(proxy.stats().corrupted, 3);
+    assert!(error.is_corruption(), "{error}");
+    let message = error.to_string();
+    assert!(
+        message.contains(".bin at byte 0") || message.contains("at byte 0: block 0"),
+        "names the data file and the offset: {message}"
+    );
+    assert!(message.contains("3 reads"), "{message}");
+
+    // The same through load_latest: the commit before is used.
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Get,
+        count: 3,
+    });
+    let (reader, mut loaded) = load_latest(&store, LoadRequest::everything).await.unwrap();
+    assert_eq!(reader.step(), 1, "fell back to the commit before");
+    assert!(loaded.tensors.remove(0).data == one);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_flipped_in_a_put_is_written_again_and_the_save_commits_sound_bytes() {
+    let Some((endpoint, bucket)) = server() else {
+        return;
+    };
+    let proxy = StorageProxy::start(&endpoint).unwrap();
+    let store = store_through(&proxy, &bucket, "corrupt-put");
+    let saver = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 1)).unwrap();
+    // The first PUT of a save is its data file: damaged once, then twice.
+    for (step, damaged) in [(1, 1), (2, 2)] {
+        proxy.inject(StorageFault::CorruptBody {
+            direction: Direction::Put,
+            count: damaged,
+        });
+        let before = proxy.stats().corrupted;
+        let data = save_small(&saver, step).await;
+        assert_eq!(proxy.stats().corrupted - before, damaged as u64);
+        let report = verify(&store, step, &VerifyOptions::default(), &|_| {})
+            .await
+            .unwrap();
+        assert!(report.ok, "step {step}: {:?}", report.faults);
+        assert!(
+            read_back(&store, step, &[16 * 1024]).await == data,
+            "step {step} reads back bitwise"
+        );
+    }
+    assert_eq!(committed_steps(&store).await, [1, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_and_creates_never_leave_bytes_other_than_those_sent() {
+    let Some((endpoint, bucket)) = server() else {
+        return;
+    };
+    let proxy = StorageProxy::start(&endpoint).unwrap();
+    let store = store_through(&proxy, &bucket, "corrupt-put-store");
+    let body = bytes::Bytes::from(small_weights(9));
+    let damage = |count| {
+        proxy.inject(StorageFault::CorruptBody {
+            direction: Direction::Put,
+            count,
+        })
+    };
+    // A put and a create (how rank parts, commit records and manifests are
+    // written) damaged twice are written a third time, whole.
+    damage(2);
+    store.put("put", body.clone()).await.unwrap();
+    assert!(store.get("put").await.unwrap() == body);
+    damage(2);
+    store.put_if_absent("create", body.clone()).await.unwrap();
+    assert!(store.get("create").await.unwrap() == body);
+    // The create still wins once only.
+    let again = store.put_if_absent("create", body.clone()).await;
+    assert!(again.is_err_and(|e| e.is_already_exists()));
+    // Damaged every time: a transient error naming the object and the offset, and
+    // a create leaves nothing behind.
+    damage(3);
+    let error = store
+        .put_if_absent("create-3", body.clone())
+        .await
+        .unwrap_err();
+    assert!(error.is_retryable(), "{error}");
+    let message = error.to_string();
+    assert!(
+        message.contains("/create-3:")
+            && message.contains(&format!("from byte {}", body.len() / 2)),
+        "{message}"
+    );
+    assert!(store.get("create-3").await.is_err_and(|e| e.is_not_found()));
+    assert_eq!(proxy.stats().corrupted, 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_flipped_in_a_multipart_part_fails_the_upload_and_leaves_nothing() {
+    let Some((endpoint, bucket)) = server() else {
+        return;
+    };
+    let proxy = StorageProxy::start(&endpoint).unwrap();
+    let store = store_through(&proxy, &bucket, "corrupt-part");
+    let data = bytes::Bytes::from(weights(3));
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Put,
+        count: 1,
+    });
+    let mut upload = store.upload("big").unwrap();
+    for piece in data.chunks(PART) {
+        upload.write(data.slice_ref(piece)).await.unwrap();
+    }
+    let error = upload.finish().await.unwrap_err();
+    assert_eq!(proxy.stats().corrupted, 1);
+    assert!(error.is_retryable(), "{error}");
+    assert!(error.to_string().contains("/big: "), "{error}");
+    assert!(store.get("big").await.is_err_and(|e| e.is_not_found()));
+    // Uploaded again, clean: whole.
+    let mut upload = store.upload("big").unwrap();
+    for piece in data.chunks(PART) {
+        upload.write(data.slice_ref(piece)).await.unwrap();
+    }
+    upload.finish().await.unwrap();
+    assert!(store.get("big").await.unwrap() == data);
 }

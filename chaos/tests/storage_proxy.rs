@@ -11,7 +11,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use ckpt_chaos::storage_proxy::{StorageFault, StorageProxy};
+use ckpt_chaos::storage_proxy::{Direction, StorageFault, StorageProxy};
 use futures::TryStreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
@@ -251,6 +251,84 @@ async fn reset_mid_body_on_put_is_retried() {
     let got = get(&store, &path).await.expect("get");
     assert!(got == bytes, "stored object differs after a reset mid-PUT");
     assert_eq!(proxy.stats().resets, 1, "fault reached past its count");
+}
+
+/// Where two byte strings of one length differ.
+fn differences(a: &[u8], b: &[u8]) -> Vec<usize> {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    (0..a.len()).filter(|&i| a[i] != b[i]).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_get_flips_the_middle_byte_of_one_ranged_read_only() {
+    let Some(env) = s3_env() else { return };
+    let proxy = start_proxy(&env);
+    let store = client(&proxy, &env, 0);
+    let path = Path::from(format!("{}/obj", unique_prefix("corrupt-get")));
+    let bytes = data(MIB, 19);
+    put(&store, &path, &bytes).await.expect("put");
+
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Get,
+        count: 1,
+    });
+    // A whole-object GET is not claimed: the fault waits for a ranged one.
+    assert!(get(&store, &path).await.expect("get") == bytes);
+    let range = 1000..5000u64;
+    let ranged = |store: &AmazonS3| {
+        let store = store.clone();
+        let path = path.clone();
+        let range = range.clone();
+        async move {
+            bounded("get_range", store.get_range(&path, range))
+                .await
+                .expect("get_range")
+        }
+    };
+    let damaged = ranged(&store).await;
+    let want = &bytes[1000..5000];
+    assert_eq!(damaged.len(), want.len(), "the length is kept");
+    assert_eq!(
+        differences(&damaged, want),
+        [2000],
+        "one byte, in the middle"
+    );
+    assert_eq!(damaged[2000], !want[2000], "inverted");
+    assert_eq!(proxy.stats().corrupted, 1);
+    // Spent: the next ranged read is clean.
+    assert!(ranged(&store).await == want);
+    assert_eq!(proxy.stats().corrupted, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_put_is_stored_by_the_test_server_as_it_arrived() {
+    let Some(env) = s3_env() else { return };
+    let proxy = start_proxy(&env);
+    let store = client(&proxy, &env, 0);
+    let path = Path::from(format!("{}/obj", unique_prefix("corrupt-put")));
+    let bytes = data(64 * 1024, 23);
+
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Put,
+        count: 1,
+    });
+    // object_store sends no checksum moto would check: the damaged body is stored
+    // and acknowledged. Its ETag is the MD5 of what was stored, which is how the
+    // library notices (ckpt-storage's `sent.rs`).
+    let result = bounded("put", store.put(&path, PutPayload::from(bytes.clone())))
+        .await
+        .expect("put");
+    assert_eq!(proxy.stats().corrupted, 1);
+    let stored = get(&store, &path).await.expect("get");
+    assert_eq!(differences(&stored, &bytes), [bytes.len() / 2]);
+    let e_tag = result.e_tag.unwrap_or_default();
+    assert!(
+        e_tag.trim_matches('"').len() == 32,
+        "the test server answers MD5 ETags: {e_tag}"
+    );
+    // A second put, clean, replaces it.
+    put(&store, &path, &bytes).await.expect("put");
+    assert!(get(&store, &path).await.expect("get") == bytes);
 }
 
 async fn multipart(store: &AmazonS3, path: &Path, bytes: &[u8]) -> object_store::Result<()> {

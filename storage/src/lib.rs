@@ -10,6 +10,10 @@
 //! - [`Store::upload`] streams large objects as multipart uploads with a bounded
 //!   part size and number of parts in flight; nothing is visible before
 //!   [`Upload::finish`], and an aborted upload leaves nothing behind.
+//! - On S3, a write whose ETag is not the MD5 of the bytes sent did not happen: a
+//!   body damaged on its way to the server is written again (a multipart upload
+//!   fails and leaves nothing), so a stored object never differs from what the
+//!   caller checksummed (`sent.rs` says why and what it costs).
 //! - [`Store::get_ranges`] reads several ranges of one object, merging close ones
 //!   into one request and fetching the rest concurrently; every backend refuses a
 //!   range past the end of the object with the same error.
@@ -56,6 +60,7 @@ mod confined;
 mod error;
 mod open;
 mod ranges;
+mod sent;
 mod store;
 
 pub use config::{MIN_PART_SIZE, RetrySettings, StoreConfig};

@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use bytes::Bytes;
@@ -19,6 +19,7 @@ use crate::config::StoreConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::open::{Backend, lowercase_first, open};
 use crate::ranges::coalesce;
+use crate::sent;
 
 /// What a store knows about one object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +56,17 @@ pub struct Store {
     config: Arc<StoreConfig>,
     /// Operations issued through this handle and its clones (see [`Store::requests`]).
     requests: Arc<AtomicU64>,
+    /// Writes are checked against the ETag the server answers (S3, until a read-back
+    /// shows that this bucket's ETags are not MD5s; see `sent.rs`).
+    check_e_tags: Arc<AtomicBool>,
+}
+
+/// What a write left at its key, as far as its ETag tells.
+enum Stored {
+    /// The bytes sent, or nothing to tell otherwise.
+    Same,
+    /// Other bytes: why, naming the first differing offset.
+    Differs(String),
 }
 
 impl std::fmt::Debug for Store {
@@ -86,6 +98,7 @@ impl Store {
             url: opened.url.into(),
             config: Arc::new(config),
             requests: Arc::new(AtomicU64::new(0)),
+            check_e_tags: Arc::new(AtomicBool::new(opened.backend == Backend::S3)),
         })
     }
 
@@ -167,14 +180,89 @@ impl Store {
     /// Atomic: readers see the old object or the new one, never a part. On local
     /// disk the file and its directory are fsynced before this returns (unless
     /// `fsync` is off).
+    ///
+    /// On S3 a write whose ETag shows other bytes stored than those sent (a body
+    /// damaged in flight) is made again, up to 3 times, then fails as
+    /// [`ErrorKind::Transient`].
     pub async fn put(&self, key: &str, data: impl Into<Bytes>) -> Result<()> {
-        self.count(1);
         let path = self.path("put", key)?;
-        self.inner
-            .put(&path, PutPayload::from_bytes(data.into()))
+        let sent = [data.into()];
+        let mut why = String::new();
+        for _ in 0..sent::ATTEMPTS {
+            self.count(1);
+            let result = self
+                .inner
+                .put(&path, sent.iter().cloned().collect())
+                .await
+                .map_err(|e| self.error("put", key, e))?;
+            match self.stored("put", key, &path, &sent, result.e_tag).await? {
+                Stored::Same => return Ok(()),
+                Stored::Differs(what) => why = what,
+            }
+        }
+        Err(self.kept_differing("put", key, &why))
+    }
+
+    /// Whether the object a write just left at `path` holds `sent`, as its ETag
+    /// (`e_tag`, as the server answered) tells; see `sent.rs`. A difference is
+    /// settled by reading the object back: equal bytes mean this bucket's ETags are
+    /// not MD5s, and the store stops comparing them.
+    async fn stored(
+        &self,
+        op: &str,
+        key: &str,
+        path: &Path,
+        sent: &[Bytes],
+        e_tag: Option<String>,
+    ) -> Result<Stored> {
+        if !self.check_e_tags.load(Ordering::Relaxed) {
+            return Ok(Stored::Same);
+        }
+        let Some(e_tag) = e_tag else {
+            return Ok(Stored::Same);
+        };
+        let md5 = sent::hex(&sent::md5_of(sent));
+        if sent::bare(&e_tag) == md5 {
+            return Ok(Stored::Same);
+        }
+        let stored = self
+            .inner
+            .get(path)
             .await
-            .map(|_| ())
-            .map_err(|e| self.error("put", key, e))
+            .map_err(|e| self.error(op, key, e))?
+            .bytes()
+            .await
+            .map_err(|e| self.error(op, key, e))?;
+        match sent::first_difference(sent, &stored) {
+            None => {
+                self.e_tags_are_not_md5s(&e_tag);
+                Ok(Stored::Same)
+            }
+            Some(at) => {
+                tracing::warn!(store = %self.url, key, offset = at, e_tag = %e_tag, md5 = %md5, "the server stored other bytes than those sent (damaged in flight?); writing again");
+                Ok(Stored::Differs(format!(
+                    "the server stored other bytes than those sent, from byte {at} on (etag {}, md5 of the body {md5})",
+                    sent::bare(&e_tag)
+                )))
+            }
+        }
+    }
+
+    fn e_tags_are_not_md5s(&self, e_tag: &str) {
+        if self.check_e_tags.swap(false, Ordering::Relaxed) {
+            tracing::warn!(store = %self.url, e_tag, "this bucket's etags are not md5s of the bytes (sse-kms?): writes are no longer checked against them");
+        }
+    }
+
+    fn kept_differing(&self, op: &str, key: &str, why: &str) -> Error {
+        Error::new(
+            ErrorKind::Transient,
+            format!(
+                "{op} {}/{key}: {why}; the same after {} writes",
+                self.url,
+                sent::ATTEMPTS
+            ),
+        )
     }
 
     /// Writes the object at `key` only if no object is there: the commit primitive.
@@ -184,15 +272,39 @@ impl Store {
     /// [`Store::put`]. Backends: S3 conditional put (`If-None-Match: *`), GCS
     /// `ifGenerationMatch=0`, Azure `If-None-Match: *`, local disk a hard link of a
     /// fully written temporary file, memory a lock.
+    ///
+    /// On S3 a create whose ETag shows other bytes stored than those sent (a body
+    /// damaged in flight) is undone (the object deleted: the create won, so it is
+    /// this caller's) and made again, up to 3 times, then fails as
+    /// [`ErrorKind::Transient`] with nothing left at `key`. A reader may meet the
+    /// damaged object in between: every object ckpt creates carries its own
+    /// checksum.
     pub async fn put_if_absent(&self, key: &str, data: impl Into<Bytes>) -> Result<()> {
-        self.count(1);
         let path = self.path("create", key)?;
-        let options = PutOptions::from(PutMode::Create);
-        self.inner
-            .put_opts(&path, PutPayload::from_bytes(data.into()), options)
-            .await
-            .map(|_| ())
-            .map_err(|e| self.error("create", key, e))
+        let sent = [data.into()];
+        let mut why = String::new();
+        for _ in 0..sent::ATTEMPTS {
+            self.count(1);
+            let options = PutOptions::from(PutMode::Create);
+            let result = self
+                .inner
+                .put_opts(&path, sent.iter().cloned().collect(), options)
+                .await
+                .map_err(|e| self.error("create", key, e))?;
+            match self
+                .stored("create", key, &path, &sent, result.e_tag)
+                .await?
+            {
+                Stored::Same => return Ok(()),
+                Stored::Differs(what) => why = what,
+            }
+            self.count(1);
+            self.inner
+                .delete(&path)
+                .await
+                .map_err(|e| self.error("create", key, e))?;
+        }
+        Err(self.kept_differing("create", key, &why))
     }
 
     /// Starts a streaming upload of a large object at `key`.
@@ -210,6 +322,10 @@ impl Store {
             pending: Vec::new(),
             writer: None,
             written: 0,
+            digests: self
+                .check_e_tags
+                .load(Ordering::Relaxed)
+                .then(|| sent::PartDigests::new(self.config.part_size)),
         })
     }
 
@@ -746,6 +862,8 @@ pub struct Upload {
     writer: Option<WriteMultipart>,
     /// Bytes written so far (to count the requests of the upload).
     written: u64,
+    /// The MD5 of each part, to check the ETag of a multipart upload (S3).
+    digests: Option<sent::PartDigests>,
 }
 
 impl std::fmt::Debug for Upload {
@@ -764,6 +882,9 @@ impl Upload {
         let data = data.into();
         let config = &self.store.config;
         self.written += data.len() as u64;
+        if let Some(digests) = self.digests.as_mut() {
+            digests.update(&data);
+        }
         if self.writer.is_none() {
             self.pending.push(data);
             let held: usize = self.pending.iter().map(Bytes::len).sum();
@@ -804,22 +925,46 @@ impl Upload {
             // Start, every part, completion.
             Some(writer) => {
                 self.store.count(parts + 2);
-                writer
+                let result = writer
                     .finish()
                     .await
-                    .map(|_| ())
-                    .map_err(|e| self.store.error("upload", &self.key, e))
+                    .map_err(|e| self.store.error("upload", &self.key, e))?;
+                match self.digests.take() {
+                    Some(digests) => {
+                        check_parts(
+                            &self.store,
+                            &self.key,
+                            &self.path,
+                            self.written,
+                            digests,
+                            result.e_tag,
+                        )
+                        .await
+                    }
+                    None => Ok(()),
+                }
             }
             None => {
-                self.store.count(1);
-                let parts = std::mem::take(&mut self.pending);
-                let payload: PutPayload = parts.into_iter().collect();
-                self.store
-                    .inner
-                    .put(&self.path, payload)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| self.store.error("upload", &self.key, e))
+                let sent = std::mem::take(&mut self.pending);
+                let mut why = String::new();
+                for _ in 0..sent::ATTEMPTS {
+                    self.store.count(1);
+                    let result = self
+                        .store
+                        .inner
+                        .put(&self.path, sent.iter().cloned().collect::<PutPayload>())
+                        .await
+                        .map_err(|e| self.store.error("upload", &self.key, e))?;
+                    let stored = self
+                        .store
+                        .stored("upload", &self.key, &self.path, &sent, result.e_tag)
+                        .await?;
+                    match stored {
+                        Stored::Same => return Ok(()),
+                        Stored::Differs(what) => why = what,
+                    }
+                }
+                Err(self.store.kept_differing("upload", &self.key, &why))
             }
         }
     }
@@ -835,4 +980,55 @@ impl Upload {
             None => Ok(()),
         }
     }
+}
+
+/// Checks a completed multipart upload's ETag against the MD5s of the parts
+/// sent. A difference is settled part by part by reading the object back: a
+/// part stored with other bytes deletes the object and fails the upload as
+/// [`ErrorKind::Transient`], naming the part and its offset (the parts are gone:
+/// the caller uploads again).
+async fn check_parts(
+    store: &Store,
+    key: &str,
+    path: &Path,
+    written: u64,
+    digests: sent::PartDigests,
+    e_tag: Option<String>,
+) -> Result<()> {
+    let Some(e_tag) = e_tag.filter(|_| store.check_e_tags.load(Ordering::Relaxed)) else {
+        return Ok(());
+    };
+    let part_size = digests.part_size() as u64;
+    let parts = digests.finish();
+    let expected = sent::expected_e_tag(&parts, true);
+    if sent::bare(&e_tag) == expected {
+        return Ok(());
+    }
+    let mut start = 0u64;
+    for (index, digest) in parts.iter().enumerate() {
+        let end = (start + part_size).min(written);
+        let stored = store.read_range(key, path, start..end).await?;
+        if sent::md5_of(&[stored]) != *digest {
+            tracing::warn!(store = %store.url, key = %key, part = index + 1, offset = start, "the server stored other bytes than those sent (damaged in flight?); the upload is deleted");
+            store.count(1);
+            store
+                .inner
+                .delete(path)
+                .await
+                .map_err(|e| store.error("upload", key, e))?;
+            return Err(Error::new(
+                ErrorKind::Transient,
+                format!(
+                    "upload {}/{}: the server stored other bytes than those sent in part {} (bytes {start}..{end}; etag {}, expected {expected}); the object was deleted, upload it again",
+                    store.url,
+                    key,
+                    index + 1,
+                    sent::bare(&e_tag)
+                ),
+            ));
+        }
+        start = end;
+    }
+    store.e_tags_are_not_md5s(&e_tag);
+    Ok(())
 }

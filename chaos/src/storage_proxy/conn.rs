@@ -138,6 +138,27 @@ impl Conn {
         Ok(())
     }
 
+    /// Copies exactly `n` bytes to `dst` as [`Conn::copy_exact`] does, with
+    /// the byte at offset `at` (below `n`) inverted on the way.
+    pub(super) async fn copy_flipping(
+        &mut self,
+        mut dst: Option<&mut TcpStream>,
+        n: u64,
+        at: u64,
+    ) -> io::Result<()> {
+        debug_assert!(at < n);
+        self.copy_exact(dst.as_deref_mut(), at).await?;
+        if self.fill().await? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let flipped = !self.buffered()[0];
+        if let Some(dst) = dst.as_deref_mut() {
+            dst.write_all(&[flipped]).await?;
+        }
+        self.consume(1);
+        self.copy_exact(dst, n - at - 1).await
+    }
+
     /// Whether a pooled connection still looks open: nothing unexpected
     /// buffered and no end of stream or error pending on the socket.
     pub(super) fn looks_reusable(&self) -> bool {

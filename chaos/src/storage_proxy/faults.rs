@@ -59,6 +59,31 @@ pub enum StorageFault {
         /// Number of parts to lose.
         count: usize,
     },
+    /// Inverts one byte (XOR `0xff`), the one in the middle of the body, of the
+    /// next `count` bodies going `direction`, keeping their length: a request
+    /// body of a PUT (a whole object or a multipart part) on its way to the
+    /// server, or the response body of a ranged GET on its way to the client.
+    ///
+    /// Only ranged GETs match: they are the reads of data blocks, which block
+    /// checksums cover. A GET whose response turns out to carry no body, or an
+    /// error status, hands the claim back. For bodies of unknown length the
+    /// flipped byte is the middle one of the first chunk or read.
+    CorruptBody {
+        /// Which bodies: `put` (request bodies) or `get` (response bodies).
+        direction: Direction,
+        /// Number of bodies to damage.
+        count: usize,
+    },
+}
+
+/// Which way a body travels, for [`StorageFault::CorruptBody`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Direction {
+    /// Request bodies of PUTs (single puts and multipart parts).
+    Put,
+    /// Response bodies of ranged GETs.
+    Get,
 }
 
 impl StorageFault {
@@ -67,7 +92,8 @@ impl StorageFault {
             StorageFault::Errors { count, .. }
             | StorageFault::Latency { count, .. }
             | StorageFault::ResetMidBody { count }
-            | StorageFault::LosePart { count } => count,
+            | StorageFault::LosePart { count }
+            | StorageFault::CorruptBody { count, .. } => count,
         }
     }
 }
@@ -85,6 +111,9 @@ pub struct ProxyStats {
     pub resets: u64,
     /// Multipart upload parts swallowed and acknowledged with a fake ETag.
     pub lost_parts: u64,
+    /// Bodies relayed with one byte inverted.
+    #[serde(default)]
+    pub corrupted: u64,
 }
 
 /// A queued fault with the number of requests it may still claim.
@@ -167,6 +196,17 @@ impl SharedState {
                 StorageFault::LosePart { .. } => {
                     req.is_multipart_part_upload().then_some(Action::LosePart)
                 }
+                StorageFault::CorruptBody { direction, .. } => match direction {
+                    Direction::Put => (req.method == "PUT" && !req.framing.is_empty())
+                        .then_some(Action::CorruptRequestBody),
+                    Direction::Get => {
+                        req.is_ranged_get()
+                            .then_some(Action::CorruptResponseBody(Claim {
+                                id: pending.id,
+                                fault: pending.fault,
+                            }))
+                    }
+                },
             };
             action.map(|action| (index, action))
         });
@@ -183,6 +223,7 @@ impl SharedState {
             Action::Error(_) => state.stats.errors += 1,
             Action::Delay(_) => state.stats.delayed += 1,
             Action::LosePart => state.stats.lost_parts += 1,
+            // Counted when the byte is flipped: a GET's claim may come back.
             _ => {}
         }
         action
@@ -219,6 +260,8 @@ pub(super) enum Action {
     ResetRequestBody,
     ResetResponseBody(Claim),
     LosePart,
+    CorruptRequestBody,
+    CorruptResponseBody(Claim),
 }
 
 /// A claim on a queued fault that may be handed back unused.
@@ -263,6 +306,45 @@ mod tests {
         assert!(matches!(shared.claim(&part), Action::Relay));
         let stats = shared.stats();
         assert_eq!((stats.requests, stats.errors, stats.lost_parts), (5, 1, 1));
+    }
+
+    #[test]
+    fn corrupt_body_claims_puts_with_a_body_or_ranged_gets_by_direction() {
+        let shared = SharedState::default();
+        shared.push(StorageFault::CorruptBody {
+            direction: Direction::Get,
+            count: 1,
+        });
+        shared.push(StorageFault::CorruptBody {
+            direction: Direction::Put,
+            count: 1,
+        });
+        let whole_get = request("GET /b/k HTTP/1.1\r\n\r\n");
+        let ranged_get = request("GET /b/k HTTP/1.1\r\nRange: bytes=0-9\r\n\r\n");
+        let empty_put = request("PUT /b/k HTTP/1.1\r\nContent-Length: 0\r\n\r\n");
+        let put = request("PUT /b/k HTTP/1.1\r\nContent-Length: 3\r\n\r\n");
+        assert!(matches!(shared.claim(&whole_get), Action::Relay));
+        assert!(matches!(shared.claim(&empty_put), Action::Relay));
+        let Action::CorruptResponseBody(claim) = shared.claim(&ranged_get) else {
+            panic!("a ranged GET not claimed by CorruptBody get");
+        };
+        shared.give_back(claim);
+        assert!(matches!(shared.claim(&put), Action::CorruptRequestBody));
+        assert!(matches!(shared.claim(&put), Action::Relay));
+        assert!(matches!(
+            shared.claim(&ranged_get),
+            Action::CorruptResponseBody(_)
+        ));
+        assert!(matches!(shared.claim(&ranged_get), Action::Relay));
+        let json = serde_json::to_string(&StorageFault::CorruptBody {
+            direction: Direction::Put,
+            count: 2,
+        })
+        .ok();
+        assert_eq!(
+            json.as_deref(),
+            Some(r#"{"kind":"corrupt-body","direction":"put","count":2}"#)
+        );
     }
 
     #[test]

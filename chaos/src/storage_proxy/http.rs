@@ -208,6 +208,11 @@ impl Request {
         self.method == "HEAD"
     }
 
+    /// A GET of part of an object (a `Range` header): how data blocks are read.
+    pub(super) fn is_ranged_get(&self) -> bool {
+        self.method == "GET" && self.head.values("range").next().is_some()
+    }
+
     pub(super) fn is_multipart_part_upload(&self) -> bool {
         if self.method != "PUT" {
             return false;

@@ -4,8 +4,8 @@
 //! This is where the faults meet the bytes, so it owns the order of events
 //! that each fault depends on: a reset cuts a body after the head and half
 //! the bytes went through, a lost part's body is read before the fake answer,
-//! a `ResetMidBody` claim on a GET goes back to the queue when the response
-//! has no body to cut. Bodies stream through the connection's buffer, never
+//! a `ResetMidBody` or `CorruptBody` claim on a GET goes back to the queue when
+//! the response has no body to damage (or is an error). Bodies stream through the connection's buffer, never
 //! whole in memory; chunked bodies are re-chunked as they pass.
 
 use std::io;
@@ -131,6 +131,20 @@ async fn handle(
             )
             .await
         }
+        Action::CorruptRequestBody => {
+            relay(upstream, client, pooled, req, Cut::FlipRequest, shared).await
+        }
+        Action::CorruptResponseBody(claim) => {
+            relay(
+                upstream,
+                client,
+                pooled,
+                req,
+                Cut::FlipResponse(claim),
+                shared,
+            )
+            .await
+        }
         Action::Error(status) => {
             discard_body(client, req).await?;
             let reply = s3_error_response(status, request_id, req.is_head(), !req.keep_alive);
@@ -154,15 +168,29 @@ async fn discard_body(client: &mut Conn, req: &Request) -> io::Result<()> {
     if req.expect_continue {
         client.stream.write_all(CONTINUE).await?;
     }
-    relay_body(client, None, req.framing, false).await?;
+    relay_body(client, None, req.framing, Damage::None).await?;
     Ok(())
 }
 
-/// Where a `ResetMidBody` fault cuts a relayed exchange.
+/// Where a `ResetMidBody` fault cuts a relayed exchange, or a `CorruptBody`
+/// fault flips a byte of it.
 enum Cut {
     None,
     RequestBody,
     ResponseBody(Claim),
+    FlipRequest,
+    FlipResponse(Claim),
+}
+
+/// What happens to one relayed body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Damage {
+    /// Relayed as it is.
+    None,
+    /// About half is relayed, then the caller resets the connection.
+    Cut,
+    /// Relayed whole, its middle byte inverted.
+    Flip,
 }
 
 /// Sends `head` upstream over the pooled connection if it still looks
@@ -190,10 +218,12 @@ async fn relay(
     cut: Cut,
     shared: &SharedState,
 ) -> io::Result<Next> {
-    let (cut_request, mut response_claim) = match cut {
-        Cut::None => (false, None),
-        Cut::RequestBody => (true, None),
-        Cut::ResponseBody(claim) => (false, Some(claim)),
+    let (request_damage, mut response_claim, response_damage) = match cut {
+        Cut::None => (Damage::None, None, Damage::None),
+        Cut::RequestBody => (Damage::Cut, None, Damage::None),
+        Cut::ResponseBody(claim) => (Damage::None, Some(claim), Damage::Cut),
+        Cut::FlipRequest => (Damage::Flip, None, Damage::None),
+        Cut::FlipResponse(claim) => (Damage::None, Some(claim), Damage::Flip),
     };
 
     let mut up = match upstream_for(upstream, pooled, &req.upstream_head()).await {
@@ -213,11 +243,15 @@ async fn relay(
         if req.expect_continue {
             client.stream.write_all(CONTINUE).await?;
         }
-        if relay_body(client, Some(&mut up.stream), req.framing, cut_request).await? == BodyEnd::Cut
+        if relay_body(client, Some(&mut up.stream), req.framing, request_damage).await?
+            == BodyEnd::Cut
         {
             shared.bump(|s| s.resets += 1);
             up.reset();
             return Ok(Next::Reset);
+        }
+        if request_damage == Damage::Flip {
+            shared.bump(|s| s.corrupted += 1);
         }
     }
 
@@ -239,10 +273,12 @@ async fn relay(
     };
 
     let framing = resp.framing(&req.method)?;
-    if framing.is_empty()
+    if (framing.is_empty()
+        || (response_damage == Damage::Flip && !(200..300).contains(&resp.status)))
         && let Some(claim) = response_claim.take()
     {
-        // Nothing to cut: the fault waits for a response that has a body.
+        // Nothing to cut, or an error whose body no checksum covers: the fault
+        // waits for a response with data in its body.
         shared.give_back(claim);
     }
     let until_close = framing == Framing::UntilClose;
@@ -251,13 +287,15 @@ async fn relay(
         .stream
         .write_all(&resp.client_head(!client_keep_alive))
         .await?;
-    let end = relay_body(
-        &mut up,
-        Some(&mut client.stream),
-        framing,
-        response_claim.is_some(),
-    )
-    .await?;
+    let damage = if response_claim.is_some() {
+        response_damage
+    } else {
+        Damage::None
+    };
+    let end = relay_body(&mut up, Some(&mut client.stream), framing, damage).await?;
+    if damage == Damage::Flip {
+        shared.bump(|s| s.corrupted += 1);
+    }
     if end == BodyEnd::Cut {
         shared.bump(|s| s.resets += 1);
         up.reset();
@@ -274,17 +312,24 @@ async fn relay(
 }
 
 /// Relays one body from `src` to `dst` (or discards it when `dst` is
-/// `None`). With `cut`, stops after about half of it and pauses briefly so
-/// the bytes reach the peer before the caller resets the connection.
+/// `None`). With [`Damage::Cut`], stops after about half of it and pauses
+/// briefly so the bytes reach the peer before the caller resets the
+/// connection; with [`Damage::Flip`], relays it whole with its middle byte
+/// (of the first chunk or read, when the length is not known) inverted.
 async fn relay_body(
     src: &mut Conn,
     mut dst: Option<&mut TcpStream>,
     framing: Framing,
-    cut: bool,
+    damage: Damage,
 ) -> io::Result<BodyEnd> {
+    let cut = damage == Damage::Cut;
+    let flip = damage == Damage::Flip;
     let end = match framing {
         Framing::Length(n) => {
-            if cut {
+            if flip && n > 0 {
+                src.copy_flipping(dst.as_deref_mut(), n, n / 2).await?;
+                BodyEnd::Complete
+            } else if cut {
                 src.copy_exact(dst.as_deref_mut(), n / 2).await?;
                 BodyEnd::Cut
             } else {
@@ -292,21 +337,30 @@ async fn relay_body(
                 BodyEnd::Complete
             }
         }
-        Framing::Chunked => relay_chunked(src, dst.as_deref_mut(), cut).await?,
-        Framing::UntilClose => loop {
-            let n = src.fill().await?;
-            if n == 0 {
-                break BodyEnd::Complete;
+        Framing::Chunked => relay_chunked(src, dst.as_deref_mut(), damage).await?,
+        Framing::UntilClose => {
+            let mut flip = flip;
+            loop {
+                let n = src.fill().await?;
+                if n == 0 {
+                    break BodyEnd::Complete;
+                }
+                if flip {
+                    src.copy_flipping(dst.as_deref_mut(), n as u64, n as u64 / 2)
+                        .await?;
+                    flip = false;
+                    continue;
+                }
+                let take = if cut { n / 2 } else { n };
+                if let Some(dst) = dst.as_deref_mut() {
+                    dst.write_all(&src.buffered()[..take]).await?;
+                }
+                src.consume(take);
+                if cut {
+                    break BodyEnd::Cut;
+                }
             }
-            let take = if cut { n / 2 } else { n };
-            if let Some(dst) = dst.as_deref_mut() {
-                dst.write_all(&src.buffered()[..take]).await?;
-            }
-            src.consume(take);
-            if cut {
-                break BodyEnd::Cut;
-            }
-        },
+        }
     };
     if end == BodyEnd::Cut {
         if let Some(dst) = dst {
@@ -317,14 +371,17 @@ async fn relay_body(
     Ok(end)
 }
 
-/// Relays a chunked body, re-chunking it as it passes. With `cut`, stops in
-/// the middle of the first chunk (or before the last chunk of an empty
-/// body).
+/// Relays a chunked body, re-chunking it as it passes. With [`Damage::Cut`],
+/// stops in the middle of the first chunk (or before the last chunk of an
+/// empty body); with [`Damage::Flip`], inverts the middle byte of the first
+/// chunk.
 async fn relay_chunked(
     src: &mut Conn,
     mut dst: Option<&mut TcpStream>,
-    cut: bool,
+    damage: Damage,
 ) -> io::Result<BodyEnd> {
+    let cut = damage == Damage::Cut;
+    let mut flip = damage == Damage::Flip;
     loop {
         let size = chunk_size(&src.read_line().await?)?;
         if size == 0 {
@@ -357,7 +414,13 @@ async fn relay_chunked(
             src.copy_exact(dst.as_deref_mut(), size / 2).await?;
             return Ok(BodyEnd::Cut);
         }
-        src.copy_exact(dst.as_deref_mut(), size).await?;
+        if flip {
+            src.copy_flipping(dst.as_deref_mut(), size, size / 2)
+                .await?;
+            flip = false;
+        } else {
+            src.copy_exact(dst.as_deref_mut(), size).await?;
+        }
         if !without_line_ending(&src.read_line().await?).is_empty() {
             return Err(malformed("chunk data not followed by CRLF"));
         }
