@@ -196,6 +196,8 @@ pub(crate) fn read_into(
 ) -> Result<()> {
     let total: u64 = pieces.iter().map(|p| p.len() as u64).sum();
     let (mut index, mut skip, mut done) = (0usize, 0usize, 0u64);
+    // Paced as the store's own reads of local storage.
+    let mut pauses = ckpt_storage::LOCAL_READ_PAUSES.iter();
     loop {
         while index < pieces.len() && pieces[index].len() == skip {
             index += 1;
@@ -242,8 +244,18 @@ pub(crate) fn read_into(
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
+            let kind = ckpt_storage::io_error_kind(&e);
+            // A failing device or network file system (EIO, a stale handle) may let
+            // the same read through a moment later, as the store's own reads do.
+            if kind == ErrorKind::Transient
+                && let Some(pause) = pauses.next()
+            {
+                tracing::warn!(object, offset, error = %e, "a read of a local data file failed; reading again in {} ms", pause.as_millis());
+                std::thread::sleep(*pause);
+                continue;
+            }
             return Err(Error::from(ckpt_storage::Error::new(
-                ErrorKind::Permanent,
+                kind,
                 format!("read {object}: bytes {offset}..{}: {e}", at + total),
             )));
         }

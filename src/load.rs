@@ -1263,7 +1263,7 @@ impl FileRead {
                 "data file is missing from a committed checkpoint",
             )),
             _ => Error::from(ckpt_storage::Error::new(
-                ErrorKind::Permanent,
+                ckpt_storage::io_error_kind(&e),
                 format!("open {}: {e}", self.object),
             )),
         })?;

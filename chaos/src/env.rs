@@ -7,14 +7,17 @@
 //! S3 server configured, etcd not installed), the scenario is skipped with that
 //! reason, loudly, instead of being run without the fault it is about.
 
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use ckpt::storage::{Store, StoreConfig};
 
 use crate::etcd::{Cluster, find_etcd};
 use crate::netns::Network;
-use crate::scenario::{CoordinatorKind, FaultKind, Scenario, StorageKind};
+use crate::scenario::{CoordinatorKind, Scenario, StorageKind};
+use crate::shim::FaultShim;
 use crate::storage_proxy::StorageProxy;
 
 /// Why a scenario cannot run here, or what broke while setting it up.
@@ -55,6 +58,9 @@ pub struct Environment {
     pub etcd: Option<Cluster>,
     /// The network namespaces, one per node.
     pub network: Option<Network>,
+    /// The fault shim preloaded into every launcher and rank (`io-error`,
+    /// `net-delay`).
+    pub shim: Option<FaultShim>,
     mount: Option<PathBuf>,
 }
 
@@ -76,8 +82,19 @@ impl Environment {
             proxy: None,
             etcd: None,
             network: None,
+            shim: None,
             mount: None,
         };
+        // First the nodes' network, so that the servers the nodes reach (the
+        // storage proxy, etcd) listen where its namespaces can reach them.
+        if scenario.faults.iter().any(|f| f.kind.needs_network()) {
+            crate::netns::remove_stale();
+            env.network = Some(Network::create(scenario.nodes).map_err(Unavailable::Skip)?);
+        }
+        let servers_ip = env
+            .network
+            .as_ref()
+            .map_or(IpAddr::from([127, 0, 0, 1]), Network::host_ip);
         let dir = scratch.join("checkpoints");
         match scenario.storage {
             StorageKind::File => {
@@ -110,7 +127,7 @@ impl Environment {
                             .into(),
                     )
                 })?;
-                let proxy = StorageProxy::start(&endpoint)
+                let proxy = StorageProxy::start_on(&endpoint, servers_ip)
                     .map_err(|e| Unavailable::Error(format!("starting the storage proxy: {e}")))?;
                 env.url = format!(
                     "s3://{bucket}/chaos-{}-{}",
@@ -136,17 +153,55 @@ impl Environment {
         }
         if scenario.coordinator == CoordinatorKind::Etcd {
             let bin = find_etcd().map_err(Unavailable::Skip)?;
-            env.etcd = Some(Cluster::start(&bin).map_err(Unavailable::Error)?);
+            env.etcd = Some(Cluster::start_on(&bin, servers_ip).map_err(Unavailable::Error)?);
         }
-        if scenario
-            .faults
-            .iter()
-            .any(|f| f.kind == FaultKind::Partition)
-        {
-            crate::netns::remove_stale();
-            env.network = Some(Network::create(scenario.nodes).map_err(Unavailable::Skip)?);
+        if scenario.faults.iter().any(|f| f.kind.needs_shim()) {
+            let library = crate::shim::find_library().map_err(Unavailable::Skip)?;
+            let checkpoints = env
+                .local_dir
+                .clone()
+                .unwrap_or_else(|| scratch.to_path_buf());
+            std::fs::create_dir_all(&checkpoints)
+                .map_err(|e| Unavailable::Error(format!("{}: {e}", checkpoints.display())))?;
+            let shim = FaultShim::create(library, &scratch.join("fault-shim"), &checkpoints)
+                .map_err(|e| Unavailable::Error(format!("the fault shim's control file: {e}")))?;
+            env.shim = Some(shim);
         }
         Ok(env)
+    }
+
+    /// Remounts the run's tmpfs read-only (`true`) or read-write again. A tmpfs
+    /// with a file open for writing refuses to become read-only (EBUSY): the
+    /// remount is tried again until `patience` has passed, as an operator's would.
+    pub fn remount(&self, read_only: bool, patience: Duration) -> Result<(), String> {
+        let dir = self
+            .mount
+            .as_ref()
+            .ok_or("no tmpfs to remount (storage = \"tmpfs\")")?;
+        let mode = if read_only {
+            "remount,ro"
+        } else {
+            "remount,rw"
+        };
+        let deadline = Instant::now() + patience;
+        loop {
+            let output = Command::new("mount")
+                .args(["-o", mode])
+                .arg(dir)
+                .output()
+                .map_err(|e| format!("mount: {e}"))?;
+            if output.status.success() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "mount -o {mode} {}: {}",
+                    dir.display(),
+                    String::from_utf8_lossy(&output.stderr).trim()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// The harness's own handle on the run's checkpoints.

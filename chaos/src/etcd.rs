@@ -6,6 +6,7 @@
 //! one run's damage into the next. Data lives on tmpfs where there is one (etcd syncs
 //! every write, and a run measures the protocol, not the disk).
 
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,6 +23,8 @@ struct Member {
 /// Three etcd processes forming one cluster; killed and removed on drop.
 pub struct Cluster {
     bin: PathBuf,
+    /// Where every member listens.
+    ip: IpAddr,
     members: Vec<Member>,
     initial: String,
     dir: PathBuf,
@@ -42,15 +45,20 @@ pub fn find_etcd() -> Result<PathBuf, String> {
         })
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+fn free_port(ip: IpAddr) -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
 }
 
 impl Cluster {
-    /// Starts three members and waits until each answers its health check.
+    /// Starts three members on loopback and waits until each answers its health
+    /// check.
     pub fn start(bin: &Path) -> Result<Cluster, String> {
+        Cluster::start_on(bin, IpAddr::from([127, 0, 0, 1]))
+    }
+
+    /// Starts three members listening on `ip` (the host side of the nodes' bridge,
+    /// when nodes run in network namespaces) and waits until each answers.
+    pub fn start_on(bin: &Path, ip: IpAddr) -> Result<Cluster, String> {
         let base = if Path::new("/dev/shm").is_dir() {
             PathBuf::from("/dev/shm")
         } else {
@@ -65,19 +73,20 @@ impl Cluster {
         for i in 0..3 {
             members.push(Member {
                 name: format!("e{i}"),
-                client: free_port().map_err(|e| e.to_string())?,
-                peer: free_port().map_err(|e| e.to_string())?,
+                client: free_port(ip).map_err(|e| e.to_string())?,
+                peer: free_port(ip).map_err(|e| e.to_string())?,
                 data: dir.join(format!("e{i}")),
                 child: None,
             });
         }
         let initial = members
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .map(|m| format!("{}=http://{ip}:{}", m.name, m.peer))
             .collect::<Vec<_>>()
             .join(",");
         let mut cluster = Cluster {
             bin: bin.to_path_buf(),
+            ip,
             members: Vec::new(),
             initial,
             dir,
@@ -93,8 +102,8 @@ impl Cluster {
     }
 
     fn spawn(&self, m: &Member, state: &str) -> Result<Child, String> {
-        let client = format!("http://127.0.0.1:{}", m.client);
-        let peer = format!("http://127.0.0.1:{}", m.peer);
+        let client = format!("http://{}:{}", self.ip, m.client);
+        let peer = format!("http://{}:{}", self.ip, m.peer);
         Command::new(&self.bin)
             .args(["--name", &m.name, "--data-dir"])
             .arg(&m.data)
@@ -123,18 +132,14 @@ impl Cluster {
             std::thread::sleep(Duration::from_millis(100));
         }
         Err(format!(
-            "etcd member {i} at 127.0.0.1:{} not healthy within 60 s",
-            self.members[i].client
+            "etcd member {i} at {} not healthy within 60 s",
+            self.client(i)
         ))
     }
 
     /// Member `i`'s id and its leader's id (0: none), if it answers.
     fn status(&self, i: usize) -> Option<(u64, u64)> {
-        let answer = post(
-            &format!("127.0.0.1:{}", self.members[i].client),
-            "/v3/maintenance/status",
-            "{}",
-        )?;
+        let answer = post(&self.client(i).to_string(), "/v3/maintenance/status", "{}")?;
         let json: serde_json::Value = serde_json::from_str(&answer).ok()?;
         // The JSON gateway writes 64-bit integers as strings.
         let id = |v: &serde_json::Value| v.as_str().and_then(|s| s.parse::<u64>().ok());
@@ -168,9 +173,19 @@ impl Cluster {
         let hosts: Vec<String> = self
             .members
             .iter()
-            .map(|m| format!("127.0.0.1:{}", m.client))
+            .map(|m| SocketAddr::new(self.ip, m.client).to_string())
             .collect();
         format!("etcd://{}/{prefix}", hosts.join(","))
+    }
+
+    /// Member `i`'s client address.
+    pub fn client(&self, i: usize) -> SocketAddr {
+        SocketAddr::new(self.ip, self.members[i].client)
+    }
+
+    /// Every member's client address (what a node cut off from etcd loses).
+    pub fn clients(&self) -> Vec<SocketAddr> {
+        (0..self.members.len()).map(|i| self.client(i)).collect()
     }
 
     /// SIGKILLs member `i`.

@@ -17,6 +17,7 @@ pub mod oracle;
 pub mod plot;
 pub mod run;
 pub mod scenario;
+pub mod shim;
 pub mod soak;
 pub mod storage_proxy;
 
@@ -285,7 +286,7 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
             scenario
                 .faults
                 .iter()
-                .filter(|f| f.kind == FaultKind::Partition)
+                .filter(|f| matches!(f.kind, FaultKind::Partition | FaultKind::PartitionEtcd))
                 .filter_map(|f| f.node)
                 .flat_map(|n| n * scenario.ranks..(n + 1) * scenario.ranks),
         )
@@ -391,10 +392,11 @@ pub fn probe_python(python: &Path) -> Result<(), String> {
     }
 }
 
-/// Faults that take a rank away (kill it, hang it, cut its node off, or make it
-/// report a lost device), and so may end a generation. The others (storage, a full
-/// disk, corruption at rest, the coordinator or an etcd member restarting) must cost
-/// at most a checkpoint, never a generation.
+/// Faults that take a rank away (kill it, hang it, cut its node off from the others
+/// or from etcd, or make it report a lost device), and so may end a generation. The
+/// others (storage errors, corruption and partitions, I/O errors, a full or
+/// read-only disk, corruption at rest, latency and packet loss, the coordinator or
+/// an etcd member restarting) must cost at most a checkpoint, never a generation.
 pub const RANK_LOSING_FAULTS: &[FaultKind] = &[
     FaultKind::Kill,
     FaultKind::Stop,
@@ -402,6 +404,7 @@ pub const RANK_LOSING_FAULTS: &[FaultKind] = &[
     FaultKind::DeviceError,
     FaultKind::KillInSave,
     FaultKind::Partition,
+    FaultKind::PartitionEtcd,
 ];
 
 /// A reason for each recovery that no fault explains: no fault of

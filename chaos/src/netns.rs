@@ -29,8 +29,11 @@
 //!   real partition looks like: established TCP connections stall and
 //!   retransmit instead of being reset, and they resume after [`Network::heal`]
 //!   (which deletes the table, atomically, in one nft transaction).
-//!   The kernel this was written on has no `netem`, so there is no delay/loss
-//!   emulation, only all-or-nothing partitions.
+//!   The same table can instead cut a node off chosen servers only
+//!   ([`Network::cut_off`]: the store, etcd) or drop a share of its packets at
+//!   random ([`Network::lose`], nftables' `numgen random`). The kernels this runs
+//!   on have no `netem`, so a delay needs the sender's help: the chaos shim
+//!   (`crate::shim`) holds each send to another node.
 //! * **Local senders inside a partitioned node** get their packets dropped by
 //!   the `output` hook, which the kernel reports to the sending socket as
 //!   `EPERM`. TCP hides that (data is queued, retransmissions silently fail,
@@ -88,7 +91,7 @@
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
 use std::io::Write;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -328,20 +331,55 @@ impl Network {
     pub fn partition(&self, node: usize) -> Result<(), String> {
         // Adding then deleting the table first makes the script idempotent
         // (no duplicated rules); nft applies the whole script atomically.
+        self.replace_rules(node, " iifname != \"lo\" drop;", " oifname != \"lo\" drop;")
+            .map_err(|e| format!("cannot partition node {node}: {e}"))
+    }
+
+    /// Drops every packet between node `node` and the servers at `peers` (addresses
+    /// on the host side of the bridge: the storage proxy, etcd), both ways; the node
+    /// keeps reaching the other nodes and everything else. Replaces any other fault
+    /// of the node; [`Network::heal`] undoes it.
+    pub fn cut_off(&self, node: usize, peers: &[SocketAddr]) -> Result<(), String> {
+        let mut input = String::new();
+        let mut output = String::new();
+        for peer in peers {
+            let family = if peer.is_ipv4() { "ip" } else { "ip6" };
+            let (ip, port) = (peer.ip(), peer.port());
+            input.push_str(&format!(" {family} saddr {ip} tcp sport {port} drop;"));
+            output.push_str(&format!(" {family} daddr {ip} tcp dport {port} drop;"));
+        }
+        self.replace_rules(node, &input, &output)
+            .map_err(|e| format!("cannot cut node {node} off {peers:?}: {e}"))
+    }
+
+    /// Drops `percent` % of the packets between node `node` and anything off the
+    /// node, at random, each way. Replaces any other fault of the node;
+    /// [`Network::heal`] undoes it.
+    pub fn lose(&self, node: usize, percent: u32) -> Result<(), String> {
+        let percent = percent.min(100);
+        let input = format!(" iifname != \"lo\" numgen random mod 100 < {percent} drop;");
+        let output = format!(" oifname != \"lo\" numgen random mod 100 < {percent} drop;");
+        self.replace_rules(node, &input, &output)
+            .map_err(|e| format!("cannot make node {node} lose packets: {e}"))
+    }
+
+    /// Installs the node's fault table with these `input` and `output` rules, in
+    /// place of any before (idempotent, atomic).
+    fn replace_rules(&self, node: usize, input: &str, output: &str) -> Result<(), String> {
         let script = format!(
             "add table inet {t}\n\
              delete table inet {t}\n\
              table inet {t} {{\n\
-             \tchain input {{ type filter hook input priority -300; policy accept; iifname != \"lo\" drop; }}\n\
-             \tchain output {{ type filter hook output priority -300; policy accept; oifname != \"lo\" drop; }}\n\
+             \tchain input {{ type filter hook input priority -300; policy accept;{input} }}\n\
+             \tchain output {{ type filter hook output priority -300; policy accept;{output} }}\n\
              }}\n",
             t = PARTITION_TABLE
         );
         self.nft_script(node, &script)
-            .map_err(|e| format!("cannot partition node {node}: {e}"))
     }
 
-    /// Undoes [`Network::partition`]. Idempotent.
+    /// Undoes [`Network::partition`] (and [`Network::cut_off`], [`Network::lose`]).
+    /// Idempotent.
     ///
     /// Stalled TCP connections resume at their next retransmission; with
     /// TCP's exponential backoff that can be up to about as long again as the

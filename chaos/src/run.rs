@@ -305,6 +305,9 @@ fn start_node(
         None => Command::new(launcher),
     };
     command.envs(env.launcher_env.iter().map(|(k, v)| (k, v)));
+    if let Some(shim) = &env.shim {
+        command.envs(shim.env(node));
+    }
     command.arg("launch").args([
         "--nproc",
         &scenario.ranks.to_string(),
@@ -608,6 +611,10 @@ fn parse_recovery(line: &str) -> Option<Recovery> {
 }
 
 /// Something a fault set to happen later: its end.
+/// How long the harness keeps trying a remount that a file open for writing holds
+/// up (EBUSY).
+const REMOUNT_PATIENCE: Duration = Duration::from_secs(5);
+
 enum Later {
     Resume(i32),
     RestartCoordinator,
@@ -615,6 +622,12 @@ enum Later {
     FreeDisk(PathBuf),
     RestartEtcd(usize),
     Relaunch(usize),
+    /// File calls succeed again (`io-error`).
+    EndIoErrors,
+    /// Sends go at once again (`net-delay`).
+    EndDelay,
+    /// The tmpfs is writable again (`read-only`).
+    Writable,
 }
 
 /// Damages a data file of the newest commit in `store` (a local directory at `dir`).
@@ -814,6 +827,29 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                         notes.push(format!("restarting etcd member {member}: {e}"));
                     }
                 }
+                Later::EndIoErrors => {
+                    if let Some(shim) = &env.shim {
+                        shim.fail_io(0, None);
+                        notes.push(format!(
+                            "io-error over: {} file calls failed so far",
+                            shim.io_fired()
+                        ));
+                    }
+                }
+                Later::EndDelay => {
+                    if let Some(shim) = &env.shim {
+                        shim.delay_sends(0, None);
+                        notes.push(format!(
+                            "net-delay over: {} sends delayed so far",
+                            shim.sends_delayed()
+                        ));
+                    }
+                }
+                Later::Writable => {
+                    if let Err(e) = env.remount(false, REMOUNT_PATIENCE) {
+                        notes.push(format!("making the checkpoints writable again: {e}"));
+                    }
+                }
                 Later::Relaunch(node) => {
                     let rdzv = watch.coordinator.clone();
                     let fresh = start_node(
@@ -922,7 +958,8 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                 FaultKind::StorageErrors
                 | FaultKind::StorageLatency
                 | FaultKind::StorageReset
-                | FaultKind::StorageLosePart => {
+                | FaultKind::StorageLosePart
+                | FaultKind::StorageCorrupt => {
                     if let Some(proxy) = &env.proxy {
                         proxy.inject(storage_fault(fault));
                     }
@@ -951,6 +988,48 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                         later.push((Instant::now() + pause, Later::RestartEtcd(member)));
                     }
                 }
+                FaultKind::IoError => {
+                    if let Some(shim) = &env.shim {
+                        let flags = match fault.how.as_deref() {
+                            Some("read") => crate::shim::layout::EIO_READ,
+                            _ => crate::shim::layout::EIO_WRITE,
+                        };
+                        shim.fail_io(flags, fault.rank);
+                        later.push((Instant::now() + pause, Later::EndIoErrors));
+                    }
+                }
+                FaultKind::ReadOnly => match env.remount(true, REMOUNT_PATIENCE) {
+                    Ok(()) => later.push((Instant::now() + pause, Later::Writable)),
+                    Err(e) => notes.push(format!("making the checkpoints read-only: {e}")),
+                },
+                FaultKind::NetDelay => {
+                    if let Some(shim) = &env.shim {
+                        let ms = fault.delay_ms.unwrap_or(0);
+                        shim.delay_sends(u32::try_from(ms).unwrap_or(u32::MAX), fault.node);
+                        later.push((Instant::now() + pause, Later::EndDelay));
+                    }
+                }
+                FaultKind::NetLoss | FaultKind::PartitionStore | FaultKind::PartitionEtcd => {
+                    let node = fault.node.unwrap_or(0);
+                    let cut = match (fault.kind, &env.network) {
+                        (_, None) => Err("no network namespaces".to_owned()),
+                        (FaultKind::NetLoss, Some(network)) => {
+                            network.lose(node, fault.percent.unwrap_or(0))
+                        }
+                        (FaultKind::PartitionStore, Some(network)) => match &env.proxy {
+                            Some(proxy) => network.cut_off(node, &[proxy.addr()]),
+                            None => Err("no storage proxy".to_owned()),
+                        },
+                        (_, Some(network)) => match &env.etcd {
+                            Some(cluster) => network.cut_off(node, &cluster.clients()),
+                            None => Err("no etcd cluster".to_owned()),
+                        },
+                    };
+                    match cut {
+                        Ok(()) => later.push((Instant::now() + pause, Later::Heal(node))),
+                        Err(e) => notes.push(format!("{} on node {node}: {e}", fault.kind.name())),
+                    }
+                }
             }
             let at_s = watch.seconds();
             let label = format!("{} {target}", fault.kind.name());
@@ -973,6 +1052,11 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
             Later::Resume(pid) => signal(pid, libc::SIGCONT),
             Later::FreeDisk(filler) => {
                 let _ = std::fs::remove_file(filler);
+            }
+            Later::Writable => {
+                // The oracle reads the checkpoints; nothing must write them now,
+                // but the harness's own cleanup does.
+                let _ = env.remount(false, REMOUNT_PATIENCE);
             }
             _ => {}
         }
@@ -1113,6 +1197,14 @@ fn storage_fault(fault: &Fault) -> crate::storage_proxy::StorageFault {
         },
         FaultKind::StorageReset => StorageFault::ResetMidBody { count },
         FaultKind::StorageLosePart => StorageFault::LosePart { count },
+        FaultKind::StorageCorrupt => StorageFault::CorruptBody {
+            direction: if fault.how.as_deref() == Some("get") {
+                crate::storage_proxy::Direction::Get
+            } else {
+                crate::storage_proxy::Direction::Put
+            },
+            count,
+        },
         _ => StorageFault::Errors {
             status: fault.status.unwrap_or(503),
             count,

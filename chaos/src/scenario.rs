@@ -176,6 +176,11 @@ pub enum FaultKind {
     /// The storage proxy swallows the next `count` multipart parts (answered 200,
     /// never stored).
     StorageLosePart,
+    /// The storage proxy inverts one byte in the middle of the next `count` bodies
+    /// going `how`: `"put"` (request bodies of PUTs and multipart parts) or `"get"`
+    /// (response bodies of ranged GETs, the reads of data blocks and rank parts):
+    /// corruption in flight.
+    StorageCorrupt,
     /// Fill the tmpfs (`storage = "tmpfs"`) and free it again after `duration_ms`.
     DiskFull,
     /// Damage the newest committed checkpoint at rest: flip a bit of a data file
@@ -184,6 +189,45 @@ pub enum FaultKind {
     Corrupt,
     /// SIGKILL an etcd member (`member` 0..3) and restart it after `duration_ms`.
     KillEtcdMember,
+    /// File calls on the checkpoints fail with EIO for `duration_ms`: writes
+    /// (`how = "write"`, with `fsync`) or reads (`how = "read"`), in rank `rank` or,
+    /// without one, in every rank (the preloaded `ckpt-fault-shim`).
+    IoError,
+    /// The checkpoints' file system (`storage = "tmpfs"`) is remounted read-only for
+    /// `duration_ms`, then read-write again.
+    ReadOnly,
+    /// Every send from node `node` to another node waits `delay_ms` first, for
+    /// `duration_ms` (the preloaded `ckpt-fault-shim`; nodes run in network
+    /// namespaces).
+    NetDelay,
+    /// Node `node` loses `percent` % of its packets to and from other nodes, the
+    /// control plane and the store, at random, for `duration_ms` (nftables in its
+    /// namespace).
+    NetLoss,
+    /// Node `node` is cut off from the store (`storage = "s3"`) for `duration_ms`:
+    /// every packet between it and the storage proxy is dropped, both ways.
+    PartitionStore,
+    /// Node `node` is cut off from etcd (`coordinator = "etcd"`) for `duration_ms`.
+    PartitionEtcd,
+}
+
+impl FaultKind {
+    /// Whether the fault needs the nodes in network namespaces.
+    pub fn needs_network(self) -> bool {
+        matches!(
+            self,
+            FaultKind::Partition
+                | FaultKind::NetDelay
+                | FaultKind::NetLoss
+                | FaultKind::PartitionStore
+                | FaultKind::PartitionEtcd
+        )
+    }
+
+    /// Whether the fault needs `ckpt-fault-shim` preloaded into the run's processes.
+    pub fn needs_shim(self) -> bool {
+        matches!(self, FaultKind::IoError | FaultKind::NetDelay)
+    }
 }
 
 impl FaultKind {
@@ -238,12 +282,19 @@ pub struct Fault {
     /// The HTTP status answered (`storage-errors`; default 503).
     #[serde(default)]
     pub status: Option<u16>,
-    /// How a checkpoint is damaged (`corrupt`): `bit-flip` or `truncate`.
+    /// How a checkpoint is damaged (`corrupt`): `bit-flip` or `truncate`; which bodies
+    /// `storage-corrupt` damages: `get` or `put`.
     #[serde(default)]
     pub how: Option<String>,
     /// The etcd member killed (`kill-etcd-member`), 0..3.
     #[serde(default)]
     pub member: Option<usize>,
+    /// How long each send waits (`net-delay`), ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay_ms: Option<u64>,
+    /// The share of packets dropped (`net-loss`), percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub percent: Option<u32>,
 }
 
 impl Fault {
@@ -262,6 +313,8 @@ impl Fault {
             status: None,
             how: None,
             member: None,
+            delay_ms: None,
+            percent: None,
         }
     }
 
@@ -271,12 +324,36 @@ impl Fault {
             FaultKind::KillNode | FaultKind::Partition => {
                 format!("node {}", self.node.unwrap_or(0))
             }
+            FaultKind::NetDelay => format!(
+                "node {} ({} ms a send)",
+                self.node.unwrap_or(0),
+                self.delay_ms.unwrap_or(0)
+            ),
+            FaultKind::NetLoss => format!(
+                "node {} ({} % of packets)",
+                self.node.unwrap_or(0),
+                self.percent.unwrap_or(0)
+            ),
+            FaultKind::PartitionStore => format!("node {} from the store", self.node.unwrap_or(0)),
+            FaultKind::PartitionEtcd => format!("node {} from etcd", self.node.unwrap_or(0)),
+            FaultKind::IoError => format!(
+                "{} {}s",
+                self.rank
+                    .map_or_else(|| "every rank's".to_owned(), |r| format!("rank {r}'s")),
+                self.how.as_deref().unwrap_or("write")
+            ),
+            FaultKind::ReadOnly => "the checkpoints' file system".into(),
             FaultKind::KillCoordinator => "the coordinator".into(),
             FaultKind::KillEtcdMember => format!("etcd member {}", self.member.unwrap_or(0)),
             FaultKind::StorageErrors
             | FaultKind::StorageLatency
             | FaultKind::StorageReset
             | FaultKind::StorageLosePart => format!("{} storage requests", self.count.unwrap_or(1)),
+            FaultKind::StorageCorrupt => format!(
+                "{} storage {} bodies",
+                self.count.unwrap_or(1),
+                self.how.as_deref().unwrap_or("put")
+            ),
             FaultKind::DiskFull => "the disk".into(),
             FaultKind::Corrupt => "the newest commit".into(),
             FaultKind::KillInSave => format!(
@@ -523,12 +600,44 @@ impl Scenario {
                 | FaultKind::StorageLatency
                 | FaultKind::StorageReset
                 | FaultKind::StorageLosePart
+                | FaultKind::StorageCorrupt
                     if self.storage != StorageKind::S3 =>
                 {
                     return needs("storage = \"s3\" (the proxy)");
                 }
+                FaultKind::StorageCorrupt
+                    if !matches!(fault.how.as_deref(), Some("get" | "put")) =>
+                {
+                    return needs("how = \"get\" or \"put\"");
+                }
                 FaultKind::DiskFull if self.storage != StorageKind::Tmpfs => {
                     return needs("storage = \"tmpfs\"");
+                }
+                FaultKind::IoError => {
+                    if self.storage == StorageKind::S3 {
+                        return needs("storage on local disk (file or tmpfs)");
+                    }
+                    if !matches!(fault.how.as_deref(), None | Some("read" | "write")) {
+                        return needs("how = \"read\" or \"write\"");
+                    }
+                    if let Some(r) = fault.rank.filter(|&r| r >= world) {
+                        return at(format!("rank {r} must be below {world}"));
+                    }
+                }
+                FaultKind::ReadOnly if self.storage != StorageKind::Tmpfs => {
+                    return needs("storage = \"tmpfs\"");
+                }
+                FaultKind::NetDelay if fault.delay_ms.is_none_or(|ms| ms == 0 || ms > 10_000) => {
+                    return needs("delay_ms, 1 to 10000");
+                }
+                FaultKind::NetLoss if fault.percent.is_none_or(|p| p == 0 || p > 100) => {
+                    return needs("percent, 1 to 100");
+                }
+                FaultKind::PartitionStore if self.storage != StorageKind::S3 => {
+                    return needs("storage = \"s3\" (the store the node is cut off)");
+                }
+                FaultKind::PartitionEtcd if self.coordinator != CoordinatorKind::Etcd => {
+                    return needs("coordinator = \"etcd\"");
                 }
                 FaultKind::Corrupt => {
                     if self.storage == StorageKind::S3 {
@@ -540,18 +649,21 @@ impl Scenario {
                 }
                 _ => {}
             }
-            if fault.kind == FaultKind::Partition {
-                if self.nodes < 2 {
+            if fault.kind.needs_network() {
+                match fault.node {
+                    Some(n) if n < self.nodes => {}
+                    other => return at(format!("node {other:?} must be below {}", self.nodes)),
+                }
+                let between_nodes = matches!(
+                    fault.kind,
+                    FaultKind::Partition | FaultKind::NetDelay | FaultKind::NetLoss
+                );
+                if between_nodes && self.nodes < 2 {
                     return needs("two nodes or more");
                 }
-                if self.coordinator != CoordinatorKind::Standalone {
+                if self.nodes > 1 && self.coordinator == CoordinatorKind::Hosted {
                     return needs(
-                        "coordinator = \"standalone\" (it listens on the host side of the bridge)",
-                    );
-                }
-                if self.storage == StorageKind::S3 {
-                    return needs(
-                        "storage on local disk (the S3 server listens on the host's loopback, out of the nodes' namespaces)",
+                        "coordinator = \"standalone\" or \"etcd\" (they listen on the host side of the nodes' bridge)",
                     );
                 }
             }
@@ -573,6 +685,12 @@ impl Scenario {
                     | FaultKind::StorageLatency
                     | FaultKind::DiskFull
                     | FaultKind::KillEtcdMember
+                    | FaultKind::IoError
+                    | FaultKind::ReadOnly
+                    | FaultKind::NetDelay
+                    | FaultKind::NetLoss
+                    | FaultKind::PartitionStore
+                    | FaultKind::PartitionEtcd
             ) && fault.duration_ms.is_none()
             {
                 return needs("duration_ms");

@@ -8,6 +8,16 @@ use crate::scenario::{
     CoordinatorKind, Expect, Fault, FaultKind, SAVE_STAGES, Scenario, StorageKind,
 };
 
+/// Faults that install a node's nftables rules (or hold its sends): at most one of
+/// them a run, since each replaces the others on its node.
+const NETWORK_FAULTS: [FaultKind; 5] = [
+    FaultKind::Partition,
+    FaultKind::NetDelay,
+    FaultKind::NetLoss,
+    FaultKind::PartitionStore,
+    FaultKind::PartitionEtcd,
+];
+
 /// SplitMix64: small, fast, and good enough to draw fault plans from.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -84,19 +94,41 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
                 kinds.push(FaultKind::Partition);
             }
         }
+        // Nodes in network namespaces reach the servers on the host side of their
+        // bridge: a coordinator of their own (hosted) is reached by one node only.
+        let namespaced = nodes == 1 || coordinator != CoordinatorKind::Hosted;
+        if nodes == 2 && coordinator != CoordinatorKind::Hosted && !node_lost {
+            kinds.extend([FaultKind::NetDelay, FaultKind::NetLoss]);
+        }
         match coordinator {
             CoordinatorKind::Standalone => kinds.push(FaultKind::KillCoordinator),
-            CoordinatorKind::Etcd => kinds.push(FaultKind::KillEtcdMember),
+            CoordinatorKind::Etcd => {
+                kinds.push(FaultKind::KillEtcdMember);
+                if nodes == 2 && !node_lost {
+                    kinds.push(FaultKind::PartitionEtcd);
+                }
+            }
             CoordinatorKind::Hosted => {}
         }
         match storage {
-            StorageKind::File => kinds.push(FaultKind::Corrupt),
-            StorageKind::Tmpfs => kinds.extend([FaultKind::Corrupt, FaultKind::DiskFull]),
-            StorageKind::S3 => kinds.extend([
-                FaultKind::StorageErrors,
-                FaultKind::StorageLatency,
-                FaultKind::StorageReset,
+            StorageKind::File => kinds.extend([FaultKind::Corrupt, FaultKind::IoError]),
+            StorageKind::Tmpfs => kinds.extend([
+                FaultKind::Corrupt,
+                FaultKind::DiskFull,
+                FaultKind::IoError,
+                FaultKind::ReadOnly,
             ]),
+            StorageKind::S3 => {
+                kinds.extend([
+                    FaultKind::StorageErrors,
+                    FaultKind::StorageLatency,
+                    FaultKind::StorageReset,
+                    FaultKind::StorageCorrupt,
+                ]);
+                if namespaced {
+                    kinds.push(FaultKind::PartitionStore);
+                }
+            }
         }
         kinds.retain(|k| !once.contains(k));
         let kind = kinds[rng.range(0, kinds.len() as u64 - 1) as usize];
@@ -110,6 +142,9 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
                 }
             }
             FaultKind::KillNode | FaultKind::Partition => {
+                if kind == FaultKind::Partition {
+                    once.extend(NETWORK_FAULTS);
+                }
                 // A hosted coordinator lives in node 0's launcher: losing that node
                 // ends the job by design (docs/RELIABILITY.md), so only node 1 is
                 // lost whole there.
@@ -137,10 +172,57 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
                     fault.duration_ms = Some(rng.range(100, 1000));
                 }
             }
-            FaultKind::DiskFull => {
-                once.push(kind);
+            FaultKind::StorageCorrupt => {
+                // Fewer bodies than a write's or a read's attempts (3): in flight, a
+                // damaged body costs one more request, never a checkpoint.
+                fault.count = Some(rng.range(1, 2) as usize);
+                fault.how = Some(if rng.range(0, 1) == 0 { "get" } else { "put" }.into());
+            }
+            FaultKind::DiskFull | FaultKind::ReadOnly => {
+                once.extend([FaultKind::DiskFull, FaultKind::ReadOnly]);
                 // Shorter than --max-failed-saves (3) checkpoint intervals.
-                fault.duration_ms = Some(rng.range(100, 250));
+                fault.duration_ms = Some(if kind == FaultKind::DiskFull {
+                    rng.range(100, 250)
+                } else {
+                    rng.range(200, 600)
+                });
+            }
+            FaultKind::IoError => {
+                once.push(kind);
+                // Writes: shorter than --max-failed-saves (3) checkpoint intervals,
+                // as a full disk. Reads fail only while a recovery reads the store.
+                let read = rng.range(0, 1) == 0;
+                fault.how = Some(if read { "read" } else { "write" }.into());
+                fault.duration_ms = Some(if read {
+                    rng.range(500, 1500)
+                } else {
+                    rng.range(200, 600)
+                });
+                if rng.range(0, 1) == 0 {
+                    fault.rank = Some(rng.range(0, world as u64 - 1) as usize);
+                }
+            }
+            FaultKind::NetDelay | FaultKind::NetLoss | FaultKind::PartitionStore => {
+                // One network fault a run: each replaces the node's rules.
+                once.extend(NETWORK_FAULTS);
+                fault.node = Some(rng.range(0, nodes as u64 - 1) as usize);
+                fault.duration_ms = Some(rng.range(1000, 3000));
+                match kind {
+                    FaultKind::NetDelay => fault.delay_ms = Some(rng.range(5, 40)),
+                    // Little enough that TCP's retransmissions stay well inside the
+                    // heartbeat timeout.
+                    FaultKind::NetLoss => fault.percent = Some(rng.range(2, 10) as u32),
+                    _ => {}
+                }
+            }
+            FaultKind::PartitionEtcd => {
+                once.extend(NETWORK_FAULTS);
+                let node = rng.range(0, 1) as usize;
+                node_lost = true;
+                targets.retain(|r| r / ranks != node);
+                fault.node = Some(node);
+                // Longer than the node's lease, with the margin hangs on etcd get.
+                fault.duration_ms = Some(rng.range(4500, 5500));
             }
             FaultKind::Corrupt => {
                 once.push(kind);
@@ -216,6 +298,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
                 | FaultKind::DeviceError
                 | FaultKind::KillInSave
                 | FaultKind::Partition
+                | FaultKind::PartitionEtcd
         )
     });
     Scenario {
@@ -283,7 +366,7 @@ mod tests {
     #[test]
     fn draws_are_valid_repeatable_and_varied() {
         let mut kinds = std::collections::BTreeSet::new();
-        for run in 0..300 {
+        for run in 0..1000 {
             let s = draw(42, run);
             s.validate()
                 .unwrap_or_else(|e| panic!("run {run}: {e}\n{}", s.to_toml()));
@@ -293,7 +376,7 @@ mod tests {
         }
         assert_eq!(
             kinds.len(),
-            13,
+            20,
             "every fault kind but a lost part is drawn: {kinds:?}"
         );
         assert_ne!(draw(42, 0), draw(43, 0));

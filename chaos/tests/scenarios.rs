@@ -81,6 +81,8 @@ scenario_tests![
     demo,
     device_error,
     disk_full,
+    io_error_on_read,
+    io_error_on_write,
     kill_coordinator,
     kill_etcd_member,
     kill_every_rank_of_the_coordinator_node,
@@ -92,18 +94,24 @@ scenario_tests![
     kill_node,
     kill_one_rank,
     kill_rank_while_coordinator_down,
+    net_delay_between_nodes,
+    net_loss_between_nodes,
     no_member_for_a_moment_while_a_node_restarts,
     node_back_after_the_job_and_its_coordinator_ended,
     node_back_after_the_job_finished,
     node_back_while_the_coordinator_restarts,
+    partition_etcd,
     partition_node,
+    partition_store,
     python_kill_during_save,
     python_kill_node,
     python_kill_one_rank,
     python_partition_node,
     python_stop_one_rank,
     python_storage_s3_faults,
+    read_only_checkpoints,
     stop_one_rank,
+    storage_corrupt,
     storage_reset_fails_a_save,
     storage_s3_faults,
     truncate_then_recover,
@@ -192,6 +200,11 @@ fn the_scenario_passes(test: &str) {
             );
             return;
         }
+        // The fault shim is part of the workspace: `cargo test --workspace` builds it.
+        assert!(
+            !why.contains(ckpt_chaos::shim::LIBRARY),
+            "the fault shim is missing (cargo build -p ckpt-fault-shim): {why}"
+        );
         // What the harness skips for (chaos/src/env.rs): no S3 server, no etcd binary,
         // no tmpfs mount (root), no network namespaces.
         let capability = if why.contains("S3") {

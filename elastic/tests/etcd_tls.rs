@@ -105,6 +105,7 @@ fn refusal_at(url: &EtcdUrl, settings: EtcdSettings) -> String {
         Err(ElasticError::Rejected(e)) => {
             let took = started.elapsed();
             eprintln!("refused after {took:?}: {e}");
+            assert!(took < PROMPT, "refused after {took:?}: {e}");
             e
         }
         Err(e) => panic!("refused, but not as a refusal (one retrying could not help): {e}"),

@@ -48,6 +48,29 @@ impl fmt::Display for ErrorKind {
     }
 }
 
+/// What an I/O error from a file system means to the caller: a failing device or a
+/// network file system's hiccup (EIO, a stale handle, a timeout, a reset or aborted
+/// connection, an interrupted or would-block call) may pass, so it is
+/// [`ErrorKind::Transient`]; a refusal of access is [`ErrorKind::Config`];
+/// everything else (a full or read-only disk, a missing directory) is
+/// [`ErrorKind::Permanent`] for the call that met it.
+pub fn io_error_kind(e: &std::io::Error) -> ErrorKind {
+    use std::io::ErrorKind as Io;
+    /// EIO on every Unix (std has no kind for it).
+    const EIO: i32 = 5;
+    match e.kind() {
+        Io::Interrupted
+        | Io::TimedOut
+        | Io::WouldBlock
+        | Io::ConnectionReset
+        | Io::ConnectionAborted
+        | Io::StaleNetworkFileHandle => ErrorKind::Transient,
+        Io::PermissionDenied => ErrorKind::Config,
+        _ if e.raw_os_error() == Some(EIO) => ErrorKind::Transient,
+        _ => ErrorKind::Permanent,
+    }
+}
+
 /// A storage error: its [`ErrorKind`] and a one-sentence, lowercase message naming
 /// the operation, the store URL and the key.
 #[derive(Debug, thiserror::Error)]
@@ -110,3 +133,24 @@ impl Error {
 
 /// Result alias for storage operations.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_that_may_pass_are_transient_and_the_others_are_not() {
+        let os = std::io::Error::from_raw_os_error;
+        // EIO, ESTALE, ETIMEDOUT, ECONNRESET, EAGAIN: a device or a network file
+        // system that may answer the next read.
+        for errno in [5, 116, 110, 104, 11] {
+            assert_eq!(io_error_kind(&os(errno)), ErrorKind::Transient, "{errno}");
+        }
+        // EACCES: a configuration to fix. ENOSPC, EROFS, ENOENT: not for a retry of
+        // the same call.
+        assert_eq!(io_error_kind(&os(13)), ErrorKind::Config);
+        for errno in [28, 30, 2] {
+            assert_eq!(io_error_kind(&os(errno)), ErrorKind::Permanent, "{errno}");
+        }
+    }
+}

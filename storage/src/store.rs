@@ -331,14 +331,45 @@ impl Store {
 
     /// Reads the whole object at `key`.
     pub async fn get(&self, key: &str) -> Result<Bytes> {
-        self.count(1);
         let path = self.path("get", key)?;
-        let result = self
-            .inner
-            .get(&path)
-            .await
-            .map_err(|e| self.error("get", key, e))?;
-        result.bytes().await.map_err(|e| self.error("get", key, e))
+        self.reading("get", key, || async {
+            self.count(1);
+            let result = self
+                .inner
+                .get(&path)
+                .await
+                .map_err(|e| self.error("get", key, e))?;
+            result.bytes().await.map_err(|e| self.error("get", key, e))
+        })
+        .await
+    }
+
+    /// Runs the read `attempt`, and again after a pause while it fails with a
+    /// transient error from a local file system (EIO from a failing device, a stale
+    /// network file system handle): object_store retries the remote backends itself,
+    /// a local one not at all, and a read that a moment's wait would have let
+    /// through must not cost a recovery its checkpoint.
+    async fn reading<T, F, Fut>(&self, op: &str, key: &str, mut attempt: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut pauses = LOCAL_READ_PAUSES.iter();
+        loop {
+            match attempt().await {
+                Err(e) if e.is_retryable() && self.backend == Backend::Local => {
+                    let Some(pause) = pauses.next() else {
+                        return Err(Error::new(
+                            ErrorKind::Transient,
+                            format!("{e} (read {} times)", LOCAL_READ_PAUSES.len() + 1),
+                        ));
+                    };
+                    tracing::warn!(store = %self.url, op, key, error = %e, "a read of local storage failed; reading again in {} ms", pause.as_millis());
+                    tokio::time::sleep(*pause).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Reads bytes `range` of the object at `key`.
@@ -348,7 +379,10 @@ impl Store {
     /// backend (some would silently truncate). An empty range reads nothing.
     pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         let path = self.path("get_range", key)?;
-        self.read_range(key, &path, range).await
+        self.reading("get_range", key, || {
+            self.read_range(key, &path, range.clone())
+        })
+        .await
     }
 
     /// Reads several ranges of one object, returned in the order asked.
@@ -374,7 +408,11 @@ impl Store {
         let mut fetched = futures::stream::iter(fetches.into_iter().map(|fetch| {
             let path = &path;
             async move {
-                let data = self.read_range(key, path, fetch.range.clone()).await?;
+                let data = self
+                    .reading("get_ranges", key, || {
+                        self.read_range(key, path, fetch.range.clone())
+                    })
+                    .await?;
                 Ok::<_, Error>((fetch, data))
             }
         }))
@@ -392,30 +430,36 @@ impl Store {
 
     /// Size and version of the object at `key`.
     pub async fn head(&self, key: &str) -> Result<ObjectInfo> {
-        self.count(1);
         let path = self.path("head", key)?;
-        let meta = self
-            .inner
-            .head(&path)
-            .await
-            .map_err(|e| self.error("head", key, e))?;
-        Ok(info(meta))
+        self.reading("head", key, || async {
+            self.count(1);
+            let meta = self
+                .inner
+                .head(&path)
+                .await
+                .map_err(|e| self.error("head", key, e))?;
+            Ok(info(meta))
+        })
+        .await
     }
 
     /// Every object whose key lies under `prefix` (a directory-like prefix: `a/b`
     /// lists `a/b/...`, not `a/bc`; `""` lists everything), sorted by key.
     pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
-        self.count(1);
         let path = self.prefix_path("list", prefix)?;
-        let mut objects: Vec<ObjectInfo> = self
-            .inner
-            .list(path.as_ref())
-            .map_ok(info)
-            .try_collect()
-            .await
-            .map_err(|e| self.error("list", prefix, e))?;
-        objects.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(objects)
+        self.reading("list", prefix, || async {
+            self.count(1);
+            let mut objects: Vec<ObjectInfo> = self
+                .inner
+                .list(path.as_ref())
+                .map_ok(info)
+                .try_collect()
+                .await
+                .map_err(|e| self.error("list", prefix, e))?;
+            objects.sort_by(|a, b| a.key.cmp(&b.key));
+            Ok(objects)
+        })
+        .await
     }
 
     /// Objects under `prefix` whose keys sort strictly after `after` (a full key),
@@ -423,19 +467,22 @@ impl Store {
     /// reading the tail of a long, ordered series of keys (a log) costs one request,
     /// not a listing of the whole series.
     pub async fn list_after(&self, prefix: &str, after: &str) -> Result<Vec<ObjectInfo>> {
-        self.count(1);
         let path = self.prefix_path("list", prefix)?;
         let offset = self.path("list", after)?;
-        let mut objects: Vec<ObjectInfo> = self
-            .inner
-            .list_with_offset(path.as_ref(), &offset)
-            .map_ok(info)
-            .try_collect()
-            .await
-            .map_err(|e| self.error("list", prefix, e))?;
-        objects.retain(|o| o.key.as_str() > after);
-        objects.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(objects)
+        self.reading("list", prefix, || async {
+            self.count(1);
+            let mut objects: Vec<ObjectInfo> = self
+                .inner
+                .list_with_offset(path.as_ref(), &offset)
+                .map_ok(info)
+                .try_collect()
+                .await
+                .map_err(|e| self.error("list", prefix, e))?;
+            objects.retain(|o| o.key.as_str() > after);
+            objects.sort_by(|a, b| a.key.cmp(&b.key));
+            Ok(objects)
+        })
+        .await
     }
 
     /// Objects under `prefix` whose keys sort strictly after `after` and no later
@@ -449,36 +496,42 @@ impl Store {
         after: &str,
         until: &str,
     ) -> Result<Vec<ObjectInfo>> {
-        self.count(1);
         let path = self.prefix_path("list", prefix)?;
         let offset = self.path("list", after)?;
         let ordered = matches!(self.backend(), Backend::S3 | Backend::Gcs | Backend::Azure);
-        let mut listing = self.inner.list_with_offset(path.as_ref(), &offset);
-        let mut objects = Vec::new();
-        while let Some(meta) = listing.next().await {
-            let object = info(meta.map_err(|e| self.error("list", prefix, e))?);
-            if object.key.as_str() > until {
-                if ordered {
-                    break;
+        self.reading("list", prefix, || async {
+            self.count(1);
+            let mut listing = self.inner.list_with_offset(path.as_ref(), &offset);
+            let mut objects = Vec::new();
+            while let Some(meta) = listing.next().await {
+                let object = info(meta.map_err(|e| self.error("list", prefix, e))?);
+                if object.key.as_str() > until {
+                    if ordered {
+                        break;
+                    }
+                } else if object.key.as_str() > after {
+                    objects.push(object);
                 }
-            } else if object.key.as_str() > after {
-                objects.push(object);
             }
-        }
-        objects.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(objects)
+            objects.sort_by(|a, b| a.key.cmp(&b.key));
+            Ok(objects)
+        })
+        .await
     }
 
     /// One level of the tree under `prefix`: objects directly in it and the
     /// prefixes one level down (like `ls` of a directory).
     pub async fn list_dir(&self, prefix: &str) -> Result<Listing> {
-        self.count(1);
         let path = self.prefix_path("list", prefix)?;
         let result = self
-            .inner
-            .list_with_delimiter(path.as_ref())
-            .await
-            .map_err(|e| self.error("list", prefix, e))?;
+            .reading("list", prefix, || async {
+                self.count(1);
+                self.inner
+                    .list_with_delimiter(path.as_ref())
+                    .await
+                    .map_err(|e| self.error("list", prefix, e))
+            })
+            .await?;
         let mut objects: Vec<ObjectInfo> = result.objects.into_iter().map(info).collect();
         objects.sort_by(|a, b| a.key.cmp(&b.key));
         let mut prefixes: Vec<String> = result
@@ -705,6 +758,18 @@ impl Store {
     }
 }
 
+/// The pauses before each new read of local storage after a transient error: seven
+/// reads over about 3 s, then the error stands (and the caller decides: a recovery
+/// tries again in a new generation, a save counts a failure).
+pub const LOCAL_READ_PAUSES: [std::time::Duration; 6] = [
+    std::time::Duration::from_millis(50),
+    std::time::Duration::from_millis(100),
+    std::time::Duration::from_millis(200),
+    std::time::Duration::from_millis(400),
+    std::time::Duration::from_millis(800),
+    std::time::Duration::from_millis(1600),
+];
+
 fn parse_key(op: &str, url: &str, key: &str) -> Result<Path> {
     let bad = |why: &str| Error::config(format!("{op} on {url}: invalid key {key:?}: {why}"));
     if key.starts_with('/') || key.ends_with('/') {
@@ -808,14 +873,7 @@ fn classify_generic(e: &object_store::Error) -> (ErrorKind, String) {
             return (kind, format!("{what} ({})", innermost(err)));
         }
         if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            let kind = match io.kind() {
-                std::io::ErrorKind::Interrupted | std::io::ErrorKind::TimedOut => {
-                    ErrorKind::Transient
-                }
-                std::io::ErrorKind::PermissionDenied => ErrorKind::Config,
-                _ => ErrorKind::Permanent,
-            };
-            return (kind, io.to_string());
+            return (crate::error::io_error_kind(io), io.to_string());
         }
         source = err.source();
     }

@@ -48,6 +48,14 @@
 //!   `CompleteMultipartUpload` and rejects the upload with `InvalidPart`, so
 //!   the client must see the upload fail rather than end up with an object
 //!   that is missing a part.
+//! * [`StorageFault::CorruptBody`] relays a body whole, with its length, but
+//!   with its middle byte inverted: a PUT's request body (the server stores
+//!   bytes other than those the client checksummed) or a ranged GET's response
+//!   body (the client receives them). TCP's checksum is weak and ends at each
+//!   hop; a faulty NIC, a bad RAM cell in a middlebox or a buggy proxy damages
+//!   bytes where no transport checksum sees it. The loader must catch a GET on
+//!   the block CRC32 and read again; a PUT must never leave a part stored whose
+//!   bytes differ from what was checksummed.
 //!
 //! # HTTP handling
 //!
@@ -87,7 +95,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-pub use faults::{ProxyStats, StorageFault};
+pub use faults::{Direction, ProxyStats, StorageFault};
 
 use faults::SharedState;
 
@@ -109,8 +117,15 @@ impl StorageProxy {
     /// The upstream address is resolved once, here. Only plain `http://`
     /// upstreams without a path are supported.
     pub fn start(upstream: &str) -> io::Result<StorageProxy> {
+        StorageProxy::start_on(upstream, std::net::Ipv4Addr::LOCALHOST.into())
+    }
+
+    /// Starts on `ip`, port 0 (the host side of the nodes' bridge when nodes run
+    /// in network namespaces, which loopback would not reach), in front of
+    /// `upstream`.
+    pub fn start_on(upstream: &str, ip: std::net::IpAddr) -> io::Result<StorageProxy> {
         let upstream = resolve_upstream(upstream)?;
-        let std_listener = StdTcpListener::bind(("127.0.0.1", 0))?;
+        let std_listener = StdTcpListener::bind((ip, 0))?;
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -143,6 +158,11 @@ impl StorageProxy {
             shutdown: Some(shutdown_tx),
             thread: Some(thread),
         })
+    }
+
+    /// Where the proxy listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// The proxy's base URL, `"http://127.0.0.1:PORT"`.
