@@ -70,6 +70,11 @@ enum Commands {
         /// How many runs.
         #[arg(long, default_value_t = 10)]
         runs: u64,
+        /// The number of the first run: `--first 100 --runs 100` runs 100 to 199 of
+        /// the seed, the second half of a 200-run soak made in two sittings
+        /// (`ckpt-chaos totals` adds their reports up).
+        #[arg(long, default_value_t = 0)]
+        first: u64,
         /// One JSON report on stdout instead of a line per run.
         #[arg(long)]
         json: bool,
@@ -89,14 +94,28 @@ enum Commands {
         #[command(flatten)]
         common: Common,
     },
+    /// Adds up the JSON reports of soaks (`soak --json`), as one soak of all their
+    /// runs: faults by kind, recoveries, checkpoints, corruption, goodput.
+    Totals {
+        /// Reports written by `soak --json`.
+        #[arg(required = true)]
+        reports: Vec<PathBuf>,
+        /// The totals as JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
     let command = Cli::parse().command;
+    if let Commands::Totals { reports, json } = &command {
+        return add_up(reports, *json);
+    }
     let common = match &command {
         Commands::Run { common, .. }
         | Commands::Soak { common, .. }
         | Commands::Demo { common, .. } => common,
+        Commands::Totals { .. } => unreachable!("answered above"),
     };
     let options = match options(common) {
         Ok(o) => o,
@@ -115,14 +134,59 @@ fn main() -> ExitCode {
         Commands::Soak {
             seed,
             runs,
+            first,
             json,
             out,
             shrink,
             script,
             ..
-        } => soak(seed, runs, json, &out, shrink, script.as_deref(), options),
+        } => soak(
+            seed,
+            first..first.saturating_add(runs),
+            json,
+            &out,
+            shrink,
+            script.as_deref(),
+            options,
+        ),
         Commands::Demo { plot, .. } => demo(plot, options),
+        Commands::Totals { .. } => unreachable!("answered above"),
     }
+}
+
+/// `ckpt-chaos totals`: the runs of every report, added up.
+fn add_up(files: &[PathBuf], json: bool) -> ExitCode {
+    let mut runs = Vec::new();
+    for file in files {
+        let report = std::fs::read_to_string(file)
+            .map_err(|e| e.to_string())
+            .and_then(|text| {
+                serde_json::from_str::<serde_json::Value>(&text).map_err(|e| e.to_string())
+            });
+        match report {
+            Ok(report) => match report["runs"].as_array() {
+                Some(more) => runs.extend(more.iter().cloned()),
+                None => {
+                    eprintln!(
+                        "error: {}: no \"runs\" (not a report of `soak --json`)",
+                        file.display()
+                    );
+                    return ExitCode::from(2);
+                }
+            },
+            Err(e) => {
+                eprintln!("error: {}: {e}", file.display());
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let totals = totals(&runs);
+    if json {
+        println!("{totals}");
+    } else {
+        println!("{}", describe_totals(&totals));
+    }
+    ExitCode::SUCCESS
 }
 
 fn options(common: &Common) -> Result<Options, String> {
@@ -174,7 +238,7 @@ fn shrink(name: &str, scenario: &Scenario, options: &Options) -> Option<Scenario
 
 fn soak(
     seed: u64,
-    runs: u64,
+    runs: std::ops::Range<u64>,
     json: bool,
     out: &std::path::Path,
     shrink_failures: bool,
@@ -183,7 +247,8 @@ fn soak(
 ) -> ExitCode {
     let mut reports = Vec::new();
     let mut failed = 0;
-    for run in 0..runs {
+    let count = runs.end - runs.start;
+    for run in runs {
         let scenario = match script {
             Some(script) => ckpt_chaos::soak::draw_for_script(seed, run, script),
             None => ckpt_chaos::soak::draw(seed, run),
@@ -261,7 +326,7 @@ fn soak(
             serde_json::json!({"seed": seed, "runs": reports, "failed": failed, "totals": totals})
         );
     } else {
-        println!("{} of {runs} runs passed", runs - failed);
+        println!("{} of {count} runs passed", count - failed);
         println!("{}", describe_totals(&totals));
     }
     if failed > 0 {

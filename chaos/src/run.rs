@@ -14,7 +14,7 @@
 //! lines of `python/examples/train_gpt.py` (`generation G: world W (…)`, `gen G:
 //! resumed step S …`, its recovery line), and the faults that act from outside.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -33,6 +33,9 @@ struct Line {
     node: usize,
     text: String,
 }
+
+/// The `node` of a standalone coordinator's lines.
+const COORDINATOR: usize = usize::MAX;
 
 /// A fault as it was fired.
 #[derive(Debug, Clone, Serialize)]
@@ -85,6 +88,11 @@ pub struct Observed {
     pub fired: Vec<Fired>,
     /// The recoveries.
     pub recoveries: Vec<Recovery>,
+    /// The generations the launchers saw form after one ended (`launch: recovery:
+    /// generation G ended, generation H formed …`): a recovery whose rank 0 is a
+    /// process started after the failure (a node lost and started again in time to
+    /// join) prints no recovery line of its own, but its launchers say it happened.
+    pub reformed: BTreeSet<u64>,
     /// The step each resume started from, in order.
     pub resumed_from: Vec<u64>,
     /// World sizes of the generations rank 0 started, in order.
@@ -371,6 +379,7 @@ fn start_coordinator(
     scenario: &Scenario,
     job: &str,
     listen: &str,
+    tx: &Sender<Line>,
 ) -> std::io::Result<(Child, String)> {
     let mut child = Command::new(&setup.ckpt)
         .envs(env.launcher_env.iter().map(|(k, v)| (k, v)))
@@ -394,9 +403,11 @@ fn start_coordinator(
         )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| std::io::Error::other(format!("{}: {e}", setup.ckpt.display())))?;
+    // What it logs goes into the run's log, as `[coordinator] …`.
+    pump(COORDINATOR, child.stderr.take().expect("piped"), tx.clone());
     let mut first = String::new();
     BufReader::new(child.stdout.take().expect("piped")).read_line(&mut first)?;
     let addr = first
@@ -428,6 +439,10 @@ impl Watch {
 
     fn take(&mut self, line: &Line) {
         let text = &line.text;
+        if line.node == COORDINATOR {
+            self.observed.log.push(format!("[coordinator] {text}"));
+            return;
+        }
         self.observed
             .log
             .push(format!("[node {}] {text}", line.node));
@@ -439,6 +454,9 @@ impl Watch {
             )
         {
             self.pids.insert(label, (line.node, pid));
+        }
+        if let Some(formed) = parse_reformed(text) {
+            self.observed.reformed.insert(formed);
         }
         if self.coordinator.is_none()
             && let Some(rest) = text.split(" coordinator ").nth(1)
@@ -517,6 +535,19 @@ impl Watch {
             self.observed.recoveries.push(r);
         }
     }
+}
+
+/// The generation a launcher saw form after a failure: `launch: recovery: generation
+/// G ended, generation H formed with world W N ms later (CAUSE)` (a regroup to grow
+/// the world says `launch: regroup: …`).
+fn parse_reformed(text: &str) -> Option<u64> {
+    text.strip_prefix("launch: recovery: generation ")?
+        .split(", generation ")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The step of a save rank 0 reports starting: `step N: saving (stall …)` (the
@@ -698,7 +729,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
     };
     let mut coordinator = match scenario.coordinator {
         CoordinatorKind::Standalone => {
-            let (child, addr) = start_coordinator(setup, env, scenario, &job, &listen)?;
+            let (child, addr) = start_coordinator(setup, env, scenario, &job, &listen, &tx)?;
             watch.coordinator = Some(format!("tcp://{addr}"));
             Some((child, addr))
         }
@@ -805,7 +836,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                     if let Some((_, addr)) = &coordinator {
                         let addr = addr.clone();
                         coordinator = Some((
-                            start_coordinator(setup, env, scenario, &job, &addr)?.0,
+                            start_coordinator(setup, env, scenario, &job, &addr, &relaunch_tx)?.0,
                             addr,
                         ));
                     }
@@ -1292,6 +1323,18 @@ pub fn find_trainer(explicit: Option<&Path>) -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_launchers_recovery_line_gives_the_generation_formed() {
+        let line = "launch: recovery: generation 1 ended, generation 2 formed with world 4 1886 ms later (member n1 (rank 2): collective failed with rank 1: all_gather: lost rank 1: connection closed)";
+        assert_eq!(parse_reformed(line), Some(2));
+        let regroup = "launch: regroup: generation 2 ended, generation 3 formed with world 4 12 ms later (grow: 2 waiting members (after step 15 committed))";
+        assert_eq!(parse_reformed(regroup), None);
+        assert_eq!(
+            parse_reformed("launch: generation 1 formed with world 4 (initial)"),
+            None
+        );
+    }
 
     #[test]
     fn a_recovery_line_is_parsed() {

@@ -103,6 +103,7 @@ scenario_tests![
     partition_etcd,
     partition_node,
     partition_store,
+    partition_while_the_other_node_finishes,
     python_kill_during_save,
     python_kill_node,
     python_kill_one_rank,
@@ -321,9 +322,10 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
     let _serial = one_at_a_time();
     let cache = tempfile::tempdir().unwrap();
     let out = tempfile::tempdir().unwrap();
-    let soak = |trainer: &Path| {
+    let soak = |trainer: &Path, runs: &[&str]| {
         Command::new(CHAOS)
-            .args(["soak", "--seed", "7", "--runs", "3", "--json", "--trainer"])
+            .args(["soak", "--seed", "7", "--json", "--trainer"])
+            .args(runs)
             .arg(trainer)
             .arg("--cache")
             .arg(cache.path())
@@ -332,22 +334,53 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
             .output()
             .unwrap()
     };
-    let output = soak(&trainer());
-    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    let runs = report["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 3);
-    for run in runs {
-        assert_eq!(run["verdict"], "pass", "{run:#}");
-        let scenario = Scenario::parse(run["scenario_toml"].as_str().unwrap()).unwrap();
-        assert_eq!(
-            scenario,
-            ckpt_chaos::soak::draw(7, run["run"].as_u64().unwrap())
+    // Three runs in two sittings: runs 0 and 1, then run 2.
+    let mut fired = 0;
+    for (runs, numbers) in [
+        (["--runs", "2"], [0, 1].as_slice()),
+        (["--first", "2"], &[2]),
+    ] {
+        let output = soak(
+            &trainer(),
+            &[runs[0], runs[1], "--runs", &numbers.len().to_string()],
         );
+        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        let runs = report["runs"].as_array().unwrap();
+        let seen: Vec<u64> = runs.iter().map(|r| r["run"].as_u64().unwrap()).collect();
+        assert_eq!(seen, numbers);
+        for run in runs {
+            assert_eq!(run["verdict"], "pass", "{run:#}");
+            let scenario = Scenario::parse(run["scenario_toml"].as_str().unwrap()).unwrap();
+            assert_eq!(
+                scenario,
+                ckpt_chaos::soak::draw(7, run["run"].as_u64().unwrap())
+            );
+            fired += run["observed"]["fired"].as_array().unwrap().len();
+        }
+        assert!(output.status.success());
+        std::fs::write(
+            out.path().join(format!("report-{}.json", numbers[0])),
+            &output.stdout,
+        )
+        .unwrap();
     }
-    assert!(output.status.success());
+    // `totals` adds the two sittings up as one soak.
+    let totals = Command::new(CHAOS)
+        .args(["totals", "--json"])
+        .arg(out.path().join("report-0.json"))
+        .arg(out.path().join("report-2.json"))
+        .output()
+        .unwrap();
+    assert!(totals.status.success(), "{totals:?}");
+    let totals: serde_json::Value = serde_json::from_slice(&totals.stdout).unwrap();
+    assert_eq!(
+        (totals["runs"].as_u64(), totals["passed"].as_u64()),
+        (Some(3), Some(3))
+    );
+    assert_eq!(totals["faults"].as_u64(), Some(fired as u64), "{totals:#}");
     // A run that cannot pass (here: no trainer at all) fails, says why, and leaves a
     // scenario file that replays it.
-    let output = soak(Path::new("/nonexistent/ckpt-train"));
+    let output = soak(Path::new("/nonexistent/ckpt-train"), &["--runs", "1"]);
     assert!(!output.status.success());
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     let first = &report["runs"][0];

@@ -800,20 +800,37 @@ impl Shared {
             }
             Directive::Stale { current } => {
                 state.newest = state.newest.max(*current);
-                if let Some(g) = state.generation.as_mut() {
+                let over = state.generation.as_mut().map(|g| {
                     g.over = true;
-                }
+                    g.assignment.generation
+                });
                 info!(
                     current,
                     "the control plane dropped this node; its ranks are stale"
                 );
                 for c in seated(&state) {
-                    state.tell_stale(c);
+                    // A rank that already left the generation and asks for a newer
+                    // one knows it is over: its ask stands, for the node to pass on.
+                    let moved_on = state
+                        .locals
+                        .get(&c)
+                        .and_then(|l| l.wants)
+                        .is_some_and(|(after, _)| over.is_some_and(|g| after >= g));
+                    if !moved_on {
+                        state.tell_stale(c);
+                    }
                 }
             }
             Directive::Shutdown { reason } => {
                 state.shutdown = Some(reason.clone());
-                let all: Vec<LocalId> = state.live().map(|(c, _)| c).collect();
+                // Every rank still connected, stale ones included: one waiting for a
+                // generation must hear that none will come.
+                let all: Vec<LocalId> = state
+                    .locals
+                    .iter()
+                    .filter(|(_, l)| l.member.is_some())
+                    .map(|(&c, _)| c)
+                    .collect();
                 for c in all {
                     state.directive(c, directive.clone());
                 }
@@ -1443,8 +1460,13 @@ mod tests {
     /// of the node's to end: the survivor blocked in a collective was never aborted
     /// and was dropped by the join timeout. A rank still in the replaced generation
     /// is now told at the install; one already asking gets its place instead.
-    #[test]
-    fn installing_a_newer_generation_ends_the_running_one_for_its_ranks() {
+    /// A node with an upstream that never answers, whose ranks `ids` (tags 0, 1, …)
+    /// are seated in generation 1; those named in `asking` already ask for a newer
+    /// one. Returns it and what its ranks are sent.
+    fn node_in_generation_1(
+        ids: &[&str],
+        asking: &[&str],
+    ) -> (Shared, std::sync::mpsc::Receiver<(usize, Arc<str>)>) {
         let shared = Shared {
             gate: ckpt_auth::Gatekeeper::new("node agent", None),
             config: NodeConfig::new("job"),
@@ -1458,7 +1480,7 @@ mod tests {
         let now = Instant::now();
         {
             let mut state = shared.lock();
-            for (tag, id) in ["blocked", "asking"].into_iter().enumerate() {
+            for (tag, id) in ids.iter().enumerate() {
                 let c = state.next_local;
                 state.next_local += 1;
                 state.locals.insert(
@@ -1468,27 +1490,44 @@ mod tests {
                             tag,
                             queue: queue.clone(),
                         },
-                        member: Some(Member::new("job", id, "127.0.0.1", "n0")),
+                        member: Some(Member::new("job", *id, "127.0.0.1", "n0")),
                         last_seen: now,
                         progress: None,
-                        wants: (id == "asking").then_some((1, now)),
+                        wants: asking.contains(id).then_some((1, now)),
                         out: false,
                     },
                 );
             }
             state.generation = Some(Generation {
-                assignment: assignment(1, 3, "initial"),
-                seats: [("asking".to_owned(), 0), ("blocked".to_owned(), 1)].into(),
+                assignment: assignment(1, ids.len() + 1, "initial"),
+                seats: ids
+                    .iter()
+                    .enumerate()
+                    .map(|(i, id)| (id.to_string(), i))
+                    .collect(),
                 formed: now,
                 over: false,
                 kv: Vec::new(),
             });
         }
-        shared.install(assignment(2, 2, "lost member gone: connection closed"), now);
-        let got: Vec<(usize, ServerMessage)> = lines
+        (shared, lines)
+    }
+
+    fn sent(lines: &std::sync::mpsc::Receiver<(usize, Arc<str>)>) -> Vec<(usize, ServerMessage)> {
+        lines
             .try_iter()
             .map(|(tag, line)| (tag, protocol::decode(line.as_bytes()).unwrap()))
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn installing_a_newer_generation_ends_the_running_one_for_its_ranks() {
+        let (shared, lines) = node_in_generation_1(&["blocked", "asking"], &["asking"]);
+        shared.install(
+            assignment(2, 2, "lost member gone: connection closed"),
+            Instant::now(),
+        );
+        let got = sent(&lines);
         let restart = ServerMessage::Directive {
             directive: Directive::Restart {
                 generation: 1,
@@ -1502,5 +1541,56 @@ mod tests {
                 && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == 2)),
             "{got:?}"
         );
+    }
+
+    /// Found by the chaos soak (seed 2027 run 58): a node cut off from the
+    /// coordinator for longer than the heartbeat timeout. The other node finished
+    /// the job meanwhile. Once the network healed, this node's ranks found their
+    /// peers gone and asked for a new generation; then the coordinator's old word
+    /// that the node was dropped arrived. The node took its asking ranks for stale:
+    /// it forgot their asks and left them out of everything after, the end of the
+    /// job included. They waited in their rendezvous for ever. A rank that already
+    /// asks for a newer generation knows the old one is over: its ask stands, and
+    /// the end of the job reaches every rank still connected.
+    #[test]
+    fn ranks_already_asking_keep_their_ask_when_the_node_is_dropped_and_hear_the_job_end() {
+        let (shared, lines) = node_in_generation_1(&["asking", "blocked"], &["asking"]);
+        shared.relay(Directive::Stale { current: 1 });
+        let got = sent(&lines);
+        assert!(
+            !got.iter().any(|(tag, _)| *tag == 0),
+            "the asking rank is not told it is stale: {got:?}"
+        );
+        assert!(
+            got.iter().any(|(tag, m)| *tag == 1
+                && matches!(
+                    m,
+                    ServerMessage::Directive {
+                        directive: Directive::Stale { .. }
+                    }
+                )),
+            "the rank still in the old generation is: {got:?}"
+        );
+        assert_eq!(
+            shared.should_ask(&shared.lock(), Instant::now()),
+            Some((1, 1)),
+            "the node asks for its one asking rank"
+        );
+        let shutdown = Directive::Shutdown {
+            reason: "the job finished".into(),
+        };
+        shared.relay(shutdown.clone());
+        let got = sent(&lines);
+        for tag in [0, 1] {
+            assert!(
+                got.contains(&(
+                    tag,
+                    ServerMessage::Directive {
+                        directive: shutdown.clone()
+                    }
+                )),
+                "rank {tag} hears the job ended: {got:?}"
+            );
+        }
     }
 }

@@ -163,6 +163,24 @@ impl Launch {
         }
     }
 
+    /// The times between rank 0's successive `step N loss` lines, read until `steps`
+    /// steps were seen or `stop` says so (asked at each line).
+    fn step_times(&mut self, steps: usize, stop: impl Fn() -> bool) -> Vec<Duration> {
+        let mut last: Option<Instant> = None;
+        let mut times = Vec::new();
+        while times.len() < steps && !stop() {
+            self.expect("of a step", |l| {
+                l.contains("[rank 0] step ") && l.contains(" loss ")
+            });
+            let now = Instant::now();
+            if let Some(last) = last {
+                times.push(now - last);
+            }
+            last = Some(now);
+        }
+        times
+    }
+
     /// Reads everything up to the end and reaps the launcher.
     fn finish(self) -> (ExitStatus, String) {
         self.finish_within(WAIT)
@@ -1155,6 +1173,28 @@ fn listening_ports(pids: &[i32]) -> Vec<u16> {
 /// prove another job's secret. Every one is refused, and the job trains on to the
 /// failure-free run's weights, with no generation ended; what was refused is logged
 /// with its peer.
+/// Steps measured before and after the flood.
+const WINDOW: usize = 300;
+
+/// Counts a flooding thread as finished when dropped (its loop ended, or it panicked).
+struct Finished<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The median of `times` in milliseconds, with their count ("–" when none).
+fn median_ms(times: &[Duration]) -> String {
+    let mut sorted = times.to_vec();
+    sorted.sort();
+    match sorted.get(sorted.len() / 2) {
+        Some(m) => format!("{:.2} ms ({} steps)", m.as_secs_f64() * 1e3, sorted.len()),
+        None => "– (0 steps)".into(),
+    }
+}
+
 #[test]
 fn strangers_at_every_port_of_a_job_are_refused_and_training_is_not_disturbed() {
     let _serial = one_at_a_time();
@@ -1192,7 +1232,6 @@ fn strangers_at_every_port_of_a_job_are_refused_and_training_is_not_disturbed() 
     ];
     let mut launch = Launch::start(&["--nproc", "2", "--min-ranks", "1"], &as_strs(&args));
     launch.expect("of step 5", |l| l.contains("step 5 loss"));
-    let from_step_5 = Instant::now();
     let mut pids: Vec<i32> = pids(&launch.seen).into_iter().map(|(_, p)| p).collect();
     pids.push(launch.child.id() as i32);
     let ports = listening_ports(&pids);
@@ -1200,10 +1239,16 @@ fn strangers_at_every_port_of_a_job_are_refused_and_training_is_not_disturbed() 
         ports.len() >= 4,
         "a coordinator, a node agent and two copy servers at least: {ports:?}"
     );
-    std::thread::scope(|scope| {
+    // Step times (rank 0's lines as they arrive) before, during and after the flood:
+    // a figure, printed, not asserted (docs/BENCHMARKS.md has the release run's).
+    let before = launch.step_times(WINDOW, || false);
+    let from_flood = Instant::now();
+    let flooders_done = std::sync::atomic::AtomicUsize::new(0);
+    let during = std::thread::scope(|scope| {
         for t in 0..4 {
-            let (ports, stranger) = (&ports, &stranger);
+            let (ports, stranger, done) = (&ports, &stranger, &flooders_done);
             scope.spawn(move || {
+                let _count = Finished(done);
                 for i in (t..FLOOD).step_by(4) {
                     let port = ports[i % ports.len()];
                     let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
@@ -1218,14 +1263,22 @@ fn strangers_at_every_port_of_a_job_are_refused_and_training_is_not_disturbed() 
                 }
             });
         }
+        launch.step_times(usize::MAX, || {
+            flooders_done.load(std::sync::atomic::Ordering::SeqCst) == 4
+        })
     });
-    eprintln!(
-        "{FLOOD} connections to ports {ports:?} in {:.1} s",
-        from_step_5.elapsed().as_secs_f64()
-    );
+    let flood_took = from_flood.elapsed();
     assert!(
         launch.child.try_wait().unwrap().is_none(),
         "the job was still running when the flood ended (or the test proves nothing)"
+    );
+    let after = launch.step_times(WINDOW, || false);
+    eprintln!(
+        "{FLOOD} connections to ports {ports:?} in {:.1} s; median step time before {}, during {}, after the flood {}",
+        flood_took.as_secs_f64(),
+        median_ms(&before),
+        median_ms(&during),
+        median_ms(&after),
     );
     let (status, output) = launch.finish();
     assert!(status.success(), "the job must finish:\n{output}");
