@@ -294,6 +294,9 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
             _ => {}
         }
     }
+    // A node cut off from etcd trains on with the others until its lease ends: when
+    // the job finishes first, nothing was lost (soak seed 2027 run 76). It may cost a
+    // generation (the oracle allows it), but is not expected to.
     let recovers = faults.iter().any(|f| {
         matches!(
             f.kind,
@@ -303,7 +306,6 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
                 | FaultKind::DeviceError
                 | FaultKind::KillInSave
                 | FaultKind::Partition
-                | FaultKind::PartitionEtcd
         )
     });
     Scenario {
