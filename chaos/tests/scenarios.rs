@@ -26,16 +26,24 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 fn trainer() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(Path::parent).unwrap();
-    // `ckpt coordinator` too, for the scenarios with a standalone coordinator.
-    for (package, bin) in [("ckpt-trainer", "ckpt-train"), ("ckpt-cli", "ckpt")] {
-        if !dir.join(bin).exists() {
+    // `ckpt coordinator` too, for the scenarios with a standalone coordinator, and
+    // the fault shim the harness preloads (a cdylib, which `cargo test` leaves out).
+    for (package, file, target) in [
+        ("ckpt-trainer", "ckpt-train", "--bin"),
+        ("ckpt-cli", "ckpt", "--bin"),
+        ("ckpt-fault-shim", ckpt_chaos::shim::LIBRARY, "--lib"),
+    ] {
+        if !dir.join(file).exists() {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let status = Command::new(cargo)
+            let mut build = Command::new(cargo);
+            build
                 .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .args(["build", "--quiet", "-p", package, "--bin", bin])
-                .status()
-                .unwrap();
-            assert!(status.success(), "building {bin} failed");
+                .args(["build", "--quiet", "-p", package, target]);
+            if target == "--bin" {
+                build.arg(file);
+            }
+            let status = build.status().unwrap();
+            assert!(status.success(), "building {file} failed");
         }
     }
     dir.join("ckpt-train")
