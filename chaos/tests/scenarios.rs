@@ -332,8 +332,9 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
     let out = tempfile::tempdir().unwrap();
     let soak = |trainer: &Path, runs: &[&str]| {
         Command::new(CHAOS)
-            .args(["soak", "--seed", "7", "--json", "--trainer"])
+            .args(["soak", "--seed", "7", "--json"])
             .args(runs)
+            .arg("--trainer")
             .arg(trainer)
             .arg("--cache")
             .arg(cache.path())
@@ -345,7 +346,7 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
     // Three runs in two sittings: runs 0 and 1, then run 2.
     let mut fired = 0;
     for (runs, numbers) in [
-        (["--runs", "2"], [0, 1].as_slice()),
+        (["--first", "0"], [0, 1].as_slice()),
         (["--first", "2"], &[2]),
     ] {
         let output = soak(
