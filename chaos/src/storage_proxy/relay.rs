@@ -111,53 +111,30 @@ async fn handle(
     req: &Request,
     request_id: &str,
 ) -> io::Result<Next> {
-    match shared.claim(req) {
-        Action::Relay => relay(upstream, client, pooled, req, Cut::None, shared).await,
+    let cut = match shared.claim(req) {
+        Action::Relay => Cut::None,
         Action::Delay(ms) => {
             tokio::time::sleep(Duration::from_millis(ms)).await;
-            relay(upstream, client, pooled, req, Cut::None, shared).await
+            Cut::None
         }
-        Action::ResetRequestBody => {
-            relay(upstream, client, pooled, req, Cut::RequestBody, shared).await
-        }
-        Action::ResetResponseBody(claim) => {
-            relay(
-                upstream,
-                client,
-                pooled,
-                req,
-                Cut::ResponseBody(claim),
-                shared,
-            )
-            .await
-        }
-        Action::CorruptRequestBody => {
-            relay(upstream, client, pooled, req, Cut::FlipRequest, shared).await
-        }
-        Action::CorruptResponseBody(claim) => {
-            relay(
-                upstream,
-                client,
-                pooled,
-                req,
-                Cut::FlipResponse(claim),
-                shared,
-            )
-            .await
-        }
+        Action::ResetRequestBody => Cut::RequestBody,
+        Action::ResetResponseBody(claim) => Cut::ResponseBody(claim),
+        Action::CorruptRequestBody => Cut::FlipRequest,
+        Action::CorruptResponseBody(claim) => Cut::FlipResponse(claim),
         Action::Error(status) => {
             discard_body(client, req).await?;
             let reply = s3_error_response(status, request_id, req.is_head(), !req.keep_alive);
             client.stream.write_all(&reply).await?;
-            Ok(Next::after(req))
+            return Ok(Next::after(req));
         }
         Action::LosePart => {
             discard_body(client, req).await?;
             let reply = lost_part_ack(request_id, !req.keep_alive);
             client.stream.write_all(&reply).await?;
-            Ok(Next::after(req))
+            return Ok(Next::after(req));
         }
-    }
+    };
+    relay(upstream, client, pooled, req, cut, shared).await
 }
 
 /// Reads and drops a request body the proxy answers itself.
