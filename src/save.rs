@@ -1552,8 +1552,28 @@ fn lower_priority() {
     }
 }
 
-/// Streams `pieces` to `key` in parts of the store's part size.
+/// How many times a data file is uploaded while the server stores other bytes
+/// than those sent (a part damaged in flight).
+const UPLOAD_ATTEMPTS: usize = 3;
+
+/// Uploads `pieces` to `key`, and again, whole, when the server stored a part
+/// with other bytes than those sent: a multipart upload cannot resend one part
+/// (the store streams them and keeps none), but the save still holds the file.
 async fn upload(store: &Store, key: &str, pieces: &[Bytes]) -> Result<()> {
+    let mut attempt = 1;
+    loop {
+        match upload_once(store, key, pieces).await {
+            Err(e) if e.is_damaged_in_flight() && attempt < UPLOAD_ATTEMPTS => {
+                warn!(key, attempt, error = %e, "a part was damaged on its way to the store; uploading the file again");
+                attempt += 1;
+            }
+            result => return Ok(result?),
+        }
+    }
+}
+
+/// Streams `pieces` to `key` in parts of the store's part size.
+async fn upload_once(store: &Store, key: &str, pieces: &[Bytes]) -> ckpt_storage::Result<()> {
     let part = store.config().part_size;
     let mut upload = store.upload(key)?;
     let mut written = 0;
@@ -1569,8 +1589,7 @@ async fn upload(store: &Store, key: &str, pieces: &[Bytes]) -> Result<()> {
             offset = end;
         }
     }
-    upload.finish().await?;
-    Ok(())
+    upload.finish().await
 }
 
 #[cfg(test)]

@@ -59,11 +59,7 @@ async fn a_lost_part_fails_the_save_and_the_next_save_commits() {
     // completion is refused, so the save fails and commits nothing.
     proxy.inject(StorageFault::LosePart { count: 1 });
     let data = weights(1);
-    let mut state = State::new();
-    state
-        .add_dim0_shard("w", DType::F32, &shape, 0, 1, &data)
-        .unwrap();
-    let handle = saver.save(1, &state).await.unwrap();
+    let handle = saver.save(1, &state_of(&shape, &data)).await.unwrap();
     let error = handle.committed().await.unwrap_err();
     assert_eq!(
         proxy.stats().lost_parts,
@@ -77,11 +73,7 @@ async fn a_lost_part_fails_the_save_and_the_next_save_commits() {
 
     // The next save, with nothing lost, commits and reads back bitwise.
     let data = weights(2);
-    let mut state = State::new();
-    state
-        .add_dim0_shard("w", DType::F32, &shape, 0, 1, &data)
-        .unwrap();
-    let handle = saver.save(2, &state).await.unwrap();
+    let handle = saver.save(2, &state_of(&shape, &data)).await.unwrap();
     handle.committed().await.unwrap();
     assert_eq!(committed_steps(&store).await, [2]);
     let report = verify(&store, 2, &VerifyOptions::default(), &|_| {})
@@ -325,4 +317,57 @@ async fn a_byte_flipped_in_a_multipart_part_fails_the_upload_and_leaves_nothing(
     }
     upload.finish().await.unwrap();
     assert!(store.get("big").await.unwrap() == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_damaged_in_a_save_is_uploaded_again_and_the_save_commits() {
+    let Some((endpoint, bucket)) = server() else {
+        return;
+    };
+    let proxy = StorageProxy::start(&endpoint).unwrap();
+    let store = store_through(&proxy, &bucket, "corrupt-part-save");
+    let saver = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 1)).unwrap();
+    let shape = [3 * 1024 * 1024u64];
+
+    // One part of the data file's three damaged: the file goes again, whole.
+    let data = weights(1);
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Put,
+        count: 1,
+    });
+    let handle = saver.save(1, &state_of(&shape, &data)).await.unwrap();
+    handle.committed().await.unwrap();
+    assert_eq!(proxy.stats().corrupted, 1);
+    let report = verify(&store, 1, &VerifyOptions::default(), &|_| {})
+        .await
+        .unwrap();
+    assert!(report.ok, "{:?}", report.faults);
+    assert!(
+        read_back(&store, 1, &shape).await == data,
+        "step 1 reads back bitwise"
+    );
+
+    // Damaged in every upload (each sends three parts, one at least of which is
+    // damaged): the save fails naming the damage, and nothing is committed.
+    proxy.inject(StorageFault::CorruptBody {
+        direction: Direction::Put,
+        count: 7,
+    });
+    let handle = saver.save(2, &state_of(&shape, &weights(2))).await.unwrap();
+    let error = handle.committed().await.unwrap_err();
+    assert_eq!(proxy.stats().corrupted, 8);
+    assert!(
+        error.to_string().contains("other bytes than those sent"),
+        "{error}"
+    );
+    assert_eq!(committed_steps(&store).await, [1]);
+}
+
+/// One tensor `w` of `shape`, whole on a world of one.
+fn state_of<'a>(shape: &[u64], data: &'a [u8]) -> State<'a> {
+    let mut state = State::new();
+    state
+        .add_dim0_shard("w", DType::F32, shape, 0, 1, data)
+        .unwrap();
+    state
 }

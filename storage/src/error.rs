@@ -78,6 +78,9 @@ pub fn io_error_kind(e: &std::io::Error) -> ErrorKind {
 pub struct Error {
     kind: ErrorKind,
     message: String,
+    /// The server stored other bytes than those sent and the object was deleted:
+    /// sending the same bytes again is the remedy.
+    damaged_in_flight: bool,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
@@ -88,6 +91,7 @@ impl Error {
         Self {
             kind,
             message: message.into(),
+            damaged_in_flight: false,
             source: None,
         }
     }
@@ -101,6 +105,7 @@ impl Error {
         Self {
             kind,
             message: message.into(),
+            damaged_in_flight: false,
             source: Some(source.into()),
         }
     }
@@ -118,6 +123,21 @@ impl Error {
     /// True when trying again later may succeed ([`ErrorKind::Transient`]).
     pub fn is_retryable(&self) -> bool {
         self.kind == ErrorKind::Transient
+    }
+
+    /// True when an upload failed because the server stored other bytes than those
+    /// sent (a part damaged in flight; see the ETag check of writes to S3) and
+    /// deleted what it stored: an upload of the same bytes again is the remedy, for
+    /// a caller that still holds them. Always [`ErrorKind::Transient`].
+    pub fn is_damaged_in_flight(&self) -> bool {
+        self.damaged_in_flight
+    }
+
+    /// Marks a transient error as [`Error::is_damaged_in_flight`].
+    pub(crate) fn damaged_in_flight(mut self) -> Self {
+        debug_assert_eq!(self.kind, ErrorKind::Transient);
+        self.damaged_in_flight = true;
+        self
     }
 
     /// True for [`ErrorKind::NotFound`].

@@ -30,7 +30,10 @@
 //!   that can never be written again;
 //! - a multipart [`Upload`](crate::Upload) cannot send its parts again (it streams
 //!   them), so it deletes the object and fails with a transient error naming the
-//!   key and the first differing part; the caller uploads again.
+//!   key and the first differing part ([`Error::is_damaged_in_flight`]); a caller
+//!   that still holds the bytes (the library's save does) uploads them again.
+//!
+//! [`Error::is_damaged_in_flight`]: crate::Error::is_damaged_in_flight
 //!
 //! An ETag that is not an MD5 at all (SSE-KMS, SSE-C) would differ every time. A
 //! difference is therefore settled by reading the object back once: same bytes

@@ -1083,7 +1083,8 @@ async fn check_parts(
                     index + 1,
                     sent::bare(&e_tag)
                 ),
-            ));
+            )
+            .damaged_in_flight());
         }
         start = end;
     }
