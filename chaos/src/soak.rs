@@ -339,8 +339,9 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
 /// `ckpt-train`: what only `ckpt-train` has is replaced by its nearest equivalent
 /// from outside. A device error becomes a kill of its rank at its step; a kill at a
 /// save stage becomes a kill of its rank while the save it aimed at is in flight
-/// (`at_save`); the pause per step goes (the Python steps are slower), and recovery
-/// is from the store (the Python trainer keeps no copies in memory).
+/// (`at_save`); the pause per step goes (the Python steps are slower), and the
+/// ranks keep their in-memory copies, since the Python trainer's command line has
+/// no switch to turn them off (a `corrupt` fault there is found by verify).
 pub fn draw_for_script(seed: u64, run: u64, script: &str) -> Scenario {
     let mut scenario = draw(seed, run);
     scenario.script = Some(script.into());

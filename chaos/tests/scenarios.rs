@@ -112,6 +112,8 @@ scenario_tests![
     partition_node,
     partition_store,
     partition_while_the_other_node_finishes,
+    python_disk_full,
+    python_io_error_on_write,
     python_kill_during_save,
     python_kill_node,
     python_kill_one_rank,

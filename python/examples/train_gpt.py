@@ -16,7 +16,10 @@ What it shows:
 - the data loader's cursor (the index of the next global sample) saved beside the
   tensors as non-tensor state, so a resumed run neither skips nor repeats a sample;
 - on start, the newest committed checkpoint under ``--ckpt`` is loaded, resharded by
-  the library onto the current world (saved on 4 ranks, resumed on 3, say).
+  the library onto the current world (saved on 4 ranks, resumed on 3, say);
+- a periodic save that fails (a full disk, an I/O error, a store failing past its
+  retries) costs that checkpoint, not the run: every rank sees the same failure and
+  training goes on, up to ``--max-failed-saves`` in a row; the final save must commit.
 
 Why it is deterministic. The state after step ``n`` is a function of the starting
 checkpoint (or ``--seed``) and the world size of each step, and of nothing else:
@@ -295,12 +298,33 @@ def train(ctx: Any, args: argparse.Namespace) -> None:
     checkpointer = ctx.checkpointer(args.ckpt)
     pending = None  # the save in flight, at most one
     staged = True  # whether `pending` no longer reads the live tensors
+    failed_in_a_row = 0  # periodic saves that did not commit, since the last that did
+
+    def settle_previous() -> None:
+        # One save in flight: its copy is long done, usually its commit too. A
+        # periodic save that failed (a full disk, a store failing past its retries)
+        # costs that checkpoint, not the job: every rank sees the same failure (the
+        # commit protocol's tombstone), so all go on alike, up to
+        # --max-failed-saves in a row. The last save of a run must commit (below).
+        nonlocal pending, failed_in_a_row
+        previous, pending = pending, None
+        try:
+            previous.wait_committed()
+        except ckpt.SaveFailedError as e:
+            if failed_in_a_row >= args.max_failed_saves:
+                raise
+            failed_in_a_row += 1
+            log(
+                f"checkpoint of step {previous.step} failed ({e}); training goes on "
+                f"({failed_in_a_row} of {args.max_failed_saves} failed saves in a row allowed)"
+            )
+        else:
+            failed_in_a_row = 0
 
     def save(step: int, loss: float) -> None:
         nonlocal pending, staged
         if pending is not None:
-            # One save in flight: its copy is long done, usually its commit too.
-            pending.wait_committed()
+            settle_previous()
         t0 = time.perf_counter()
         # The manifest's metadata is strict JSON: a diverged (NaN) loss is left out.
         metadata = {"loss": loss} if math.isfinite(loss) else {}
@@ -376,6 +400,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument(
+        "--max-failed-saves",
+        type=int,
+        default=3,
+        help="periodic saves in a row that may fail while training goes on; "
+        "one more stops the job with the error (the final save must commit)",
+    )
+    p.add_argument(
         "--pg-timeout",
         type=float,
         default=600.0,
@@ -384,8 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.d_model % args.heads:
         p.error("--d-model must divide by --heads")
-    if args.steps < 0 or args.ckpt_every < 1 or args.log_every < 1:
-        p.error("--steps must be >= 0, --ckpt-every and --log-every >= 1")
+    if args.steps < 0 or args.ckpt_every < 1 or args.log_every < 1 or args.max_failed_saves < 0:
+        p.error("--steps and --max-failed-saves must be >= 0, --ckpt-every and --log-every >= 1")
     return args
 
 
