@@ -6,7 +6,7 @@
 //! members, the generation numbers and floors, the running generation's key-value
 //! space, and the events a launcher reads.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -773,18 +773,31 @@ impl Core {
         }
     }
 
-    /// The job is done: members waiting to join (and any that ask later) are told
-    /// to shut down; the running generation's members leave by themselves.
+    /// The job is done: every member outside the running generation (waiting to
+    /// join, or connected and not asking yet: a node agent whose ranks are still
+    /// starting) is told to shut down, and so is any that asks later; the running
+    /// generation's members leave by themselves. A member told nothing would learn
+    /// of the end only from the coordinator's going, which says nothing of how the
+    /// job ended.
     pub(super) fn finish(&mut self, reason: String) {
         if self.finished.is_some() {
             return;
         }
         info!("{reason}");
         self.finished = Some(reason.clone());
+        let running: HashSet<&str> = match &self.phase {
+            Phase::Running(running) => running.members.iter().map(String::as_str).collect(),
+            _ => HashSet::new(),
+        };
+        let newest = self.newest;
+        let in_generation =
+            |conn: &Conn| running.contains(conn.id()) || conn.generation == Some(newest);
         let waiting: Vec<ConnId> = self
             .conns
             .iter()
-            .filter(|(_, conn)| conn.wants.is_some())
+            .filter(|(_, conn)| {
+                conn.member.is_some() && (conn.wants.is_some() || !in_generation(conn))
+            })
             .map(|(&c, _)| c)
             .collect();
         for c in waiting {
