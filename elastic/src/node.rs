@@ -69,6 +69,11 @@ const TICK: Duration = Duration::from_millis(50);
 const IDLE: Duration = Duration::from_secs(1);
 /// Most rank connections a node serves.
 const MAX_LOCAL: usize = 4096;
+/// How long the control plane may fail every call (it cannot be reached) before
+/// the node gives up and shuts its ranks down, as a rank connected to the control
+/// plane itself would: a node that retried for ever would leave its ranks waiting
+/// for a job whose coordinator is gone.
+const UNREACHABLE_GIVE_UP: Duration = Duration::from_secs(60);
 
 /// How a node agent serves its ranks.
 #[derive(Debug, Clone)]
@@ -193,6 +198,9 @@ struct State {
     /// When a rank first asked for the first generation.
     first_ask: Option<Instant>,
     shutdown: Option<String>,
+    /// Since when every call upstream has failed for want of the control plane
+    /// (cleared by any call that reaches it).
+    unreachable_since: Option<Instant>,
     /// A rank of the node finished the job (reported once upstream).
     finished: bool,
     /// The highest checkpoint generation any of its ranks ever saved with: what the
@@ -772,6 +780,36 @@ impl Shared {
     }
 
     /// Passes `directive` from the control plane on to the ranks it concerns.
+    /// A call upstream reached the control plane.
+    fn reached(&self) {
+        self.lock().unreachable_since = None;
+    }
+
+    /// A call upstream failed for want of the control plane (`error`, at `now`).
+    /// Once every call has failed so for [`UNREACHABLE_GIVE_UP`], the node shuts its
+    /// ranks down with the cause, and says true: the job cannot go on from here,
+    /// and a rank connected to the control plane itself would have given up too.
+    fn unreachable(&self, error: &ElasticError, now: Instant) -> bool {
+        let since = {
+            let mut state = self.lock();
+            if state.shutdown.is_some() {
+                return true;
+            }
+            *state.unreachable_since.get_or_insert(now)
+        };
+        let down = now.saturating_duration_since(since);
+        if down < UNREACHABLE_GIVE_UP {
+            return false;
+        }
+        self.relay(Directive::Shutdown {
+            reason: format!(
+                "the control plane has failed every call of this node for {} s: {error}",
+                down.as_secs()
+            ),
+        });
+        true
+    }
+
     fn relay(&self, directive: Directive) {
         let mut state = self.lock();
         let seated = |state: &State| -> Vec<LocalId> {
@@ -1260,7 +1298,10 @@ fn rendezvous_loop(shared: &Arc<Shared>) {
             }
         }
         match outcome {
-            Ok(assignment) => shared.install(assignment, now),
+            Ok(assignment) => {
+                shared.reached();
+                shared.install(assignment, now);
+            }
             Err(ElasticError::Cancelled) => {}
             Err(ElasticError::Shutdown(reason)) => {
                 shared.relay(Directive::Shutdown { reason });
@@ -1271,6 +1312,8 @@ fn rendezvous_loop(shared: &Arc<Shared>) {
                     shared.relay(Directive::Shutdown {
                         reason: format!("the control plane refused this node: {e}"),
                     });
+                } else if matches!(e, ElasticError::Io(_)) {
+                    shared.unreachable(&e, now);
                 }
                 std::thread::sleep(TICK);
             }
@@ -1306,12 +1349,13 @@ fn upkeep_loop(shared: &Arc<Shared>) {
         let wait = next_beat.saturating_duration_since(Instant::now());
         match shared.upstream.watch(generation, wait) {
             Ok(Some(directive)) => {
+                shared.reached();
                 if let (Directive::Shutdown { .. }, Some((_, _, cancel))) = (&directive, asking) {
                     cancel.cancel();
                 }
                 shared.relay(directive);
             }
-            Ok(None) => {}
+            Ok(None) => shared.reached(),
             Err(e) => {
                 warn!(error = %e, "the node cannot watch the control plane");
                 if matches!(e, ElasticError::Rejected(_) | ElasticError::Shutdown(_)) {
@@ -1319,6 +1363,14 @@ fn upkeep_loop(shared: &Arc<Shared>) {
                         reason: format!("the control plane refused this node: {e}"),
                     });
                     return;
+                }
+                if matches!(e, ElasticError::Io(_)) {
+                    let asking = shared.lock().asking.as_ref().map(|(_, _, c)| c.clone());
+                    if shared.unreachable(&e, Instant::now())
+                        && let Some(cancel) = asking
+                    {
+                        cancel.cancel();
+                    }
                 }
                 std::thread::sleep(TICK);
             }
@@ -1540,6 +1592,42 @@ mod tests {
             got.iter().any(|(tag, m)| *tag == 1
                 && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == 2)),
             "{got:?}"
+        );
+    }
+
+    /// Found by the chaos soak (seed 2027 run 45 of the Python example): the
+    /// coordinator was gone for good (its launcher exited with the job), and the node
+    /// asked it again every 50 ms for ever while its ranks waited. It now gives up
+    /// after failing for [`UNREACHABLE_GIVE_UP`] without a call that got through, and
+    /// tells its ranks why.
+    #[test]
+    fn a_node_whose_control_plane_stays_unreachable_shuts_its_ranks_down() {
+        let (shared, lines) = node_in_generation_1(&["asking", "blocked"], &["asking"]);
+        let gone =
+            ElasticError::Io("the coordinator at 127.0.0.1:1 has been unreachable for 60 s".into());
+        let t0 = Instant::now();
+        assert!(!shared.unreachable(&gone, t0));
+        assert!(!shared.unreachable(&gone, t0 + UNREACHABLE_GIVE_UP / 2));
+        // A call that gets through starts the count again.
+        shared.reached();
+        let t1 = t0 + UNREACHABLE_GIVE_UP;
+        assert!(!shared.unreachable(&gone, t1));
+        assert!(sent(&lines).is_empty(), "nothing told yet");
+        assert!(shared.unreachable(&gone, t1 + UNREACHABLE_GIVE_UP));
+        let got = sent(&lines);
+        for tag in [0, 1] {
+            assert!(
+                got.iter().any(|(t, m)| *t == tag
+                    && matches!(m, ServerMessage::Directive { directive: Directive::Shutdown { reason } }
+                        if reason.contains("has failed every call of this node for 60 s")
+                            && reason.contains("unreachable"))),
+                "rank {tag} hears why: {got:?}"
+            );
+        }
+        assert_eq!(
+            shared.should_ask(&shared.lock(), Instant::now()),
+            None,
+            "the node asks no more"
         );
     }
 
