@@ -117,6 +117,8 @@ scenario_tests![
     python_kill_during_save,
     python_kill_node,
     python_kill_one_rank,
+    python_node_back_after_its_coordinator_is_gone,
+    python_node_back_after_the_job_and_its_coordinator_ended,
     python_partition_node,
     python_stop_one_rank,
     python_storage_s3_faults,

@@ -612,6 +612,7 @@ def run(
     backend: str | None = None,
     timeout: float = 600.0,
     memory_copies: bool = True,
+    finished: Callable[[], bool] | None = None,
 ) -> None:
     """Runs ``train(ctx)`` through as many generations as the job takes, then exits
     the process: 0 when ``train`` returned (the job trained to its end), 75 after a
@@ -624,7 +625,13 @@ def run(
     detected by the control plane long before it). ``memory_copies``: every save
     stays in this rank's memory, with a replica of its ring predecessor's, and a
     recovery loads from them before the store (about four times a rank's share of a
-    checkpoint in RAM).
+    checkpoint in RAM). ``finished``: asked when this member cannot take part (the
+    control plane cannot be reached, or sends it away) before it trained: true when
+    the job already trained to its end, so that the process exits 0 rather than 1. A
+    node started again after the job finished can meet a coordinator that went with
+    the job (a launcher hosts it); only the script knows its last step, so the
+    example passes a look at the newest commit
+    (``ckpt.torch.latest(url)["step"] >= steps``).
 
     Outside an elastic launcher (no ``CKPT_RDZV``: torchrun, ``ckpt launch`` without
     elastic flags, or plain ``python``) there is one generation, the fixed world of
@@ -637,12 +644,20 @@ def run(
         )
     stop = _Stop()
     stop.install()
-    agent = _native.Agent.from_env()
-    if agent is None:
-        code = _fixed(train, backend, timedelta(seconds=timeout), stop)
+    try:
+        agent = _native.Agent.from_env()
+    except _native.ElasticError as e:
+        if not _over_without_us(finished, e):
+            raise
+        agent, code = None, 0
     else:
-        copies = _native.Copies(agent.member()["host"]) if memory_copies else None
-        code = _generations(agent, train, backend, timedelta(seconds=timeout), stop, copies)
+        if agent is None:
+            code = _fixed(train, backend, timedelta(seconds=timeout), stop)
+        else:
+            copies = _native.Copies(agent.member()["host"]) if memory_copies else None
+            code = _generations(
+                agent, train, backend, timedelta(seconds=timeout), stop, copies, finished
+            )
     sys.stdout.flush()
     sys.stderr.flush()
     # torch 2.15's gloo can abort the interpreter while it finalizes a group's
@@ -749,9 +764,11 @@ def _generations(
     timeout: timedelta,
     stop: _Stop,
     copies: Any,
+    finished: Callable[[], bool] | None = None,
 ) -> int:
     member = agent.member()["id"]
     previous: dict[str, float] | None = None
+    trained = False  # whether this member ever joined a generation
     while True:
         started = time.monotonic()
         try:
@@ -760,8 +777,11 @@ def _generations(
             if e.kind == "shutdown" and "the job finished" in str(e):
                 _say(f"done: the job finished without this member ({e}; member {member})")
                 return 0
+            if not trained and _over_without_us(finished, e):
+                return 0
             _err(f"member {member}: rendezvous: {e}")
             return 1
+        trained = True
         generation, rank = a["generation"], a["rank"]
         rendezvous_s = time.monotonic() - started
         if rank == 0:
@@ -870,6 +890,21 @@ def _brief(error: BaseException | None) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return text.split(". This is typically", 1)[0]
+
+
+def _over_without_us(finished: Callable[[], bool] | None, error: BaseException) -> bool:
+    """Whether the script's ``finished`` says the job trained to its end without
+    this member, which the control plane could not tell (``error``); says so."""
+    if finished is None:
+        return False
+    try:
+        over = bool(finished())
+    except Exception as e:  # noqa: BLE001 (a failed look is not an answer)
+        _err(f"the job's end could not be checked ({type(e).__name__}: {e}); failing on {error}")
+        return False
+    if over:
+        _say(f"done: the job already finished (by the script's check); the control plane: {error}")
+    return over
 
 
 def _left(agent: Any, member: str) -> bool:

@@ -426,7 +426,14 @@ def main(argv: list[str] | None = None) -> None:
     # survivors of a lost rank going on in the same processes. Under torchrun, a
     # non-elastic `ckpt launch` or plain python: train runs once on that fixed world.
     # Either way the process exits when it returns.
-    ckpt.elastic.run(lambda ctx: train(ctx, args), backend=args.backend, timeout=args.pg_timeout)
+    ckpt.elastic.run(
+        lambda ctx: train(ctx, args),
+        backend=args.backend,
+        timeout=args.pg_timeout,
+        # A node started again after the job's end may find no control plane to
+        # ask: the newest commit says whether the job trained to its last step.
+        finished=lambda: (ckpt.torch.latest(args.ckpt) or {}).get("step", -1) >= args.steps,
+    )
 
 
 if __name__ == "__main__":

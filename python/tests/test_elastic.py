@@ -539,6 +539,23 @@ def test_a_transient_checkpoint_error_re_forms_the_world_instead_of_dropping_the
     assert not elastic._transient(ValueError("a bug in the script"))
 
 
+def test_finished_decides_the_exit_of_a_member_without_a_control_plane():
+    """The chaos soak found it: a node started again after the job finished found
+    no coordinator (it had exited with the job) and its ranks exited 1. The script's
+    ``finished`` says whether the job is over; no answer, or a failed look, is no."""
+    from ckpt import elastic
+
+    gone = ckpt.ElasticError("control plane unreachable: cannot reach the coordinator")
+    assert elastic._over_without_us(lambda: True, gone)
+    assert not elastic._over_without_us(lambda: False, gone)
+    assert not elastic._over_without_us(None, gone)
+
+    def broken() -> bool:
+        raise ckpt.StorageError("list file:///nowhere: not found")
+
+    assert not elastic._over_without_us(broken, gone)
+
+
 def test_a_rank_that_moves_within_one_world_size_saves_its_own_shards(urls):
     """Found by the goodput run: local rank 1 was rank 0 of a world of 3, then, after
     a regroup to 4 and another loss, rank 1 of a world of 3; torch's sharding cache
