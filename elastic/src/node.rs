@@ -779,7 +779,6 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    /// Passes `directive` from the control plane on to the ranks it concerns.
     /// A call upstream reached the control plane.
     fn reached(&self) {
         self.lock().unreachable_since = None;
@@ -810,6 +809,7 @@ impl Shared {
         true
     }
 
+    /// Passes `directive` from the control plane on to the ranks it concerns.
     fn relay(&self, directive: Directive) {
         let mut state = self.lock();
         let seated = |state: &State| -> Vec<LocalId> {

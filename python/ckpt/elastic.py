@@ -649,7 +649,7 @@ def run(
     except _native.ElasticError as e:
         if not _over_without_us(finished, e):
             raise
-        agent, code = None, 0
+        code = 0
     else:
         if agent is None:
             code = _fixed(train, backend, timedelta(seconds=timeout), stop)
