@@ -78,6 +78,11 @@ class WorldChanged(Exception):  # noqa: N818 (it is a control-flow signal, not a
         self.generation = generation
         self.cause = cause
 
+    def __reduce__(self):
+        # Pickled (a gather of exceptions) with the arguments its constructor takes,
+        # not the message that BaseException would hand back.
+        return (type(self), (self.generation, self.cause))
+
 
 class _Stop:
     """SIGTERM/SIGINT: the first asks for a drain (the agreed step is saved), the

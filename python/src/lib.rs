@@ -17,7 +17,10 @@
 //!   only once nothing writes into the caller's tensors any more).
 //! - **Errors keep the library's kind.** Each [`ckpt::Error`] variant becomes its own
 //!   exception class under `CkptError`, with the library's message (a corrupt block
-//!   names the object and offset) and a `kind` attribute.
+//!   names the object and offset) and a `kind` attribute. The classes live in module
+//!   `ckpt` (where the package exports them), so pickle finds them: DCP gathers every
+//!   rank's exception with `gather_object`, and a class pickle cannot find kills the
+//!   failing rank while the others wait for the gather.
 
 mod copies;
 mod elastic;
@@ -35,64 +38,64 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-create_exception!(_native, CkptError, PyException, "A ckpt operation failed.");
+create_exception!(ckpt, CkptError, PyException, "A ckpt operation failed.");
 create_exception!(
-    _native,
+    ckpt,
     CorruptionError,
     CkptError,
     "A checkpoint object is corrupt, truncated or hostile; the message names the object and offset. An older checkpoint may load."
 );
 create_exception!(
-    _native,
+    ckpt,
     NotFoundError,
     CkptError,
     "No such checkpoint, step or tensor."
 );
 create_exception!(
-    _native,
+    ckpt,
     MismatchError,
     CkptError,
     "The request does not match the checkpoint (dtype, shape, box)."
 );
 create_exception!(
-    _native,
+    ckpt,
     InvalidError,
     CkptError,
     "An argument or setting is invalid."
 );
 create_exception!(
-    _native,
+    ckpt,
     StorageError,
     CkptError,
     "The store failed; `transient` says whether retrying may help."
 );
 create_exception!(
-    _native,
+    ckpt,
     CommitTimeoutError,
     CkptError,
     "Waiting for a commit took longer than allowed."
 );
 create_exception!(
-    _native,
+    ckpt,
     SaveFailedError,
     CkptError,
     "A background save failed."
 );
 create_exception!(
-    _native,
+    ckpt,
     FencedError,
     CkptError,
     "The save was fenced off by a newer generation or a reused run id."
 );
 create_exception!(
-    _native,
+    ckpt,
     MutatedError,
     CkptError,
     "An overlapped save's tensor changed before it was staged."
 );
-create_exception!(_native, DeviceError, CkptError, "The GPU path failed.");
+create_exception!(ckpt, DeviceError, CkptError, "The GPU path failed.");
 create_exception!(
-    _native,
+    ckpt,
     ElasticError,
     CkptError,
     "A call to the elastic control plane failed (`kind`: cancelled, timeout, rejected, unreachable, protocol, shutdown)."

@@ -134,7 +134,7 @@ def _decoder(metadata: Mapping[str, Any]):
         def decode(kind: str, payload: Any) -> Any:
             if kind == "bytes":
                 return torch.load(io.BytesIO(payload), weights_only=True)
-            return json.loads(payload)
+            return _state.decode_value(kind, payload)
 
         return decode
     return _state.decode_value
@@ -210,12 +210,20 @@ class Checkpointer:
         """
         part = _state.to_save(state_dict, self.rank, _state.encode_value)
         global_values = {k: _state.encode_value(k, v) for k, v in (global_state or {}).items()}
+        meta = dict(metadata or {})
+        for key in _state.RESERVED_METADATA:
+            if key in meta:
+                raise _native.InvalidError(f"metadata key {key!r} is reserved for ckpt.torch")
+        if self.rank == 0:
+            # The manifest keeps rank 0's metadata: where each name sits in the state
+            # dict, for DCP's planners (dcp.load into an empty dict, partial loads).
+            meta[_state.PATHS_KEY] = part.paths
         native = self._native.save(
             step,
             part.tensors,
             part.values,
             global_values,
-            json.dumps(dict(metadata or {})),
+            json.dumps(meta),
             overlapped,
         )
         if not overlapped and any(t.device.type != "cpu" for t in part.keep_alive):
@@ -315,6 +323,8 @@ def load(
     del keep_alive
     metadata = json.loads(reader.metadata)
     decode = _decoder(metadata)
+    for key in _state.RESERVED_METADATA:
+        metadata.pop(key, None)
     ranks: list[dict[str, Any]] = []
     for saved_rank, values in reader.rank_states():
         while len(ranks) < saved_rank:

@@ -21,7 +21,9 @@ which is counted.
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +96,7 @@ class Leaf:
     value: Any
     container: Any
     key: Any
+    path: tuple  # the keys and indices that lead to it (DCP's "object path")
 
 
 def leaves(state_dict: Mapping[str, Any]) -> Iterator[Leaf]:
@@ -104,7 +107,7 @@ def leaves(state_dict: Mapping[str, Any]) -> Iterator[Leaf]:
             for k, v in value.items():
                 yield from visit(path + (str(k),), value, k, v)
         elif _is_terminal(value):
-            yield Leaf(".".join(map(str, path)), value, container, key)
+            yield Leaf(".".join(map(str, path)), value, container, key, path)
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
                 yield from visit(path + (i,), value, i, v)
@@ -269,6 +272,7 @@ class ToSave:
     values: dict[str, str | bytes]  # non-tensor leaves, encoded
     keep_alive: list[torch.Tensor]  # the memory the boxes point at
     copied: int  # bytes copied to make non-contiguous tensors contiguous
+    paths: dict[str, tuple]  # flattened name -> object path, of every leaf
 
 
 def to_save(
@@ -276,8 +280,9 @@ def to_save(
 ) -> ToSave:
     """This rank's boxes of ``state_dict``'s tensors, and its other leaves encoded by
     ``encode`` (JSON for the native API, ``torch.save`` bytes for DCP's)."""
-    out = ToSave([], {}, [], 0)
+    out = ToSave([], {}, [], 0, {})
     for leaf in leaves(state_dict):
+        out.paths[leaf.fqn] = leaf.path
         if not isinstance(leaf.value, torch.Tensor):
             out.values[leaf.fqn] = encode(leaf.fqn, leaf.value)
             continue
@@ -292,18 +297,137 @@ def to_save(
     return out
 
 
+# Non-tensor state is stored as JSON (readable by `ckpt inspect` and any JSON tool),
+# but a load must give back exactly what was saved: a tuple stays a tuple, an integer
+# key stays an integer, 2**70 and NaN survive. The library keeps JSON values as
+# serde_json values, whose objects sort their keys and whose integers stop at 64
+# bits; so a value JSON cannot carry unchanged is written as a tagged object
+# `{"ckpt.type": T, ...}`, and everything else as plain JSON. A plain object whose
+# keys include the tag is itself tagged, so no saved value reads back as a tag.
+_TAG = "ckpt.type"
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def _unsupported(fqn: str, where: str, value: Any) -> InvalidError:
+    kind = type(value)
+    name = kind.__qualname__
+    if kind.__module__ != "builtins":
+        name = f"{kind.__module__}.{name}"
+    at = f" at {where}" if where else ""
+    return InvalidError(
+        f"non-tensor state {fqn!r} holds a {name}{at}, which ckpt cannot give back exactly; "
+        "it keeps None, bool, int, float, str, bytes, bytearray, list, tuple, dict (str or "
+        "int keys), torch.Size, torch.dtype and torch.device: convert it to one of those, "
+        "or save it as a tensor"
+    )
+
+
+def _encode_json(value: Any, fqn: str, where: str) -> Any:
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        return value if _INT_MIN <= value <= _INT_MAX else {_TAG: "int", "value": str(value)}
+    if kind is float:
+        if math.isfinite(value):
+            return value
+        return {_TAG: "float", "value": repr(value)}
+    if kind is list:
+        return [_encode_json(v, fqn, f"{where}[{i}]") for i, v in enumerate(value)]
+    if kind is tuple:
+        items = [_encode_json(v, fqn, f"{where}[{i}]") for i, v in enumerate(value)]
+        return {_TAG: "tuple", "items": items}
+    if kind is dict:
+        keys = list(value)
+        plain = all(type(k) is str for k in keys) and _TAG not in value and keys == sorted(keys)
+        if plain:
+            return {k: _encode_json(v, fqn, f"{where}[{k!r}]") for k, v in value.items()}
+        items = []
+        for k, v in value.items():
+            if type(k) not in (str, int):
+                raise _unsupported(fqn, f"{where} (a dict key)", k)
+            items.append([_encode_json(k, fqn, where), _encode_json(v, fqn, f"{where}[{k!r}]")])
+        return {_TAG: "dict", "items": items}
+    if kind is bytes or kind is bytearray:
+        return {_TAG: kind.__name__, "base64": base64.b64encode(value).decode("ascii")}
+    if kind is torch.Size:
+        return {_TAG: "torch.Size", "items": [int(d) for d in value]}
+    if kind is torch.dtype:
+        return {_TAG: "torch.dtype", "name": str(value).removeprefix("torch.")}
+    if kind is torch.device:
+        return {_TAG: "torch.device", "name": str(value)}
+    raise _unsupported(fqn, where, value)
+
+
+def _decode_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode_json(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    tag = value.get(_TAG)
+    if tag is None:
+        return {k: _decode_json(v) for k, v in value.items()}
+    if tag == "int":
+        return int(value["value"])
+    if tag == "float":
+        return float(value["value"])
+    if tag == "tuple":
+        return tuple(_decode_json(v) for v in value["items"])
+    if tag == "dict":
+        return {_decode_json(k): _decode_json(v) for k, v in value["items"]}
+    if tag == "bytes":
+        return base64.b64decode(value["base64"])
+    if tag == "bytearray":
+        return bytearray(base64.b64decode(value["base64"]))
+    if tag == "torch.Size":
+        return torch.Size(value["items"])
+    if tag == "torch.dtype":
+        dtype = getattr(torch, value["name"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidError(f"saved dtype torch.{value['name']} does not exist in this torch")
+        return dtype
+    if tag == "torch.device":
+        return torch.device(value["name"])
+    raise InvalidError(f"non-tensor state holds a value of unknown type {tag!r} (a newer ckpt?)")
+
+
+# Where a flattened name sits in the state dict's object graph ("model.net1.bias" is
+# ("model", "net1.bias"), not ("model", "net1", "bias")): DCP's `planner_data`, which
+# its planners use to rebuild a nested state dict from the flattened names. Kept in
+# the manifest's metadata under this key, as `{name: [key or index, ...]}`, for every
+# checkpoint ckpt.torch writes; other readers ignore it.
+PATHS_KEY = "ckpt.torch.paths"
+# A DCP planner's `planner_data` that is not such a mapping (a custom planner's),
+# in the tagged JSON of the non-tensor values.
+PLANNER_DATA_KEY = "ckpt.torch.planner_data"
+RESERVED_METADATA = (PATHS_KEY, PLANNER_DATA_KEY)
+
+
+def is_paths(data: Any) -> bool:
+    """Whether ``data`` is a mapping of flattened names to object paths."""
+    return isinstance(data, dict) and all(
+        type(k) is str and type(p) is tuple and all(type(e) is str or type(e) is int for e in p)
+        for k, p in data.items()
+    )
+
+
+def paths_from_metadata(metadata: Mapping[str, Any]) -> dict[str, tuple] | None:
+    """The object paths a manifest's metadata records, or None."""
+    paths = metadata.get(PATHS_KEY)
+    if not isinstance(paths, dict):
+        return None
+    return {k: tuple(p) for k, p in paths.items() if isinstance(p, list)}
+
+
 def encode_value(fqn: str, value: Any) -> str | bytes:
-    """A non-tensor leaf as ckpt stores it: bytes as they are, anything else as JSON."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    try:
-        return json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError) as e:
-        raise InvalidError(
-            f"non-tensor state {fqn!r} ({type(value).__name__}) is not JSON-able: {e}; "
-            "save it as bytes, or as JSON-able values"
-        ) from None
+    """A non-tensor leaf as ckpt stores it: bytes as they are, anything else as JSON
+    that :func:`decode_value` turns back into an equal value of the same types.
+    Raises ``InvalidError`` naming the key, the place and the type of a value it
+    could not give back exactly (a numpy scalar, a set, an object)."""
+    if type(value) is bytes:
+        return value
+    return json.dumps(_encode_json(value, fqn, ""), allow_nan=False)
 
 
 def decode_value(kind: str, payload: Any) -> Any:
-    return json.loads(payload) if kind == "json" else payload
+    return _decode_json(json.loads(payload)) if kind == "json" else payload

@@ -45,6 +45,7 @@ import json
 import os
 import secrets
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -92,6 +93,9 @@ class _SaveTarget:
     step: int
     run_id: str
     world_size: int
+    # The planners' `planner_data` (DCP's Metadata.planner_data), in rank 0's plan
+    # only: rank 0's part carries the manifest's metadata.
+    planner_data: Any = dataclasses.field(default=None, compare=False)
 
 
 class StorageWriter(_DcpWriter):
@@ -139,7 +143,11 @@ class StorageWriter(_DcpWriter):
                 newest = _native.latest(self.url)
                 step = newest["step"] + 1 if newest else 0
             target = _SaveTarget(step=step, run_id=self._own_run_id(), world_size=len(plans))
-        return [dataclasses.replace(plan, storage_data=target) for plan in plans]
+        first = dataclasses.replace(target, planner_data=_merged_planner_data(plans))
+        return [
+            dataclasses.replace(plan, storage_data=first if i == 0 else target)
+            for i, plan in enumerate(plans)
+        ]
 
     def _own_run_id(self) -> str:
         """This writer's run id, drawn once (on the coordinator, which hands it to
@@ -200,7 +208,7 @@ class StorageWriter(_DcpWriter):
             )
             results.append(WriteResult(item.index, nbytes, None))
         checkpointer = self._native_checkpointer(target)
-        metadata = json.dumps({DCP_MARK: True})
+        metadata = _metadata(target.planner_data)
         handle = checkpointer.save(target.step, tensors, rank_state, {}, metadata, False)
         # DCP gathers the results on the coordinator and then calls `finish`: once
         # every rank's part is durable the commit follows at once.
@@ -259,7 +267,9 @@ class StorageWriter(_DcpWriter):
         self._rank = rank
         part = _state.to_save(state_dict, rank, _torch_saved)
         checkpointer = self._native_checkpointer(target)
-        metadata = json.dumps({DCP_MARK: True})
+        # Staged before DCP plans: the object paths are ckpt's flattening's, which
+        # is DCP's own.
+        metadata = _metadata(part.paths if rank == 0 else None)
         handle = checkpointer.save(step, part.tensors, part.values, {}, metadata, True)
         keep_alive = part.keep_alive
         self._staged.append((target, handle))
@@ -300,6 +310,43 @@ class StorageWriter(_DcpWriter):
         return StorageMeta(checkpoint_id=self.url)
 
 
+def _merged_planner_data(plans: list[SavePlan]) -> Any:
+    """What DCP's default planner puts into ``Metadata.planner_data``: every rank's
+    object paths, merged (a custom planner's data, when it is not such a mapping,
+    is taken from the first plan that has some)."""
+    datas = [plan.planner_data for plan in plans if plan.planner_data is not None]
+    if not datas:
+        return None
+    if all(isinstance(d, dict) for d in datas):
+        merged: dict = {}
+        for data in reversed(datas):  # the lowest rank's entry wins, as in DCP's ChainMap
+            merged.update(data)
+        return merged
+    return datas[0]
+
+
+def _metadata(planner_data: Any) -> str:
+    """The manifest metadata of a save through DCP: the mark, and DCP's
+    ``planner_data`` (as object paths when it is the default planner's)."""
+    metadata: dict[str, Any] = {DCP_MARK: True}
+    if planner_data is None:
+        pass
+    elif _state.is_paths(planner_data):
+        metadata[_state.PATHS_KEY] = planner_data
+    else:
+        try:
+            metadata[_state.PLANNER_DATA_KEY] = json.loads(
+                _state.encode_value("planner_data", planner_data)
+            )
+        except _native.InvalidError as e:
+            warnings.warn(
+                f"ckpt: the DCP planner's planner_data is not stored ({e}); a load gets "
+                "the object paths of ckpt's flattening instead",
+                stacklevel=2,
+            )
+    return json.dumps(metadata)
+
+
 def _torch_saved(fqn: str, value: Any) -> bytes:
     """A non-tensor value as DCP stores it: ``torch.save`` bytes."""
     buffer = io.BytesIO()
@@ -312,6 +359,16 @@ def _looks_like_root(checkpoint_id: str | os.PathLike) -> bool:
     if not isinstance(text, str):
         return False
     return text.startswith(_SCHEMES) or "://" not in text
+
+
+def _planner_data(metadata: dict[str, Any], state: dict[str, Any]) -> Any:
+    """DCP's ``planner_data`` of a checkpoint: what the saving planner had, else the
+    object path of every name (recorded at save; a name saved without one, by
+    another writer or on a rank other than 0, sits at the top level)."""
+    if _state.PLANNER_DATA_KEY in metadata:
+        return _state.decode_value("json", json.dumps(metadata[_state.PLANNER_DATA_KEY]))
+    paths = _state.paths_from_metadata(metadata) or {}
+    return {name: paths.get(name, (name,)) for name in state}
 
 
 class StorageReader(_DcpReader):
@@ -367,7 +424,11 @@ class StorageReader(_DcpReader):
                     self._values[key] = value
         for key in self._values:
             state.setdefault(key, BytesStorageMetadata())
-        return Metadata(state_dict_metadata=state, storage_meta=StorageMeta(checkpoint_id=self.url))
+        return Metadata(
+            state_dict_metadata=state,
+            planner_data=_planner_data(json.loads(reader.metadata), state),
+            storage_meta=StorageMeta(checkpoint_id=self.url),
+        )
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         self._rank = kwargs.get("rank", _dist_rank()[0])
@@ -383,7 +444,7 @@ class StorageReader(_DcpReader):
         kind, payload = self._values[fqn]
         if kind == "bytes" and self._dcp_written:
             return payload  # DCP's own torch.save bytes
-        return _torch_saved(fqn, json.loads(payload) if kind == "json" else payload)
+        return _torch_saved(fqn, _state.decode_value(kind, payload))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._reader is None:
