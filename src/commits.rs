@@ -19,11 +19,13 @@
 //! therefore non-decreasing.
 //!
 //! Reading the newest commit costs two requests (the hint, then a listing that starts
-//! at it), whatever the length of the log.
+//! at it), whatever the length of the log. The hint is untrusted like every object
+//! under the root: [`read_hint`] reads at most [`MAX_HINT_BYTES`] of it, and a hint
+//! that is larger or no number is ignored (and reported), never read whole.
 
 use std::time::SystemTime;
 
-use ckpt_storage::{ObjectInfo, Store};
+use ckpt_storage::{ErrorKind, ObjectInfo, Store};
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
@@ -38,6 +40,9 @@ pub const LOG_DIR: &str = "commits";
 pub const LOG_HEAD: &str = "commits/HEAD";
 /// Records are tiny; anything larger is hostile.
 const MAX_RECORD_BYTES: u64 = 64 << 10;
+/// A hint is a decimal `u64` (20 digits at most), maybe with a line ending; the
+/// bound leaves room for whitespace and nothing else.
+pub const MAX_HINT_BYTES: u64 = 64;
 
 /// The body of one log record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -191,16 +196,47 @@ pub async fn read_all(store: &Store) -> Result<Vec<LoggedCommit>> {
     read_listed(store, objects).await
 }
 
+/// The number a hint object holds (`commits/HEAD`, or the root's `latest`), or
+/// `None` when there is none to trust.
+///
+/// The one reader of hints, for every caller: anyone who can write to the root can
+/// write a hint, and a hint is only ever an optimisation, so it is read with a
+/// bound ([`MAX_HINT_BYTES`], one request that reads nothing of a larger object)
+/// and one that is too large, unreadable or not a decimal number is ignored with a
+/// warning naming it: the caller then finds its answer the long way, from the log.
+pub async fn read_hint(store: &Store, key: &str) -> Result<Option<u64>> {
+    let bytes = match store.get_at_most(key, MAX_HINT_BYTES).await {
+        Ok(bytes) => bytes,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e) if e.kind() == ErrorKind::Permanent => {
+            warn!(error = %e, "ignoring the hint {key}");
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let parsed = parse_hint(&bytes);
+    if parsed.is_none() {
+        warn!(
+            "ignoring the hint {key}: {:?} is not a decimal number",
+            String::from_utf8_lossy(&bytes)
+        );
+    }
+    Ok(parsed)
+}
+
+/// A hint's text: ASCII digits, with whitespace around them.
+fn parse_hint(bytes: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(bytes).ok()?.trim();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
 /// The newest records: from the hint on (at least the newest record when the log is
 /// not empty). Two requests when the hint is current.
 pub async fn read_tail(store: &Store) -> Result<Vec<LoggedCommit>> {
-    let hint = match store.get(LOG_HEAD).await {
-        Ok(bytes) => std::str::from_utf8(&bytes)
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok()),
-        Err(e) if e.is_not_found() => None,
-        Err(e) => return Err(e.into()),
-    };
+    let hint = read_hint(store, LOG_HEAD).await?;
     if let Some(hint) = hint.filter(|&h| h > 0) {
         let objects = store.list_after(LOG_DIR, &record_key(hint - 1)).await?;
         let tail = read_listed(store, objects).await?;
@@ -315,6 +351,44 @@ mod tests {
         // A stale hint still finds the tail.
         store.put(LOG_HEAD, "1").await.unwrap();
         assert_eq!(newest(&store).await.unwrap().unwrap().seq, 2);
+    }
+
+    #[test]
+    fn hints_are_decimal_numbers_and_nothing_else() {
+        assert_eq!(parse_hint(b"42"), Some(42));
+        assert_eq!(parse_hint(b" 42\n"), Some(42));
+        assert_eq!(parse_hint(b"18446744073709551615"), Some(u64::MAX));
+        for bad in [
+            &b""[..],
+            b"\n",
+            b"+42",
+            b"-1",
+            b"4 2",
+            b"42\0\0",
+            b"18446744073709551616",
+            b"\xff",
+        ] {
+            assert_eq!(parse_hint(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_hint_too_large_or_malformed_is_ignored_and_the_log_answers() {
+        let store = Store::from_url("memory://commit-log-hint-test").unwrap();
+        for step in [10, 20] {
+            let record = CommitRecord::new(&Attempt::new(step, 1, "a").unwrap(), 1);
+            append(&store, &record).await.unwrap();
+        }
+        let over = "1".repeat(MAX_HINT_BYTES as usize + 1);
+        for hint in [over.as_str(), "two", ""] {
+            store.put(LOG_HEAD, hint.to_string()).await.unwrap();
+            assert_eq!(read_hint(&store, LOG_HEAD).await.unwrap(), None, "{hint:?}");
+            assert_eq!(newest(&store).await.unwrap().unwrap().seq, 2, "{hint:?}");
+        }
+        store.put(LOG_HEAD, "2\n").await.unwrap();
+        assert_eq!(read_hint(&store, LOG_HEAD).await.unwrap(), Some(2));
+        store.delete(LOG_HEAD).await.unwrap();
+        assert_eq!(read_hint(&store, LOG_HEAD).await.unwrap(), None);
     }
 
     #[test]

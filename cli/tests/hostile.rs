@@ -404,3 +404,38 @@ async fn gc_keeps_the_directory_the_newest_record_names_even_when_it_did_not_com
         assert_eq!(code(&out), 0, "{how:?}: {}", text(&out));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_ignores_a_huge_or_malformed_commit_log_hint_and_says_so() {
+    let (_store, dir) = two_commits("hostile-hint").await;
+    let head = dir.path().join("commits/HEAD");
+    let url = url_of(dir.path());
+    // 2 GiB (sparse: no disk is used), then a few bytes that are no number.
+    let huge = || {
+        std::fs::File::options()
+            .write(true)
+            .open(&head)
+            .unwrap()
+            .set_len(2 << 30)
+            .unwrap()
+    };
+    let malformed = || std::fs::write(&head, "seventeen").unwrap();
+    for (what, make, says) in [
+        ("huge", &huge as &dyn Fn(), "2147483648 bytes"),
+        ("malformed", &malformed as &dyn Fn(), "\"seventeen\""),
+    ] {
+        make();
+        let out = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .args(["verify", &url])
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("run the ckpt binary");
+        assert_eq!(code(&out), 0, "{what}: {}", text(&out));
+        assert!(text(&out).contains("step 2: ok"), "{what}: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("ignoring the hint commits/HEAD") && stderr.contains(says),
+            "{what}: the hint's rejection is reported, naming it: {stderr}"
+        );
+    }
+}

@@ -17,6 +17,8 @@
 //! - [`Store::get_ranges`] reads several ranges of one object, merging close ones
 //!   into one request and fetching the rest concurrently; every backend refuses a
 //!   range past the end of the object with the same error.
+//! - [`Store::get_at_most`] reads a small object whose writer is not trusted: memory
+//!   stays within the caller's limit whatever the object holds.
 //! - On local disk no symbolic link under the root is followed: an operation whose
 //!   path crosses one, or a listing that meets one, fails naming the link (see
 //!   [`Store::local_path`] for why).

@@ -344,6 +344,52 @@ impl Store {
         .await
     }
 
+    /// Reads the whole object at `key` when it holds at most `limit` bytes, in one
+    /// request.
+    ///
+    /// For small objects that anyone could have written (the hints at a checkpoint's
+    /// root): memory stays within `limit` whatever the object holds. A larger object
+    /// gives an [`ErrorKind::Permanent`] error naming its size and the limit, and its
+    /// body is not read (the size comes with the answer, before the body); a body
+    /// that runs past `limit` whatever the size said is cut off with the same error.
+    pub async fn get_at_most(&self, key: &str, limit: u64) -> Result<Bytes> {
+        let path = self.path("get", key)?;
+        let too_large = |size: String| {
+            Error::new(
+                ErrorKind::Permanent,
+                format!(
+                    "get {}/{key}: the object holds {size} bytes, over the {limit}-byte limit of this read",
+                    self.url
+                ),
+            )
+        };
+        self.reading("get", key, || async {
+            self.count(1);
+            let result = self
+                .inner
+                .get(&path)
+                .await
+                .map_err(|e| self.error("get", key, e))?;
+            if result.meta.size > limit {
+                return Err(too_large(result.meta.size.to_string()));
+            }
+            let mut body = result.into_stream();
+            let mut read = Vec::new();
+            while let Some(chunk) = body
+                .try_next()
+                .await
+                .map_err(|e| self.error("get", key, e))?
+            {
+                if (read.len() + chunk.len()) as u64 > limit {
+                    return Err(too_large(format!("more than {limit}")));
+                }
+                read.extend_from_slice(&chunk);
+            }
+            Ok(Bytes::from(read))
+        })
+        .await
+    }
+
     /// Runs the read `attempt`, and again after a pause while it fails with a
     /// transient error from a local file system (EIO from a failing device, a stale
     /// network file system handle): object_store retries the remote backends itself,

@@ -171,6 +171,21 @@ async fn ranged_reads_at_every_edge(f: &Fixture) {
     assert!(s.get_ranges("ranges.bin", &[]).await.unwrap().is_empty());
 }
 
+async fn reads_bounded_by_a_limit(f: &Fixture) {
+    f.seed("hint", b"12345").await;
+    f.seed("empty", b"").await;
+    assert_eq!(f.store.get_at_most("hint", 5).await.unwrap(), &b"12345"[..]);
+    assert_eq!(f.store.get_at_most("empty", 0).await.unwrap().len(), 0);
+    let over = f.store.get_at_most("hint", 4).await.unwrap_err();
+    assert_eq!(over.kind(), ErrorKind::Permanent, "{over}");
+    assert!(
+        over.to_string().contains("5 bytes") && over.to_string().contains("4-byte limit"),
+        "names the size and the limit: {over}"
+    );
+    let missing = f.store.get_at_most("absent", 5).await.unwrap_err();
+    assert_eq!(missing.kind(), ErrorKind::NotFound, "{missing}");
+}
+
 async fn missing_objects_are_not_found(f: &Fixture) {
     let s = &f.store;
     for err in [
@@ -423,6 +438,7 @@ macro_rules! full_suite {
                 empty_and_one_byte_objects,
                 large_object_integrity,
                 ranged_reads_at_every_edge,
+                reads_bounded_by_a_limit,
                 missing_objects_are_not_found,
                 listing_with_many_keys_and_a_delimiter,
                 listing_after_a_key,
@@ -450,6 +466,7 @@ suite!(
         empty_and_one_byte_objects,
         large_object_integrity,
         ranged_reads_at_every_edge,
+        reads_bounded_by_a_limit,
         missing_objects_are_not_found,
         listing_with_many_keys_and_a_delimiter,
         listing_after_a_key,
