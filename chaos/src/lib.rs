@@ -113,9 +113,8 @@ impl Report {
                 r.generation, r.world, r.abort_ms, r.reform_ms, r.load_ms, r.first_step_ms, r.cause
             );
         }
-        if !self.observed.worlds.is_empty() {
-            let worlds: Vec<String> = self.observed.worlds.iter().map(|w| w.to_string()).collect();
-            out += &format!("\n  ranks training: {}", worlds.join(" → "));
+        if let Some(worlds) = ranks_training(&self.observed.worlds) {
+            out += &format!("\n  ranks training: {worlds}");
         }
         if !self.observed.schedule.is_empty() {
             let schedule: Vec<String> = self
@@ -164,6 +163,29 @@ impl Report {
         }
         out
     }
+}
+
+/// The world sizes a run went through, one entry per change: a generation that
+/// replaced a lost rank at once, or one seen twice, is no change. The summary's
+/// `ranks training` line and the plot's title say the same from this one rule.
+pub(crate) fn world_changes(worlds: impl IntoIterator<Item = usize>) -> Vec<usize> {
+    let mut changes: Vec<usize> = Vec::new();
+    for world in worlds {
+        if changes.last() != Some(&world) {
+            changes.push(world);
+        }
+    }
+    changes
+}
+
+/// The summary's `ranks training` line (`4 → 3 → 1 → 3`); `None` when no
+/// generation started.
+fn ranks_training(worlds: &[usize]) -> Option<String> {
+    let shown: Vec<String> = world_changes(worlds.iter().copied())
+        .iter()
+        .map(|w| w.to_string())
+        .collect();
+    (!shown.is_empty()).then(|| shown.join(" → "))
 }
 
 /// Runs `scenario` and judges it. A scenario the machine cannot run (no Python with
@@ -472,6 +494,19 @@ mod tests {
             back_ms: 0,
             noticed_unix_ms,
         }
+    }
+
+    #[test]
+    fn the_ranks_training_line_has_one_entry_per_change_of_world_size() {
+        // The demo's generations, each seen twice (as it forms and as it starts).
+        assert_eq!(
+            ranks_training(&[4, 4, 3, 3, 1, 1, 3, 3]).as_deref(),
+            Some("4 → 3 → 1 → 3")
+        );
+        // A generation that replaced a lost rank at once keeps the world's size.
+        assert_eq!(ranks_training(&[4, 4, 2]).as_deref(), Some("4 → 2"));
+        assert_eq!(ranks_training(&[4]).as_deref(), Some("4"));
+        assert_eq!(ranks_training(&[]), None);
     }
 
     #[test]

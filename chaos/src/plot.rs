@@ -251,13 +251,11 @@ impl Prepared {
     /// "world 4 → 3 → 2 → 4 · 2 faults · 1.9 s recovering (22% of 8.6 s) · 8 steps re-done"
     fn summary(&self) -> String {
         let mut parts = Vec::new();
-        let mut worlds: Vec<usize> = Vec::new();
-        for seg in &self.segments {
-            let w = self.samples[seg.start].world;
-            if worlds.last() != Some(&w) {
-                worlds.push(w);
-            }
-        }
+        let worlds = crate::world_changes(
+            self.segments
+                .iter()
+                .map(|seg| self.samples[seg.start].world),
+        );
         if !worlds.is_empty() {
             let shown: Vec<String> = if worlds.len() > 8 {
                 let mut v: Vec<String> = worlds[..3].iter().map(|w| w.to_string()).collect();

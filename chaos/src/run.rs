@@ -430,9 +430,26 @@ struct Watch {
     observed: Observed,
     /// Ranks (by label) that announced reaching the armed failpoint.
     at_failpoint: Vec<usize>,
+    /// Rank 0 said a generation formed (`generation G: world W`, counted in
+    /// `observed.worlds`) and has not yet said it starts training in it: the
+    /// reference trainer's `start:` line that follows is the same generation.
+    formed_not_started: bool,
 }
 
 impl Watch {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            step: 0,
+            saving: 0,
+            pids: BTreeMap::new(),
+            coordinator: None,
+            observed: Observed::default(),
+            at_failpoint: Vec::new(),
+            formed_not_started: false,
+        }
+    }
+
     fn seconds(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
     }
@@ -503,8 +520,10 @@ impl Watch {
             .and_then(|(_, r)| r.split_whitespace().next())
             .and_then(|w| w.parse().ok())
         {
-            // The Python trainer's rank 0, as a generation forms (ckpt.elastic).
+            // Rank 0 as a generation forms: the Python trainer's (ckpt.elastic), or
+            // the reference trainer's under a control plane.
             self.observed.worlds.push(world);
+            self.formed_not_started = true;
         } else if let Some(entry) = parse_gen_line(rest) {
             // The Python trainer's rank 0, as it starts training in a generation.
             if entry.0 > 0 {
@@ -517,7 +536,11 @@ impl Watch {
             .and_then(|r| r.split(',').next())
             .and_then(|w| w.parse().ok())
         {
-            self.observed.worlds.push(world);
+            // The reference trainer starts training in a generation: counted already
+            // when its `generation` line came first, as it does under a control plane.
+            if !std::mem::take(&mut self.formed_not_started) {
+                self.observed.worlds.push(world);
+            }
         } else if let Some(step) = rest
             .strip_prefix("resumed from step ")
             .and_then(|r| r.split_whitespace().next())
@@ -711,15 +734,7 @@ fn fill_disk(dir: &Path) -> PathBuf {
 pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io::Result<Observed> {
     let (tx, rx): (Sender<Line>, Receiver<Line>) = channel();
     let job = format!("chaos-{}-{}", std::process::id(), unix_ms());
-    let mut watch = Watch {
-        started: Instant::now(),
-        step: 0,
-        saving: 0,
-        pids: BTreeMap::new(),
-        coordinator: None,
-        observed: Observed::default(),
-        at_failpoint: Vec::new(),
-    };
+    let mut watch = Watch::new();
     let store = env.store().map_err(std::io::Error::other)?;
     // The coordinator listens where every node reaches it: on the bridge when the
     // nodes live in namespaces.
@@ -1397,6 +1412,43 @@ mod tests {
         assert_eq!(saving_step("step 30: saving (stall 20.1 ms)"), Some(30));
         assert_eq!(saving_step("saving step 15 (stall 0.3 ms)"), Some(15));
         assert_eq!(saving_step("step 30 loss 4.1 (2.0s)"), None);
+    }
+
+    fn rank0(text: &str) -> Line {
+        Line {
+            node: 0,
+            text: format!("[rank 0] {text}"),
+        }
+    }
+
+    #[test]
+    fn each_generation_counts_once_in_the_worlds_started() {
+        // The reference trainer's rank 0 says both that its generation formed and that
+        // it starts training in it.
+        let mut w = Watch::new();
+        for (generation, world) in [(1, 4), (2, 3), (3, 1), (4, 3)] {
+            w.take(&rank0(&format!(
+                "generation {generation}: world {world} (initial), rendezvous 3 ms"
+            )));
+            w.take(&rank0(&format!(
+                "start: preset tiny (1000 parameters), world {world}, step 0 of 40, deterministic mode"
+            )));
+        }
+        assert_eq!(w.observed.worlds, vec![4, 3, 1, 3]);
+        // A generation that formed and failed before it trained still counts; one
+        // started without an elastic control plane says only `start:`.
+        let mut w = Watch::new();
+        w.take(&rank0("generation 1: world 4 (initial), rendezvous 3 ms"));
+        w.take(&rank0(
+            "generation 2: world 3 (lost member), rendezvous 3 ms",
+        ));
+        w.take(&rank0(
+            "start: preset tiny (1000 parameters), world 3, step 0 of 40, fast mode",
+        ));
+        w.take(&rank0(
+            "start: preset tiny (1000 parameters), world 2, step 10 of 40, fast mode",
+        ));
+        assert_eq!(w.observed.worlds, vec![4, 3, 2]);
     }
 
     fn sample(t_s: f64, step: u64) -> Sample {
