@@ -27,8 +27,8 @@ use crate::attempt::Attempt;
 use crate::commits::{Appended, CommitRecord};
 use crate::error::{Error, Result};
 use crate::format::{
-    FORMAT_VERSION, FormatError, LATEST, Layout, LayoutBox, MANIFEST, Manifest, RankEntry,
-    RankPart, TensorEntry, parse_rank_part_name, rank_part_name, seal, unseal,
+    FormatError, LATEST, Layout, LayoutBox, MANIFEST, Manifest, RankEntry, RankPart, TensorEntry,
+    parse_rank_part_name, rank_part_name, seal, unseal,
 };
 
 /// Tombstones are small; a slot larger than this is a manifest.
@@ -700,8 +700,13 @@ pub fn build_manifest(
     let mut layouts: Vec<Layout> = Vec::new();
     let mut layout_ids: HashMap<Layout, u32> = HashMap::new();
     let mut entries = Vec::with_capacity(tensors.len());
+    // Whether some rank holds several boxes of one tensor: the manifest is then of
+    // version 3, else of version 2, which older readers still read.
+    let mut several = false;
     tensors.sort_unstable_by_key(|t| t.0);
-    for (name, dtype, shape, boxes) in tensors {
+    for (name, dtype, shape, mut boxes) in tensors {
+        boxes.sort_unstable();
+        several |= boxes.windows(2).any(|w| w[0].0 == w[1].0);
         let layout = encode_layout(shape, world, boxes);
         let id = *layout_ids.entry(layout.clone()).or_insert_with(|| {
             layouts.push(layout);
@@ -719,7 +724,7 @@ pub fn build_manifest(
         .map(|e| &e.1)
         .find(|p| p.global_state.is_some());
     Ok(Manifest {
-        format_version: FORMAT_VERSION,
+        format_version: crate::format::version_for(several),
         step,
         attempt: Some(name),
         world_size: world,
@@ -738,9 +743,10 @@ pub fn build_manifest(
 }
 
 /// The compact dim-0 form when rank `r`'s rows follow rank `r-1`'s and every other
-/// dimension is whole; the list of boxes otherwise.
+/// dimension is whole (one box per rank at most); the list of boxes otherwise,
+/// sorted by rank and box, so that tensors chunked alike share it.
 fn encode_layout(shape: &[u64], world: u32, mut boxes: Vec<RankBox<'_>>) -> Layout {
-    boxes.sort_by_key(|(rank, _, _)| *rank);
+    boxes.sort_unstable();
     if !shape.is_empty() {
         let mut bounds = vec![0u64; world as usize + 1];
         let mut next_rank = 0u32;

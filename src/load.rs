@@ -42,7 +42,8 @@ use crate::blocks::BlockMap;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::{
-    Assignments, Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue, TensorEntry,
+    Assignments, ChunkIndex, Codec, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue,
+    TensorEntry,
 };
 use crate::region::{Region, for_each_run};
 
@@ -591,19 +592,13 @@ impl CheckpointReader {
                 self.manifest.dir(),
                 crate::format::rank_part_name(rank)
             );
-            let index: HashMap<&str, usize> = part
-                .chunks
-                .iter()
-                .enumerate()
-                .map(|(i, c)| (c.tensor.as_str(), i))
-                .collect();
+            // By tensor and box: a rank may hold several boxes of one tensor.
+            let index = ChunkIndex::new(part);
             let mut runs = Vec::new();
             for (want_index, chunk_region, part_region) in rank_pieces {
                 let want = &request.wants[want_index];
                 let chunk = index
-                    .get(want.name.as_str())
-                    .map(|&i| &part.chunks[i])
-                    .filter(|c| c.region() == chunk_region)
+                    .get(want.name.as_str(), &chunk_region)
                     .ok_or_else(|| {
                         FormatError::new(
                             &part_key,

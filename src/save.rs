@@ -41,8 +41,8 @@ use crate::commit::{Outcome, Retry};
 use crate::copies::{CopyKey, RankCopy};
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, Codec, FORMAT_VERSION, FileEntry, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart,
-    rank_part_name,
+    Chunk, Codec, FileEntry, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, RankPart, rank_part_name,
+    repeats_a_tensor, version_for,
 };
 use crate::staging::{Pool, Pooled, Source, StagingBuffer, copy_sources};
 use crate::writer::{PlannedBox, check_header, rank_file_header};
@@ -686,7 +686,7 @@ impl Checkpointer {
     /// again.
     pub fn warm_up(&self, state: &crate::State<'_>) -> Result<Duration> {
         let started = Instant::now();
-        let total = self.plan(0, state).total;
+        let total = self.plan(0, state)?.total;
         let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
         // A kept copy holds its buffer: while a save stages, the copy of the newest
         // committed checkpoint is held (one more buffer). A third, for a save that
@@ -747,7 +747,7 @@ impl Checkpointer {
         // copy runs, this call must not return an error (the caller would take it
         // that nothing reads its tensors any more).
         let attempt = Attempt::new(step, self.config.generation, self.config.run_id.clone())?;
-        let mut plan = self.plan(step, state);
+        let mut plan = self.plan(step, state)?;
         check_header(&plan.header, self.config.rank as u32, plan.chunks.len())?;
         let chunks = std::mem::take(&mut plan.chunks);
         let mut buffer = self
@@ -924,7 +924,8 @@ impl Checkpointer {
     }
 
     /// Lays the rank's data file out: its header, and the tensors that follow it.
-    fn plan(&self, step: u64, state: &crate::State<'_>) -> StagePlan {
+    /// Fails when two of its safetensors entries would get one name.
+    fn plan(&self, step: u64, state: &crate::State<'_>) -> Result<StagePlan> {
         let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
         #[allow(unused_mut)]
         let mut planned: Vec<PlannedBox> = written
@@ -951,7 +952,7 @@ impl Checkpointer {
             self.config.rank as u32,
             self.config.world_size as u32,
             &planned,
-        );
+        )?;
         #[cfg_attr(feature = "cuda", allow(unused_variables))]
         let total = header.len() + written.iter().map(|t| t.data.len()).sum::<usize>();
         let mut at = header.len() as u64;
@@ -989,7 +990,7 @@ impl Checkpointer {
             }
             (at as usize, device)
         };
-        StagePlan {
+        Ok(StagePlan {
             total,
             chunks,
             sources: written.iter().map(|t| Source::new(t.data)).collect(),
@@ -997,7 +998,7 @@ impl Checkpointer {
             header,
             #[cfg(feature = "cuda")]
             device,
-        }
+        })
     }
 }
 
@@ -1346,7 +1347,11 @@ async fn write_rank(job: &Job) -> Result<()> {
     crate::failpoint::hit("after-data-upload");
 
     let part = RankPart {
-        format_version: FORMAT_VERSION,
+        // The lowest version that describes the part: 3 only when this rank holds
+        // several boxes of one tensor (the data file's header says the same).
+        format_version: version_for(repeats_a_tensor(
+            job.chunks.iter().map(|c| c.tensor.as_str()),
+        )),
         step: job.attempt.step,
         attempt: Some(job.attempt.name()),
         rank,

@@ -2,8 +2,14 @@
 //!
 //! A [`State`] borrows the caller's tensor memory; nothing is copied until
 //! [`Checkpointer::save`](crate::Checkpointer::save) stages it.
+//!
+//! A rank may hold several boxes of one tensor (a `ShardedTensor` whose spec gives it
+//! two shards, the pieces a resharding leaves on one rank), as long as they are
+//! disjoint: the checkpoint's boxes of a tensor must tile it exactly once, and two
+//! boxes of one rank that overlap are a mistake best named where it is made, when
+//! the second is added, rather than by the commit's tiling check later.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -64,13 +70,22 @@ pub struct DeviceShard {
     pub write: bool,
 }
 
+/// What a rank has added of one tensor: its dtype and shape (every box of a tensor
+/// has the same) and its boxes.
+#[derive(Debug, Clone)]
+struct Added {
+    dtype: DType,
+    shape: Vec<u64>,
+    regions: Vec<Region>,
+}
+
 /// Everything one rank saves at one step.
 #[derive(Debug, Clone, Default)]
 pub struct State<'a> {
     pub(crate) tensors: Vec<TensorShard<'a>>,
-    /// Every tensor name added (host and device), so that adding one more checks for
-    /// a duplicate in constant time rather than against every box before it.
-    names: std::collections::HashSet<String>,
+    /// The boxes added so far of every tensor (host and device), so that a new box
+    /// is checked against the boxes of its own tensor only, not every box before it.
+    added: HashMap<String, Added>,
     #[cfg(feature = "cuda")]
     pub(crate) device: Vec<DeviceShard>,
     pub(crate) global: BTreeMap<String, StateValue>,
@@ -86,7 +101,9 @@ impl<'a> State<'a> {
 
     /// Adds this rank's box `region` of tensor `name` (global `shape`), with its data
     /// row-major over the box. Checks that the box lies in the shape and that `data`
-    /// has exactly the box's bytes.
+    /// has exactly the box's bytes. A rank may add several boxes of one tensor, of
+    /// one dtype and shape and pairwise disjoint; the error of an overlapping box
+    /// names both boxes.
     pub fn add(
         &mut self,
         name: impl Into<String>,
@@ -149,7 +166,7 @@ impl<'a> State<'a> {
     ) -> Result<&mut Self> {
         let name = name.into();
         self.check(&name, dtype, shape, &region, buffer.len())?;
-        self.names.insert(name.clone());
+        self.record(&name, dtype, shape, &region);
         self.device.push(DeviceShard {
             name,
             dtype,
@@ -167,8 +184,21 @@ impl<'a> State<'a> {
         &self.device
     }
 
-    fn has_tensor(&self, name: &str) -> bool {
-        self.names.contains(name)
+    /// Records a checked box of `name`.
+    fn record(&mut self, name: &str, dtype: DType, shape: &[u64], region: &Region) {
+        match self.added.get_mut(name) {
+            Some(added) => added.regions.push(region.clone()),
+            None => {
+                self.added.insert(
+                    name.to_string(),
+                    Added {
+                        dtype,
+                        shape: shape.to_vec(),
+                        regions: vec![region.clone()],
+                    },
+                );
+            }
+        }
     }
 
     fn push(
@@ -181,7 +211,7 @@ impl<'a> State<'a> {
         write: bool,
     ) -> Result<&mut Self> {
         self.check(&name, dtype, shape, &region, data.len())?;
-        self.names.insert(name.clone());
+        self.record(&name, dtype, shape, &region);
         self.tensors.push(TensorShard {
             name,
             dtype,
@@ -193,8 +223,10 @@ impl<'a> State<'a> {
         Ok(self)
     }
 
-    /// The checks of every added box: a valid name, added once, a box inside the
-    /// shape, and exactly the box's bytes.
+    /// The checks of every added box: a valid name, a box inside the shape, exactly
+    /// the box's bytes, and, when the rank already holds boxes of the tensor, the
+    /// same dtype and shape as they have and no element in common with any of them
+    /// (linear in the boxes of that tensor this rank holds, which are few).
     fn check(
         &self,
         name: &str,
@@ -228,10 +260,26 @@ impl<'a> State<'a> {
                 "tensor {name:?}: a {dtype} box {region} needs {expected} bytes, got {len}"
             )));
         }
-        if self.has_tensor(name) {
+        let Some(added) = self.added.get(name) else {
+            return Ok(());
+        };
+        if added.dtype != dtype || added.shape != shape {
             return Err(Error::invalid(format!(
-                "tensor {name:?} was added twice; a rank holds one box per tensor"
+                "tensor {name:?}: box {region} is {dtype} of shape {shape:?}, but this rank's earlier boxes of it are {} of shape {:?}",
+                added.dtype, added.shape
             )));
+        }
+        for held in &added.regions {
+            if held == region {
+                return Err(Error::invalid(format!(
+                    "tensor {name:?}: box {region} was added twice"
+                )));
+            }
+            if let Some(common) = held.intersect(region) {
+                return Err(Error::invalid(format!(
+                    "tensor {name:?}: box {region} overlaps box {held}, which this rank already holds, in {common}; a rank's boxes of one tensor must be disjoint"
+                )));
+            }
         }
         Ok(())
     }

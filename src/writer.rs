@@ -8,7 +8,7 @@
 //! as it goes. The result is byte-for-byte the format of section 3 of
 //! `docs/FORMAT.md`, committed by the same protocol.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
 use ckpt_storage::{Store, Upload};
@@ -19,8 +19,8 @@ use crate::commit::Outcome;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, Codec, FORMAT_VERSION, FileEntry, MAX_HEADER_BYTES, RankPart, StateValue,
-    build_safetensors_header, rank_part_name,
+    Chunk, Codec, FileEntry, MAX_HEADER_BYTES, RankPart, StateValue, build_safetensors_header,
+    entry_names, rank_part_name, repeats_a_tensor, version_for,
 };
 use crate::region::Region;
 
@@ -50,27 +50,67 @@ pub struct PlannedBox {
     pub region: Region,
 }
 
+/// The format version of a rank file holding `boxes`, and of its part: the lowest
+/// that describes it ([`version_for`]).
+pub fn rank_file_version(boxes: &[PlannedBox]) -> u32 {
+    version_for(repeats_a_tensor(boxes.iter().map(|b| b.name.as_str())))
+}
+
 /// The safetensors header of a rank file holding `boxes` in order (packed), with
-/// ckpt's `__metadata__`.
-pub fn rank_file_header(step: u64, rank: u32, world: u32, boxes: &[PlannedBox]) -> Vec<u8> {
-    let entries: Vec<_> = boxes
-        .iter()
-        .map(|b| (b.name.clone(), b.dtype, b.region.lengths.clone()))
-        .collect();
-    let described: BTreeMap<&str, serde_json::Value> = boxes
+/// ckpt's `__metadata__`. Entries are named by [`entry_names`]: a tensor with one box
+/// keeps its name, the boxes of a tensor split on this rank are named by their
+/// slices. Fails, naming both boxes, when two entries would get one name (the same
+/// box twice, or a tensor whose own name is another tensor's slice name).
+pub fn rank_file_header(step: u64, rank: u32, world: u32, boxes: &[PlannedBox]) -> Result<Vec<u8>> {
+    let refs: Vec<(&str, &[u64], &[u64])> = boxes
         .iter()
         .map(|b| {
             (
                 b.name.as_str(),
-                serde_json::json!({"shape": b.shape, "offsets": b.region.offsets}),
+                b.region.offsets.as_slice(),
+                b.region.lengths.as_slice(),
             )
+        })
+        .collect();
+    let names = entry_names(&refs);
+    let mut taken: HashMap<&str, usize> = HashMap::with_capacity(names.len());
+    for (i, name) in names.iter().enumerate() {
+        if let Some(first) = taken.insert(name, i) {
+            let (a, b) = (&boxes[first], &boxes[i]);
+            return Err(Error::invalid(if a.name == b.name {
+                format!(
+                    "rank {rank}'s data file of step {step} would hold box {} of tensor {:?} twice",
+                    b.region, b.name
+                )
+            } else {
+                format!(
+                    "rank {rank}'s data file of step {step} cannot name two safetensors entries {name:?}: tensor {:?} (box {}) and tensor {:?} (box {}) would both take it; rename the tensor whose own name looks like a piece of the other",
+                    a.name, a.region, b.name, b.region
+                )
+            }));
+        }
+    }
+    let entries: Vec<_> = names
+        .iter()
+        .zip(boxes)
+        .map(|(name, b)| (name.clone(), b.dtype, b.region.lengths.clone()))
+        .collect();
+    let described: BTreeMap<&str, serde_json::Value> = names
+        .iter()
+        .zip(boxes)
+        .map(|(name, b)| {
+            let mut described = serde_json::json!({"shape": b.shape, "offsets": b.region.offsets});
+            if *name != b.name {
+                described["tensor"] = serde_json::Value::from(b.name.as_str());
+            }
+            (name.as_str(), described)
         })
         .collect();
     let mut metadata = BTreeMap::new();
     metadata.insert("format".to_string(), "ckpt".to_string());
     metadata.insert(
         "ckpt.format_version".to_string(),
-        FORMAT_VERSION.to_string(),
+        rank_file_version(boxes).to_string(),
     );
     metadata.insert("ckpt.step".to_string(), step.to_string());
     metadata.insert("ckpt.rank".to_string(), rank.to_string());
@@ -79,7 +119,7 @@ pub fn rank_file_header(step: u64, rank: u32, world: u32, boxes: &[PlannedBox]) 
         "ckpt.boxes".to_string(),
         serde_json::to_string(&described).expect("boxes serialize"),
     );
-    build_safetensors_header(&entries, &metadata)
+    Ok(build_safetensors_header(&entries, &metadata))
 }
 
 /// Writes one rank's data file and part as a stream. Create with
@@ -97,6 +137,8 @@ pub struct RankFileWriter {
     codec: Codec,
     file_name: String,
     upload: Option<Upload>,
+    /// Format version of the file and its part.
+    version: u32,
     chunks: Vec<Chunk>,
     total: u64,
     written: u64,
@@ -135,7 +177,7 @@ impl RankFileWriter {
             )));
         }
         let step = attempt.step;
-        let header = rank_file_header(step, rank, world, boxes);
+        let header = rank_file_header(step, rank, world, boxes)?;
         check_header(&header, rank, boxes.len())?;
         let mut offset = header.len() as u64;
         let mut chunks = Vec::with_capacity(boxes.len());
@@ -170,6 +212,7 @@ impl RankFileWriter {
             codec,
             file_name,
             upload: Some(upload),
+            version: rank_file_version(boxes),
             chunks,
             total: offset,
             written: 0,
@@ -261,7 +304,7 @@ impl RankFileWriter {
         self.flush_block().await?;
         self.upload.take().expect("upload open").finish().await?;
         let part = RankPart {
-            format_version: FORMAT_VERSION,
+            format_version: self.version,
             step: self.step,
             attempt: Some(self.attempt.name()),
             rank: self.rank,

@@ -63,7 +63,9 @@ pub fn file_header(part: &RankPart, object: &str) -> Result<Vec<u8>> {
             region: c.region(),
         })
         .collect();
-    let header = rank_file_header(part.step, part.rank, part.world_size, &boxes);
+    // A part whose entry names would collide was not written by this library.
+    let header = rank_file_header(part.step, part.rank, part.world_size, &boxes)
+        .map_err(|e| Error::Corrupt(FormatError::new(object, None, e.to_string())))?;
     let mut at = header.len() as u64;
     for chunk in &part.chunks {
         if chunk.bytes[0] != at {

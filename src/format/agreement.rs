@@ -5,6 +5,13 @@
 //! described by the parts, so before a part is used everything both describe must
 //! be equal: step, rank, world size, data file, block size, codec, sizes, every
 //! chunk's dtype and shape, and the exact set of boxes.
+//!
+//! The set is compared by membership and count: every non-empty chunk must be a box
+//! the manifest's layouts give this rank, and there must be as many as they give it.
+//! Since version 3 a rank may hold several boxes of one tensor, so the count alone
+//! would let a part list one box twice and omit another; the part's own validation
+//! refuses a box listed twice, and membership plus equal counts then make the two
+//! sets equal.
 
 use super::layout::{Layout, LayoutBox};
 use super::manifest::Manifest;

@@ -18,11 +18,13 @@ pub enum Layout {
     /// dimension whole. `world_size + 1` non-decreasing boundaries from 0 to the
     /// number of rows.
     Dim0(Vec<u64>),
-    /// Any boxes, each held by one rank.
+    /// Any boxes, each held by one rank (a rank may hold several since version 3).
     Boxes(Vec<LayoutBox>),
 }
 
-/// One box of a [`Layout::Boxes`] layout.
+/// One box of a [`Layout::Boxes`] layout. Since format version 3 a rank may hold
+/// several boxes of one tensor; the boxes of a layout are disjoint whatever ranks
+/// hold them.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayoutBox {
     /// Rank whose file holds the box.
@@ -81,6 +83,35 @@ impl Layout {
                 .filter_map(|(rank, chunk)| chunk.intersect(want).map(|part| (rank, chunk, part)))
                 .collect(),
         }
+    }
+}
+
+/// Refuses a box layout that lists a rank more than once, which documents of a
+/// version before [`SEVERAL_BOXES_VERSION`](super::SEVERAL_BOXES_VERSION) cannot
+/// mean (their parts hold one chunk per tensor). `O(n log n)` in the boxes.
+pub(crate) fn check_one_box_per_rank(
+    layout: &Layout,
+    tensor: &TensorEntry,
+    version: u32,
+    object: &str,
+) -> FResult<()> {
+    let Layout::Boxes(boxes) = layout else {
+        return Ok(());
+    };
+    let mut ranks: Vec<u32> = boxes.iter().map(|b| b.rank).collect();
+    ranks.sort_unstable();
+    match ranks.windows(2).find(|w| w[0] == w[1]) {
+        None => Ok(()),
+        Some(w) => Err(FormatError::new(
+            object,
+            None,
+            format!(
+                "tensor {:?}: format_version {version} gives rank {} two boxes of one tensor (version {} allows it)",
+                tensor.name,
+                w[0],
+                super::SEVERAL_BOXES_VERSION
+            ),
+        )),
     }
 }
 

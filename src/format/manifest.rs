@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::envelope::{parse_json, seal, unseal};
-use super::layout::{Layout, check_layout};
+use super::layout::{Layout, check_layout, check_one_box_per_rank};
 use super::limits::{MAX_MANIFEST_BYTES, MAX_PART_BYTES, check_common, check_shape, tensor_bytes};
 use super::names::check_object_name;
 use super::{FResult, FormatError};
@@ -125,7 +125,8 @@ impl Manifest {
     }
 
     /// Structural checks: version, sizes, names, layouts and that every tensor's
-    /// boxes lie inside it and add up to its volume.
+    /// boxes lie inside it and tile it exactly (before version 3, also that no rank
+    /// holds two boxes of one tensor).
     pub fn validate(&self, object: &str) -> FResult<()> {
         check_common(
             object,
@@ -168,6 +169,10 @@ impl Manifest {
                 )));
             }
         }
+        // Before version 3 a rank holds at most one box of a tensor; each shared
+        // layout is checked for it once.
+        let mut one_box_checked =
+            vec![self.format_version >= super::SEVERAL_BOXES_VERSION; self.layouts.len()];
         for tensor in &self.tensors {
             check_shape(&tensor.shape, tensor.dtype, object, &tensor.name)?;
             let layout = self.layouts.get(tensor.layout as usize).ok_or_else(|| {
@@ -179,6 +184,9 @@ impl Manifest {
                 ))
             })?;
             check_layout(layout, tensor, self.world_size, object)?;
+            if !std::mem::replace(&mut one_box_checked[tensor.layout as usize], true) {
+                check_one_box_per_rank(layout, tensor, self.format_version, object)?;
+            }
         }
         Ok(())
     }

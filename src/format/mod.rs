@@ -1,5 +1,12 @@
-//! On-storage format (version 2; version 1 is still read): object names, the manifest,
-//! the rank parts, and the safetensors header of rank data files. Normative description: `docs/FORMAT.md`.
+//! On-storage format (version 3; versions 2 and 1 are still read): object names, the
+//! manifest, the rank parts, and the safetensors header of rank data files. Normative
+//! description: `docs/FORMAT.md`.
+//!
+//! Version 3 lets a rank hold several disjoint boxes of one tensor (a `ShardedTensor`
+//! whose spec gives a rank two shards, pieces a resharding leaves on one rank). A
+//! writer gives each document the lowest version that describes it ([`version_for`]),
+//! so a checkpoint whose ranks hold one box per tensor stays readable by builds that
+//! read only version 2.
 //!
 //! Everything here parses untrusted bytes: sizes are capped before allocating,
 //! arithmetic is checked, names are confined to the checkpoint directory, and every
@@ -38,15 +45,36 @@ pub use names::{
     LATEST, MANIFEST, check_object_name, parse_rank_part_name, parse_step_dir, rank_file_name,
     rank_part_name, step_dir,
 };
-pub use part::{Chunk, FileEntry, RankPart, StateValue};
+pub use part::{Chunk, ChunkIndex, FileEntry, RankPart, StateValue};
 pub use safetensors::{
-    HeaderEntry, SafetensorsHeader, build_safetensors_header, parse_safetensors_header,
+    HeaderEntry, SafetensorsHeader, build_safetensors_header, entry_names, parse_safetensors_header,
 };
 
-/// The format version this code writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+/// The newest format version this code reads and writes.
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest version this build still reads.
 pub const OLDEST_READABLE_VERSION: u32 = 1;
+/// The first version in which a rank may hold several boxes of one tensor.
+pub const SEVERAL_BOXES_VERSION: u32 = 3;
+
+/// The version a writer gives a data file, a rank part or a manifest: the lowest
+/// that describes it. Version 2 when every rank holds at most one box of each
+/// tensor (readers of version 2 then read it), [`SEVERAL_BOXES_VERSION`] when some
+/// rank holds several.
+pub fn version_for(several_boxes_per_rank: bool) -> u32 {
+    if several_boxes_per_rank {
+        SEVERAL_BOXES_VERSION
+    } else {
+        2
+    }
+}
+
+/// True when some name occurs more than once in `tensors` (one name per box of a
+/// rank): the rank holds several boxes of that tensor.
+pub fn repeats_a_tensor<'a>(tensors: impl IntoIterator<Item = &'a str>) -> bool {
+    let mut seen = std::collections::HashSet::new();
+    tensors.into_iter().any(|name| !seen.insert(name))
+}
 
 /// A malformed, hostile or inconsistent checkpoint object.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

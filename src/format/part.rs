@@ -1,7 +1,7 @@
 //! A rank's part of the manifest, `rank-RRRRR.json`: its data file, the boxes in it,
 //! and its non-tensor state, with the structural checks run on every part read.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -87,6 +87,33 @@ impl Chunk {
     /// The chunk's box.
     pub fn region(&self) -> Region {
         Region::new(self.offsets.clone(), self.lengths.clone())
+    }
+}
+
+/// A part's chunks found by tensor and box, in constant time per lookup: since
+/// version 3 a rank may hold several boxes of one tensor, so the tensor's name alone
+/// no longer finds its chunk.
+#[derive(Debug)]
+pub struct ChunkIndex<'a> {
+    by_box: HashMap<(&'a str, &'a [u64], &'a [u64]), &'a Chunk>,
+}
+
+impl<'a> ChunkIndex<'a> {
+    /// Indexes the chunks of `part`.
+    pub fn new(part: &'a RankPart) -> Self {
+        let by_box = part
+            .chunks
+            .iter()
+            .map(|c| ((c.tensor.as_str(), &c.offsets[..], &c.lengths[..]), c))
+            .collect();
+        Self { by_box }
+    }
+
+    /// The chunk of `tensor` whose box is exactly `region`.
+    pub fn get(&self, tensor: &str, region: &Region) -> Option<&'a Chunk> {
+        self.by_box
+            .get(&(tensor, &region.offsets[..], &region.lengths[..]))
+            .copied()
     }
 }
 
@@ -242,12 +269,27 @@ impl RankPart {
                 }
             }
         }
-        let mut seen: HashMap<&str, ()> = HashMap::with_capacity(self.chunks.len());
+        // Version 3 lets a rank hold several boxes of one tensor, each listed once;
+        // before it, a tensor has one chunk per part. That the boxes of one tensor
+        // are disjoint follows from the manifest: each chunk must be one of the boxes
+        // its layout gives this rank (`Assignments::check_part`), and those tile the
+        // tensor. A box listed twice would pass that count with another missing, so
+        // it is refused here.
+        let several = self.format_version >= super::SEVERAL_BOXES_VERSION;
+        let mut tensors: HashSet<&str> = HashSet::new();
+        let mut boxes: HashSet<(&str, &[u64], &[u64])> = HashSet::new();
+        if several {
+            boxes.reserve(self.chunks.len());
+        } else {
+            tensors.reserve(self.chunks.len());
+        }
         for chunk in &self.chunks {
-            if seen.insert(chunk.tensor.as_str(), ()).is_some() {
+            if !several && !tensors.insert(chunk.tensor.as_str()) {
                 return Err(err(format!(
-                    "tensor {:?} has two chunks in one rank",
-                    chunk.tensor
+                    "tensor {:?} has two chunks in one rank, which format_version {} does not allow (version {} does)",
+                    chunk.tensor,
+                    self.format_version,
+                    super::SEVERAL_BOXES_VERSION
                 )));
             }
             check_shape(&chunk.shape, chunk.dtype, object, &chunk.tensor)?;
@@ -259,6 +301,12 @@ impl RankPart {
                 return Err(err(format!(
                     "chunk of {:?} with box offsets {:?} lengths {:?} lies outside shape {:?}",
                     chunk.tensor, chunk.offsets, chunk.lengths, chunk.shape
+                )));
+            }
+            if several && !boxes.insert((&chunk.tensor, &chunk.offsets, &chunk.lengths)) {
+                return Err(err(format!(
+                    "tensor {:?} lists box {region} twice",
+                    chunk.tensor
                 )));
             }
             let [begin, end] = chunk.bytes;

@@ -1,8 +1,9 @@
 //! The header of a safetensors data file: built when saving, parsed (as untrusted
-//! input) when loading. Kept apart because it is a third-party format with its own
-//! rules, fuzzed on its own.
+//! input) when loading, and the names ckpt gives its entries. Kept apart because it
+//! is a third-party format with its own rules, fuzzed on its own.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
 
 use super::envelope::byte_offset;
 use super::limits::{MAX_DIMS, MAX_HEADER_BYTES, tensor_bytes};
@@ -31,6 +32,42 @@ pub struct SafetensorsHeader {
     pub entries: Vec<HeaderEntry>,
     /// The `__metadata__` map.
     pub metadata: BTreeMap<String, String>,
+}
+
+/// The safetensors entry names of one rank's boxes, in the order given as (tensor,
+/// offsets, lengths) (section 3 of `docs/FORMAT.md`). A tensor with one box in the
+/// file keeps its global name, as every reader of version 2 expects. A safetensors
+/// header is a JSON object, so its names must differ: each box of a tensor with
+/// several boxes in the file is named by the tensor and the slice it covers,
+/// `NAME[b0:e0,b1:e1,…]` (begin and end in every dimension, decimal), which also
+/// tells a plain safetensors reader which piece the entry is. Two boxes of one tensor
+/// get one name only when they are the same box. Such a name can still equal another
+/// tensor's own name: writers check that before writing
+/// ([`crate::writer::rank_file_header`]).
+pub fn entry_names(boxes: &[(&str, &[u64], &[u64])]) -> Vec<String> {
+    let mut count: HashMap<&str, u32> = HashMap::with_capacity(boxes.len());
+    for &(name, _, _) in boxes {
+        *count.entry(name).or_default() += 1;
+    }
+    boxes
+        .iter()
+        .map(|&(name, offsets, lengths)| {
+            if count.get(name).copied().unwrap_or(0) < 2 {
+                return name.to_string();
+            }
+            let mut entry = String::with_capacity(name.len() + 2 + 8 * offsets.len());
+            entry.push_str(name);
+            entry.push('[');
+            for (d, (&begin, &length)) in offsets.iter().zip(lengths).enumerate() {
+                if d > 0 {
+                    entry.push(',');
+                }
+                let _ = write!(entry, "{begin}:{}", begin.saturating_add(length));
+            }
+            entry.push(']');
+            entry
+        })
+        .collect()
 }
 
 /// Builds a safetensors header (length prefix and JSON padded with spaces to a
@@ -225,6 +262,20 @@ mod tests {
         assert_eq!(parsed.metadata["format"], "ckpt");
         let reference = safetensors::SafeTensors::deserialize(&file).unwrap();
         assert_eq!(reference.tensor("a").unwrap().shape(), &[2, 3]);
+    }
+
+    #[test]
+    fn a_tensor_keeps_its_name_unless_the_file_holds_several_of_its_boxes() {
+        let names = entry_names(&[
+            ("w", &[0, 0], &[2, 20]),
+            ("b", &[3], &[4]),
+            ("w", &[9, 0], &[1, 20]),
+            ("s", &[], &[]),
+        ]);
+        assert_eq!(names, ["w[0:2,0:20]", "b", "w[9:10,0:20]", "s"]);
+        // An empty box and a non-empty one at the same offsets differ by their ends.
+        let names = entry_names(&[("e", &[2], &[0]), ("e", &[2], &[3])]);
+        assert_eq!(names, ["e[2:2]", "e[2:5]"]);
     }
 
     #[test]

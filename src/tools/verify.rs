@@ -20,8 +20,8 @@ use crate::blocks::{self, BlockMap};
 use crate::catalog::Commit;
 use crate::error::{Error, Result};
 use crate::format::{
-    Chunk, FormatError, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart,
-    parse_safetensors_header,
+    Chunk, ChunkIndex, FormatError, Layout, MAX_HEADER_BYTES, Manifest, RankEntry, RankPart,
+    entry_names, parse_safetensors_header,
 };
 use crate::load::CheckpointReader;
 use crate::region::Region;
@@ -374,52 +374,45 @@ async fn verify_rank(
     let object = format!("{}/{}", dir, part.file.name);
     let mut faults = Vec::new();
 
-    // The part holds exactly the boxes the manifest places on this rank.
-    let chunks: HashMap<&str, &Chunk> =
-        part.chunks.iter().map(|c| (c.tensor.as_str(), c)).collect();
+    // The part holds exactly the boxes the manifest places on this rank, found by
+    // tensor and box: a rank may hold several boxes of one tensor.
+    let chunks = ChunkIndex::new(&part);
     for (name, region) in expected {
-        match chunks.get(name) {
-            Some(chunk) if chunk.region() == *region => {}
-            Some(chunk) => faults.push(fault(
-                &part_object,
-                Some(name),
-                None,
-                format!(
-                    "holds box {} where the manifest says {region}",
-                    chunk.region()
-                ),
-            )),
-            None => faults.push(fault(
+        if chunks.get(name, region).is_none() {
+            faults.push(fault(
                 &part_object,
                 Some(name),
                 None,
                 format!("lacks box {region} the manifest places here"),
-            )),
-        }
-    }
-    if part.chunks.len() > expected.len() {
-        let known: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| *n).collect();
-        // A tensor with no element has no box in its layout, yet one part holds
-        // its (empty) chunk, so that the commit knew of it.
-        let empty_of_manifest = |c: &Chunk| {
-            c.region().is_empty()
-                && reader
-                    .manifest()
-                    .tensor(&c.tensor)
-                    .is_some_and(|t| t.shape == c.shape && t.dtype == c.dtype)
-        };
-        for chunk in part
-            .chunks
-            .iter()
-            .filter(|c| !known.contains(c.tensor.as_str()) && !empty_of_manifest(c))
-        {
-            faults.push(fault(
-                &part_object,
-                Some(&chunk.tensor),
-                None,
-                "holds a box the manifest does not list",
             ));
         }
+    }
+    let placed: HashSet<(&str, &[u64], &[u64])> = expected
+        .iter()
+        .map(|(name, region)| (*name, &region.offsets[..], &region.lengths[..]))
+        .collect();
+    // A tensor with no element has no box in its layout, yet one part holds its
+    // (empty) chunk, so that the commit knew of it.
+    let empty_of_manifest = |c: &Chunk| {
+        c.lengths.contains(&0)
+            && reader
+                .manifest()
+                .tensor(&c.tensor)
+                .is_some_and(|t| t.shape == c.shape && t.dtype == c.dtype)
+    };
+    for chunk in part.chunks.iter().filter(|c| {
+        !placed.contains(&(c.tensor.as_str(), &c.offsets[..], &c.lengths[..]))
+            && !empty_of_manifest(c)
+    }) {
+        faults.push(fault(
+            &part_object,
+            Some(&chunk.tensor),
+            None,
+            format!(
+                "holds box {} the manifest does not place here",
+                chunk.region()
+            ),
+        ));
     }
 
     match store.head(&object).await {
@@ -625,12 +618,19 @@ fn check_header(object: &str, part: &RankPart, prefix: &[u8]) -> Vec<Fault> {
         .iter()
         .map(|e| (e.name.as_str(), e))
         .collect();
-    for chunk in &part.chunks {
+    // Each chunk's entry, named as the writer names it (a tensor with several boxes
+    // in the file has one entry per box, named by its slice).
+    let boxes: Vec<(&str, &[u64], &[u64])> = part
+        .chunks
+        .iter()
+        .map(|c| (c.tensor.as_str(), &c.offsets[..], &c.lengths[..]))
+        .collect();
+    for (chunk, name) in part.chunks.iter().zip(entry_names(&boxes)) {
         let wanted = [
             chunk.bytes[0].wrapping_sub(header.data_start),
             chunk.bytes[1].wrapping_sub(header.data_start),
         ];
-        match entries.get(chunk.tensor.as_str()) {
+        match entries.get(name.as_str()) {
             Some(e)
                 if e.dtype == chunk.dtype
                     && e.shape == chunk.lengths
@@ -640,7 +640,7 @@ fn check_header(object: &str, part: &RankPart, prefix: &[u8]) -> Vec<Fault> {
                 Some(&chunk.tensor),
                 Some(8),
                 format!(
-                    "safetensors entry {} {:?} at {:?} disagrees with the part's {} {:?} at {:?}",
+                    "safetensors entry {name:?} {} {:?} at {:?} disagrees with the part's {} {:?} at {:?}",
                     e.dtype, e.shape, e.data_offsets, chunk.dtype, chunk.lengths, wanted
                 ),
             )),
@@ -648,7 +648,7 @@ fn check_header(object: &str, part: &RankPart, prefix: &[u8]) -> Vec<Fault> {
                 object,
                 Some(&chunk.tensor),
                 Some(8),
-                "safetensors header has no entry for this chunk",
+                format!("safetensors header has no entry {name:?} for this chunk"),
             )),
         }
     }

@@ -64,8 +64,8 @@ fn invalid(message: impl Into<String>) -> Error {
     Error::Invalid(message.into())
 }
 use ckpt::format::{
-    Chunk, Codec, FORMAT_VERSION, FileEntry, MANIFEST, RankPart, rank_file_name, rank_part_name,
-    step_dir,
+    Chunk, Codec, FileEntry, MANIFEST, RankPart, rank_file_name, rank_part_name, step_dir,
+    version_for,
 };
 use ckpt::load::{CheckpointReader, LoadRequest, LoadStats};
 use ckpt::region::Region;

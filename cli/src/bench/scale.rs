@@ -50,7 +50,8 @@ pub(super) async fn metadata_scale(
         let raw_bytes = header + tensors as u64 * bytes_each;
         let blocks = raw_bytes.div_ceil(block) as usize;
         let part = RankPart {
-            format_version: FORMAT_VERSION,
+            // One box per tensor and rank: the version a writer gives it is 2.
+            format_version: version_for(false),
             step,
             attempt: Some(attempt.name()),
             rank: rank as u32,
