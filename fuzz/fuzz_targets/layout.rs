@@ -1,12 +1,13 @@
 //! `Manifest::validate` on box layouts decoded from arbitrary bytes: never panics,
 //! errors name the object, and a layout is accepted exactly when its boxes tile the
-//! tensor (checked against the pairwise definition).
+//! tensor (checked against the pairwise definition) and, in a manifest of format
+//! version 2, list no rank twice (version 3 lets a rank hold several boxes).
 #![no_main]
 
+use ckpt::DType;
 use ckpt::Manifest;
 use ckpt::format::{Layout, LayoutBox, TensorEntry};
 use ckpt::region::Region;
-use ckpt::DType;
 use libfuzzer_sys::fuzz_target;
 
 const OBJECT: &str = "step-00000007/manifest.json";
@@ -18,6 +19,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let dims = usize::from(first % 4);
+    let version = if first & 4 == 0 { 2 } else { 3 };
     let (shape, rest) = rest.split_at(dims.min(rest.len()));
     let shape: Vec<u64> = shape.iter().map(|&b| u64::from(b % 6)).collect();
     if shape.len() != dims {
@@ -40,11 +42,18 @@ fuzz_target!(|data: &[u8]| {
         layout: 0,
     }];
     manifest.layouts = vec![Layout::Boxes(boxes.clone())];
+    manifest.format_version = version;
     let verdict = manifest.validate(OBJECT);
     if let Err(e) = &verdict {
         assert_eq!(e.object, OBJECT);
     }
-    assert_eq!(verdict.is_ok(), tiles_pairwise(&boxes, &shape, manifest.world_size));
+    let mut ranks: Vec<u32> = boxes.iter().map(|b| b.rank).collect();
+    ranks.sort_unstable();
+    let one_box_per_rank = ranks.windows(2).all(|w| w[0] != w[1]);
+    assert_eq!(
+        verdict.is_ok(),
+        tiles_pairwise(&boxes, &shape, manifest.world_size) && (version >= 3 || one_box_per_rank)
+    );
 });
 
 fn tiles_pairwise(boxes: &[LayoutBox], shape: &[u64], world: u32) -> bool {
