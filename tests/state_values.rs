@@ -13,7 +13,10 @@ use serde_json::{Value, json};
 /// Saves one rank holding `rank_values` as its own state and `global_values` as the
 /// job's, commits, and reads both back.
 async fn round_trip(rank_values: &[Value], global_values: &[Value]) -> (Vec<Value>, Vec<Value>) {
-    let store = Store::from_url("memory://state-values").unwrap();
+    // A store of its own: memory stores of one name are shared within the process.
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let store = Store::from_url(&format!("memory://state-values-{n}")).unwrap();
     let checkpointer = Checkpointer::new(store.clone(), CheckpointConfig::new(0, 1)).unwrap();
     let weights = [1.0f32, 2.0];
     let mut state = State::new();
@@ -26,12 +29,24 @@ async fn round_trip(rank_values: &[Value], global_values: &[Value]) -> (Vec<Valu
     for (i, v) in global_values.iter().enumerate() {
         state.set_global_json(format!("g{i:06}"), v.clone());
     }
-    checkpointer.save(1, &state).await.unwrap().committed().await.unwrap();
+    checkpointer
+        .save(1, &state)
+        .await
+        .unwrap()
+        .committed()
+        .await
+        .unwrap();
     let reader = CheckpointReader::open(&store, None).await.unwrap();
     let ranks = reader.rank_states().await.unwrap();
     let json_of = |v: &ckpt::StateValue| v.as_json().expect("a JSON value").clone();
     let rank = ranks[0].1.values().map(json_of).collect();
-    let global = reader.global_state().await.unwrap().values().map(json_of).collect();
+    let global = reader
+        .global_state()
+        .await
+        .unwrap()
+        .values()
+        .map(json_of)
+        .collect();
     (rank, global)
 }
 
@@ -62,7 +77,7 @@ fn floats_come_back_to_the_bit() {
         f64::MIN,
         f64::EPSILON,
         5e-324,
-        2.2250738585072011e-308,
+        f64::from_bits(0x000F_FFFF_FFFF_FFFF), // the largest subnormal
         1.0000000000000002,
         0.30000000000000004,
         9007199254740993.0,
