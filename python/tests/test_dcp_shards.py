@@ -225,3 +225,41 @@ def test_a_sharded_tensor_loads_into_a_plain_tensor_and_a_plain_one_into_shards(
     assert torch.equal(whole["sharded"], _values((32,), 4))
     assert torch.equal(whole["replicated"], _values((32,), 4) + 0.5)
     _verify_all(root)
+
+
+def native_and_staged(rank: int, world: int, port: int, root: str) -> None:
+    """A rank's several pieces through the native API and through dcp.async_save
+    staged by the plugin (ckpt's own flattening): each loads natively into another
+    shard plan, and through dcp.load."""
+    from ckpt.torch import Checkpointer
+
+    init(rank, world, port)
+    specs = _shard_plans_2d()
+    full = _values((10, 20), 0)
+    checkpointer = Checkpointer(root)
+    checkpointer.save(1, {"sharded": _filled(specs[2], full)}).wait_committed()
+    checkpointer.close()
+    writer = StorageWriter(root, step=2)
+    group = dist.new_group(backend="gloo")
+    pending = dcp.async_save(
+        {"sharded": _filled(specs[2], full + 1)}, storage_writer=writer, process_group=group
+    )
+    pending.staging_completion.result()
+    pending.upload_completion.result()
+    for step, values in ((1, full), (2, full + 1)):
+        native = sharded_tensor.zeros(specs[3], 10, 20, init_rrefs=False)
+        load(root, {"sharded": native}, step=step)
+        _assert_holds(native, values, f"native load of step {step}")
+        through_dcp = sharded_tensor.zeros(specs[1], 10, 20, init_rrefs=False)
+        dcp.load({"sharded": through_dcp}, storage_reader=StorageReader(root, step=step))
+        _assert_holds(through_dcp, values, f"dcp.load of step {step}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_several_pieces_on_a_rank_save_natively_and_staged_and_load_natively(tmp_path):
+    root = f"file://{tmp_path / 'ckpt'}"
+    spawn(native_and_staged, WORLD, root)
+    for step in (1, 2):
+        assert _ranks_of(_inspect(root, step), "sharded") == [0, 0, 0, 1, 1]
+    _verify_all(root)

@@ -301,15 +301,15 @@ def load(
     for leaf in _state.leaves(state_dict):
         if not isinstance(leaf.value, torch.Tensor):
             continue
-        b = _state.box(leaf.fqn, leaf.value, rank)
-        if b is None or b.local.numel() == 0:
-            continue
-        into = b.local
-        if not into.is_contiguous():
-            into = torch.empty(b.lengths, dtype=b.local.dtype, device=b.local.device)
-            fixups.append((b.local, into))
-        keep_alive.append(into)
-        wants.append(b.for_load(into))
+        for b in _state.boxes(leaf.fqn, leaf.value, rank):
+            if b.local.numel() == 0:
+                continue
+            into = b.local
+            if not into.is_contiguous():
+                into = torch.empty(b.lengths, dtype=b.local.dtype, device=b.local.device)
+                fixups.append((b.local, into))
+            keep_alive.append(into)
+            wants.append(b.for_load(into))
     if copies is None:
         stats = reader.load_into(wants)
     else:

@@ -264,6 +264,40 @@ def box(fqn: str, value: torch.Tensor, rank: int) -> Box | None:
     )
 
 
+def _sharded_tensor_type():
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # a torch without it
+        return None
+    return ShardedTensor
+
+
+_SHARDED_TENSOR = _sharded_tensor_type()
+
+
+def boxes(fqn: str, value: torch.Tensor, rank: int) -> list[Box]:
+    """Every box of tensor ``value`` this rank holds: one for a tensor or DTensor
+    (none for a DTensor on a mesh without this rank), one per local shard of a
+    ``ShardedTensor`` (whose spec may give a rank several pieces; each is written by
+    the rank holding it)."""
+    if _SHARDED_TENSOR is not None and isinstance(value, _SHARDED_TENSOR):
+        shape = [int(s) for s in value.size()]
+        return [
+            Box(
+                fqn=fqn,
+                dtype=dtype_name(value.dtype, fqn),
+                shape=shape,
+                offsets=[int(o) for o in shard.metadata.shard_offsets],
+                lengths=[int(n) for n in shard.metadata.shard_sizes],
+                local=shard.tensor,
+                write=True,
+            )
+            for shard in value.local_shards()
+        ]
+    b = box(fqn, value, rank)
+    return [] if b is None else [b]
+
+
 @dataclass
 class ToSave:
     """One rank's part of a state dict, as the native save takes it."""
@@ -286,14 +320,12 @@ def to_save(
         if not isinstance(leaf.value, torch.Tensor):
             out.values[leaf.fqn] = encode(leaf.fqn, leaf.value)
             continue
-        b = box(leaf.fqn, leaf.value, rank)
-        if b is None:
-            continue
-        if not b.local.is_contiguous():
-            b.local = b.local.contiguous()
-            out.copied += b.local.numel() * b.local.element_size()
-        out.keep_alive.append(b.local)
-        out.tensors.append(b.for_save())
+        for b in boxes(leaf.fqn, leaf.value, rank):
+            if not b.local.is_contiguous():
+                b.local = b.local.contiguous()
+                out.copied += b.local.numel() * b.local.element_size()
+            out.keep_alive.append(b.local)
+            out.tensors.append(b.for_save())
     return out
 
 
