@@ -333,15 +333,20 @@ impl Store {
     pub async fn get(&self, key: &str) -> Result<Bytes> {
         let path = self.path("get", key)?;
         self.reading("get", key, || async {
-            self.count(1);
-            let result = self
-                .inner
-                .get(&path)
-                .await
-                .map_err(|e| self.error("get", key, e))?;
+            let result = self.get_whole(key, &path).await?;
             result.bytes().await.map_err(|e| self.error("get", key, e))
         })
         .await
+    }
+
+    /// One request for the whole object at `key` (`path`): its size, and its body
+    /// still to be read.
+    async fn get_whole(&self, key: &str, path: &Path) -> Result<object_store::GetResult> {
+        self.count(1);
+        self.inner
+            .get(path)
+            .await
+            .map_err(|e| self.error("get", key, e))
     }
 
     /// Reads the whole object at `key` when it holds at most `limit` bytes, in one
@@ -364,12 +369,7 @@ impl Store {
             )
         };
         self.reading("get", key, || async {
-            self.count(1);
-            let result = self
-                .inner
-                .get(&path)
-                .await
-                .map_err(|e| self.error("get", key, e))?;
+            let result = self.get_whole(key, &path).await?;
             if result.meta.size > limit {
                 return Err(too_large(result.meta.size.to_string()));
             }
