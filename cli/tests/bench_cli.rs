@@ -216,4 +216,12 @@ fn the_control_plane_bench_forms_1024_ranks_and_reforms_without_a_silent_node() 
     let cores = report["coordinator_cores"].as_f64().unwrap();
     assert!(cores >= 0.0 && cores.is_finite(), "{report:#}");
     assert!(report["etcd_writes_per_s"].is_null(), "{report:#}");
+    // The simulated ranks are answered by one thread per core (at most 16), not one
+    // for all: the figures must not be one thread's pace.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(
+        report["answering_threads"],
+        cores.clamp(1, 16),
+        "{report:#}"
+    );
 }

@@ -10,10 +10,20 @@
 //!   runs, joined to the control plane over a real socket as one member holding its
 //!   node's ranks.
 //! - The ranks are simulated: each is a light record in this process, attached to
-//!   its node's agent ([`NodeAgent::attach`]) and driven by two threads for all of
-//!   them: one sends their heartbeats, the other reads what their nodes tell them
-//!   and answers as a rank would (asks for the next generation after a restart).
-//!   The protocol handling on the node's side is the one that serves real ranks.
+//!   its node's agent ([`NodeAgent::attach`]). One thread sends all their
+//!   heartbeats; what their nodes tell them is read, and answered as a rank would
+//!   (it asks for the next generation after a restart), by one answering thread per
+//!   core, each for a share of the nodes (every rank of a node on the same thread,
+//!   so each rank's lines stay in order). The protocol handling on the node's side
+//!   is the one that serves real ranks.
+//!
+//! Why several answering threads: in a real job each rank reads its node on its own
+//! machine, all at once. One thread answering for 16,384 ranks, taking a lock and
+//! waking the waiting thread at every line, was the slowest part of a restart on two
+//! cores: its queue never ran dry, so the time between the first survivor told and
+//! the last was its own pace (about 1 s), not the control plane's. The answering
+//! threads also record what they read in batches, waking the waiting thread once a
+//! batch instead of once a line.
 //!
 //! # What it measures
 //!
@@ -32,7 +42,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, sync_channel};
+use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -130,6 +140,10 @@ pub(crate) struct ControlPlaneReport {
     pub reform_ms: f64,
     /// Ranks in the next generation (must be `ranks - ranks_per_node`).
     pub survivors_with_generation: usize,
+    /// Threads that read and answer the simulated ranks' lines (one per core, at
+    /// most 16 and at most one per node): part of the simulation, not of the
+    /// control plane.
+    pub answering_threads: usize,
 }
 
 /// Counts the messages a node sends to the control plane.
@@ -234,34 +248,78 @@ impl Ranks {
     }
 }
 
-/// Reads what the nodes tell their ranks and answers as ranks would.
+/// What an answering thread read for one rank, and when.
+enum Heard {
+    Assigned(Assignment, Instant),
+    Restarted(u64, Instant),
+}
+
+/// Lines an answering thread reads before it records them, when its queue does not
+/// run dry first.
+const BATCH: usize = 256;
+
+impl Ranks {
+    /// Records what was heard (in the order heard) and wakes whoever waits.
+    fn record(&self, heard: &mut Vec<(usize, Heard)>) {
+        if heard.is_empty() {
+            return;
+        }
+        let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, what) in heard.drain(..) {
+            match what {
+                Heard::Assigned(assignment, at) => states[i].assigned = Some((assignment, at)),
+                Heard::Restarted(generation, at) => states[i].restarted = Some((generation, at)),
+            }
+        }
+        self.changed.notify_all();
+    }
+}
+
+/// How many threads answer the simulated ranks: one per core, at most 16, and no
+/// more than there are nodes.
+fn answering_threads(nodes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.clamp(1, 16).min(nodes.max(1))
+}
+
+/// Reads what the nodes tell the ranks whose lines come to `lines` and answers as
+/// ranks would. Each line's time is taken when it is read; what was read is
+/// recorded when the queue runs dry or after [`BATCH`] lines.
 fn answer(ranks: &Ranks, lines: Receiver<(usize, Arc<str>)>) {
-    for (i, line) in lines {
+    let mut heard = Vec::with_capacity(BATCH);
+    loop {
+        let (i, line) = match lines.try_recv() {
+            Ok(next) => next,
+            Err(TryRecvError::Empty) => {
+                ranks.record(&mut heard);
+                match lines.recv() {
+                    Ok(next) => next,
+                    Err(_) => break,
+                }
+            }
+            Err(TryRecvError::Disconnected) => break,
+        };
         let Ok(message) = protocol::decode::<ServerMessage>(line.trim_end().as_bytes()) else {
             continue;
         };
         let now = Instant::now();
-        let ask = match message {
+        match message {
             ServerMessage::Assigned { assignment } => {
-                let mut states = ranks.states.lock().unwrap_or_else(|p| p.into_inner());
-                states[i].assigned = Some((assignment, now));
-                ranks.changed.notify_all();
-                None
+                heard.push((i, Heard::Assigned(assignment, now)));
             }
             ServerMessage::Directive {
                 directive: Directive::Restart { generation, .. },
             } => {
-                let mut states = ranks.states.lock().unwrap_or_else(|p| p.into_inner());
-                states[i].restarted = Some((generation, now));
-                ranks.changed.notify_all();
-                Some(generation)
+                heard.push((i, Heard::Restarted(generation, now)));
+                ranks.send(i, ClientMessage::Rendezvous { after: generation });
             }
-            _ => None,
-        };
-        if let Some(after) = ask {
-            ranks.send(i, ClientMessage::Rendezvous { after });
+            _ => {}
+        }
+        if heard.len() >= BATCH {
+            ranks.record(&mut heard);
         }
     }
+    ranks.record(&mut heard);
 }
 
 /// Sends every rank's heartbeat every `interval` until `stop`.
@@ -481,20 +539,27 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
         Backend::Tcp => None,
     };
     let sent = Arc::new(AtomicU64::new(0));
-    let (queue, lines) = sync_channel::<(usize, Arc<str>)>(4 * ranks_total + 1024);
     let ranks = Arc::new(Ranks {
         states: Mutex::new(vec![RankState::default(); ranks_total]),
         changed: Condvar::new(),
         links: RwLock::new(Vec::with_capacity(ranks_total)),
         step: AtomicU64::new(1),
     });
-    let answering = {
+    // Node n's ranks are answered by thread n % threads.
+    let threads = answering_threads(config.nodes);
+    let mut queues = Vec::with_capacity(threads);
+    let mut answering = Vec::with_capacity(threads);
+    for t in 0..threads {
+        let (queue, lines) = sync_channel::<(usize, Arc<str>)>(4 * ranks_total / threads + 1024);
         let ranks = ranks.clone();
-        std::thread::Builder::new()
-            .name("bench-answer".into())
-            .spawn(move || answer(&ranks, lines))
-            .map_err(|e| e.to_string())?
-    };
+        answering.push(
+            std::thread::Builder::new()
+                .name(format!("bench-answer-{t}"))
+                .spawn(move || answer(&ranks, lines))
+                .map_err(|e| e.to_string())?,
+        );
+        queues.push(queue);
+    }
     progress(&format!(
         "starting {} nodes of {} ranks ({} ranks) on {:?}",
         config.nodes, config.ranks_per_node, ranks_total, config.backend
@@ -529,7 +594,7 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
         for r in 0..config.ranks_per_node {
             let i = n * config.ranks_per_node + r;
             let link = node
-                .attach(i, queue.clone())
+                .attach(i, queues[n % threads].clone())
                 .ok_or_else(|| format!("node {id}: cannot attach rank {r}"))?;
             let hello = ClientMessage::Hello {
                 version: protocol::VERSION,
@@ -547,7 +612,7 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
             progress(&format!("{} nodes up", n + 1));
         }
     }
-    drop(queue);
+    drop(queues);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let beating = {
         let (ranks, stop) = (ranks.clone(), stop.clone());
@@ -708,7 +773,9 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
         .write()
         .unwrap_or_else(|p| p.into_inner())
         .clear();
-    let _ = answering.join();
+    for thread in answering {
+        let _ = thread.join();
+    }
     if let Some(runtime) = etcd_runtime {
         runtime.shutdown_background();
     }
@@ -733,6 +800,7 @@ pub(crate) fn run(config: &Config, progress: &dyn Fn(&str)) -> Result<ControlPla
         detect_all_ms,
         reform_ms,
         survivors_with_generation,
+        answering_threads: threads,
     })
 }
 
@@ -860,6 +928,10 @@ pub(crate) fn render(report: &ControlPlaneReport) -> String {
             "ranks in the next generation",
             report.survivors_with_generation.to_string(),
         ),
+        (
+            "answering threads (simulation)",
+            report.answering_threads.to_string(),
+        ),
     ];
     let width = rows
         .iter()
@@ -869,4 +941,99 @@ pub(crate) fn render(report: &ControlPlaneReport) -> String {
     rows.iter()
         .map(|(k, v)| format!("{k:<width$}  {v}\n"))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assignment(generation: u64, rank: usize) -> Assignment {
+        Assignment {
+            generation,
+            rank,
+            ranks: 1,
+            world_size: 2,
+            members: 2,
+            roster: 0,
+            checkpoint_generation_floor: 0,
+            cause: "initial".into(),
+        }
+    }
+
+    fn line(message: &ServerMessage) -> Arc<str> {
+        protocol::encode(message).unwrap().into()
+    }
+
+    #[test]
+    fn answering_records_each_ranks_lines_in_the_order_read() {
+        let ranks = Arc::new(Ranks {
+            states: Mutex::new(vec![RankState::default(); 2]),
+            changed: Condvar::new(),
+            links: RwLock::new(Vec::new()),
+            step: AtomicU64::new(1),
+        });
+        let (queue, lines) = sync_channel(16);
+        let answering = {
+            let ranks = ranks.clone();
+            std::thread::spawn(move || answer(&ranks, lines))
+        };
+        let restart = ServerMessage::Directive {
+            directive: Directive::Restart {
+                generation: 1,
+                cause: "lost member n1".into(),
+            },
+        };
+        for (i, message) in [
+            (
+                0,
+                ServerMessage::Assigned {
+                    assignment: assignment(1, 0),
+                },
+            ),
+            (
+                1,
+                ServerMessage::Assigned {
+                    assignment: assignment(1, 1),
+                },
+            ),
+            (0, restart.clone()),
+            (1, restart),
+            (
+                0,
+                ServerMessage::Assigned {
+                    assignment: assignment(2, 0),
+                },
+            ),
+        ] {
+            queue.send((i, line(&message))).unwrap();
+        }
+        let generation_of = |s: &RankState| s.assigned.as_ref().map(|(a, _)| a.generation);
+        // Woken when the answering thread records, well before the limit.
+        assert!(ranks.wait(Duration::from_secs(30), |states| {
+            generation_of(&states[0]) == Some(2) && states[1].restarted.is_some()
+        }));
+        drop(queue);
+        answering.join().unwrap();
+        let states = ranks.states.lock().unwrap();
+        assert_eq!(generation_of(&states[0]), Some(2));
+        assert_eq!(generation_of(&states[1]), Some(1));
+        assert!(
+            states
+                .iter()
+                .all(|s| s.restarted.is_some_and(|(g, _)| g == 1))
+        );
+        let (told, assigned) = (
+            states[0].restarted.unwrap().1,
+            states[0].assigned.as_ref().unwrap().1,
+        );
+        assert!(told <= assigned, "each line's time is when it was read");
+    }
+
+    #[test]
+    fn there_is_an_answering_thread_per_core_but_never_more_than_nodes() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(answering_threads(2048), cores.clamp(1, 16));
+        assert_eq!(answering_threads(1), 1);
+        assert!(answering_threads(2) <= 2);
+    }
 }
