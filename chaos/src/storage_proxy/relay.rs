@@ -269,10 +269,13 @@ async fn relay(
     } else {
         Damage::None
     };
-    let end = relay_body(&mut up, Some(&mut client.stream), framing, damage).await?;
+    // Counted before the body goes out: a client that reads the damaged body, fails
+    // its checksum and gives up must find the count already there (counted after,
+    // a test could read the statistics before the relay task got to it).
     if damage == Damage::Flip {
         shared.bump(|s| s.corrupted += 1);
     }
+    let end = relay_body(&mut up, Some(&mut client.stream), framing, damage).await?;
     if end == BodyEnd::Cut {
         shared.bump(|s| s.resets += 1);
         up.reset();
