@@ -6,6 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+# The benchmark times what it runs: nothing runs beside it (scripts/test runs
+# the `serial` files one test at a time).
+pytestmark = pytest.mark.serial
+
 
 def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
     done = subprocess.run(

@@ -32,6 +32,10 @@ import ckpt.torch
 from ckpt import _native
 from ckpt.torch import _api
 
+# Whole elastic jobs (ckpt launch, heartbeats): nothing runs beside them
+# (scripts/test runs the `serial` files one test at a time).
+pytestmark = pytest.mark.serial
+
 EXAMPLE = REPO / "python" / "examples" / "train_gpt.py"
 STEPS = 60
 EVERY = 10
@@ -379,6 +383,7 @@ def test_an_abort_while_the_group_forms_ends_the_formation():
 import datetime, subprocess, sys, time
 import torch.distributed as dist
 from ckpt import elastic
+
 
 store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
 started = time.monotonic()

@@ -9,10 +9,15 @@ import textwrap
 import threading
 import time
 
+import pytest
 import torch
 
 from ckpt import _native
 from ckpt.torch import Checkpointer
+
+# Promptness and GIL release are timed: nothing runs beside them (scripts/test
+# runs the `serial` files one test at a time).
+pytestmark = pytest.mark.serial
 
 WAIT_FOREVER = textwrap.dedent(
     """
