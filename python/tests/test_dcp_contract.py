@@ -8,6 +8,7 @@ torch's storage and with ckpt's plugin, and expects the same result: ckpt's
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -17,7 +18,10 @@ import torch.multiprocessing as mp
 from conftest import spawn
 from dcp_workers import _same_tree, failure_on_one_rank, sharded_optimizer_state
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.distributed.checkpoint.state_dict_loader import (
     _load_state_dict,
     _load_state_dict_from_keys,
@@ -142,3 +146,30 @@ def test_a_write_that_fails_on_one_of_2_ranks_fails_both_within_seconds(tmp_path
         assert kind == "CheckpointException", (rank, kind, message)
         assert "NotFoundError" in message, message
         assert seconds < 30, f"rank {rank} raised after {seconds:.1f} s"
+
+
+class _CustomPlanner(DefaultSavePlanner):
+    """A planner whose planner_data is its own, not DCP's object paths (it flattens
+    nothing, so DCP's merge of object paths is not run)."""
+
+    def __init__(self, data):
+        super().__init__(flatten_state_dict=False)
+        self.data = data
+
+    def create_local_plan(self):
+        return dataclasses.replace(super().create_local_plan(), planner_data=self.data)
+
+
+def test_a_custom_planners_data_comes_back_and_one_json_cannot_hold_is_dropped_with_a_warning(
+    tmp_path,
+):
+    url = f"file://{tmp_path / 'ckpt'}"
+    sd = {"w": torch.arange(4.0), "pair": (1, 2)}
+    data = ("custom", {"rank": 0, 3: [1.5, None]})
+    dcp.save(sd, storage_writer=StorageWriter(url, step=1), planner=_CustomPlanner(data))
+    assert StorageReader(url, step=1).read_metadata().planner_data == data
+    with pytest.warns(UserWarning, match="planner_data is not stored"):
+        dcp.save(sd, storage_writer=StorageWriter(url, step=2), planner=_CustomPlanner(object()))
+    # The object paths of the names stand in: each name at the top level.
+    fallback = StorageReader(url, step=2).read_metadata().planner_data
+    assert fallback == {"w": ("w",), "pair": ("pair",)}

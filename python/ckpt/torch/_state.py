@@ -354,6 +354,14 @@ def _unsupported(fqn: str, where: str, value: Any) -> InvalidError:
     )
 
 
+def encode_json(value: Any, fqn: str, where: str = "") -> Any:
+    """``value`` as the JSON value (a Python object of JSON types) that
+    :func:`decode_json` turns back into an equal value of the same types; raises
+    ``InvalidError`` naming ``fqn``, the place in ``value`` and the type of what it
+    could not give back exactly."""
+    return _encode_json(value, fqn, where)
+
+
 def _encode_json(value: Any, fqn: str, where: str) -> Any:
     kind = type(value)
     if value is None or kind is bool or kind is str:
@@ -389,6 +397,11 @@ def _encode_json(value: Any, fqn: str, where: str) -> Any:
     if kind is torch.device:
         return {_TAG: "torch.device", "name": str(value)}
     raise _unsupported(fqn, where, value)
+
+
+def decode_json(value: Any) -> Any:
+    """The value :func:`encode_json` encoded."""
+    return _decode_json(value)
 
 
 def _decode_json(value: Any) -> Any:

@@ -335,9 +335,7 @@ def _metadata(planner_data: Any) -> str:
         metadata[_state.PATHS_KEY] = planner_data
     else:
         try:
-            metadata[_state.PLANNER_DATA_KEY] = json.loads(
-                _state.encode_value("planner_data", planner_data)
-            )
+            metadata[_state.PLANNER_DATA_KEY] = _state.encode_json(planner_data, "planner_data")
         except _native.InvalidError as e:
             warnings.warn(
                 f"ckpt: the DCP planner's planner_data is not stored ({e}); a load gets "
@@ -366,7 +364,7 @@ def _planner_data(metadata: dict[str, Any], state: dict[str, Any]) -> Any:
     object path of every name (recorded at save; a name saved without one, by
     another writer or on a rank other than 0, sits at the top level)."""
     if _state.PLANNER_DATA_KEY in metadata:
-        return _state.decode_value("json", json.dumps(metadata[_state.PLANNER_DATA_KEY]))
+        return _state.decode_json(metadata[_state.PLANNER_DATA_KEY])
     paths = _state.paths_from_metadata(metadata) or {}
     return {name: paths.get(name, (name,)) for name in state}
 
@@ -401,7 +399,8 @@ class StorageReader(_DcpReader):
         """Opens checkpoint ``step`` (or the newest) and returns DCP's view of it."""
         reader = _native.Reader(self.url, step)
         self._reader = reader
-        self._dcp_written = bool(json.loads(reader.metadata).get(DCP_MARK))
+        metadata = json.loads(reader.metadata)
+        self._dcp_written = bool(metadata.get(DCP_MARK))
         state: dict[str, Any] = {}
         self._meta_cache = {}
         for name, dtype, shape, chunks in reader.tensors():
@@ -426,7 +425,7 @@ class StorageReader(_DcpReader):
             state.setdefault(key, BytesStorageMetadata())
         return Metadata(
             state_dict_metadata=state,
-            planner_data=_planner_data(json.loads(reader.metadata), state),
+            planner_data=_planner_data(metadata, state),
             storage_meta=StorageMeta(checkpoint_id=self.url),
         )
 
