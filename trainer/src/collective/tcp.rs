@@ -41,7 +41,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use ckpt_auth::{AuthError, Gatekeeper, JobSecret};
@@ -346,6 +346,32 @@ fn parse_addr(table: &[String], rank: usize) -> CollectiveResult<SocketAddr> {
     })
 }
 
+/// Connects to the successor at `next_addr`, retrying while it is not reachable yet
+/// (it may still be starting) until `deadline`, or until `given_up` says the accepting
+/// side failed.
+fn connect_next(
+    next_addr: SocketAddr,
+    next_rank: usize,
+    deadline: Instant,
+    given_up: &dyn Fn() -> bool,
+) -> CollectiveResult<TcpStream> {
+    let op = "bootstrap";
+    loop {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(1), Duration::from_secs(1));
+        match TcpStream::connect_timeout(&next_addr, wait) {
+            Ok(stream) => return Ok(stream),
+            Err(_) if given_up() => return Err(CollectiveError::Aborted { op }),
+            Err(e) if Instant::now() >= deadline => return Err(io_err(op, Some(next_rank), e)),
+            Err(e) => {
+                tracing::debug!(error = %e, next = %next_addr, "successor not reachable yet");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
 /// The outgoing half of joining the ring: proves the job secret to the successor
 /// (when there is one), then sends the ring's handshake (rank and generation).
 fn greet(
@@ -638,10 +664,12 @@ impl TcpCollective {
     }
 
     /// Connects to the successor at `next_addr` and accepts the predecessor on
-    /// `listener`. The outgoing handshakes (the job secret's, then the ring's) run on
-    /// a thread of their own while this thread accepts: every rank connects before it
-    /// accepts, so a rank that waited for its successor's answer before accepting
-    /// would wait for a successor waiting in turn, around the ring.
+    /// `listener`. The outgoing half (connecting, then the job secret's handshake and
+    /// the ring's) runs on a thread of its own while this thread accepts: every rank
+    /// connects before it accepts, so a rank that waited for its successor before
+    /// accepting would wait for a successor waiting in turn, around the ring, and a
+    /// predecessor's handshake would stall meanwhile (a rank of another job would
+    /// learn only at its deadline that this one refuses it).
     #[allow(clippy::too_many_arguments)]
     fn connect_ring(
         rank: usize,
@@ -657,33 +685,35 @@ impl TcpCollective {
         let op = "bootstrap";
         let next_rank = (rank + 1) % world;
         let prev_rank = (rank + world - 1) % world;
-        let next = loop {
-            match TcpStream::connect_timeout(&next_addr, Duration::from_secs(1)) {
-                Ok(stream) => break stream,
-                Err(_) if aborted() => return Err(CollectiveError::Aborted { op }),
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(io_err(op, Some(next_rank), e));
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, next = %next_addr, "successor not reachable yet");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
-        // Shut down to wake the greeting thread when the accepting side fails first.
-        let next_handle = next
-            .try_clone()
-            .map_err(|e| io_err(op, Some(next_rank), e))?;
         let mut door = Door::new(&listener, &gate, op)?;
         let greeting_failed = AtomicBool::new(false);
+        let accepting_failed = AtomicBool::new(false);
+        // A clone of the connection to the successor, shut down to wake the greeting
+        // thread when the accepting side fails first.
+        let next_handle = OnceLock::new();
         let stop = || aborted() || greeting_failed.load(Ordering::SeqCst);
         let (greeted, accepted) = std::thread::scope(|scope| {
             let greeter = {
-                let (secret, failed) = (config.secret.as_ref(), &greeting_failed);
+                let secret = config.secret.as_ref();
+                let (failed, given_up, handle) =
+                    (&greeting_failed, &accepting_failed, &next_handle);
                 scope.spawn(move || {
-                    let greeted = greet(
-                        next, secret, rank, generation, next_rank, next_addr, deadline,
-                    );
+                    let given_up = || given_up.load(Ordering::SeqCst);
+                    let greeted =
+                        connect_next(next_addr, next_rank, deadline, &given_up).and_then(|next| {
+                            let clone = next
+                                .try_clone()
+                                .map_err(|e| io_err(op, Some(next_rank), e))?;
+                            let _ = handle.set(clone);
+                            // The accepting side failed before the clone was there to
+                            // shut down.
+                            if given_up() {
+                                return Err(CollectiveError::Aborted { op });
+                            }
+                            greet(
+                                next, secret, rank, generation, next_rank, next_addr, deadline,
+                            )
+                        });
                     if greeted.is_err() {
                         failed.store(true, Ordering::SeqCst);
                     }
@@ -694,7 +724,10 @@ impl TcpCollective {
                 &mut door, rank, prev_rank, generation, &config, deadline, &stop,
             );
             if accepted.is_err() {
-                let _ = next_handle.shutdown(Shutdown::Both);
+                accepting_failed.store(true, Ordering::SeqCst);
+                if let Some(next) = next_handle.get() {
+                    let _ = next.shutdown(Shutdown::Both);
+                }
             }
             let greeted = greeter.join().unwrap_or_else(|_| {
                 Err(CollectiveError::Invalid {
@@ -708,7 +741,18 @@ impl TcpCollective {
             (Ok(next), Ok(prev)) => (next, prev),
             // The accepting side stopped because the greeting failed: that failure is
             // the error (the successor is the wrong process, or gone).
-            (Err(e), Err(CollectiveError::Aborted { .. })) if !aborted() => return Err(e),
+            // Connections refused meanwhile are part of the story (a rank holding another
+            // secret may be why the successor gave up), so the error counts them too.
+            (Err(e), Err(CollectiveError::Aborted { .. })) if !aborted() => {
+                return Err(match e {
+                    CollectiveError::Io { op, peer, message } => CollectiveError::Io {
+                        op,
+                        peer,
+                        message: format!("{message}{}", refusals(&gate)),
+                    },
+                    e => e,
+                });
+            }
             (_, Err(e)) | (Err(e), Ok(_)) => return Err(e),
         };
         for s in [&next, &prev] {
