@@ -326,6 +326,9 @@ fn start_node(
         "--heartbeat-timeout-secs",
         &scenario.heartbeat_timeout_secs.to_string(),
     ]);
+    if let Some(secs) = scenario.rdzv_connect_timeout_secs {
+        command.args(["--rdzv-connect-timeout-secs", &secs.to_string()]);
+    }
     if scenario.nodes > 1 {
         command.args([
             "--nnodes",

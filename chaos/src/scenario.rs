@@ -59,6 +59,12 @@ pub struct Scenario {
     /// Heartbeat timeout (s) of the control plane: how soon a silent rank is lost.
     #[serde(default = "two")]
     pub heartbeat_timeout_secs: u64,
+    /// How long the launchers and their ranks keep trying to reach the coordinator
+    /// (`--rdzv-connect-timeout-secs`; default: the launcher's, 30 s). A scenario
+    /// whose node comes back after the coordinator is gone waits it out, twice (the
+    /// launcher, then its ranks): a shorter one checks the same ending sooner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdzv_connect_timeout_secs: Option<u64>,
     /// The control plane: the coordinator node 0's launcher hosts (`hosted`), or a
     /// standalone `ckpt coordinator` process the harness starts (`standalone`, which
     /// `kill-coordinator` faults need).

@@ -320,6 +320,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         ckpt_every: 5,
         step_pause_ms: 40,
         heartbeat_timeout_secs: 2,
+        rdzv_connect_timeout_secs: None,
         coordinator,
         storage,
         disk_mib: (storage == StorageKind::Tmpfs).then_some(16),

@@ -169,3 +169,51 @@ fn the_ranks_share_a_job_secret_generated_per_launch_unless_one_is_given() {
     assert!(secrets.is_empty(), "no rank started: {secrets:?}");
     assert!(stderr.contains("at least 16"), "{stderr}");
 }
+
+/// `--rdzv-connect-timeout-secs` bounds the launcher's own attempts to join an
+/// unreachable coordinator, and reaches each rank as `CKPT_RDZV_CONNECT_TIMEOUT_SECS`
+/// (their own attempts, in `ckpt_elastic::env`); a bound that is not a positive number
+/// of seconds is a usage error, named.
+#[test]
+fn the_coordinators_connect_timeout_bounds_the_launcher_and_reaches_the_ranks() {
+    // A port nothing listens on: bound, then released.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let rdzv = format!("tcp://{gone}");
+    let out = launch(&[
+        "--nproc",
+        "1",
+        "--min-ranks",
+        "1",
+        "--rdzv",
+        &rdzv,
+        "--job-id",
+        "gone",
+        "--rdzv-connect-timeout-secs",
+        "0.5",
+        "--",
+        "sh",
+        "-c",
+        "echo bound=$CKPT_RDZV_CONNECT_TIMEOUT_SECS",
+    ]);
+    let text = stdout(&out);
+    assert!(
+        text.contains("this node cannot join the coordinator") && text.contains("tried for 0.5 s"),
+        "{text}"
+    );
+    assert!(text.contains("[rank 0] bound=0.5"), "{text}");
+
+    let out = launch(&[
+        "--min-ranks",
+        "1",
+        "--rdzv-connect-timeout-secs",
+        "0",
+        "--",
+        "true",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--rdzv-connect-timeout-secs"), "{stderr}");
+}

@@ -21,6 +21,11 @@ use super::{ControlPlane, EtcdUrl, Member, TcpControlPlane, TcpSettings};
 /// `etcd://HOST:PORT[,HOST:PORT…]/PREFIX`.
 pub const RDZV: &str = "CKPT_RDZV";
 
+/// The variable holding how long a rank keeps trying to reach its coordinator, in
+/// seconds (default 30, [`TcpSettings::default`]): the launcher's
+/// `--rdzv-connect-timeout-secs`.
+pub const RDZV_CONNECT_TIMEOUT: &str = "CKPT_RDZV_CONNECT_TIMEOUT_SECS";
+
 /// Where the control plane is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rdzv {
@@ -92,6 +97,9 @@ pub struct RankEnv {
     /// The job's secret (`CKPT_JOB_SECRET` or `CKPT_JOB_SECRET_FILE`), proved to the
     /// launcher's agent or the coordinator.
     pub secret: Option<ckpt_auth::JobSecret>,
+    /// How long joining a coordinator keeps trying ([`RDZV_CONNECT_TIMEOUT`]; `None`:
+    /// the default of [`TcpSettings`]).
+    pub connect_timeout: Option<std::time::Duration>,
 }
 
 impl RankEnv {
@@ -116,6 +124,13 @@ impl RankEnv {
             ),
         };
         let secret = ckpt_auth::JobSecret::from_env().map_err(|e| e.to_string())?;
+        let connect_timeout = match env(RDZV_CONNECT_TIMEOUT) {
+            None => None,
+            Some(text) => Some(std::time::Duration::from_secs_f64(
+                crate::timeouts::parse_seconds(&text)
+                    .map_err(|e| format!("{RDZV_CONNECT_TIMEOUT}: {e}"))?,
+            )),
+        };
         Ok(Some(RankEnv {
             member: Member {
                 job: env("CKPT_JOB_ID").unwrap_or_else(|| "default".into()),
@@ -127,6 +142,7 @@ impl RankEnv {
             rdzv,
             etcd_lease,
             secret,
+            connect_timeout,
         }))
     }
 
@@ -145,9 +161,11 @@ impl RankEnv {
         let who = &self.member.id;
         match &self.rdzv {
             Rdzv::Tcp(addr) => {
+                let defaults = TcpSettings::default();
                 let settings = TcpSettings {
                     secret: self.secret.clone(),
-                    ..TcpSettings::default()
+                    connect_timeout: self.connect_timeout.unwrap_or(defaults.connect_timeout),
+                    ..defaults
                 };
                 TcpControlPlane::connect(*addr, self.member.clone(), settings)
                     .map(|p| Arc::new(p) as Arc<dyn ControlPlane>)

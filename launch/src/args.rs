@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use ckpt_elastic::timeouts::parse_seconds;
-use ckpt_elastic::{CoordinatorConfig, Rdzv, Timeouts};
+use ckpt_elastic::{CoordinatorConfig, Rdzv, TcpSettings, Timeouts};
 
 use super::{ElasticLaunch, LaunchConfig};
 
@@ -87,6 +87,12 @@ pub struct LaunchArgs {
     /// seconds to import torch), 300 for `ckpt-train launch`.
     #[arg(long, value_name = "MS")]
     pub last_call_ms: Option<u64>,
+    /// Elastic (a coordinator): how long this launcher, and each of its ranks, keep
+    /// trying to reach the coordinator before giving up (a coordinator restarting on
+    /// its address is waited for; a node started after the job and its coordinator
+    /// ended learns it only then).
+    #[arg(long, default_value_t = TcpSettings::default().connect_timeout.as_secs_f64(), value_parser = parse_seconds)]
+    pub rdzv_connect_timeout_secs: f64,
 }
 
 impl LaunchArgs {
@@ -203,6 +209,7 @@ impl LaunchArgs {
             shrink: self.min_ranks.is_some(),
             max_restarts: self.max_restarts.unwrap_or(0),
             coordinator,
+            connect_timeout: Duration::from_secs_f64(self.rdzv_connect_timeout_secs),
         }))
     }
 }

@@ -136,6 +136,10 @@ pub struct ElasticLaunch {
     pub max_restarts: usize,
     /// Settings of a hosted coordinator.
     pub coordinator: CoordinatorConfig,
+    /// How long this launcher and its ranks keep trying to reach the coordinator
+    /// (`--rdzv-connect-timeout-secs`; the ranks get it as
+    /// `CKPT_RDZV_CONNECT_TIMEOUT_SECS`).
+    pub connect_timeout: Duration,
 }
 
 static OUTPUT: Mutex<()> = Mutex::new(());
@@ -478,6 +482,10 @@ impl Spawner<'_> {
                 format!("n{}-l{local}-i{incarnation}", elastic.node_id),
             )
             .env("CKPT_RUN_ID", &self.run_id)
+            .env(
+                ckpt_elastic::env::RDZV_CONNECT_TIMEOUT,
+                elastic.connect_timeout.as_secs_f64().to_string(),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -689,6 +697,7 @@ fn start_node(
     let member = node_member(config, elastic, ip);
     let settings = TcpSettings {
         secret: secret.cloned(),
+        connect_timeout: elastic.connect_timeout,
         ..TcpSettings::default()
     };
     let upstream = TcpControlPlane::connect(coordinator, member, settings)
