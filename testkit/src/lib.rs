@@ -413,7 +413,19 @@ pub fn rank_file_name_in(root: &std::path::Path, step: u64, rank: u32) -> String
 /// Only that crate's own tests get its path from cargo; the others (the control
 /// plane's, the trainer's) build it here, which is a no-op when it is fresh and makes
 /// sure it is not a stale copy. Panics, and so fails the test, when it cannot be built.
+///
+/// `$CKPT_BIN`, when set, is used as it is (the Python tests read the same variable):
+/// `scripts/test` points it at the binary its test build just made. Why not build
+/// here regardless: a workspace test build unifies features (dev-dependencies',
+/// `--features`) that a `cargo build -p ckpt-cli` does not, so that build is a second
+/// compile of the CLI and the library under it (about a minute on 2 cores, inside a
+/// test's time) and it replaces the binary the test build left in the target folder.
 pub fn ckpt_cli() -> PathBuf {
+    if let Some(given) = std::env::var_os("CKPT_BIN").filter(|v| !v.is_empty()) {
+        let given = PathBuf::from(given);
+        assert!(given.is_file(), "CKPT_BIN={} is not a file", given.display());
+        return given;
+    }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
     // The profile this test was built with, from `<target>/<profile dir>/deps/<exe>`.
     let exe = std::env::current_exe().unwrap();
