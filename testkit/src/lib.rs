@@ -423,7 +423,11 @@ pub fn rank_file_name_in(root: &std::path::Path, step: u64, rank: u32) -> String
 pub fn ckpt_cli() -> PathBuf {
     if let Some(given) = std::env::var_os("CKPT_BIN").filter(|v| !v.is_empty()) {
         let given = PathBuf::from(given);
-        assert!(given.is_file(), "CKPT_BIN={} is not a file", given.display());
+        assert!(
+            given.is_file(),
+            "CKPT_BIN={} is not a file",
+            given.display()
+        );
         return given;
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
