@@ -451,7 +451,11 @@ def test_a_node_killed_whole_and_started_again_grows_back_to_four(urls, tmp_path
 
     rdzv = f"tcp://127.0.0.1:{free_port()}"
     common = ["--nnodes", "1:2", "--min-ranks", "2", "--job-id", "two-nodes", "--rdzv", rdzv]
-    steps = 600
+    # Enough steps for node 1 to come back (a process and a torch import per rank)
+    # while node 0 trains on: the world grew back at step 131 here, 4 s after the
+    # kill, when 2 ranks train about 30 steps a second; every step past that is paid
+    # twice (the job and its replay).
+    steps = 400
     node0 = Launch(url, 2, *common, "--node-id", "0", "--host-rdzv", steps=steps)
     node0.wait_for(r"coordinator 127\.0\.0\.1")
     node1 = Launch(url, 2, *common, "--node-id", "1", steps=steps)
