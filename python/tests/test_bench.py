@@ -6,11 +6,9 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-# The benchmark times what it runs: nothing runs beside it (scripts/test runs
-# the `serial` files one test at a time).
-pytestmark = pytest.mark.serial
+# Tiny sizes and one repetition: a run of every path whose figures are checked to be
+# there, not compared, so it runs beside another test (not `serial`); the figures of
+# docs/BENCHMARKS.md come from `python -m ckpt.torch.bench` run alone.
 
 
 def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
