@@ -703,10 +703,16 @@ fn a_moment_with_no_member_connected_does_not_end_a_job_that_can_go_on() {
     for (_, pid) in pids(&node0.seen) {
         signal(pid, libc::SIGKILL);
     }
-    for label in [0, 1] {
-        node0.expect("node 0's ranks gone", |l| {
-            l.starts_with(&format!("launch: rank {label} failed"))
+    // In whichever order the launcher reaps them (`expect` reads on from its last
+    // match: waiting for rank 0's line, then rank 1's, hung when rank 1 came first).
+    let mut gone = [false, false];
+    while !gone.iter().all(|g| *g) {
+        let line = node0.expect("node 0's ranks gone", |l| {
+            l.starts_with("launch: rank ") && l.contains(" failed")
         });
+        for (label, seen) in gone.iter_mut().enumerate() {
+            *seen |= line.starts_with(&format!("launch: rank {label} failed"));
+        }
     }
     node0.expect("node 0 serving the coordinator on", |l| {
         l.contains("serving the job's coordinator")
