@@ -13,8 +13,11 @@ use ckpt_testkit::{Capability, has_probed};
 
 const CHAOS: &str = env!("CARGO_BIN_EXE_ckpt-chaos");
 
-/// One job at a time: each runs several rank processes with heartbeat deadlines, and
-/// several at once on a 2-core machine would starve them into false failures.
+/// One job at a time under `cargo test`: each runs several rank processes with
+/// heartbeat deadlines, and many at once on a 2-core machine would starve them into
+/// false failures. Under nextest (scripts/test) every test is a process of its own and
+/// `.config/nextest.toml` decides instead: the light runs two at a time, the 4-rank
+/// Python scenarios alone.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
