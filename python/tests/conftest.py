@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,22 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     if binary is None:
         need("ckpt-cli", "no ckpt binary (set CKPT_BIN or cargo build -p ckpt-cli)")
     return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def s3_base(monkeypatch) -> str:
+    """A fresh prefix on the loopback S3 server, as a URL; its credentials are in the
+    environment, for this process and the jobs it starts."""
+    endpoint = os.environ.get("CKPT_TEST_S3_ENDPOINT")
+    bucket = os.environ.get("CKPT_TEST_S3_BUCKET")
+    if not endpoint or not bucket:
+        need("servers", "CKPT_TEST_S3_ENDPOINT and CKPT_TEST_S3_BUCKET (scripts/test starts moto)")
+    for key, value in {
+        "AWS_ENDPOINT": endpoint,
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+    }.items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{bucket}/python-{uuid.uuid4().hex}"

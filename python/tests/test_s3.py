@@ -3,33 +3,18 @@ starts (moto): ckpt's create-if-absent commit, no rename."""
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import need
 
 from ckpt.torch import Checkpointer, latest, load
 from ckpt.torch.dcp import StorageReader, StorageWriter
 
 
 @pytest.fixture
-def s3_root(monkeypatch) -> str:
-    endpoint = os.environ.get("CKPT_TEST_S3_ENDPOINT")
-    bucket = os.environ.get("CKPT_TEST_S3_BUCKET")
-    if not endpoint or not bucket:
-        need("servers", "CKPT_TEST_S3_ENDPOINT and CKPT_TEST_S3_BUCKET (scripts/test starts moto)")
-    for key, value in {
-        "AWS_ENDPOINT": endpoint,
-        "AWS_ALLOW_HTTP": "true",
-        "AWS_REGION": "us-east-1",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-    }.items():
-        monkeypatch.setenv(key, value)
-    return f"s3://{bucket}/python-{uuid.uuid4().hex}"
+def s3_root(s3_base) -> str:
+    """A fresh prefix on the S3 server (conftest's ``s3_base``)."""
+    return s3_base
 
 
 def test_the_native_api_saves_and_loads_on_s3(s3_root):
