@@ -201,12 +201,15 @@ def assert_a_faithful_resume(
     killed one (records in ``first``, ``saved_world`` ranks); returns the step."""
     step = loaded_step(record)
     assert every <= step < steps and step % every == 0
-    # The state loaded at the resume is the state saved at that step, bitwise.
+    # The state loaded at the resume is the state saved at that step, bitwise, on
+    # every rank (a rank new after the scale-up included: its optimizer's settings
+    # come from the checkpoint too).
     saved = torch.load(first / f"saved-step{step}-rank0.pt", weights_only=True)
-    loaded = torch.load(record / f"loaded-step{step}-rank0.pt", weights_only=True)
-    assert_same_tensors(saved["model"], loaded["model"], "model")
-    assert_same_tensors(saved["optim"], loaded["optim"], "optimizer")
-    assert saved["lr"] == torch.load(record / f"lr-step{step}-rank0.pt")
+    for rank in range(nproc):
+        loaded = torch.load(record / f"loaded-step{step}-rank{rank}.pt", weights_only=True)
+        assert_same_tensors(saved["model"], loaded["model"], f"rank {rank}: model")
+        assert_same_tensors(saved["optim"], loaded["optim"], f"rank {rank}: optimizer")
+        assert saved["lr"] == torch.load(record / f"lr-step{step}-rank{rank}.pt"), rank
     # Each rank with a number the saving world had continues its own generator.
     for rank in range(min(saved_world, nproc)):
         mine = torch.load(first / f"saved-step{step}-rank{rank}.pt", weights_only=True)["rng"]

@@ -5,7 +5,13 @@ One module per framework, each imported only when asked for (``import ckpt`` and
 
 - ``ckpt.integrations.lightning`` (``pip install 'ckpt[lightning]'``): strategies for
   PyTorch Lightning's ``Trainer`` that save through ckpt on every rank and resume
-  resharded, data position and RNG included.
+  resharded, data position and RNG included;
+- ``ckpt.integrations.transformers`` (``[transformers]``): ``CkptTrainer``, the
+  Hugging Face ``Trainer`` saving to and resuming from ckpt;
+- ``ckpt.integrations.accelerate`` (``[transformers]``): ``CkptAccelerator``, whose
+  ``save_state``/``load_state`` go through ckpt;
+- ``ckpt.integrations.torchtitan`` (``[torchtitan]``): ``CkptCheckpointManager``,
+  the checkpoint manager torchtitan builds from its config.
 
 Every integration is a thin adapter over ``ckpt.torch``: the framework's tensors go
 through ckpt's save (overlapped staging, block CRCs, atomic commit) and load

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import io
 import random
 import warnings
 from collections.abc import Iterator, Mapping
@@ -22,6 +23,20 @@ from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
+
+
+def pickled(value: Any) -> bytes:
+    """``value`` as ``torch.save`` bytes (schedulers' and user objects' states, which
+    may hold tensors and tuples ckpt's JSON values would not give back as such)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def unpickled(payload: bytes) -> Any:
+    """What :func:`pickled` wrote, read with ``weights_only=True``: plain containers,
+    numbers and tensors, never code."""
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,11 +83,41 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             )
 
 
+def copy_buffers(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a model state dict) with its buffers copied. A save's tensors are
+    read while the next forward and backward run; parameters change only in the
+    optimizer step, which waits for the copy, but a forward may write a buffer
+    (BatchNorm's running statistics), so buffers, which are small, are copied now."""
+    buffers = {name for name, _ in module.named_buffers()}
+    return {
+        k: v.detach().clone() if k in buffers and isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
+
+
 def subtree(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """The entries of a rank's flattened non-tensor state under ``prefix.``, with the
     prefix taken off (ckpt returns non-tensor state by flattened name)."""
     start = prefix + "."
     return {k[len(start) :]: v for k, v in values.items() if k.startswith(start)}
+
+
+def fill_values(target: Any, ranks: list[dict[str, Any]], rank: int) -> None:
+    """Puts saved non-tensor values into ``target``'s non-tensor leaves: this rank's
+    own, else the first saved rank's that has the name. ``ckpt.torch.load`` fills
+    only the rank's own, so a rank that is new after a scale-up would keep the
+    values it was built with: an optimizer's learning rate, which would then differ
+    from its replicas' and let them drift apart."""
+    from ckpt.torch import _state
+
+    order = ([ranks[rank]] if rank < len(ranks) else []) + list(ranks)
+    for leaf in _state.leaves(target):
+        if isinstance(leaf.value, torch.Tensor):
+            continue
+        for values in order:
+            if leaf.fqn in values:
+                leaf.container[leaf.key] = values[leaf.fqn]
+                break
 
 
 def rank_values(extra: Any, rank: int) -> dict[str, Any]:

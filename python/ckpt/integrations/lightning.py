@@ -120,7 +120,8 @@ class _CkptStrategy:
         pass  # loaded by load_checkpoint
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.lightning_module, options=_options())
+        state = get_model_state_dict(self.lightning_module, options=_options())
+        return _common.copy_buffers(self.lightning_module, state)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return get_optimizer_state_dict(
@@ -234,6 +235,7 @@ class _CkptStrategy:
                 for i, o in enumerate(self.optimizers)
             }
         extra = ckpt.torch.load(url, target, step=step)
+        _common.fill_values(target, extra.ranks, self.global_rank)
         set_model_state_dict(self.lightning_module, target[_MODEL], options=_options())
         for i, optimizer in enumerate(self.optimizers if fitting else []):
             set_optimizer_state_dict(

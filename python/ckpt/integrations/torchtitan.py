@@ -64,7 +64,7 @@ from torchtitan.tools import filesystem
 
 import ckpt.torch
 from ckpt import _native
-from ckpt.torch import _state
+from ckpt.integrations import _common
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class CkptCheckpointManager(BaseCheckpointManager):
                 LR_SCHEDULER: lr_schedulers,
             }
         )
+        self._buffers = {n for part in model_parts for n, _ in part.named_buffers()}
         self.interval = config.interval
         self.load_only = config.load_only
         self.exclude_from_loading = list(config.exclude_from_loading)
@@ -191,6 +192,10 @@ class CkptCheckpointManager(BaseCheckpointManager):
             metadata[_MODEL_ONLY] = True
         else:
             state = {k: v.state_dict() for k, v in self.states.items() if v is not None}
+            # ModelWrapper's tensors are the live ones: a forward may write a buffer.
+            state[MODEL] = {
+                k: v.detach().clone() if k in self._buffers else v for k, v in state[MODEL].items()
+            }
         handle = self._checkpointer.save(curr_step, state, metadata=metadata)
         if last_step:
             handle.wait_committed()
@@ -274,24 +279,15 @@ class CkptCheckpointManager(BaseCheckpointManager):
 
 
 def _fill_values(target: dict[str, Any], ranks: list[dict[str, Any]], rank: int) -> None:
-    """Puts the saved non-tensor values into ``target``: this rank's own, else the
-    first saved rank that has the name (ranks of a pipeline stage or of a
-    data-parallel group hold names the others lack)."""
-    order = ([ranks[rank]] if rank < len(ranks) else []) + list(ranks)
-    for leaf in _state.leaves(target):
-        if isinstance(leaf.value, torch.Tensor):
-            continue
-        for values in order:
-            if leaf.fqn in values:
-                leaf.container[leaf.key] = values[leaf.fqn]
-                break
-    # Saved names that this rank's state lacks: the dataloader's other
-    # data-parallel ranks (torchtitan keys them by rank and checks the degree).
+    """The saved non-tensor values into ``target`` (see ``_common.fill_values``),
+    and the dataloader's entries of the other data-parallel ranks (torchtitan keys
+    them by rank and checks the degree)."""
+    _common.fill_values(target, ranks, rank)
     loader = target.get(DATALOADER)
     if isinstance(loader, dict):
+        prefix = DATALOADER + "."
         for values in ranks:
             for name, value in values.items():
-                prefix = DATALOADER + "."
                 if name.startswith(prefix) and name[len(prefix) :] not in loader:
                     loader[name[len(prefix) :]] = value
 

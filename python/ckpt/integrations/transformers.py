@@ -38,7 +38,6 @@ started, and the next optimizer step waits for the copy.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import math
@@ -64,16 +63,6 @@ _STATE, _RNG, _DATA = "trainer_state", "rng", "data"
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-
-
-def _pickled(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _unpickled(payload: bytes) -> Any:
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
 def _agreed_newest(url: str) -> int | None:
@@ -202,12 +191,13 @@ class CkptTrainer(Trainer):
         model_sd, optim_sd = get_state_dict(self.model, optimizer)
         target = {_MODEL: model_sd, _OPTIM: optim_sd}
         extra = ckpt.torch.load(url, target, step=step)
+        _common.fill_values(target, extra.ranks, self.args.process_index)
         set_state_dict(
             self.model, optimizer, model_state_dict=target[_MODEL], optim_state_dict=target[_OPTIM]
         )
         mine = _common.rank_values(extra, self.args.process_index)
         if self.lr_scheduler is not None and _SCHEDULER in mine:
-            self.lr_scheduler.load_state_dict(_unpickled(mine[_SCHEDULER]))
+            self.lr_scheduler.load_state_dict(_common.unpickled(mine[_SCHEDULER]))
         log.info(
             "loaded step %d from %s (saved by %d ranks, now %d)",
             extra.step,
@@ -222,7 +212,7 @@ class CkptTrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         mine = _common.rank_values(self._ckpt_resume[2], self.args.process_index)
         if scaler is not None and _SCALER in mine:
-            scaler.load_state_dict(_unpickled(mine[_SCALER]))
+            scaler.load_state_dict(_common.unpickled(mine[_SCALER]))
 
     def _load_rng_state(self, checkpoint):
         if self._ckpt_resume is None:
@@ -242,16 +232,16 @@ class CkptTrainer(Trainer):
         optimizer = _inner(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, optimizer)
         state: dict[str, Any] = {
-            _MODEL: model_sd,
+            _MODEL: _common.copy_buffers(self.model, model_sd),
             _OPTIM: optim_sd,
             _STATE: json.dumps(dataclasses.asdict(self.state), sort_keys=True),
             _RNG: _common.rng_state(),
         }
         if self.lr_scheduler is not None:
-            state[_SCHEDULER] = _pickled(self.lr_scheduler.state_dict())
+            state[_SCHEDULER] = _common.pickled(self.lr_scheduler.state_dict())
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
-            state[_SCALER] = _pickled(scaler.state_dict())
+            state[_SCALER] = _common.pickled(scaler.state_dict())
         position = self._position()
         if position is not None:
             state[_DATA] = position
