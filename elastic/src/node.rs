@@ -178,6 +178,14 @@ struct Generation {
     formed: Instant,
     /// Over (a Restart, a Stale, or the node asked for a newer one).
     over: bool,
+    /// Its ranks were told that it is over (the control plane's Restart or Stale,
+    /// relayed). Not so when it is over because the node asked for a newer one: a
+    /// rank of it that has not asked yet hears it when the newer one is installed.
+    told: bool,
+    /// One of its ranks ended it at a checkpoint boundary that every rank agreed on
+    /// ([`Report::Ended`]): the others come to the rendezvous by themselves once
+    /// their save has committed, and are not aborted.
+    at_boundary: bool,
     /// Keys of its key-value space, as passed on.
     kv: Vec<(String, String)>,
 }
@@ -644,6 +652,12 @@ impl Shared {
                     }
                 }
             }
+            Report::Ended { step } => {
+                if let Some(g) = state.generation.as_mut() {
+                    g.at_boundary = true;
+                }
+                Report::Ended { step }
+            }
             Report::Finished { .. } if state.finished => return,
             Report::Finished { step } => {
                 state.finished = true;
@@ -694,6 +708,21 @@ impl Shared {
         }
     }
 
+    /// When [`Shared::should_ask`] says so, records the ask about to go upstream
+    /// (the generation it replaces is over for the node from now on) and returns
+    /// it: after which generation, for how many ranks, and its cancel.
+    fn start_asking(&self, state: &mut State, now: Instant) -> Option<(u64, usize, Cancel)> {
+        let (after, ranks) = self.should_ask(state, now)?;
+        let cancel = Cancel::new();
+        state.asking = Some((after, ranks, cancel.clone()));
+        if let Some(g) = state.generation.as_mut()
+            && g.assignment.generation <= after
+        {
+            g.over = true;
+        }
+        Some((after, ranks, cancel))
+    }
+
     /// The node got its place in generation `a`: its ranks get theirs.
     fn install(&self, a: Assignment, now: Instant) {
         let mut state = self.lock();
@@ -717,10 +746,19 @@ impl Shared {
         let generation = a.generation;
         // The control plane's Restart of the generation this one replaces travels
         // apart from this answer (another thread relays it) and, once this is
-        // installed, would find no generation of its own to end: the ranks still in
-        // the old one hear of its end here, or one of them blocked in a collective
-        // would never be aborted.
-        if let Some(old) = state.generation.as_ref().filter(|g| !g.over)
+        // installed, would find no generation of its own to end; nor does the
+        // control plane send one to a node that asked first (a survivor whose
+        // collective failed asks at once, and the node asks for it). The ranks still
+        // in the old one hear of its end here, unless the relay told them already, or
+        // one of them blocked where only its generation's end reaches it (the ring's
+        // bootstrap, a commit) would wait out the join timeout and be dropped. The
+        // node's own ask marks the old generation over, so `over` cannot tell. A
+        // generation that ended at a checkpoint boundary is not aborted: its ranks
+        // finish the same commit and come by themselves.
+        if let Some(old) = state
+            .generation
+            .as_ref()
+            .filter(|g| !g.told && !g.at_boundary)
             && old.assignment.generation < generation
         {
             let restart = Directive::Restart {
@@ -742,6 +780,8 @@ impl Shared {
             seats: seats.clone(),
             formed: now,
             over: false,
+            told: false,
+            at_boundary: false,
             kv: Vec::new(),
         });
         for id in ids.iter().skip(places) {
@@ -831,6 +871,7 @@ impl Shared {
                     && let Some(g) = state.generation.as_mut()
                 {
                     g.over = true;
+                    g.told = true;
                 }
                 for c in seated(&state) {
                     state.directive(c, directive.clone());
@@ -840,6 +881,7 @@ impl Shared {
                 state.newest = state.newest.max(*current);
                 let over = state.generation.as_mut().map(|g| {
                     g.over = true;
+                    g.told = true;
                     g.assignment.generation
                 });
                 info!(
@@ -1261,15 +1303,8 @@ fn rendezvous_loop(shared: &Arc<Shared>) {
                 if shared.stopping.load(Ordering::SeqCst) {
                     return;
                 }
-                if let Some((after, ranks)) = shared.should_ask(&state, Instant::now()) {
-                    let cancel = Cancel::new();
-                    state.asking = Some((after, ranks, cancel.clone()));
-                    if let Some(g) = state.generation.as_mut()
-                        && g.assignment.generation <= after
-                    {
-                        g.over = true;
-                    }
-                    break (after, ranks, cancel);
+                if let Some(ask) = shared.start_asking(&mut state, Instant::now()) {
+                    break ask;
                 }
                 // Woken by every change; the timeout only ends the last call.
                 let wait = match (state.first_ask, &state.generation) {
@@ -1505,13 +1540,6 @@ mod tests {
         }
     }
 
-    /// Found by the PyTorch elastic tests: a node alone in its job lost a rank, a
-    /// survivor whose collective failed asked again at once, and the coordinator
-    /// formed the next generation at once. The node installed it before its other
-    /// thread relayed the restart of the old one, which then found no generation
-    /// of the node's to end: the survivor blocked in a collective was never aborted
-    /// and was dropped by the join timeout. A rank still in the replaced generation
-    /// is now told at the install; one already asking gets its place instead.
     /// A node with an upstream that never answers, whose ranks `ids` (tags 0, 1, …)
     /// are seated in generation 1; those named in `asking` already ask for a newer
     /// one. Returns it and what its ranks are sent.
@@ -1559,6 +1587,8 @@ mod tests {
                     .collect(),
                 formed: now,
                 over: false,
+                told: false,
+                at_boundary: false,
                 kv: Vec::new(),
             });
         }
@@ -1572,9 +1602,28 @@ mod tests {
             .collect()
     }
 
+    /// Found by the PyTorch elastic tests: a node alone in its job lost a rank, a
+    /// survivor whose collective failed asked again at once, and the coordinator
+    /// formed the next generation at once. The node installed it before its other
+    /// thread relayed the restart of the old one, which then found no generation
+    /// of the node's to end: the survivor blocked in a collective was never aborted
+    /// and was dropped by the join timeout. A rank still in the replaced generation
+    /// is now told at the install; one already asking gets its place instead.
+    ///
+    /// Found again by the trainer's elastic tests (node 1 killed whole, node 0's
+    /// rank 1 dropped by the join timeout): the install told nobody when the node
+    /// had asked because one of its ranks did, which is how a survivor's ask goes,
+    /// since the ask marks the old generation over. The test goes through that ask.
     #[test]
     fn installing_a_newer_generation_ends_the_running_one_for_its_ranks() {
         let (shared, lines) = node_in_generation_1(&["blocked", "asking"], &["asking"]);
+        let ask = shared.start_asking(&mut shared.lock(), Instant::now());
+        assert_eq!(
+            ask.map(|(after, ranks, _)| (after, ranks)),
+            Some((1, 2)),
+            "the node asks for both its ranks"
+        );
+        shared.lock().asking = None;
         shared.install(
             assignment(2, 2, "lost member gone: connection closed"),
             Instant::now(),
@@ -1593,6 +1642,83 @@ mod tests {
                 && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == 2)),
             "{got:?}"
         );
+    }
+
+    /// At a checkpoint boundary (a regroup, or a stop elsewhere) the first rank to
+    /// ask reported the generation ended there; a rank still finishing the same
+    /// commit is not aborted by the install, and gets its place when it asks.
+    #[test]
+    fn a_generation_ended_at_a_boundary_is_not_aborted_for_the_ranks_still_in_it() {
+        let (shared, lines) = node_in_generation_1(&["finishing", "asking"], &[]);
+        let asking = 1;
+        shared
+            .apply(
+                asking,
+                ClientMessage::Report {
+                    generation: 1,
+                    report: Report::Ended { step: 10 },
+                },
+            )
+            .unwrap();
+        shared
+            .apply(asking, ClientMessage::Rendezvous { after: 1 })
+            .unwrap();
+        assert!(
+            shared
+                .start_asking(&mut shared.lock(), Instant::now())
+                .is_some()
+        );
+        shared.lock().asking = None;
+        shared.install(assignment(2, 2, "grow: 1 waiting member"), Instant::now());
+        let got = sent(&lines);
+        assert!(
+            !got.iter().any(|(tag, m)| *tag == 0
+                && matches!(
+                    m,
+                    ServerMessage::Directive {
+                        directive: Directive::Restart { .. }
+                    }
+                )),
+            "{got:?}"
+        );
+        shared
+            .apply(0, ClientMessage::Rendezvous { after: 1 })
+            .unwrap();
+        let got = sent(&lines);
+        assert!(
+            got.iter().any(|(tag, m)| *tag == 0
+                && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == 2)),
+            "{got:?}"
+        );
+    }
+
+    /// The control plane's Restart, relayed before the install, is what the ranks
+    /// still in the old generation hear: the install does not say it again.
+    #[test]
+    fn a_restart_relayed_before_the_install_is_not_sent_again() {
+        let (shared, lines) = node_in_generation_1(&["blocked", "asking"], &["asking"]);
+        let _ = shared.start_asking(&mut shared.lock(), Instant::now());
+        let restart = Directive::Restart {
+            generation: 1,
+            cause: "lost member gone: connection closed".into(),
+        };
+        shared.relay(restart.clone());
+        shared.lock().asking = None;
+        shared.install(
+            assignment(2, 2, "lost member gone: connection closed"),
+            Instant::now(),
+        );
+        let restarts = sent(&lines)
+            .into_iter()
+            .filter(|(tag, m)| {
+                *tag == 0
+                    && *m
+                        == ServerMessage::Directive {
+                            directive: restart.clone(),
+                        }
+            })
+            .count();
+        assert_eq!(restarts, 1);
     }
 
     /// Found by the chaos soak (seed 2027 run 45 of the Python example): the

@@ -204,7 +204,37 @@ impl Launch {
                 }
             }
         }
-        (self.child.wait().unwrap(), self.seen)
+        (self.child.wait().unwrap(), std::mem::take(&mut self.seen))
+    }
+}
+
+/// A test that fails (a panic in `expect`) must not leave its job running: the
+/// launcher and its ranks would train on, alone, past the end of the test run.
+impl Drop for Launch {
+    fn drop(&mut self) {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        for line in self.lines.try_iter() {
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+        }
+        // `launch: node N with R ranks, …, process group G`: the ranks' group.
+        let group = self.seen.lines().find_map(|l| {
+            l.split("process group ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse::<i32>()
+                .ok()
+        });
+        if let Some(group) = group {
+            // SAFETY: kill(2) with a negative pid signals that process group; it
+            // reads and writes no memory of ours.
+            unsafe { libc::kill(-group, libc::SIGKILL) };
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

@@ -40,7 +40,7 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -372,6 +372,35 @@ fn connect_next(
     }
 }
 
+/// How often a wait for the greeting thread checks whether the generation was aborted.
+const ABORT_POLL: Duration = Duration::from_millis(10);
+
+/// Sends on its channel when dropped: the greeting thread's end, however it ends.
+struct DropSignal(Sender<()>);
+
+impl Drop for DropSignal {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+/// Waits until the greeting thread is done (`over` says so), or the generation is
+/// aborted first.
+fn greeting_unless_aborted(
+    over: &Receiver<()>,
+    aborted: &dyn Fn() -> bool,
+) -> CollectiveResult<()> {
+    loop {
+        match over.recv_timeout(ABORT_POLL) {
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(RecvTimeoutError::Timeout) if aborted() => {
+                return Err(CollectiveError::Aborted { op: "bootstrap" });
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+    }
+}
+
 /// The outgoing half of joining the ring: proves the job secret to the successor
 /// (when there is one), then sends the ring's handshake (rank and generation).
 fn greet(
@@ -692,12 +721,15 @@ impl TcpCollective {
         // thread when the accepting side fails first.
         let next_handle = OnceLock::new();
         let stop = || aborted() || greeting_failed.load(Ordering::SeqCst);
+        // Says when the greeting thread is done, for a wait that also watches `aborted`.
+        let (greeting_done, greeting_over) = channel::<()>();
         let (greeted, accepted) = std::thread::scope(|scope| {
             let greeter = {
                 let secret = config.secret.as_ref();
                 let (failed, given_up, handle) =
                     (&greeting_failed, &accepting_failed, &next_handle);
                 scope.spawn(move || {
+                    let _done = DropSignal(greeting_done);
                     let given_up = || given_up.load(Ordering::SeqCst);
                     let greeted =
                         connect_next(next_addr, next_rank, deadline, &given_up).and_then(|next| {
@@ -720,9 +752,14 @@ impl TcpCollective {
                     greeted
                 })
             };
+            // Once the predecessor is in, the greeting may still be under way (a
+            // successor that refuses connections is retried until the deadline): a
+            // cancelled generation must end it as it ends the accepting, or the rank
+            // stays in a ring of a generation that is over, and misses the next one.
             let accepted = accept_prev(
                 &mut door, rank, prev_rank, generation, &config, deadline, &stop,
-            );
+            )
+            .and_then(|prev| greeting_unless_aborted(&greeting_over, aborted).map(|()| prev));
             if accepted.is_err() {
                 accepting_failed.store(true, Ordering::SeqCst);
                 if let Some(next) = next_handle.get() {

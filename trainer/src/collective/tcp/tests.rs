@@ -326,3 +326,57 @@ fn a_rank_without_the_secret_is_refused_by_a_rendezvous_that_requires_it() {
         "{err}"
     );
 }
+
+/// Found by the elastic trainer tests (a node lost whole right after a generation
+/// formed): a rank had accepted its predecessor and was retrying a successor that
+/// had died, which refuses every connection. The generation was cancelled, but only
+/// a failure of the accepting side stopped the greeting: the rank stayed in the
+/// bootstrap until the connect deadline (120 s in an elastic rank), long past the
+/// join timeout of the next generation, which dropped it.
+#[test]
+fn an_aborted_bootstrap_ends_while_the_successor_refuses_connections() {
+    let connect_timeout = Duration::from_secs(30);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Where the successor listened: nothing does any more.
+    let gone = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let aborted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let rank1 = {
+        let aborted = aborted.clone();
+        thread::spawn(move || {
+            let is_aborted = || aborted.load(std::sync::atomic::Ordering::SeqCst);
+            TcpCollective::from_peers(
+                1,
+                3,
+                7,
+                listener,
+                gone,
+                config(None, connect_timeout),
+                &is_aborted,
+            )
+        })
+    };
+    // The predecessor joins: the accepting side is done.
+    let mut prev = TcpStream::connect(addr).unwrap();
+    prev.write_all(super::MAGIC).unwrap();
+    prev.write_all(&0u32.to_le_bytes()).unwrap();
+    prev.write_all(&7u64.to_le_bytes()).unwrap();
+    thread::sleep(Duration::from_millis(300));
+    assert!(!rank1.is_finished(), "the successor is gone: no ring");
+    aborted.store(true, std::sync::atomic::Ordering::SeqCst);
+    let at = Instant::now();
+    let result = rank1.join().unwrap();
+    let took = at.elapsed();
+    assert!(
+        matches!(result, Err(super::CollectiveError::Aborted { .. })),
+        "{:?}",
+        result.err()
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "ended {took:?} after the abort"
+    );
+}
