@@ -18,11 +18,13 @@ from __future__ import annotations
 import io
 import random
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
+
+from ckpt.torch import latest
 
 
 def pickled(value: Any) -> bytes:
@@ -83,12 +85,39 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             )
 
 
-def copy_buffers(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (a model state dict) with its buffers copied. A save's tensors are
+def on_rank0(compute: Callable[[], Any]) -> Any:
+    """What ``compute()`` gives on rank 0 of the default process group, on every rank
+    (computed there only: one LIST of the store, not one per rank, and one answer
+    for all even while a commit lands); ``compute()`` itself without a group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def newest_step(url: str) -> int | None:
+    """The newest committed step under ``url``, as rank 0 sees it, on every rank."""
+
+    def newest() -> int | None:
+        found = latest(url)
+        return None if found is None else found["step"]
+
+    return on_rank0(newest)
+
+
+def copy_buffers(
+    modules: torch.nn.Module | Iterable[torch.nn.Module], state: dict[str, Any]
+) -> dict[str, Any]:
+    """``state`` (a model state dict of ``modules``) with its buffers copied. A save's tensors are
     read while the next forward and backward run; parameters change only in the
     optimizer step, which waits for the copy, but a forward may write a buffer
     (BatchNorm's running statistics), so buffers, which are small, are copied now."""
-    buffers = {name for name, _ in module.named_buffers()}
+    if isinstance(modules, torch.nn.Module):
+        modules = [modules]
+    buffers = {name for module in modules for name, _ in module.named_buffers()}
     return {
         k: v.detach().clone() if k in buffers and isinstance(v, torch.Tensor) else v
         for k, v in state.items()

@@ -165,8 +165,7 @@ class CkptAccelerator(Accelerator):
             return super().load_state(input_dir, *args, **kwargs)
         self.wait_for_checkpoint()
         if step is None:
-            newest = ckpt.torch.latest(url) if self.is_main_process else None
-            step = _agreed(self, None if newest is None else newest["step"])
+            step = _common.newest_step(url)
             if step is None:
                 if input_dir is not None:
                     raise _native.NotFoundError(f"no committed checkpoint in {url}")
@@ -214,14 +213,3 @@ class CkptAccelerator(Accelerator):
             self.num_processes,
         )
         return None
-
-
-def _agreed(accelerator: Accelerator, value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if accelerator.num_processes == 1:
-        return value
-    from accelerate.utils import broadcast_object_list
-
-    box = [value]
-    broadcast_object_list(box, from_process=0)
-    return box[0]

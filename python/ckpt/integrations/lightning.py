@@ -218,8 +218,7 @@ class _CkptStrategy:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         url = os.fspath(checkpoint_path)
         trainer = self.lightning_module.trainer
-        newest = ckpt.torch.latest(url) if self.global_rank == 0 else None
-        step = self.broadcast(None if newest is None else newest["step"])
+        step = _common.newest_step(url)
         if step is None:
             log.info("no committed checkpoint under %s: training starts from the beginning", url)
             return {"pytorch-lightning_version": pl.__version__, "lr_schedulers": []}

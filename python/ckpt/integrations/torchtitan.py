@@ -72,16 +72,6 @@ log = logging.getLogger(__name__)
 _MODEL_ONLY = "torchtitan.model_only"
 
 
-def _agreed(value_on_rank0: Any) -> Any:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value_on_rank0
-    box = [value_on_rank0 if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -143,7 +133,6 @@ class CkptCheckpointManager(BaseCheckpointManager):
                 LR_SCHEDULER: lr_schedulers,
             }
         )
-        self._buffers = {n for part in model_parts for n, _ in part.named_buffers()}
         self.interval = config.interval
         self.load_only = config.load_only
         self.exclude_from_loading = list(config.exclude_from_loading)
@@ -193,9 +182,7 @@ class CkptCheckpointManager(BaseCheckpointManager):
         else:
             state = {k: v.state_dict() for k, v in self.states.items() if v is not None}
             # ModelWrapper's tensors are the live ones: a forward may write a buffer.
-            state[MODEL] = {
-                k: v.detach().clone() if k in self._buffers else v for k, v in state[MODEL].items()
-            }
+            state[MODEL] = _common.copy_buffers(self.states[MODEL].model, state[MODEL])
         handle = self._checkpointer.save(curr_step, state, metadata=metadata)
         if last_step:
             handle.wait_committed()
@@ -228,13 +215,10 @@ class CkptCheckpointManager(BaseCheckpointManager):
     def _load(self, step: int = -1) -> bool:
         url, model_only = self.url, False
         if step == -1:
-            newest = ckpt.torch.latest(url) if _rank() == 0 else None
-            step = _agreed(None if newest is None else newest["step"])
+            step = _common.newest_step(url)
         else:
-            exists = _agreed(
-                any(c["step"] == step and c["committed"] for c in ckpt.torch.list(url))
-                if _rank() == 0
-                else None
+            exists = _common.on_rank0(
+                lambda: any(c["step"] == step and c["committed"] for c in ckpt.torch.list(url))
             )
             if not exists:
                 raise FileNotFoundError(f"--checkpoint.load_step={step} not found at {url}")
@@ -243,8 +227,7 @@ class CkptCheckpointManager(BaseCheckpointManager):
                 log.info("No checkpoint was provided, this is a fresh start.")
                 return False
             url, model_only = _as_url(self.initial_load_path), self.initial_load_model_only
-            newest = ckpt.torch.latest(url) if _rank() == 0 else None
-            step = _agreed(None if newest is None else newest["step"])
+            step = _common.newest_step(url)
             if step is None:
                 raise FileNotFoundError(f"checkpoint.initial_load_path {url} holds no commit")
         elif step == 0:

@@ -65,20 +65,6 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
 
 
-def _agreed_newest(url: str) -> int | None:
-    """The newest committed step under ``url``, as rank 0 sees it, on every rank."""
-    import torch.distributed as dist
-
-    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    choice: list[Any] = [None]
-    if not grouped or dist.get_rank() == 0:
-        newest = ckpt.torch.latest(url)
-        choice[0] = None if newest is None else newest["step"]
-    if grouped:
-        dist.broadcast_object_list(choice, src=0)
-    return choice[0]
-
-
 class _WaitForStaging(TrainerCallback):
     """Before each optimizer step: the previous save's copy of the tensors is done."""
 
@@ -126,7 +112,7 @@ class CkptTrainer(Trainer):
                 if resume_from_checkpoint is True
                 else os.fspath(resume_from_checkpoint)
             )
-            step = _agreed_newest(url)
+            step = _common.newest_step(url)
             if step is None and resume_from_checkpoint is not True:
                 raise _native.NotFoundError(f"no committed checkpoint in {url}")
             if step is None:
