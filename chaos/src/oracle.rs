@@ -9,7 +9,8 @@
 //!   per configuration and cached. The Python trainer's float sums depend on the
 //!   world size, so its reference replays the run's schedule instead: the same
 //!   world sizes from the same steps, each a fixed-world launch resumed from the
-//!   commit the previous one left ([`python_reference`]);
+//!   commit the previous one left, one launch per change of world
+//!   ([`python_reference`]);
 //! - (the Python trainer) no sample was skipped or repeated: every committed step's
 //!   saved data cursors are step × batch ([`check_cursors`]).
 
@@ -327,17 +328,23 @@ pub fn check_cursors(store: &Store, batch: u64) -> (usize, Vec<String>) {
 /// The fixed-world launches that replay `schedule` (first step, world size of each
 /// generation that trained): (from, until, world), each until the next one's first
 /// step, the last to `steps`; a generation that committed nothing new before the
-/// next one started (until <= from) is left out.
+/// next one started (until <= from) is left out, and generations in a row on the
+/// same world are one launch. That is what ckpt promises (a resume on the same
+/// world continues bitwise as if never stopped), so the replay is not merely cheaper
+/// by a torch import per rank: it checks that promise too.
 pub fn reference_plan(schedule: &[(u64, usize)], steps: u64) -> Vec<(u64, u64, usize)> {
-    schedule
-        .iter()
-        .enumerate()
-        .map(|(i, &(from, world))| {
-            let until = schedule.get(i + 1).map_or(steps, |next| next.0);
-            (from, until, world)
-        })
-        .filter(|(from, until, _)| until > from)
-        .collect()
+    let mut plan: Vec<(u64, u64, usize)> = Vec::new();
+    for (i, &(from, world)) in schedule.iter().enumerate() {
+        let until = schedule.get(i + 1).map_or(steps, |next| next.0);
+        if until <= from {
+            continue;
+        }
+        match plan.last_mut() {
+            Some(last) if last.2 == world && last.1 == from => last.1 = until,
+            _ => plan.push((from, until, world)),
+        }
+    }
+    plan
 }
 
 /// The failure-free reference of a Python trainer's run with `schedule`: each entry
@@ -412,7 +419,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_reference_replays_the_schedule_without_generations_that_added_nothing() {
+    fn the_reference_replays_the_schedule_one_launch_per_change_of_world() {
         assert_eq!(reference_plan(&[(0, 4)], 60), vec![(0, 60, 4)]);
         assert_eq!(
             reference_plan(&[(0, 4), (20, 3)], 60),
@@ -425,5 +432,15 @@ mod tests {
         );
         // A generation formed after the final commit trains nothing.
         assert_eq!(reference_plan(&[(0, 4), (60, 3)], 60), vec![(0, 60, 4)]);
+        // Generations in a row on one world are one launch, also across one that
+        // added nothing.
+        assert_eq!(
+            reference_plan(&[(0, 2), (15, 2), (30, 3)], 60),
+            vec![(0, 30, 2), (30, 60, 3)]
+        );
+        assert_eq!(
+            reference_plan(&[(0, 4), (20, 3), (20, 4), (40, 4)], 60),
+            vec![(0, 60, 4)]
+        );
     }
 }
