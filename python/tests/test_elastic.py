@@ -153,15 +153,36 @@ def schedule(*logs: str) -> list[tuple[int, int]]:
     return out
 
 
-def reference(
-    url: str, plan: list[tuple[int, int]], steps: int = STEPS, script: tuple[str, ...] = ()
-) -> None:
-    """The failure-free run of ``plan``: each world size from its first step to the
-    next generation's, in fixed-world launches."""
+def launches(plan: list[tuple[int, int]], steps: int = STEPS) -> list[tuple[int, int, int]]:
+    """The fixed-world launches (start, until, world) that replay ``plan``: each world
+    size from its first step to the next generation's; a generation that committed
+    nothing new is left out, and generations in a row on one world are one launch (a
+    resume on the same world continues bitwise as if never stopped: the replay
+    checks that too)."""
+    out: list[tuple[int, int, int]] = []
     for i, (start, world) in enumerate(plan):
         until = plan[i + 1][0] if i + 1 < len(plan) else steps
         if until <= start:
-            continue  # a generation that committed nothing new
+            continue
+        if out and out[-1][2] == world and out[-1][1] == start:
+            out[-1] = (out[-1][0], until, world)
+        else:
+            out.append((start, until, world))
+    return out
+
+
+def test_a_replay_is_one_launch_per_change_of_world():
+    assert launches([(0, 4), (20, 3)]) == [(0, 20, 4), (20, 60, 3)]
+    assert launches([(0, 4), (25, 4)]) == [(0, 60, 4)]
+    assert launches([(0, 4), (20, 3), (20, 4), (40, 4)]) == [(0, 60, 4)]
+    assert launches([(0, 2), (60, 3)]) == [(0, 60, 2)]
+
+
+def reference(
+    url: str, plan: list[tuple[int, int]], steps: int = STEPS, script: tuple[str, ...] = ()
+) -> None:
+    """The failure-free run of ``plan``, in fixed-world launches (``launches``)."""
+    for _, until, world in launches(plan, steps):
         job = Launch(url, world, steps=until, script=script)
         assert job.finish() == 0, job.text()
 
@@ -194,7 +215,7 @@ def judge(
         decode = _api._decoder(json.loads(reader.metadata))
         cursors = {decode(*values["data.cursor"]) for _, values in reader.rank_states()}
         assert cursors == {step * BATCH}, f"step {step}: cursors {cursors}"
-    replayed = (tuple(plan), steps, script)
+    replayed = (tuple(launches(plan, steps)), steps, script)
     if replayed not in _REPLAYS:
         reference(reference_url, plan, steps, script)
         _REPLAYS[replayed] = reference_url
