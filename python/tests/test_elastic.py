@@ -485,7 +485,8 @@ def test_a_node_killed_whole_and_started_again_grows_back_to_four(urls, tmp_path
     common = ["--nnodes", "1:2", "--min-ranks", "2", "--job-id", "two-nodes", "--rdzv", rdzv]
     # Enough steps for node 1 to come back (a process and a torch import per rank)
     # while node 0 trains on: the world grew back at step 131 here, 4 s after the
-    # kill, when 2 ranks train about 30 steps a second; every step past that is paid
+    # kill, when 2 ranks train about 30 steps a second. Once it has, both nodes are
+    # stopped (SIGTERM: an agreed step, saved), so that no step past that is paid
     # twice (the job and its replay).
     steps = 400
     node0 = Launch(url, 2, *common, "--node-id", "0", "--host-rdzv", steps=steps)
@@ -500,9 +501,15 @@ def test_a_node_killed_whole_and_started_again_grows_back_to_four(urls, tmp_path
     # Its ranks join at the next checkpoints (together, or one at a time as each is
     # ready: a Python rank takes seconds to import torch).
     node0.wait_for(r"^launch: regroup: .* formed with world 4 ")
-    assert node0.finish() == 0, node0.text()
-    assert again.finish() == 0, again.text()
-    plan = judge(url, ref, node0.text(), steps=steps)
+    node0.wait_for(r"^\[rank \d+\] gen \d+: resumed step \d+ .* on 4 ranks")
+    for launcher in (node0, again):
+        os.kill(launcher.process.pid, signal.SIGTERM)  # forwarded to its ranks
+    assert node0.finish() == 75, node0.text()
+    assert again.finish() == 75, again.text()
+    stopped = re.findall(r"stopped at step (\d+) after a committed checkpoint", node0.text())
+    stopped += re.findall(r"stopped at step (\d+) after a committed checkpoint", again.text())
+    assert len(stopped) == 4 and len(set(stopped)) == 1, (node0.text(), again.text())
+    plan = judge(url, ref, node0.text(), steps=int(stopped[0]))
     worlds = [w for _, w in plan]
     assert worlds[:2] == [4, 2] and worlds[-1] == 4 and set(worlds[2:-1]) <= {3}, plan
 
