@@ -8,7 +8,11 @@ optimizer step, ``save(step, last_step)`` after it, ``close`` at the end.
 torchtitan's Trainer itself needs CUDA (it sets the device before anything else);
 this is everything of it that runs without one.
 
-    worker.py URL STEPS EVERY RECORD [--initial URL] [--exclude dataloader]
+With ``--elastic`` the same loop runs under ``ckpt.elastic.run`` (started by ``ckpt
+launch --min-ranks``), one ``train(ctx)`` per generation, the manager built with
+``elastic=ctx``; rank 0 prints ``resumed step S on W ranks`` after each load.
+
+    worker.py URL STEPS EVERY RECORD [--initial URL] [--exclude dataloader] [--elastic]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
+import ckpt.elastic
 from ckpt.integrations.torchtitan import CkptCheckpointManager
 
 DIM = 12
@@ -70,18 +75,9 @@ class TrainState(Stateful):
         self.step, self.ntokens_seen = state["step"], state["ntokens_seen"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("url")
-    p.add_argument("steps", type=int)
-    p.add_argument("every", type=int)
-    p.add_argument("record")
-    p.add_argument("--initial")
-    p.add_argument("--exclude", action="append", default=[])
-    p.add_argument("--step-ms", type=int, default=0)
-    args = p.parse_args()
-
-    dist.init_process_group("gloo")
+def train(args: argparse.Namespace, ctx: ckpt.elastic.Context | None = None) -> None:
+    """The job on the process group's world, to ``args.steps``; under ckpt.elastic
+    (``ctx``) one generation of it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
@@ -130,6 +126,7 @@ def main() -> None:
         states={"train_state": train_state},
         sd_adapter=None,
         base_folder=args.record,
+        elastic=ctx,
     )
     record = Path(args.record)
 
@@ -155,6 +152,8 @@ def main() -> None:
 
     if manager.load(step=-1):
         dump("loaded")
+        if rank == 0:
+            print(f"resumed step {train_state.step} on {world} ranks", flush=True)
     iterator = iter(loader)
     while train_state.step < args.steps:
         train_state.step += 1
@@ -176,10 +175,30 @@ def main() -> None:
         manager.save(train_state.step, last_step=last)
         if rank == 0:
             print(f"step {train_state.step}", flush=True)
+        if ctx is not None and ctx.stopping:
+            break  # the agreed step is committed: this rank leaves
     manager.close()
     if rank == 0:
         print(f"done at step {train_state.step}", flush=True)
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("steps", type=int)
+    p.add_argument("every", type=int)
+    p.add_argument("record")
+    p.add_argument("--initial")
+    p.add_argument("--exclude", action="append", default=[])
+    p.add_argument("--step-ms", type=int, default=0)
+    p.add_argument("--elastic", action="store_true")
+    args = p.parse_args()
+    if args.elastic:
+        ckpt.elastic.run(lambda ctx: train(args, ctx), backend="gloo")  # exits the process
+    else:
+        dist.init_process_group("gloo")
+        train(args)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

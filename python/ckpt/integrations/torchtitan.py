@@ -37,9 +37,41 @@ What it does with what torchtitan calls:
   it loads onto the same data-parallel degree only, as with DCP; on another degree
   the load says so and tells how to leave it out.
 
+Under ``ckpt launch`` with ``ckpt.elastic`` (survivors of a lost rank train on in
+the same processes), the manager is built in ``train(ctx)`` with ``elastic=ctx``::
+
+    def train(ctx):
+        ...model parts on a mesh of ctx.world_size, optimizers, schedulers, dataloader...
+        manager = CkptCheckpointManager.Config(
+            enable=True, url=url, interval=500, exclude_from_loading=["dataloader"]
+        ).build(dataloader=..., model_parts=..., optimizers=..., lr_schedulers=...,
+                states={"train_state": train_state}, elastic=ctx)
+        manager.load()
+        while train_state.step < steps:
+            ...one step (maybe_wait_for_staging before the optimizer step)...
+            manager.save(train_state.step, last_step=train_state.step == steps)
+            if ctx.stopping:
+                break
+        manager.close()
+
+    ckpt.elastic.run(train, backend="gloo")
+
+With it, ``save`` calls ``ctx.step(step)`` at every step (progress, and whether the
+ranks agreed on a checkpoint: a stop or a regroup); an agreed step is saved in full
+whatever the interval and its commit waited for, after which a regroup ends the
+generation (``WorldChanged`` out of ``save``) and a stop makes ``ctx.stopping``
+true, for the loop to end. Saves go through ``ctx.checkpointer`` (fenced by the
+generation); ``load()`` is ``ctx.resume``: the newest commit, resharded onto this
+generation's world, from the ranks' in-memory copies where they hold it. The
+dataloader rule stays: after a lost rank the data-parallel degree differs, so an
+elastic job leaves the dataloader out (``exclude_from_loading``) or its recovery
+stops with that error.
+
 Not supported yet: saving or loading Hugging Face safetensors (``last_save_in_hf``,
 ``initial_load_in_hf``), pipeline parallelism whose stages hold plain (non-DTensor)
-tensors, torchtitan's ``async_mode`` (the saves are always overlapped).
+tensors, torchtitan's ``async_mode`` (the saves are always overlapped),
+torchtitan's ``Trainer`` class under ``ckpt.elastic`` (it builds its manager without
+the context).
 """
 
 from __future__ import annotations
@@ -47,7 +79,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torchtitan.components.checkpointer import (
@@ -65,6 +97,9 @@ from torchtitan.tools import filesystem
 import ckpt.torch
 from ckpt import _native
 from ckpt.integrations import _common
+
+if TYPE_CHECKING:
+    from ckpt.elastic import Context
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +151,16 @@ class CkptCheckpointManager(BaseCheckpointManager):
         states: dict[str, Any],
         sd_adapter: Any = None,
         base_folder: str = "",
+        elastic: Context | None = None,
         **_unused: Any,
     ) -> None:
+        # Set first: __del__ reads it, even after an __init__ that raised.
+        self._elastic = elastic
+        if elastic is not None and (not config.enable or config.load_only):
+            raise ValueError(
+                "under ckpt.elastic the manager must save (checkpoint.enable and not "
+                "checkpoint.load_only): a stop or a regroup ends a generation at a commit"
+            )
         self.enable = config.enable
         if not self.enable:
             return
@@ -146,10 +189,18 @@ class CkptCheckpointManager(BaseCheckpointManager):
             settings["keep_last"] = config.keep_latest_k
         if config.retention_grace is not None:
             settings["retention_grace"] = config.retention_grace
-        self._checkpointer = ckpt.torch.Checkpointer(self.url, **settings)
+        if elastic is None:
+            self._checkpointer = ckpt.torch.Checkpointer(self.url, **settings)
+        else:
+            # Fenced by the generation; its commits let waiting ranks in.
+            self._checkpointer = elastic.checkpointer(self.url, **settings)
         log.info("checkpoints are saved to and loaded from %s", self.url)
 
     def __del__(self) -> None:
+        if getattr(self, "_elastic", None) is not None:
+            # A generation that ended (a lost rank) drops its manager: the commit in
+            # flight may wait for that rank, and the next generation must not.
+            return
         self.close()
 
     # -- saving -------------------------------------------------------------------
@@ -164,11 +215,16 @@ class CkptCheckpointManager(BaseCheckpointManager):
         )
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        if not self._should_save(curr_step, last_step):
+        # Under ckpt.elastic, every step: progress, and whether the ranks agreed on a
+        # checkpoint now (a stop, or ranks waiting to join). Raises WorldChanged
+        # when the generation is over.
+        agreed = self._elastic is not None and self._elastic.step(curr_step)
+        if not agreed and not self._should_save(curr_step, last_step):
             return False
         self.maybe_wait_for_saving()
         metadata = {}
-        if last_step and self.last_save_model_only:
+        # An agreed step is saved in full: the next generation resumes from it.
+        if last_step and self.last_save_model_only and not agreed:
             model = self.states[MODEL].state_dict()
             state = {
                 MODEL: {
@@ -184,7 +240,9 @@ class CkptCheckpointManager(BaseCheckpointManager):
             # ModelWrapper's tensors are the live ones: a forward may write a buffer.
             state[MODEL] = _common.copy_buffers(self.states[MODEL].model, state[MODEL])
         handle = self._checkpointer.save(curr_step, state, metadata=metadata)
-        if last_step:
+        if last_step or agreed:
+            # At an agreed regroup this raises WorldChanged once committed: the
+            # generation ends here. After a stop's commit, ctx.stopping is true.
             handle.wait_committed()
             return True
         self._staging = self.save_future = handle
@@ -214,7 +272,16 @@ class CkptCheckpointManager(BaseCheckpointManager):
 
     def _load(self, step: int = -1) -> bool:
         url, model_only = self.url, False
-        if step == -1:
+        if self._elastic is not None:
+            if step != -1:
+                raise ValueError(
+                    "under ckpt.elastic the manager loads the newest commit (ctx.resume): "
+                    "unset --checkpoint.load_step"
+                )
+            if self._resume():
+                return True
+            step = None  # nothing committed yet: the initial load, if any
+        elif step == -1:
             step = _common.newest_step(url)
         else:
             exists = _common.on_rank0(
@@ -236,20 +303,62 @@ class CkptCheckpointManager(BaseCheckpointManager):
         # non-tensor state (the dataloader's is keyed by data-parallel rank).
         saved = ckpt.torch.load(url, {}, step=step)
         model_only = model_only or bool(saved.metadata.get(_MODEL_ONLY))
-        target = {MODEL: self.states[MODEL].state_dict()}
-        if not model_only:
-            for key in self.exclude_from_loading:
-                if key not in self.states:
-                    raise ValueError(f"{key} not found in state_dict.")
-            target.update(
-                {
-                    k: v.state_dict()
-                    for k, v in self.states.items()
-                    if k != MODEL and v is not None and k not in self.exclude_from_loading
-                }
-            )
+        target = self._target(model_only)
         ckpt.torch.load(url, target, step=step)
-        _fill_values(target, saved.ranks, _rank())
+        self._put_back(target, saved.ranks)
+        log.info("loaded step %d from %s%s", step, url, " (model only)" if model_only else "")
+        return True
+
+    def _resume(self) -> bool:
+        """``ctx.resume``: the newest commit (every rank the same one), resharded,
+        from the in-memory copies where the ranks hold it; False when there is none."""
+        chosen: dict[str, Any] = {}
+
+        def target() -> dict[str, Any]:
+            # Called once ctx.resume chose the commit; nothing commits while every
+            # rank of the job resumes, so the newest one is that commit.
+            chosen["saved"] = saved = ckpt.torch.load(self.url, {})
+            # Step 0 is a seed checkpoint; a last save may hold the model only.
+            model_only = saved.step == 0 or bool(saved.metadata.get(_MODEL_ONLY))
+            chosen["target"] = self._target(model_only)
+            return chosen["target"]
+
+        extra = self._elastic.resume(self.url, target)
+        if extra is None:
+            return False
+        if extra.step != chosen["saved"].step:
+            raise RuntimeError(
+                f"{self.url}: ctx.resume loaded step {extra.step}, the manifest read was "
+                f"step {chosen['saved'].step} (a commit landed during the resume)"
+            )
+        self._put_back(chosen["target"], extra.ranks)
+        log.info(
+            "resumed step %d from %s on %d ranks", extra.step, self.url, self._elastic.world_size
+        )
+        return True
+
+    def _target(self, model_only: bool) -> dict[str, Any]:
+        """The state dicts a load fills in place: the model's, and unless
+        ``model_only`` every other state's not in ``exclude_from_loading``."""
+        target = {MODEL: self.states[MODEL].state_dict()}
+        if model_only:
+            return target
+        for key in self.exclude_from_loading:
+            if key not in self.states:
+                raise ValueError(f"{key} not found in state_dict.")
+        target.update(
+            {
+                k: v.state_dict()
+                for k, v in self.states.items()
+                if k != MODEL and v is not None and k not in self.exclude_from_loading
+            }
+        )
+        return target
+
+    def _put_back(self, target: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+        """The loaded ``target`` into the live states, with the saved non-tensor
+        values (``ranks``: every saved rank's)."""
+        _fill_values(target, ranks, _rank())
         self.states[MODEL].load_state_dict(target[MODEL])
         for key, value in target.items():
             if key == MODEL:
@@ -257,8 +366,6 @@ class CkptCheckpointManager(BaseCheckpointManager):
             if key == DATALOADER:
                 _check_dataloader(value, self.states[DATALOADER])
             self.states[key].load_state_dict(value)
-        log.info("loaded step %d from %s%s", step, url, " (model only)" if model_only else "")
-        return True
 
 
 def _fill_values(target: dict[str, Any], ranks: list[dict[str, Any]], rank: int) -> None:
