@@ -363,6 +363,14 @@ pub trait ControlPlane: Send + Sync {
         let _ = timeout;
         self.report(generation, report)
     }
+    /// How long the control plane has been out of reach, for a backend that hides
+    /// an outage for a while by reconnecting (the TCP client: its calls fail only
+    /// after its unreachable timeout); `None` when it is reached, or when the
+    /// backend fails calls at once (etcd). A node agent counts its own patience from
+    /// the outage's start, not from the first call that failed.
+    fn unreachable_for(&self) -> Option<Duration> {
+        None
+    }
     /// Generation-scoped key-value space for bootstrapping collectives.
     fn kv_set(&self, generation: u64, key: &str, value: &str) -> Result<(), ElasticError>;
     /// From now on this member holds `ranks` ranks (see [`Member::ranks`]): a node's

@@ -91,6 +91,12 @@ pub struct NodeConfig {
     /// The job's secret, which every rank connection must prove (`None`: any
     /// process that reaches the listener is served).
     pub secret: Option<ckpt_auth::JobSecret>,
+    /// How long a node that has not joined a generation yet lets the control plane
+    /// stay out of reach before it gives up (at most [`UNREACHABLE_GIVE_UP`]): the
+    /// launcher's connect timeout. With no training to protect, a coordinator that
+    /// went away before the node joined (its job finished meanwhile) is one the
+    /// node could not connect to.
+    pub give_up_before_joining: Duration,
 }
 
 impl NodeConfig {
@@ -103,6 +109,7 @@ impl NodeConfig {
             last_call: Duration::from_secs(30),
             heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
             secret: None,
+            give_up_before_joining: UNREACHABLE_GIVE_UP,
         }
     }
 }
@@ -209,6 +216,8 @@ struct State {
     /// Since when every call upstream has failed for want of the control plane
     /// (cleared by any call that reaches it).
     unreachable_since: Option<Instant>,
+    /// A generation was ever installed: the node joined the job.
+    joined: bool,
     /// A rank of the node finished the job (reported once upstream).
     finished: bool,
     /// The highest checkpoint generation any of its ranks ever saved with: what the
@@ -314,6 +323,19 @@ impl State {
 }
 
 impl Shared {
+    /// A node for `config` over `upstream`: no rank connected, in no generation.
+    fn new(config: NodeConfig, upstream: Arc<dyn ControlPlane>) -> Shared {
+        Shared {
+            gate: ckpt_auth::Gatekeeper::new("node agent", config.secret.clone()),
+            config,
+            upstream,
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            silent: AtomicBool::new(false),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -726,6 +748,7 @@ impl Shared {
     /// The node got its place in generation `a`: its ranks get theirs.
     fn install(&self, a: Assignment, now: Instant) {
         let mut state = self.lock();
+        state.joined = true;
         state.newest = state.newest.max(a.generation);
         let mut ids: Vec<String> = state.live().map(|(_, l)| l.id().to_owned()).collect();
         ids.sort();
@@ -828,21 +851,33 @@ impl Shared {
     /// Once every call has failed so for [`UNREACHABLE_GIVE_UP`], the node shuts its
     /// ranks down with the cause, and says true: the job cannot go on from here,
     /// and a rank connected to the control plane itself would have given up too.
+    ///
+    /// The outage counts from its start: a backend that reconnects quietly (the TCP
+    /// client) fails a call only after its own timeout, which is part of it
+    /// ([`ControlPlane::unreachable_for`]); before it stacked with this one, and a
+    /// node gave up after twice [`UNREACHABLE_GIVE_UP`]. A node that has not joined a
+    /// generation gives up after [`NodeConfig::give_up_before_joining`].
     fn unreachable(&self, error: &ElasticError, now: Instant) -> bool {
-        let since = {
+        let hidden = self.upstream.unreachable_for().unwrap_or_default();
+        let (since, patience) = {
             let mut state = self.lock();
             if state.shutdown.is_some() {
                 return true;
             }
-            *state.unreachable_since.get_or_insert(now)
+            let patience = if state.joined {
+                UNREACHABLE_GIVE_UP
+            } else {
+                self.config.give_up_before_joining.min(UNREACHABLE_GIVE_UP)
+            };
+            (*state.unreachable_since.get_or_insert(now), patience)
         };
-        let down = now.saturating_duration_since(since);
-        if down < UNREACHABLE_GIVE_UP {
+        let down = now.saturating_duration_since(since).max(hidden);
+        if down < patience {
             return false;
         }
         self.relay(Directive::Shutdown {
             reason: format!(
-                "the control plane has failed every call of this node for {} s: {error}",
+                "the control plane has been out of reach of this node for {} s: {error}",
                 down.as_secs()
             ),
         });
@@ -1051,15 +1086,7 @@ impl NodeAgent {
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let listener = TcpListener::bind(listen)?;
         let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared {
-            gate: ckpt_auth::Gatekeeper::new("node agent", config.secret.clone()),
-            config,
-            upstream,
-            state: Mutex::new(State::default()),
-            changed: Condvar::new(),
-            stopping: AtomicBool::new(false),
-            silent: AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared::new(config, upstream));
         let mut threads = Vec::new();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.into()).spawn(f)
@@ -1503,10 +1530,15 @@ fn kv_loop(shared: &Arc<Shared>) {
 mod tests {
     use super::*;
 
-    /// An upstream that accepts everything and never answers.
-    struct Quiet;
+    /// An upstream that accepts everything and never answers; with `Some(d)`, it
+    /// says it has been reconnecting to a coordinator out of reach for `d` (as the
+    /// TCP client does before its calls fail).
+    struct Quiet(Option<Duration>);
 
     impl ControlPlane for Quiet {
+        fn unreachable_for(&self) -> Option<Duration> {
+            self.0
+        }
         fn rendezvous(&self, _: u64, _: &Cancel) -> Result<Assignment, ElasticError> {
             Err(ElasticError::Timeout("quiet".into()))
         }
@@ -1547,15 +1579,7 @@ mod tests {
         ids: &[&str],
         asking: &[&str],
     ) -> (Shared, std::sync::mpsc::Receiver<(usize, Arc<str>)>) {
-        let shared = Shared {
-            gate: ckpt_auth::Gatekeeper::new("node agent", None),
-            config: NodeConfig::new("job"),
-            upstream: Arc::new(Quiet),
-            state: Mutex::new(State::default()),
-            changed: Condvar::new(),
-            stopping: AtomicBool::new(false),
-            silent: AtomicBool::new(false),
-        };
+        let shared = Shared::new(NodeConfig::new("job"), Arc::new(Quiet(None)));
         let (queue, lines) = std::sync::mpsc::sync_channel(16);
         let now = Instant::now();
         {
@@ -1578,6 +1602,7 @@ mod tests {
                     },
                 );
             }
+            state.joined = true;
             state.generation = Some(Generation {
                 assignment: assignment(1, ids.len() + 1, "initial"),
                 seats: ids
@@ -1745,7 +1770,7 @@ mod tests {
             assert!(
                 got.iter().any(|(t, m)| *t == tag
                     && matches!(m, ServerMessage::Directive { directive: Directive::Shutdown { reason } }
-                        if reason.contains("has failed every call of this node for 60 s")
+                        if reason.contains("has been out of reach of this node for 60 s")
                             && reason.contains("unreachable"))),
                 "rank {tag} hears why: {got:?}"
             );
@@ -1755,6 +1780,67 @@ mod tests {
             None,
             "the node asks no more"
         );
+    }
+
+    /// Found by the Python chaos scenario of a node back while its job finished: the
+    /// TCP client hid the first 60 s of the coordinator's absence (reconnecting)
+    /// before a call failed, and the node then failed calls for its own 60 s: its
+    /// ranks waited two minutes for a job that was over. The outage the backend hid
+    /// counts.
+    #[test]
+    fn the_outage_the_backend_hid_counts_toward_the_nodes_patience() {
+        let joined = Shared::new(
+            NodeConfig::new("job"),
+            Arc::new(Quiet(Some(UNREACHABLE_GIVE_UP))),
+        );
+        joined.lock().joined = true;
+        let gone = ElasticError::Io("the coordinator at 127.0.0.1:1 is gone".into());
+        assert!(
+            joined.unreachable(&gone, Instant::now()),
+            "the first failed call comes after the backend's 60 s: the node gives up"
+        );
+        assert!(
+            joined
+                .lock()
+                .shutdown
+                .as_deref()
+                .is_some_and(|r| r.contains("out of reach of this node for 60 s")),
+            "{:?}",
+            joined.lock().shutdown
+        );
+        // A shorter hidden outage leaves the rest of the patience.
+        let brief = Shared::new(
+            NodeConfig::new("job"),
+            Arc::new(Quiet(Some(Duration::from_secs(5)))),
+        );
+        brief.lock().joined = true;
+        let t0 = Instant::now();
+        assert!(!brief.unreachable(&gone, t0));
+        assert!(brief.unreachable(&gone, t0 + UNREACHABLE_GIVE_UP));
+    }
+
+    /// The same scenario's other half: the node had come back (its ranks still
+    /// importing torch) and never joined a generation when the coordinator left
+    /// with the finished job. It gives up as a first connection would, after
+    /// `give_up_before_joining` (the launcher's connect timeout), not 60 s.
+    #[test]
+    fn a_node_that_never_joined_gives_up_after_its_connect_timeout() {
+        let config = NodeConfig {
+            give_up_before_joining: Duration::from_secs(3),
+            ..NodeConfig::new("job")
+        };
+        let fresh = Shared::new(config.clone(), Arc::new(Quiet(None)));
+        let gone = ElasticError::Io("the coordinator at 127.0.0.1:1 is gone".into());
+        let t0 = Instant::now();
+        assert!(!fresh.unreachable(&gone, t0));
+        assert!(!fresh.unreachable(&gone, t0 + Duration::from_secs(2)));
+        assert!(fresh.unreachable(&gone, t0 + Duration::from_secs(3)));
+        // Once it joined, the full patience again.
+        let joined = Shared::new(config, Arc::new(Quiet(None)));
+        joined.lock().joined = true;
+        assert!(!joined.unreachable(&gone, t0));
+        assert!(!joined.unreachable(&gone, t0 + Duration::from_secs(3)));
+        assert!(joined.unreachable(&gone, t0 + UNREACHABLE_GIVE_UP));
     }
 
     /// Found by the chaos soak (seed 2027 run 58): a node cut off from the

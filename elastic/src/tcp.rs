@@ -43,7 +43,10 @@ pub struct TcpSettings {
     /// Longest pause between reconnection attempts (1 s).
     pub reconnect_backoff_max: Duration,
     /// Once the coordinator has been unreachable this long, `rendezvous` and `watch`
-    /// fail with [`ElasticError::Io`] (60 s). Reconnecting goes on regardless.
+    /// fail with [`ElasticError::Io`] (60 s). Reconnecting goes on regardless. A
+    /// member that never joined a generation has no training to protect: for it the
+    /// bound is `connect_timeout` when that is shorter (a coordinator that went away
+    /// before it joined is one it could not connect to).
     pub unreachable_timeout: Duration,
     /// Bound on one write to the coordinator (5 s).
     pub write_timeout: Duration,
@@ -479,7 +482,14 @@ impl Inner {
 
     fn unreachable(&self, state: &State, now: Instant) -> Option<ElasticError> {
         let down = state.unreachable_for(now);
-        (down >= self.settings.unreachable_timeout).then(|| {
+        let bound = if state.assignment.is_none() {
+            self.settings
+                .unreachable_timeout
+                .min(self.settings.connect_timeout)
+        } else {
+            self.settings.unreachable_timeout
+        };
+        (down >= bound).then(|| {
             ElasticError::Io(format!(
                 "the coordinator at {} has been unreachable for {} s",
                 self.addr,
@@ -626,6 +636,13 @@ impl ControlPlane for TcpControlPlane {
             generation,
             progress: progress.clone(),
         })
+    }
+
+    fn unreachable_for(&self) -> Option<Duration> {
+        let state = self.inner.lock();
+        state
+            .disconnected_since
+            .map(|since| Instant::now().saturating_duration_since(since))
     }
 
     fn watch(&self, generation: u64, timeout: Duration) -> Result<Option<Directive>, ElasticError> {

@@ -162,6 +162,43 @@ fn a_joining_member_keeps_trying_while_the_coordinator_is_unreachable_and_says_f
     assert!(message.contains("tried for 0.3 s"), "{message}");
 }
 
+/// A member that never joined a generation (a node come back while its job
+/// finished) has no training to protect: once the coordinator is gone its calls
+/// fail after the connect timeout, not the unreachable timeout (60 s by default),
+/// and `unreachable_for` says how long it has been gone.
+#[test]
+fn a_member_that_never_joined_gives_up_on_a_gone_coordinator_after_its_connect_timeout() {
+    let coordinator = start(config(2, 2));
+    let settings = TcpSettings {
+        connect_timeout: Duration::from_millis(500),
+        unreachable_timeout: Duration::from_secs(30),
+        ..settings()
+    };
+    let plane =
+        TcpControlPlane::connect(coordinator.local_addr(), member(0), settings).expect("connects");
+    assert_eq!(plane.unreachable_for(), None);
+    drop(coordinator);
+    let started = Instant::now();
+    let failed = loop {
+        match plane.watch(0, Duration::from_millis(200)) {
+            Ok(_) => assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "still no failure after 10 s: the 30 s unreachable timeout applies"
+            ),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(failed, ElasticError::Io(_)), "{failed:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "{failed}");
+    assert!(
+        plane
+            .unreachable_for()
+            .is_some_and(|d| d >= Duration::from_millis(500)),
+        "{:?}",
+        plane.unreachable_for()
+    );
+}
+
 #[test]
 fn four_members_rendezvous_into_one_generation_with_contiguous_ranks() {
     let coordinator = start(config(4, 4));

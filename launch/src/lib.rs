@@ -680,6 +680,9 @@ fn serve_node(
         timeouts,
         last_call: timeouts.last_call,
         secret: secret.cloned(),
+        // A node that comes back after its job and coordinator ended gives up as a
+        // first connection would (`--rdzv-connect-timeout-secs`).
+        give_up_before_joining: elastic.connect_timeout,
         ..NodeConfig::new(&elastic.job)
     };
     NodeAgent::start(upstream, SocketAddr::new(ip, 0), settings)
