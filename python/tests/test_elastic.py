@@ -257,13 +257,15 @@ def test_sigkill_mid_step_survivors_finish_on_three(urls):
 def test_sigkill_during_a_save(urls):
     url, ref = urls
     job = Launch(url, 4, "--min-ranks", "2")
-    # The save of step 30 is in flight (copied, being written and committed).
-    job.wait_for(r"^\[rank 0\] step 30: saving")
+    # The save of step 20 is in flight (copied, being written and committed). Step 20
+    # is where the mid-step kill resumes too: when it commits, this job's replay is
+    # that one (judge's cache).
+    job.wait_for(r"^\[rank 0\] step 20: saving")
     os.kill(job.pid(1), signal.SIGKILL)
     assert job.finish() == 0, job.text()
     plan = judge(url, ref, job.text())
     assert [w for _, w in plan] == [4, 3]
-    assert plan[1][0] in (20, 30), plan  # step 30 committed, or fell back to 20
+    assert plan[1][0] in (10, 20), plan  # step 20 committed, or fell back to 10
 
 
 def test_sigstop_is_dropped_by_heartbeat_fenced_and_killed(urls):
@@ -612,6 +614,8 @@ def test_a_rank_that_moves_within_one_world_size_saves_its_own_shards(urls):
     url, ref = urls
     # Steps enough for the second loss (near step 70 here) and, after it, for a wedged
     # survivor's fresh process to join at a commit; each step past that is paid twice.
+    # (A SIGTERM once the world trains on 3 again would save that, but the launcher
+    # then exits 137, the code of the rank lost for good, not 75: to be decided.)
     job = Launch(url, 4, "--min-ranks", "2", "--max-restarts", "1", steps=250)
     job.wait_for(r"^\[rank 0\] step 25 loss")
     os.kill(job.pid(0), signal.SIGKILL)  # local rank 1 becomes rank 0 of 3
