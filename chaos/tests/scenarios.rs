@@ -1,8 +1,8 @@
 //! The fixed scenario set (`chaos/scenarios/`, one per fault kind, tiny preset) run
-//! through the `ckpt-chaos` binary, one test per scenario file (but for the Python
-//! scenarios whose fault the Python suite runs: `RUN_BY_THE_PYTHON_SUITE`), and the
-//! oracle shown able to fail: a wrong expectation and a corrupted checkpoint are both
-//! caught.
+//! through the `ckpt-chaos` binary, one test per scenario file (those whose fault the
+//! Python suite runs too, `RUN_BY_THE_PYTHON_SUITE`, in `scripts/test --chaos` only),
+//! and the oracle shown able to fail: a wrong expectation and a corrupted checkpoint
+//! are both caught.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -119,9 +119,13 @@ scenario_tests![
     partition_while_the_other_node_finishes,
     python_disk_full,
     python_io_error_on_write,
+    python_kill_during_save,
+    python_kill_node,
+    python_kill_one_rank,
     python_node_back_after_its_coordinator_is_gone,
     python_node_back_after_the_job_and_its_coordinator_ended,
     python_partition_node,
+    python_stop_one_rank,
     python_storage_s3_faults,
     read_only_checkpoints,
     stop_one_rank,
@@ -131,13 +135,13 @@ scenario_tests![
     truncate_then_recover,
 ];
 
-/// Scenario files whose fault the Python suite runs on the same trainer, world and
+/// Scenario tests whose fault the Python suite runs on the same trainer, world and
 /// steps, judged by the same oracle (every commit verified, none of the periodic
 /// ones lost, every data cursor, the final weights bitwise against a replay of the
 /// run's schedule) and more (the recovery read from memory in the same processes, a
 /// stopped rank killed, the stale generation fenced): the test named beside each.
-/// CI runs them there, once; here each file is only loaded and checked, so that it
-/// stays runnable by hand (`ckpt-chaos run chaos/scenarios/python-*.toml`).
+/// `scripts/test` runs them in its chaos tier (`scripts/test --chaos`), not in the
+/// full run CI makes, where the Python test runs the fault once.
 const RUN_BY_THE_PYTHON_SUITE: &[(&str, &str)] = &[
     (
         "python_kill_during_save",
@@ -161,6 +165,7 @@ const RUN_BY_THE_PYTHON_SUITE: &[(&str, &str)] = &[
 #[test]
 fn the_scenarios_the_python_suite_runs_load_and_their_tests_exist() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let script = std::fs::read_to_string(root.join("scripts/test")).unwrap();
     for (name, test) in RUN_BY_THE_PYTHON_SUITE {
         let (_, file) = scenario_files()
             .into_iter()
@@ -168,6 +173,11 @@ fn the_scenarios_the_python_suite_runs_load_and_their_tests_exist() {
             .unwrap_or_else(|| panic!("no file under chaos/scenarios/ for {name}"));
         let scenario = Scenario::load(&file).unwrap_or_else(|e| panic!("{e}"));
         assert!(scenario.script.is_some(), "{name} is a Python scenario");
+        let short = name.trim_start_matches("python_");
+        assert!(
+            script.contains(short),
+            "scripts/test's CHAOS_TIER does not name {name}"
+        );
         let (path, tests) = test.split_once("::").unwrap();
         let source = std::fs::read_to_string(root.join(path)).unwrap();
         for test in tests.split(" and ") {
@@ -201,10 +211,7 @@ fn every_scenario_file_has_a_test() {
     assert!(files.len() >= 4, "one scenario per fault kind: {files:?}");
     let untested: Vec<&String> = files
         .iter()
-        .filter(|f| {
-            !SCENARIO_TESTS.contains(&f.as_str())
-                && !RUN_BY_THE_PYTHON_SUITE.iter().any(|(n, _)| n == f)
-        })
+        .filter(|f| !SCENARIO_TESTS.contains(&f.as_str()))
         .collect();
     let without_file: Vec<&&str> = SCENARIO_TESTS
         .iter()
@@ -212,8 +219,8 @@ fn every_scenario_file_has_a_test() {
         .collect();
     assert!(
         untested.is_empty(),
-        "scenario files without a test (add them to scenario_tests! in tests/scenarios.rs, \
-         or to RUN_BY_THE_PYTHON_SUITE): {untested:?}"
+        "scenario files without a test (add them to scenario_tests! in tests/scenarios.rs): \
+         {untested:?}"
     );
     assert!(
         without_file.is_empty(),
