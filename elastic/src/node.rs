@@ -1620,6 +1620,14 @@ mod tests {
         (shared, lines)
     }
 
+    /// Whether the rank tagged `tag` was given its place in `generation`.
+    fn assigned(got: &[(usize, ServerMessage)], tag: usize, generation: u64) -> bool {
+        got.iter().any(|(t, m)| {
+            *t == tag
+                && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == generation)
+        })
+    }
+
     fn sent(lines: &std::sync::mpsc::Receiver<(usize, Arc<str>)>) -> Vec<(usize, ServerMessage)> {
         lines
             .try_iter()
@@ -1662,11 +1670,7 @@ mod tests {
         };
         assert!(got.contains(&(0, restart.clone())), "{got:?}");
         assert!(!got.contains(&(1, restart)), "{got:?}");
-        assert!(
-            got.iter().any(|(tag, m)| *tag == 1
-                && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == 2)),
-            "{got:?}"
-        );
+        assert!(assigned(&got, 1, 2), "{got:?}");
     }
 
     /// At a checkpoint boundary (a regroup, or a stop elsewhere) the first rank to
@@ -1710,11 +1714,7 @@ mod tests {
             .apply(0, ClientMessage::Rendezvous { after: 1 })
             .unwrap();
         let got = sent(&lines);
-        assert!(
-            got.iter().any(|(tag, m)| *tag == 0
-                && matches!(m, ServerMessage::Assigned { assignment } if assignment.generation == 2)),
-            "{got:?}"
-        );
+        assert!(assigned(&got, 0, 2), "{got:?}");
     }
 
     /// The control plane's Restart, relayed before the install, is what the ranks
