@@ -639,10 +639,8 @@ impl ControlPlane for TcpControlPlane {
     }
 
     fn unreachable_for(&self) -> Option<Duration> {
-        let state = self.inner.lock();
-        state
-            .disconnected_since
-            .map(|since| Instant::now().saturating_duration_since(since))
+        let down = self.inner.lock().unreachable_for(Instant::now());
+        (!down.is_zero()).then_some(down)
     }
 
     fn watch(&self, generation: u64, timeout: Duration) -> Result<Option<Directive>, ElasticError> {
