@@ -217,3 +217,45 @@ fn the_coordinators_connect_timeout_bounds_the_launcher_and_reaches_the_ranks() 
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--rdzv-connect-timeout-secs"), "{stderr}");
 }
+
+/// An elastic job that lost a rank for good (no restart left, `--min-ranks` lets the
+/// others go on) and is then stopped cleanly is a stopped job: the launcher exits 75
+/// (resume from the agreed commit), not the lost rank's 137, which the job survived.
+#[test]
+fn a_stop_after_a_rank_lost_for_good_is_a_stop() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .arg("launch")
+        .args(["--nproc", "2", "--min-ranks", "1", "--max-restarts", "0"])
+        .args(["--grace-secs", "5", "--", "sh", "-c"])
+        // Rank 0 is killed at once; rank 1 trains until it is told to stop, then
+        // exits as `ckpt.elastic` does after its final save.
+        .arg(
+            "if [ \"$LOCAL_RANK\" = 0 ]; then kill -9 $$; fi; \
+             trap 'echo stopped; exit 75' TERM; while :; do sleep 0.05; done",
+        )
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("running ckpt launch");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut text = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        text.push_str(&line);
+        text.push('\n');
+        if line.contains("is not restarted") {
+            break;
+        }
+    }
+    assert!(text.contains("the others go on"), "{text}");
+    // SAFETY: a signal to the launcher this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    for line in lines {
+        text.push_str(&line.unwrap());
+        text.push('\n');
+    }
+    let status = child.wait().unwrap();
+    assert!(text.contains("[rank 1] stopped"), "{text}");
+    assert_eq!(status.code(), Some(75), "{text}");
+}

@@ -38,7 +38,8 @@
 //!
 //! An elastic launcher exits as soon as the job is over (its control plane says so, or
 //! one of its ranks exited 0, which a rank does only when the job finished), with the
-//! job's status. Ranks still running then were dropped by the world (hung, stale):
+//! job's status: 75 when the ranks still in the job stopped after a final save, even
+//! if it lost a rank for good on the way (it survived that loss). Ranks still running then were dropped by the world (hung, stale):
 //! they get [`LaunchConfig::grace`], then SIGKILL, each named; one that SIGKILL cannot
 //! end (uninterruptible sleep) is named after 5 s and left behind. A
 //! launcher hosting the coordinator serves it after its own ranks are gone, until the
@@ -436,6 +437,9 @@ struct Slot {
     child: Option<Child>,
     incarnation: usize,
     status: Option<ExitStatus>,
+    /// Failed with no restart left while `--min-ranks` let the others go on: a loss
+    /// the job survived, which does not decide how the launcher exits.
+    lost_for_good: bool,
 }
 
 /// Starts rank processes of one elastic node.
@@ -868,6 +872,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             child: Some(child),
             incarnation: 0,
             status: None,
+            lost_for_good: false,
         });
     }
     plane.expect(config.nproc);
@@ -955,6 +960,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             } else if !elastic.shrink {
                 stop_all = true;
             } else {
+                slot.lost_for_good = true;
                 say(format_args!(
                     "launch: rank {label} is not restarted ({restarts} of {} restarts used); the others go on",
                     elastic.max_restarts
@@ -1079,7 +1085,13 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    let codes: Vec<i32> = slots.iter().filter_map(|s| s.status.map(code_of)).collect();
+    // A stop is judged by the ranks still in the job when it came: one lost for good
+    // earlier was survived (the world re-formed without it), as for a finished job.
+    let codes: Vec<i32> = slots
+        .iter()
+        .filter(|s| !s.lost_for_good)
+        .filter_map(|s| s.status.map(code_of))
+        .collect();
     let code = match &ending {
         // The job trained to its last step: that is this node's outcome too, whatever
         // it recovered from (its own ranks may all have been lost on the way).
