@@ -95,12 +95,13 @@ class Launch:
             self.lines.append("<eof>")
             self._changed.notify_all()
 
-    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
-        """The first line matching ``pattern`` (printed already, or next)."""
+    def wait_for(self, pattern: str, timeout: float = 180, after: int = 0) -> re.Match:
+        """The first line matching ``pattern`` (printed already, or next), from line
+        ``after`` on (a `mark()`)."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         with self._changed:
-            seen = 0
+            seen = after
             while True:
                 for line in self.lines[seen:]:
                     found = regex.search(line)
@@ -126,6 +127,11 @@ class Launch:
     def text(self) -> str:
         with self._changed:
             return "\n".join(self.lines)
+
+    def mark(self) -> int:
+        """Where the output is now: `wait_for(..., after=mark)` sees only what follows."""
+        with self._changed:
+            return len(self.lines)
 
     def kill_all(self) -> None:
         """SIGKILL the launcher and every rank (a node lost whole)."""
@@ -612,10 +618,6 @@ def test_a_rank_that_moves_within_one_world_size_saves_its_own_shards(urls):
     handed its state dict DTensors the older mesh, whose coordinate was rank 0's, and
     the save claimed rank 0's boxes (the commit refused the overlap)."""
     url, ref = urls
-    # Steps enough for the second loss (near step 70 here) and, after it, for a wedged
-    # survivor's fresh process to join at a commit; each step past that is paid twice.
-    # (A SIGTERM once the world trains on 3 again would save that, but the launcher
-    # then exits 137, the code of the rank lost for good, not 75: to be decided.)
     job = Launch(url, 4, "--min-ranks", "2", "--max-restarts", "1", steps=250)
     job.wait_for(r"^\[rank 0\] step 25 loss")
     os.kill(job.pid(0), signal.SIGKILL)  # local rank 1 becomes rank 0 of 3
@@ -624,10 +626,25 @@ def test_a_rank_that_moves_within_one_world_size_saves_its_own_shards(urls):
         r"^\[rank \d+\] gen \d+: resumed step (\d+) \(saved on \d+ ranks\) on 4 ranks"
     )
     job.wait_for(rf"^\[rank \d+\] step {(int(after.group(1)) // EVERY + 2) * EVERY}: saving")
+    mark = job.mark()
     victim = re.findall(r"^launch: rank 2 pid (\d+)", job.text(), re.M)[-1]
     os.kill(int(victim), signal.SIGKILL)  # local rank 1 is rank 1 of 3 now
-    assert job.finish() == 0, job.text()
-    plan = judge(url, ref, job.text(), steps=250)
+    # Once the world of 3 has committed a step of its own, the job is stopped: what
+    # the test is about has happened, and every later step would be paid twice (the
+    # job, then its replay). A wedged survivor's fresh process joins before that.
+    on_three = job.wait_for(
+        r"^\[rank \d+\] gen \d+: resumed step (\d+) \(saved on \d+ ranks\) on 3 ranks",
+        after=mark,
+    )
+    job.wait_for(
+        rf"^\[rank \d+\] step {(int(on_three.group(1)) // EVERY + 1) * EVERY}: saving", after=mark
+    )
+    os.kill(job.process.pid, signal.SIGTERM)
+    # 75, not the 137 of the rank lost for good: the job survived that loss.
+    assert job.finish() == 75, job.text()
+    stopped = set(re.findall(r"stopped at step (\d+) after a committed checkpoint", job.text()))
+    assert len(stopped) == 1, job.text()
+    plan = judge(url, ref, job.text(), steps=int(stopped.pop()))
     widths = [w for _, w in plan]
     if "could not leave its process group" in job.text():
         # A survivor wedged in gloo after the second loss (EXIT_WEDGED): its fresh
