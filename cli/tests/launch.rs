@@ -230,10 +230,12 @@ fn a_stop_after_a_rank_lost_for_good_is_a_stop() {
         .args(["--nproc", "2", "--min-ranks", "1", "--max-restarts", "0"])
         .args(["--grace-secs", "5", "--", "sh", "-c"])
         // Rank 0 is killed at once; rank 1 trains until it is told to stop, then
-        // exits as `ckpt.elastic` does after its final save.
+        // exits as `ckpt.elastic` does after its final save (or, never told within
+        // 30 s, exits 9: the test fails instead of hanging).
         .arg(
             "if [ \"$LOCAL_RANK\" = 0 ]; then kill -9 $$; fi; \
-             trap 'echo stopped; exit 75' TERM; while :; do sleep 0.05; done",
+             trap 'echo stopped; exit 75' TERM; \
+             i=0; while [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; exit 9",
         )
         .stdout(Stdio::piped())
         .spawn()

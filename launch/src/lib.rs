@@ -39,9 +39,10 @@
 //! An elastic launcher exits as soon as the job is over (its control plane says so, or
 //! one of its ranks exited 0, which a rank does only when the job finished), with the
 //! job's status: 75 when the ranks still in the job stopped after a final save, even
-//! if it lost a rank for good on the way (it survived that loss). Ranks still running then were dropped by the world (hung, stale):
-//! they get [`LaunchConfig::grace`], then SIGKILL, each named; one that SIGKILL cannot
-//! end (uninterruptible sleep) is named after 5 s and left behind. A
+//! if it lost a rank for good on the way (it survived that loss). Ranks still
+//! running then were dropped by the world (hung, stale): they get
+//! [`LaunchConfig::grace`], then SIGKILL, each named; one that SIGKILL cannot end
+//! (uninterruptible sleep) is named after 5 s and left behind. A
 //! launcher hosting the coordinator serves it after its own ranks are gone, until the
 //! job is over, when other nodes can take part.
 

@@ -195,9 +195,9 @@ def reference(
 
 # The replays judge() made in this session, by what decides their bits (the schedule,
 # the steps, the script's flags): a replay is bitwise reproducible (what
-# test_oracle.py shows), so a test whose job
-# took a schedule already replayed is compared with that replay instead of paying a
-# second one (several tests here end on the same one: 4 ranks, then 3 from step 20).
+# test_oracle.py shows), so a test whose job took a schedule already replayed is
+# compared with that replay instead of paying a second one (several tests here end
+# on the same one: 4 ranks, then 3 from step 20).
 _REPLAYS: dict[tuple, str] = {}
 
 
@@ -604,6 +604,8 @@ def test_a_rank_that_moves_within_one_world_size_saves_its_own_shards(urls):
     handed its state dict DTensors the older mesh, whose coordinate was rank 0's, and
     the save claimed rank 0's boxes (the commit refused the overlap)."""
     url, ref = urls
+    # Steps enough for the second loss (near step 70 here) and, after it, for a wedged
+    # survivor's fresh process to join at a commit: the job is stopped before its end.
     job = Launch(url, 4, "--min-ranks", "2", "--max-restarts", "1", steps=250)
     job.wait_for(r"^\[rank 0\] step 25 loss")
     os.kill(job.pid(0), signal.SIGKILL)  # local rank 1 becomes rank 0 of 3
