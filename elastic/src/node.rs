@@ -437,6 +437,25 @@ impl Shared {
             let cause = lost_member(&member.id, reason);
             warn!(generation, "{cause}");
             self.report_loss(&state, generation, cause);
+        } else if state.live().next().is_none()
+            && state.shutdown.is_none()
+            && !state.finished
+            && let Some(generation) = state.generation.as_ref().map(|g| g.assignment.generation)
+        {
+            // The node's last rank went after its generation ended (its ranks died
+            // nearly together, and the first loss restarted the generation): with
+            // nothing to bring, the node leaves rather than have the next generation
+            // wait out its rejoin window for it, and drops the ask it made for the
+            // rank that is gone. It asks again as a newcomer when a rank starts.
+            self.report(
+                generation,
+                Report::Leaving {
+                    reason: "every rank of this node is gone".to_owned(),
+                },
+            );
+            if let Some((_, _, ask)) = &state.asking {
+                ask.cancel();
+            }
         }
         self.changed.notify_all();
     }
@@ -1559,6 +1578,39 @@ mod tests {
         }
     }
 
+    /// An upstream that accepts everything, never answers, and keeps what it is
+    /// reported.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(u64, Report)>>);
+
+    impl Recorder {
+        fn reports(&self) -> Vec<(u64, Report)> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    impl ControlPlane for Recorder {
+        fn rendezvous(&self, _: u64, _: &Cancel) -> Result<Assignment, ElasticError> {
+            Err(ElasticError::Timeout("quiet".into()))
+        }
+        fn heartbeat(&self, _: u64, _: &Progress) -> Result<(), ElasticError> {
+            Ok(())
+        }
+        fn watch(&self, _: u64, _: Duration) -> Result<Option<Directive>, ElasticError> {
+            Ok(None)
+        }
+        fn report(&self, generation: u64, report: &Report) -> Result<(), ElasticError> {
+            self.0.lock().unwrap().push((generation, report.clone()));
+            Ok(())
+        }
+        fn kv_set(&self, _: u64, _: &str, _: &str) -> Result<(), ElasticError> {
+            Ok(())
+        }
+        fn kv_get(&self, _: u64, _: &str, _: &Cancel, _: Duration) -> Result<String, ElasticError> {
+            Err(ElasticError::Timeout("quiet".into()))
+        }
+    }
+
     fn assignment(generation: u64, ranks: usize, cause: &str) -> Assignment {
         Assignment {
             generation,
@@ -1579,7 +1631,16 @@ mod tests {
         ids: &[&str],
         asking: &[&str],
     ) -> (Shared, std::sync::mpsc::Receiver<(usize, Arc<str>)>) {
-        let shared = Shared::new(NodeConfig::new("job"), Arc::new(Quiet(None)));
+        node_over(Arc::new(Quiet(None)), ids, asking)
+    }
+
+    /// [`node_in_generation_1`] over `upstream`.
+    fn node_over(
+        upstream: Arc<dyn ControlPlane>,
+        ids: &[&str],
+        asking: &[&str],
+    ) -> (Shared, std::sync::mpsc::Receiver<(usize, Arc<str>)>) {
+        let shared = Shared::new(NodeConfig::new("job"), upstream);
         let (queue, lines) = std::sync::mpsc::sync_channel(16);
         let now = Instant::now();
         {
@@ -1671,6 +1732,49 @@ mod tests {
         assert!(got.contains(&(0, restart.clone())), "{got:?}");
         assert!(!got.contains(&(1, restart)), "{got:?}");
         assert!(assigned(&got, 1, 2), "{got:?}");
+    }
+
+    /// Found by the trainer's elastic tests (a node killed whole): its two ranks
+    /// died nearly together. The first loss ended the generation; the second
+    /// disconnect came after the control plane's restart was relayed, so the rank
+    /// was no longer seated in a running generation and the node reported nothing.
+    /// The node neither asked again (no live rank) nor left, and the coordinator
+    /// waited out its rejoin window for it. A node left with no live rank leaves,
+    /// whenever its last rank goes, and drops an ask it has in flight.
+    #[test]
+    fn a_node_whose_last_rank_goes_after_its_generation_ended_leaves() {
+        let upstream = Arc::new(Recorder::default());
+        let (shared, _lines) = node_over(upstream.clone(), &["first", "second"], &["second"]);
+        shared.forget(0, "connection closed");
+        assert!(
+            matches!(
+                upstream.reports().as_slice(),
+                [(1, Report::RankLost { .. })]
+            ),
+            "{:?}",
+            upstream.reports()
+        );
+        shared.relay(Directive::Restart {
+            generation: 1,
+            cause: "lost member first: connection closed".into(),
+        });
+        let (_, _, ask) = shared
+            .start_asking(&mut shared.lock(), Instant::now())
+            .expect("the survivor's ask goes upstream");
+        shared.forget(1, "connection closed");
+        let reports = upstream.reports();
+        assert!(
+            matches!(reports.as_slice(), [_, (1, Report::Leaving { .. })]),
+            "{reports:?}"
+        );
+        assert!(ask.is_cancelled(), "the ask for a rank that is gone stands");
+        shared.lock().asking = None;
+        assert!(
+            shared
+                .start_asking(&mut shared.lock(), Instant::now())
+                .is_none(),
+            "a node with no live rank asks for nothing"
+        );
     }
 
     /// At a checkpoint boundary (a regroup, or a stop elsewhere) the first rank to
