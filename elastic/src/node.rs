@@ -1549,47 +1549,33 @@ fn kv_loop(shared: &Arc<Shared>) {
 mod tests {
     use super::*;
 
-    /// An upstream that accepts everything and never answers; with `Some(d)`, it
-    /// says it has been reconnecting to a coordinator out of reach for `d` (as the
-    /// TCP client does before its calls fail).
-    struct Quiet(Option<Duration>);
+    /// An upstream that accepts everything, keeps what it is reported, and never
+    /// answers; [`Quiet::out_of_reach_for`] `Some(d)` says it has been reconnecting
+    /// to a coordinator out of reach for `d` (as the TCP client does before its
+    /// calls fail).
+    #[derive(Default)]
+    struct Quiet {
+        unreachable: Option<Duration>,
+        reports: Mutex<Vec<(u64, Report)>>,
+    }
+
+    impl Quiet {
+        fn out_of_reach_for(d: Option<Duration>) -> Quiet {
+            Quiet {
+                unreachable: d,
+                ..Quiet::default()
+            }
+        }
+
+        fn reports(&self) -> Vec<(u64, Report)> {
+            self.reports.lock().unwrap().clone()
+        }
+    }
 
     impl ControlPlane for Quiet {
         fn unreachable_for(&self) -> Option<Duration> {
-            self.0
+            self.unreachable
         }
-        fn rendezvous(&self, _: u64, _: &Cancel) -> Result<Assignment, ElasticError> {
-            Err(ElasticError::Timeout("quiet".into()))
-        }
-        fn heartbeat(&self, _: u64, _: &Progress) -> Result<(), ElasticError> {
-            Ok(())
-        }
-        fn watch(&self, _: u64, _: Duration) -> Result<Option<Directive>, ElasticError> {
-            Ok(None)
-        }
-        fn report(&self, _: u64, _: &Report) -> Result<(), ElasticError> {
-            Ok(())
-        }
-        fn kv_set(&self, _: u64, _: &str, _: &str) -> Result<(), ElasticError> {
-            Ok(())
-        }
-        fn kv_get(&self, _: u64, _: &str, _: &Cancel, _: Duration) -> Result<String, ElasticError> {
-            Err(ElasticError::Timeout("quiet".into()))
-        }
-    }
-
-    /// An upstream that accepts everything, never answers, and keeps what it is
-    /// reported.
-    #[derive(Default)]
-    struct Recorder(Mutex<Vec<(u64, Report)>>);
-
-    impl Recorder {
-        fn reports(&self) -> Vec<(u64, Report)> {
-            self.0.lock().unwrap().clone()
-        }
-    }
-
-    impl ControlPlane for Recorder {
         fn rendezvous(&self, _: u64, _: &Cancel) -> Result<Assignment, ElasticError> {
             Err(ElasticError::Timeout("quiet".into()))
         }
@@ -1600,7 +1586,10 @@ mod tests {
             Ok(None)
         }
         fn report(&self, generation: u64, report: &Report) -> Result<(), ElasticError> {
-            self.0.lock().unwrap().push((generation, report.clone()));
+            self.reports
+                .lock()
+                .unwrap()
+                .push((generation, report.clone()));
             Ok(())
         }
         fn kv_set(&self, _: u64, _: &str, _: &str) -> Result<(), ElasticError> {
@@ -1631,7 +1620,7 @@ mod tests {
         ids: &[&str],
         asking: &[&str],
     ) -> (Shared, std::sync::mpsc::Receiver<(usize, Arc<str>)>) {
-        node_over(Arc::new(Quiet(None)), ids, asking)
+        node_over(Arc::new(Quiet::default()), ids, asking)
     }
 
     /// [`node_in_generation_1`] over `upstream`.
@@ -1743,7 +1732,7 @@ mod tests {
     /// whenever its last rank goes, and drops an ask it has in flight.
     #[test]
     fn a_node_whose_last_rank_goes_after_its_generation_ended_leaves() {
-        let upstream = Arc::new(Recorder::default());
+        let upstream = Arc::new(Quiet::default());
         let (shared, _lines) = node_over(upstream.clone(), &["first", "second"], &["second"]);
         shared.forget(0, "connection closed");
         assert!(
@@ -1895,7 +1884,7 @@ mod tests {
     fn the_outage_the_backend_hid_counts_toward_the_nodes_patience() {
         let joined = Shared::new(
             NodeConfig::new("job"),
-            Arc::new(Quiet(Some(UNREACHABLE_GIVE_UP))),
+            Arc::new(Quiet::out_of_reach_for(Some(UNREACHABLE_GIVE_UP))),
         );
         joined.lock().joined = true;
         let gone = ElasticError::Io("the coordinator at 127.0.0.1:1 is gone".into());
@@ -1915,7 +1904,7 @@ mod tests {
         // A shorter hidden outage leaves the rest of the patience.
         let brief = Shared::new(
             NodeConfig::new("job"),
-            Arc::new(Quiet(Some(Duration::from_secs(5)))),
+            Arc::new(Quiet::out_of_reach_for(Some(Duration::from_secs(5)))),
         );
         brief.lock().joined = true;
         let t0 = Instant::now();
@@ -1933,14 +1922,14 @@ mod tests {
             give_up_before_joining: Duration::from_secs(3),
             ..NodeConfig::new("job")
         };
-        let fresh = Shared::new(config.clone(), Arc::new(Quiet(None)));
+        let fresh = Shared::new(config.clone(), Arc::new(Quiet::default()));
         let gone = ElasticError::Io("the coordinator at 127.0.0.1:1 is gone".into());
         let t0 = Instant::now();
         assert!(!fresh.unreachable(&gone, t0));
         assert!(!fresh.unreachable(&gone, t0 + Duration::from_secs(2)));
         assert!(fresh.unreachable(&gone, t0 + Duration::from_secs(3)));
         // Once it joined, the full patience again.
-        let joined = Shared::new(config, Arc::new(Quiet(None)));
+        let joined = Shared::new(config, Arc::new(Quiet::default()));
         joined.lock().joined = true;
         assert!(!joined.unreachable(&gone, t0));
         assert!(!joined.unreachable(&gone, t0 + Duration::from_secs(3)));
