@@ -157,3 +157,73 @@ async fn a_tensor_written_before_it_was_staged_fails_the_save_naming_it() {
     assert!(ckpt::latest(&store).await.unwrap().is_none());
     drop(second);
 }
+
+/// The threads of this process named `name`, with their scheduling policy and nice
+/// value (`/proc/self/task/*/stat` fields 41 and 19).
+#[cfg(target_os = "linux")]
+fn threads_named(name: &str) -> Vec<(u32, i64)> {
+    let mut found = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap() {
+        let task = task.unwrap().path();
+        let Ok(comm) = std::fs::read_to_string(task.join("comm")) else {
+            continue; // a thread that ended meanwhile
+        };
+        if comm.trim_end() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.join("stat")).unwrap();
+        // The fields after the command (in parentheses, which may hold spaces).
+        let rest: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+        // `rest[0]` is field 3 (state): field N is rest[N - 3].
+        found.push((rest[41 - 3].parse().unwrap(), rest[19 - 3].parse().unwrap()));
+    }
+    found
+}
+
+/// Overlapped copies run on a thread the checkpointer keeps (not a thread per
+/// save, whose start cost the caller milliseconds when the process was busy), under
+/// SCHED_BATCH at a lower priority, so that they do not take a core from the
+/// training loop; a save of the same checkpointer still stages and commits.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapped_copies_run_on_one_kept_thread_that_yields_to_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = file_store(&dir);
+    let mut config = CheckpointConfig::new(0, 1);
+    config.run_id = "kept-thread".into();
+    let checkpointer = Checkpointer::new(store.clone(), config).unwrap();
+    let data = values(1 << 20, 3);
+    let mut state = State::new();
+    state
+        .add_dim0_shard("w", DType::F32, &[1 << 20], 0, 1, as_bytes(&data))
+        .unwrap();
+    for step in 1..=3 {
+        // SAFETY: `data` outlives the handle and is not written.
+        let handle = unsafe { checkpointer.save_overlapped(step, &state) }
+            .await
+            .unwrap();
+        handle.staged().await.unwrap();
+        handle.committed().await.unwrap();
+    }
+    // Every copy is done, and the thread stays (a thread per save ended with its
+    // copy). Other tests of this binary may run checkpointers of their own beside
+    // this one (`cargo test` runs them in one process), so this counts none.
+    let stage_threads = threads_named("ckpt-stage");
+    assert!(
+        !stage_threads.is_empty(),
+        "the staging thread outlives its copies"
+    );
+    const SCHED_BATCH: u32 = 3;
+    assert!(
+        stage_threads
+            .iter()
+            .any(|&(policy, nice)| policy == SCHED_BATCH && nice > 0),
+        "the staging thread runs at SCHED_BATCH and a positive nice: {stage_threads:?}"
+    );
+    let reader = CheckpointReader::open(&store, Some(3)).await.unwrap();
+    let loaded = reader
+        .load(&LoadRequest::new().tensor("w", Region::full(&[1 << 20])))
+        .await
+        .unwrap();
+    assert!(loaded.tensors[0].data == as_bytes(&data), "the saved bytes");
+}
