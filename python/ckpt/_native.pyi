@@ -39,6 +39,12 @@ class SaveHandle:
     def wait_committed(self) -> None: ...
     def done(self) -> bool: ...
 
+class SavePlan:
+    """A save's boxes, converted and checked once; reused by saves of the same state."""
+
+    def __init__(self, tensors: list[SaveBox]) -> None: ...
+    def __len__(self) -> int: ...
+
 class Checkpointer:
     def __init__(
         self, url: str, rank: int, world_size: int, settings: dict[str, Any] | None = None
@@ -52,7 +58,7 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        tensors: list[SaveBox],
+        tensors: list[SaveBox] | SavePlan,
         rank_state: dict[str, str | bytes],
         global_state: dict[str, str | bytes],
         metadata: str,

@@ -472,6 +472,62 @@ fn open_store(url: &str) -> PyResult<Store> {
     Store::from_url(url).map_err(py_err)
 }
 
+/// A save's boxes, converted and checked once (`SavePlan(tensors)`, the tuples
+/// `Checkpointer.save` takes): the Python layer keeps one while the state keeps its
+/// structure and its memory (the same tensors at the same addresses), so that a
+/// save of that state converts nothing per tensor here.
+#[pyclass(frozen, module = "ckpt._native")]
+struct SavePlan {
+    views: Arc<Vec<TensorView>>,
+}
+
+#[pymethods]
+impl SavePlan {
+    #[new]
+    fn new(tensors: Vec<TensorTuple>) -> PyResult<Self> {
+        let views = tensors
+            .into_iter()
+            .map(TensorView::from_tuple)
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Self {
+            views: Arc::new(views),
+        })
+    }
+
+    fn __len__(&self) -> usize {
+        self.views.len()
+    }
+}
+
+/// The boxes of a save: a [`SavePlan`], or a list of tuples converted now.
+fn save_views(tensors: &Bound<'_, PyAny>) -> PyResult<Arc<Vec<TensorView>>> {
+    if let Ok(plan) = tensors.cast::<SavePlan>() {
+        return Ok(plan.get().views.clone());
+    }
+    let tuples: Vec<TensorTuple> = tensors.extract()?;
+    SavePlan::new(tuples).map(|plan| plan.views)
+}
+
+/// Runs a save's registration on the calling thread when it completes without
+/// waiting (a free slot for the save: the usual case), with the GIL released:
+/// handing it to the runtime's threads would cost two thread wake-ups, which on a
+/// machine whose cores are busy copying the other ranks' saves take milliseconds.
+/// A registration that must wait (every slot busy) is waited for as [`run`] waits.
+fn register<T: Send + 'static>(
+    py: Python<'_>,
+    work: impl Future<Output = ckpt::Result<T>> + Send + 'static,
+) -> PyResult<T> {
+    let mut work = Box::pin(work);
+    let ready = py.detach(|| {
+        let _entered = runtime().enter();
+        (&mut work).now_or_never()
+    });
+    match ready {
+        Some(result) => result.map_err(|e| to_py(py, e)),
+        None => run(py, work),
+    }
+}
+
 /// One rank's checkpointer (`ckpt::Checkpointer`).
 #[pyclass(frozen, module = "ckpt._native")]
 struct Checkpointer {
@@ -517,9 +573,10 @@ impl Checkpointer {
     }
 
     /// Saves `tensors` (tuples `(name, dtype, shape, offsets, lengths, ptr, nbytes,
-    /// write)`) and non-tensor state as checkpoint `step`. Blocks until the tensors
-    /// are staged, or with `overlapped` only until the save is registered (then the
-    /// caller must keep the tensors alive and unwritten until `wait_staged`).
+    /// write, device, stream)`, or a [`SavePlan`] of them) and non-tensor state as
+    /// checkpoint `step`. Blocks until the tensors are staged, or with `overlapped`
+    /// only until the save is registered (then the caller must keep the tensors
+    /// alive and unwritten until `wait_staged`).
     #[pyo3(signature = (step, tensors, rank_state, global_state, metadata, overlapped))]
     // One argument per part of a save, as the Python layer passes them.
     #[allow(clippy::too_many_arguments)]
@@ -527,23 +584,20 @@ impl Checkpointer {
         &self,
         py: Python<'_>,
         step: u64,
-        tensors: Vec<TensorTuple>,
+        tensors: &Bound<'_, PyAny>,
         rank_state: &Bound<'_, PyDict>,
         global_state: &Bound<'_, PyDict>,
         metadata: &str,
         overlapped: bool,
     ) -> PyResult<SaveHandle> {
-        let views = tensors
-            .into_iter()
-            .map(TensorView::from_tuple)
-            .collect::<PyResult<Vec<_>>>()?;
+        let views = save_views(tensors)?;
         let metadata: BTreeMap<String, serde_json::Value> = serde_json::from_str(metadata)
             .map_err(|e| invalid(format!("metadata is not a JSON object: {e}")))?;
         // The state is built here, with the GIL held, so that a bad box is an error
         // before anything starts.
         let mut state = ckpt::State::new();
         let mut on_device = false;
-        for view in &views {
+        for view in views.iter() {
             if view.place != Place::Host {
                 on_device = true;
                 #[cfg(feature = "cuda")]
@@ -587,7 +641,7 @@ impl Checkpointer {
             state.set_metadata(key, value);
         }
         let checkpointer = self.inner.clone();
-        let handle = run(py, async move {
+        let handle = register(py, async move {
             if overlapped {
                 // SAFETY: as above: the tensors stay alive and unwritten until the
                 // handle's `wait_staged` returns or the handle is dropped.
@@ -1022,6 +1076,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Checkpointer>()?;
     m.add_class::<SaveHandle>()?;
+    m.add_class::<SavePlan>()?;
     m.add_class::<Reader>()?;
     m.add_class::<elastic::Agent>()?;
     m.add_class::<copies::Copies>()?;

@@ -98,6 +98,70 @@ def test_an_overlapped_save_keeps_the_tensors_until_staged_and_reads_them_in_pla
     assert torch.equal(into["w"], expected)
 
 
+def test_a_save_of_the_same_tensors_reuses_the_plan_and_takes_their_new_values(root):
+    """What a training loop saves: the same tensors, changed in place, and non-tensor
+    state that changes. The second save reuses the first one's plan and still saves
+    what the tensors and values hold now."""
+    model = {"w": torch.randn(64, 32), "b": torch.randn(32), "step": 1}
+    with Checkpointer(root) as c:
+        first = c.save(1, {"model": model})
+        first.wait_committed()
+        model["w"].mul_(2.0)
+        model["b"].add_(1.0)
+        model["step"] = 2
+        second = c.save(2, {"model": model})
+        second.wait_committed()
+    assert first.profile["plan_reused"] is False, first.profile
+    assert second.profile["plan_reused"] is True, second.profile
+    assert {"prepare_s", "library_s", "library_stall_s"} <= set(second.profile)
+    into = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32), "step": 0}}
+    load(root, into, step=2)
+    assert torch.equal(into["model"]["w"], model["w"])
+    assert torch.equal(into["model"]["b"], model["b"])
+    assert into["model"]["step"] == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["a tensor replaced", "a tensor added", "a tensor reshaped", "a dtype changed", "renamed"],
+)
+def test_a_state_that_changed_gets_a_new_plan(root, change):
+    state = {"w": torch.randn(16, 8), "b": torch.randn(8)}
+    with Checkpointer(root) as c:
+        c.save(1, state).wait_committed()
+        if change == "a tensor replaced":
+            state["w"] = torch.randn(16, 8)  # another allocation, the same shape
+        elif change == "a tensor added":
+            state["c"] = torch.randn(3)
+        elif change == "a tensor reshaped":
+            state["w"] = state["w"].view(8, 16)  # the same memory, another shape
+        elif change == "a dtype changed":
+            state["b"] = state["b"].view(torch.int32)  # the same memory and size
+        else:
+            state = {"v": state["w"], "b": state["b"]}
+        handle = c.save(2, state)
+        handle.wait_committed()
+    assert handle.profile["plan_reused"] is False, (change, handle.profile)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(root, into, step=2)
+    for name, tensor in state.items():
+        assert torch.equal(bits(into[name]), bits(tensor)), (change, name)
+
+
+def test_a_non_contiguous_tensor_is_copied_at_every_save_and_keeps_no_plan(root):
+    w = torch.randn(6, 8)
+    with Checkpointer(root) as c:
+        for step in (1, 2):
+            w.add_(1.0)
+            handle = c.save(step, {"wt": w.t()})
+            handle.wait_committed()
+            assert handle.profile["plan_reused"] is False, handle.profile
+            assert handle.bytes_copied == w.numel() * 4
+    into = {"wt": torch.zeros(8, 6)}
+    load(root, into, step=2)
+    assert torch.equal(into["wt"], w.t())
+
+
 def test_a_non_contiguous_destination_is_loaded_through_a_counted_copy(root):
     w = torch.randn(8, 6)
     with Checkpointer(root) as c:

@@ -100,6 +100,22 @@ def save_world(rank: int, world: int, port: int, roots: dict[str, str], referenc
     pending.staging_completion.result()
     pending.upload_completion.result()
     assert not writer._staged
+    first = writer._last_step
+    assert writer.profile["plan_reused"] is False, writer.profile
+    # Its next save agrees nothing with the other ranks (the step after the last,
+    # the run id agreed once) and reuses the plan of the same state.
+    agreements = []
+    broadcast = dist.broadcast_object_list
+    dist.broadcast_object_list = lambda *a, **k: agreements.append(a) or broadcast(*a, **k)
+    try:
+        writer.stage(sd).result()
+    finally:
+        dist.broadcast_object_list = broadcast
+    assert agreements == [], "a later stage made a collective"
+    assert writer.profile["plan_reused"] is True, writer.profile
+    assert writer._last_step == first + 1, (first, writer._last_step)
+    _, handle = writer._staged.popleft()
+    handle.wait_committed()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -188,7 +204,9 @@ def save_twice(rank: int, world: int, port: int, root: str) -> None:
 
 def save_2d(rank: int, world: int, port: int, root: str, reference: str) -> None:
     """4 ranks on a 2x2 mesh: HSDP-style [Replicate(), Shard(0)] and a 2-D split
-    [Shard(0), Shard(1)], saved natively."""
+    [Shard(0), Shard(1)], saved natively (step 1). Then saved again as a training
+    loop saves: the same tensors changed in place (step 2: the kept plan, the new
+    values), and one tensor replaced (step 3: a new plan)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     init(rank, world, port)
@@ -201,7 +219,33 @@ def save_2d(rank: int, world: int, port: int, root: str, reference: str) -> None
         "hsdp": distribute_tensor(full["hsdp"], mesh, [Replicate(), Shard(0)]),
         "grid": distribute_tensor(full["grid"], mesh, [Shard(0), Shard(1)]),
     }
-    Checkpointer(root).save(1, sd).wait_committed()
+    checkpointer = Checkpointer(root)
+    handle = checkpointer.save(1, sd)
+    handle.wait_committed()
+    assert handle.profile["plan_reused"] is False, handle.profile
+    with torch.no_grad():
+        for tensor in sd.values():
+            tensor.to_local().add_(1.0)
+    handle = checkpointer.save(2, sd)
+    handle.wait_committed()
+    assert handle.profile["plan_reused"] is True, handle.profile
+    sd["grid"] = distribute_tensor(-full["grid"], mesh, [Shard(0), Shard(1)])
+    handle = checkpointer.save(3, sd)
+    handle.wait_committed()
+    assert handle.profile["plan_reused"] is False, handle.profile
+    checkpointer.close()
+    expected = {
+        2: {name: tensor + 1.0 for name, tensor in full.items()},
+        3: {"hsdp": full["hsdp"] + 1.0, "grid": -full["grid"]},
+    }
+    for step, tensors in expected.items():
+        into = {
+            "hsdp": distribute_tensor(torch.zeros(10, 6), mesh, [Replicate(), Shard(0)]),
+            "grid": distribute_tensor(torch.zeros(9, 7), mesh, [Shard(0), Shard(1)]),
+        }
+        load(root, into, step=step)
+        for name, tensor in tensors.items():
+            assert torch.equal(into[name].full_tensor(), tensor), (step, name)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -216,7 +260,7 @@ def load_2d(rank: int, world: int, port: int, root: str, reference: str) -> None
         "hsdp": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)]),
         "grid": distribute_tensor(torch.zeros(9, 7), mesh, [Replicate()]),
     }
-    load(root, sd)
+    load(root, sd, step=1)
     expected = torch.load(reference, weights_only=True)
     for name, tensor in expected.items():
         assert torch.equal(sd[name].full_tensor(), tensor), name

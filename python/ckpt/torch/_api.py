@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,11 +56,23 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 class SaveHandle:
     """Follows one rank's save. Holds the saved tensors until they are staged."""
 
-    def __init__(self, native: _native.SaveHandle, keep_alive: list | None, bytes_copied: int):
+    def __init__(
+        self,
+        native: _native.SaveHandle,
+        keep_alive: list | None,
+        bytes_copied: int,
+        profile: dict[str, Any] | None = None,
+    ):
         self._native = native
         self._keep_alive = keep_alive
         # Tensor bytes copied besides the staging copy (non-contiguous tensors).
         self.bytes_copied = bytes_copied
+        self.profile: dict[str, Any] = profile or {}
+        """Where the stall went, in seconds: ``prepare_s`` (walking the state dict,
+        encoding its non-tensor values, checking the tensors against the kept save
+        plan, or building a new one), ``library_s`` (the native call: the library's
+        registration, ``library_stall_s`` of it by its own clock), and
+        ``plan_reused`` (whether the previous save's plan was reused)."""
 
     @property
     def step(self) -> int:
@@ -188,6 +201,7 @@ class Checkpointer:
             if run_id is not None:
                 config["run_id"] = run_id
         self._native = _native.Checkpointer(self.url, self.rank, self.world_size, config)
+        self._planner = _state.SavePlanner(self.rank)
 
     def save(
         self,
@@ -208,7 +222,8 @@ class Checkpointer:
         With ``overlapped`` (the default) this returns before the tensors are
         copied: do not write them until ``wait_staged()`` returns.
         """
-        part = _state.to_save(state_dict, self.rank, _state.encode_value)
+        started = time.perf_counter()
+        part = self._planner.prepare(state_dict, _state.encode_value)
         global_values = {k: _state.encode_value(k, v) for k, v in (global_state or {}).items()}
         meta = dict(metadata or {})
         for key in _state.RESERVED_METADATA:
@@ -218,18 +233,27 @@ class Checkpointer:
             # The manifest keeps rank 0's metadata: where each name sits in the state
             # dict, for DCP's planners (dcp.load into an empty dict, partial loads).
             meta[_state.PATHS_KEY] = part.paths
+        metadata_json = json.dumps(meta)
+        prepared = time.perf_counter()
         native = self._native.save(
             step,
             part.tensors,
             part.values,
             global_values,
-            json.dumps(meta),
+            metadata_json,
             overlapped,
         )
+        registered = time.perf_counter()
         if not overlapped and any(t.device.type != "cpu" for t in part.keep_alive):
             # Device tensors are copied by the device: done once their event is.
             native.wait_staged()
-        return SaveHandle(native, part.keep_alive if overlapped else None, part.copied)
+        profile = {
+            "prepare_s": prepared - started,
+            "library_s": registered - prepared,
+            "library_stall_s": native.stall,
+            "plan_reused": part.reused,
+        }
+        return SaveHandle(native, part.keep_alive if overlapped else None, part.copied, profile)
 
     def load(self, state_dict: Mapping[str, Any], *, step: int | None = None) -> ExtraState:
         """Loads checkpoint ``step`` (default: the newest committed one, agreed by

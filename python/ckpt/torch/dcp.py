@@ -44,7 +44,7 @@ import io
 import json
 import os
 import secrets
-import threading
+import time
 import warnings
 from typing import Any
 
@@ -120,10 +120,24 @@ class StorageWriter(_DcpWriter):
         self._staged: collections.deque[tuple[_SaveTarget, _native.SaveHandle]] = (
             collections.deque()
         )
+        # What `stage` agreed with the other ranks once, (world size, run id), and the
+        # step of its last save: later saves need no collective.
+        self._agreed: tuple[int, str] | None = None
+        self._last_step: int | None = None
+        self._planner: _state.SavePlanner | None = None
+        # The thread that completes each staging future (one, reused).
+        self._stage_waiter: concurrent.futures.ThreadPoolExecutor | None = None
+        self.profile: dict[str, Any] = {}
+        """Where the last ``stage`` call's time went, in seconds (see
+        ``ckpt.torch.SaveHandle.profile``), with ``agree_s``: the agreement of the
+        step and run id with the other ranks (a collective on a writer's first save
+        only)."""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
+        if checkpoint_id is not None and _url(checkpoint_id) != self.url:
             self.url = _url(checkpoint_id)
+            # Another root: its steps are agreed anew.
+            self._agreed, self._last_step = None, None
         self._handle = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -244,10 +258,63 @@ class StorageWriter(_DcpWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> concurrent.futures.Future:
         """Starts ckpt's overlapped save of ``state_dict`` (every rank calls it, in
-        dcp.async_save: the step and run id are agreed here, rank 0 choosing). The
-        returned future completes once the tensors are copied; the write then runs
-        in DCP's save thread (`write_data` waits for this save's part)."""
+        dcp.async_save). The returned future completes once the tensors are copied;
+        the write then runs in DCP's save thread (`write_data` waits for this save's
+        part).
+
+        The step and run id are agreed with the other ranks (rank 0 choosing) on
+        the writer's first save only: later saves take the writer's ``step`` when it
+        is set (every rank sets the same), else the step after the last one, so the
+        training thread makes no collective and no store request per save."""
+        started = time.perf_counter()
         rank, world = _dist_rank()
+        target = self._stage_target(rank, world)
+        agreed = time.perf_counter()
+        self._rank = rank
+        checkpointer = self._native_checkpointer(target)
+        if self._planner is None or self._planner.rank != rank:
+            self._planner = _state.SavePlanner(rank)
+        part = self._planner.prepare(state_dict, _torch_saved)
+        # Staged before DCP plans: the object paths are ckpt's flattening's, which
+        # is DCP's own.
+        metadata = _metadata(part.paths if rank == 0 else None)
+        prepared = time.perf_counter()
+        handle = checkpointer.save(target.step, part.tensors, part.values, {}, metadata, True)
+        registered = time.perf_counter()
+        keep_alive = part.keep_alive
+        self._staged.append((target, handle))
+        self._last_step = target.step
+
+        def wait_staged() -> dict[str, Any]:
+            try:
+                handle.wait_staged()
+                return state_dict
+            finally:
+                keep_alive.clear()
+
+        if self._stage_waiter is None:
+            # Not a daemon: the interpreter waits for it at exit instead of ending it
+            # inside the library's wait.
+            self._stage_waiter = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ckpt-stage"
+            )
+        staged = self._stage_waiter.submit(wait_staged)
+        self.profile = {
+            "agree_s": agreed - started,
+            "prepare_s": prepared - agreed,
+            "library_s": registered - prepared,
+            "library_stall_s": handle.stall,
+            "plan_reused": part.reused,
+            "stage_s": time.perf_counter() - started,
+        }
+        return staged
+
+    def _stage_target(self, rank: int, world: int) -> _SaveTarget:
+        """The step and run id of the save `stage` starts (see `stage`)."""
+        known = self.step if self.step is not None else self._last_step
+        if self._agreed is not None and self._agreed[0] == world and known is not None:
+            step = self.step if self.step is not None else known + 1
+            return _SaveTarget(step=step, run_id=self._agreed[1], world_size=world)
         choice: list[Any] = [None]
         if rank == 0:
             step = self.step
@@ -263,37 +330,18 @@ class StorageWriter(_DcpWriter):
             dist.broadcast_object_list(choice, src=0)
         step, run_id = choice[0]
         self._run_id = run_id
-        target = _SaveTarget(step=step, run_id=run_id, world_size=world)
-        self._rank = rank
-        part = _state.to_save(state_dict, rank, _torch_saved)
-        checkpointer = self._native_checkpointer(target)
-        # Staged before DCP plans: the object paths are ckpt's flattening's, which
-        # is DCP's own.
-        metadata = _metadata(part.paths if rank == 0 else None)
-        handle = checkpointer.save(step, part.tensors, part.values, {}, metadata, True)
-        keep_alive = part.keep_alive
-        self._staged.append((target, handle))
-        staged: concurrent.futures.Future = concurrent.futures.Future()
-
-        def wait_staged() -> None:
-            try:
-                handle.wait_staged()
-                staged.set_result(state_dict)
-            except BaseException as e:  # handed to whoever waits on the future
-                staged.set_exception(e)
-            finally:
-                keep_alive.clear()
-
-        # Not a daemon: the interpreter waits for it at exit instead of ending it
-        # inside the library's wait.
-        threading.Thread(target=wait_staged, name="ckpt-stage").start()
-        return staged
+        self._agreed = (world, run_id)
+        return _SaveTarget(step=step, run_id=run_id, world_size=world)
 
     def synchronize_staging(self) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        """Lets the thread that completes staging futures go (a later save starts
+        another)."""
+        if self._stage_waiter is not None:
+            self._stage_waiter.shutdown(wait=True)
+            self._stage_waiter = None
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # The coordinator returns once the checkpoint is committed (ckpt's commit
