@@ -25,6 +25,13 @@ def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
             "64",
             "--reps",
             "1",
+            "--small-tensors",
+            "20",
+            "--small-rows",
+            "8",
+            "--small-cols",
+            "4",
+            "--profile",
             "--dir",
             str(tmp_path),
             "--json",
@@ -45,3 +52,21 @@ def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
     # Loads from local disk copy nothing on the ckpt paths.
     assert report["paths"]["native"]["load_copied_mib"]["max"] == 0
     assert report["paths"]["native"]["reshard_copied_mib"]["max"] == 0
+    # --profile: where the stall went, the parts within the whole.
+    for path in ("native", "plugin"):
+        figures = report["paths"][path]
+        parts = figures["stall_prepare_s"]["median"] + figures["stall_library_s"]["median"]
+        assert 0 < parts <= figures["stall_s"]["max"] * 1.0001, (path, figures)
+    assert report["paths"]["plugin"]["stall_dcp_own_s"]["median"] >= 0
+    assert "stall_prepare_s" not in report["paths"]["dcp"]
+    assert report["memcpy_s"]["median"] > 0
+    # The small-tensor state, every path.
+    assert report["small"]["workload"]["tensors"] == 20
+    for path, figures in report["small"]["paths"].items():
+        for key in ("stall_s", "durable_s", "load_s"):
+            assert figures[key]["median"] > 0, (path, key)
+    assert set(report["small"]["paths"]) == {"native", "plugin", "dcp"}
+    from ckpt.torch.bench import render
+
+    text = render(report)
+    assert "stall: preparing the save" in text and "Small tensors: 20" in text, text

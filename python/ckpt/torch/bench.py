@@ -142,6 +142,7 @@ class Paths:
                 )
             handle = self._native.save(step, sd)
             stall = time.perf_counter() - t0
+            profile = dict(handle.profile)
             handle.wait_staged()
             staged = time.perf_counter() - t0
             handle.wait_committed()
@@ -159,6 +160,7 @@ class Paths:
                 response = dcp.async_save(
                     sd, storage_writer=self._writer, process_group=self._group_for_async()
                 )
+                profile = dict(self._writer.profile)
             else:
                 target = self.dcp_dir / f"step-{step}"
                 response = dcp.async_save(
@@ -167,6 +169,7 @@ class Paths:
                     process_group=self._group_for_async(),
                     async_stager=self.stager(),
                 )
+                profile = {}
             stall = time.perf_counter() - t0
             response.staging_completion.result()
             staged = time.perf_counter() - t0
@@ -179,12 +182,15 @@ class Paths:
             for old in self.dcp_dir.glob("step-*"):
                 if old.name != f"step-{step}":
                     shutil.rmtree(old, ignore_errors=True)
-        return {
+        figures = {
             "stall_s": _slowest(stall),
             "staged_s": _slowest(staged),
             "durable_s": _slowest(durable),
             "save_copied_mib": copied,
         }
+        if self.args.profile:
+            figures.update(_stall_profile(path, stall, profile))
+        return figures
 
     def _group_for_async(self):
         self.stager()
@@ -219,6 +225,51 @@ class Paths:
             self._native.close()
         if self._stager is not None:
             self._stager.close()
+
+
+def _stall_profile(path: str, stall: float, profile: dict[str, Any]) -> dict[str, float]:
+    """Where the slowest rank's stall went (``--profile``): the figures of the rank
+    whose stall was longest. The native API: preparing the save (walking the state
+    dict, checking the kept plan), the library's call, and the rest (the handle).
+    The plugin: its ``stage`` (agreeing the step, preparing, the library's call)
+    and what DCP's ``async_save`` does around it (its own work and threads)."""
+    if path == "dcp":
+        return {}
+    parts = {
+        "prepare": profile.get("prepare_s", 0.0),
+        "library": profile.get("library_s", 0.0),
+        "library_own": profile.get("library_stall_s", 0.0),
+    }
+    if path == "native":
+        parts["other"] = stall - parts["prepare"] - parts["library"]
+    else:
+        parts["agree"] = profile.get("agree_s", 0.0)
+        parts["dcp_own"] = stall - profile.get("stage_s", 0.0)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (stall, parts))
+    _, slowest = max(everyone, key=lambda e: e[0])
+    return {f"stall_{name}_s": value for name, value in slowest.items()}
+
+
+def _memcpy(sd: dict[str, Any]) -> float:
+    """Seconds every rank takes to copy its shard once (all ranks at once, as their
+    saves stage), into memory faulted in beforehand: the staging copy's floor."""
+    from ckpt.torch._state import leaves
+
+    local = [
+        (v.to_local() if hasattr(v, "to_local") else v).reshape(-1).view(torch.uint8)
+        for v in (leaf.value for leaf in leaves(sd))
+        if isinstance(v, torch.Tensor)
+    ]
+    flat = torch.empty(sum(t.numel() for t in local), dtype=torch.uint8)
+    flat.fill_(0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    at = 0
+    for t in local:
+        flat[at : at + t.numel()].copy_(t)
+        at += t.numel()
+    return _slowest(time.perf_counter() - t0)
 
 
 def sd_bytes(sd: dict[str, Any]) -> int:
@@ -261,9 +312,30 @@ def _save_and_load(rank: int, world: int, port: int, args, base: str, out: str) 
             figures.update(paths.load(path, step, sd))
             results[path].append(figures)
     paths.close()
+    memcpy = [_memcpy(sd) for _ in range(args.reps)]
+    del sd
+    small: dict[str, list[dict[str, float]]] = {p: [] for p in active}
+    if args.small_tensors:
+        # Many small tensors (an optimizer state of many parameters): the per-tensor
+        # cost of each path, not the bytes, sets its figures.
+        small_paths = Paths(Path(base) / "small", _under(args.url, "small"), args)
+        state = w1_state(world, args.small_tensors, args.small_rows, args.small_cols, seed=4)
+        for path in active:
+            small_paths.save(path, 0, state)
+        for rep in range(args.reps):
+            order = active[rep % len(active) :] + active[: rep % len(active)]
+            for path in order:
+                figures = small_paths.save(path, rep + 1, state)
+                figures.update(small_paths.load(path, rep + 1, state))
+                small[path].append(figures)
+        small_paths.close()
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({"w1": results, "memcpy": memcpy, "small": small}))
     _leave()
+
+
+def _under(url: str | None, name: str) -> str | None:
+    return None if url is None else url.rstrip("/") + "/" + name
 
 
 def _reshard(rank: int, world: int, port: int, args, base: str, out: str) -> None:
@@ -356,7 +428,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args=(args.reshard, _free_port(), args, str(base), str(second)),
             nprocs=args.reshard,
         )
-        saved, resharded = json.loads(first.read_text()), json.loads(second.read_text())
+        first_half, resharded = json.loads(first.read_text()), json.loads(second.read_text())
+        saved = first_half["w1"]
         rss = {}
         for path in saved:
             out = base / f"rss-{path}.json"
@@ -381,12 +454,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "url": args.url or "file:// (a temporary directory)",
             "torch": torch.__version__,
         },
+        "memcpy_s": summarize([{"memcpy_s": s} for s in first_half["memcpy"]])["memcpy_s"],
         "paths": {},
     }
     for path, samples in saved.items():
         merged = [{**a, **b} for a, b in zip(samples, resharded[path], strict=True)]
         report["paths"][path] = summarize(merged)
         report["paths"][path].update(rss[path])
+    if args.small_tensors:
+        report["small"] = {
+            "workload": {
+                "tensors": args.small_tensors,
+                "shape": [args.small_rows, args.small_cols],
+                "dtype": "float32",
+                "mib_per_rank": args.small_tensors
+                * (-(-args.small_rows // args.ranks))
+                * args.small_cols
+                * 4
+                / MiB,
+            },
+            "paths": {path: summarize(samples) for path, samples in first_half["small"].items()},
+        }
     return report
 
 
@@ -420,15 +508,46 @@ def render(report: dict[str, Any]) -> str:
         ("copied per rank: load", "load_copied_mib", "MiB"),
         ("copied per rank: resharded load", "reshard_copied_mib", "MiB"),
     ]
-    names = {"native": "ckpt.torch", "plugin": "DCP + ckpt plugin", "dcp": "stock DCP"}
-    paths = list(report["paths"])
-    width = 44
-    header = "".ljust(width) + "".join(names[p].ljust(30) for p in paths)
-    lines.append(header)
-    for label, key, unit in rows:
-        cells = [_fmt(report["paths"][p].get(key), unit).ljust(30) for p in paths]
-        lines.append(label.ljust(width) + "".join(cells))
+    profile_rows = [
+        ("stall: preparing the save", "stall_prepare_s", "s"),
+        ("stall: the library's call", "stall_library_s", "s"),
+        ("  of it the library's own registration", "stall_library_own_s", "s"),
+        ("stall: the rest of the native call", "stall_other_s", "s"),
+        ("stall: agreeing the step (plugin)", "stall_agree_s", "s"),
+        ("stall: DCP's own, around the plugin", "stall_dcp_own_s", "s"),
+    ]
+    rows += [row for row in profile_rows if any(row[1] in p for p in report["paths"].values())]
+    lines += _table(report["paths"], rows)
+    memcpy = report.get("memcpy_s")
+    if memcpy:
+        lines.append(f"memcpy of a rank's shard (every rank at once): {_fmt(memcpy)}")
+    small = report.get("small")
+    if small:
+        w = small["workload"]
+        lines += [
+            "",
+            f"Small tensors: {w['tensors']} fp32 tensors {w['shape'][0]}x{w['shape'][1]} "
+            f"({w['mib_per_rank']:.0f} MiB per rank, dim-0 shards)",
+            "",
+        ]
+        small_rows = [
+            ("stall per save", "stall_s", "s"),
+            ("save until durable", "durable_s", "s"),
+            ("load, same world (cold)", "load_s", "s"),
+        ]
+        small_rows += [r for r in profile_rows if any(r[1] in p for p in small["paths"].values())]
+        lines += _table(small["paths"], small_rows)
     return "\n".join(lines)
+
+
+def _table(paths: dict[str, Any], rows: list[tuple[str, str, str]]) -> list[str]:
+    names = {"native": "ckpt.torch", "plugin": "DCP + ckpt plugin", "dcp": "stock DCP"}
+    width = 44
+    lines = ["".ljust(width) + "".join(names[p].ljust(30) for p in paths)]
+    for label, key, unit in rows:
+        cells = [_fmt(paths[p].get(key), unit).ljust(30) for p in paths]
+        lines.append(label.ljust(width) + "".join(cells))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -442,6 +561,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=1024)
+    parser.add_argument(
+        "--small-tensors",
+        type=int,
+        default=2000,
+        help="tensors of the small-tensor state (0: not run)",
+    )
+    parser.add_argument("--small-rows", type=int, default=256)
+    parser.add_argument("--small-cols", type=int, default=64)
+    parser.add_argument(
+        "--profile", action="store_true", help="also print where each path's stall goes"
+    )
     args = parser.parse_args(argv)
     report = run(args)
     print(json.dumps(report, indent=2) if args.json else render(report))
