@@ -58,8 +58,12 @@ def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
         parts = figures["stall_prepare_s"]["median"] + figures["stall_library_s"]["median"]
         assert 0 < parts <= figures["stall_s"]["max"] * 1.0001, (path, figures)
     assert report["paths"]["plugin"]["stall_dcp_own_s"]["median"] >= 0
+    assert report["paths"]["plugin"]["durable_dcp_plan_s"]["median"] > 0
+    assert report["paths"]["plugin"]["durable_wait_commit_s"]["median"] > 0
     assert "stall_prepare_s" not in report["paths"]["dcp"]
     assert report["memcpy_s"]["median"] > 0
+    assert report["stall_alone_s"]["median"] > 0
+    assert report["paths"]["native"]["raw_read_s"]["median"] > 0
     # The small-tensor state, every path.
     assert report["small"]["workload"]["tensors"] == 20
     for path, figures in report["small"]["paths"].items():

@@ -190,6 +190,8 @@ class Paths:
         }
         if self.args.profile:
             figures.update(_stall_profile(path, stall, profile))
+            if path == "plugin":
+                figures.update(_durable_profile(self._writer.profile))
         return figures
 
     def _group_for_async(self):
@@ -251,6 +253,68 @@ def _stall_profile(path: str, stall: float, profile: dict[str, Any]) -> dict[str
     return {f"stall_{name}_s": value for name, value in slowest.items()}
 
 
+def _durable_profile(profile: dict[str, Any]) -> dict[str, float]:
+    """Where the plugin's time until durable went after staging, as the coordinator
+    (rank 0, which also runs ``finish``) saw it: DCP's planning, the wait for
+    ckpt's write, DCP's gathering of the results, the wait for ckpt's commit."""
+    keys = {
+        "dcp_plan_s": "durable_dcp_plan_s",
+        "wait_durable_s": "durable_wait_write_s",
+        "dcp_gather_s": "durable_dcp_gather_s",
+        "wait_committed_s": "durable_wait_commit_s",
+    }
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {new: profile.get(old, 0.0) for old, new in keys.items()})
+    return everyone[0]
+
+
+def _raw_read(root: Path, step: int) -> float:
+    """The floor of a same-world load from this disk (``--profile``): every rank reads
+    its own data file of checkpoint ``step`` cold, front to back in 16 MiB reads into
+    one buffer, at once; no parsing, no checksums, nothing placed. The slowest
+    rank's seconds."""
+    rank = dist.get_rank()
+    (file,) = root.glob(f"step-{step:08d}/*/rank-{rank:05d}-*.safetensors")
+    if rank == 0:
+        drop_cache(root)
+    dist.barrier()
+    buffer = bytearray(16 * MiB)
+    view = memoryview(buffer)
+    t0 = time.perf_counter()
+    with open(file, "rb", buffering=0) as f:
+        while f.readinto(view):
+            pass
+    return _slowest(time.perf_counter() - t0)
+
+
+def _stalls_alone(root: Path, sd: dict[str, Any], reps: int) -> list[float]:
+    """The native save's stall where no other rank copies or writes meanwhile
+    (``--profile``): the ranks save in turn, each waiting until its part is durable
+    before the next rank's save. The slowest rank's stall, per repetition (after an
+    untimed first save, as for the timed figures)."""
+    from ckpt.torch import Checkpointer
+
+    stalls = []
+    checkpointer = Checkpointer(
+        f"file://{root}", keep_last=1, retention_grace=0, run_id="bench-alone"
+    )
+    for step in range(reps + 1):
+        mine, handle = 0.0, None
+        for turn in range(dist.get_world_size()):
+            dist.barrier()
+            if turn == dist.get_rank():
+                t0 = time.perf_counter()
+                handle = checkpointer.save(step, sd)
+                mine = time.perf_counter() - t0
+                handle.wait_durable()
+        handle.wait_committed()
+        slowest = _slowest(mine)
+        if step > 0:
+            stalls.append(slowest)
+    checkpointer.close()
+    return stalls
+
+
 def _memcpy(sd: dict[str, Any]) -> float:
     """Seconds every rank takes to copy its shard once (all ranks at once, as their
     saves stage), into memory faulted in beforehand: the staging copy's floor."""
@@ -300,18 +364,27 @@ def _save_and_load(rank: int, world: int, port: int, args, base: str, out: str) 
     sd = w1_state(world, args.tensors, args.rows, args.cols, seed=1)
     active = [p for p in PATHS if p != "dcp" or not paths.remote]
     results: dict[str, list[dict[str, float]]] = {p: [] for p in active}
-    # One untimed save per path first: every path allocates its staging memory on its
-    # first save (ckpt's buffers, DCP's stager), which a training job pays once.
+    # One untimed save and load per path first: every path allocates its staging
+    # memory on its first save (ckpt's buffers, DCP's stager), which a training job
+    # pays once; and the first loads after the warm-up saves' burst of writes (6 GiB
+    # within seconds) read from a disk still writing them back (2.2-2.6 s against
+    # 0.8 s later, for every path), which says nothing about any path.
     for path in active:
         paths.save(path, 0, sd)
+    for path in active:
+        paths.load(path, 0, sd)
     for rep in range(args.reps):
         order = active[rep % len(active) :] + active[: rep % len(active)]
         for path in order:
             step = rep + 1
             figures = paths.save(path, step, sd)
             figures.update(paths.load(path, step, sd))
+            root = paths.local_root(path)
+            if args.profile and path == "native" and root is not None:
+                figures["raw_read_s"] = _raw_read(root, step)
             results[path].append(figures)
     paths.close()
+    alone = _stalls_alone(Path(base) / "alone", sd, args.reps) if args.profile else []
     memcpy = [_memcpy(sd) for _ in range(args.reps)]
     del sd
     small: dict[str, list[dict[str, float]]] = {p: [] for p in active}
@@ -330,7 +403,9 @@ def _save_and_load(rank: int, world: int, port: int, args, base: str, out: str) 
                 small[path].append(figures)
         small_paths.close()
     if rank == 0:
-        Path(out).write_text(json.dumps({"w1": results, "memcpy": memcpy, "small": small}))
+        Path(out).write_text(
+            json.dumps({"w1": results, "memcpy": memcpy, "small": small, "alone": alone})
+        )
     _leave()
 
 
@@ -455,6 +530,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "torch": torch.__version__,
         },
         "memcpy_s": summarize([{"memcpy_s": s} for s in first_half["memcpy"]])["memcpy_s"],
+        "stall_alone_s": (
+            summarize([{"s": s} for s in first_half["alone"]])["s"] if first_half["alone"] else None
+        ),
         "paths": {},
     }
     for path, samples in saved.items():
@@ -509,18 +587,26 @@ def render(report: dict[str, Any]) -> str:
         ("copied per rank: resharded load", "reshard_copied_mib", "MiB"),
     ]
     profile_rows = [
+        ("load floor: raw reads of the same files", "raw_read_s", "s"),
         ("stall: preparing the save", "stall_prepare_s", "s"),
         ("stall: the library's call", "stall_library_s", "s"),
         ("  of it the library's own registration", "stall_library_own_s", "s"),
         ("stall: the rest of the native call", "stall_other_s", "s"),
         ("stall: agreeing the step (plugin)", "stall_agree_s", "s"),
         ("stall: DCP's own, around the plugin", "stall_dcp_own_s", "s"),
+        ("durable: DCP's planning (plugin)", "durable_dcp_plan_s", "s"),
+        ("durable: waiting for ckpt's write", "durable_wait_write_s", "s"),
+        ("durable: DCP gathering the results", "durable_dcp_gather_s", "s"),
+        ("durable: waiting for ckpt's commit", "durable_wait_commit_s", "s"),
     ]
     rows += [row for row in profile_rows if any(row[1] in p for p in report["paths"].values())]
     lines += _table(report["paths"], rows)
     memcpy = report.get("memcpy_s")
     if memcpy:
         lines.append(f"memcpy of a rank's shard (every rank at once): {_fmt(memcpy)}")
+    alone = report.get("stall_alone_s")
+    if alone:
+        lines.append(f"ckpt.torch's stall, each rank saving alone: {_fmt(alone)}")
     small = report.get("small")
     if small:
         w = small["workload"]

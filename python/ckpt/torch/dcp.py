@@ -127,11 +127,18 @@ class StorageWriter(_DcpWriter):
         self._planner: _state.SavePlanner | None = None
         # The thread that completes each staging future (one, reused).
         self._stage_waiter: concurrent.futures.ThreadPoolExecutor | None = None
+        # When the last staged save's copy ended and its part became durable.
+        self._marks: dict[str, float] = {}
         self.profile: dict[str, Any] = {}
-        """Where the last ``stage`` call's time went, in seconds (see
-        ``ckpt.torch.SaveHandle.profile``), with ``agree_s``: the agreement of the
-        step and run id with the other ranks (a collective on a writer's first save
-        only)."""
+        """Where the last save staged through the writer spent its time, in seconds:
+        its ``stage`` call as ``ckpt.torch.SaveHandle.profile`` says it, with
+        ``agree_s`` (the agreement of the step and run id with the other ranks: a
+        collective on a writer's first save only) and ``stage_s`` (the whole call);
+        then, as DCP's save thread goes on, ``dcp_plan_s`` (DCP's planning, between
+        the end of staging and ``write_data``), ``wait_durable_s`` (``write_data``
+        waiting for ckpt's write of this rank's part), and on the coordinator
+        ``dcp_gather_s`` (DCP gathering the write results before ``finish``) and
+        ``wait_committed_s`` (``finish`` waiting for ckpt's commit)."""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and _url(checkpoint_id) != self.url:
@@ -238,7 +245,15 @@ class StorageWriter(_DcpWriter):
         rank's part (of the boxes ckpt's own rules give this rank, whatever rank
         DCP's planner picked for a replicated item); wait until it is durable."""
         _, handle = self._staged.popleft()
+        entered = time.perf_counter()
+        staged_at = self._marks.get("staged")
+        if staged_at is not None:
+            # DCP's planning between the end of staging and this call (its local
+            # plans, their gathering, the global plan and its scatter).
+            self.profile["dcp_plan_s"] = entered - staged_at
         handle.wait_durable()
+        self._marks["durable"] = time.perf_counter()
+        self.profile["wait_durable_s"] = self._marks["durable"] - entered
         self._handle = handle
         results = [
             WriteResult(item.index, item.tensor_storage_size() or 0, None) for item in plan.items
@@ -288,6 +303,7 @@ class StorageWriter(_DcpWriter):
         def wait_staged() -> dict[str, Any]:
             try:
                 handle.wait_staged()
+                marks["staged"] = time.perf_counter()
                 return state_dict
             finally:
                 keep_alive.clear()
@@ -298,6 +314,8 @@ class StorageWriter(_DcpWriter):
             self._stage_waiter = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="ckpt-stage"
             )
+        marks: dict[str, float] = {}
+        self._marks = marks
         staged = self._stage_waiter.submit(wait_staged)
         self.profile = {
             "agree_s": agreed - started,
@@ -347,8 +365,14 @@ class StorageWriter(_DcpWriter):
         # The coordinator returns once the checkpoint is committed (ckpt's commit
         # runs on its own committer ranks, rank 0 first); DCP's metadata is not
         # stored: the reader rebuilds it from ckpt's manifest.
+        entered = time.perf_counter()
+        durable_at = self._marks.get("durable")
+        if durable_at is not None:
+            # DCP gathering every rank's write results and building its metadata.
+            self.profile["dcp_gather_s"] = entered - durable_at
         if self._handle is not None:
             self._handle.wait_committed()
+        self.profile["wait_committed_s"] = time.perf_counter() - entered
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
