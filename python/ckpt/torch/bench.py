@@ -134,6 +134,7 @@ class Paths:
         from ckpt.torch.dcp import StorageWriter
 
         dist.barrier()
+        copied_after = None
         t0 = time.perf_counter()
         if path == "native":
             if self._native is None:
@@ -173,6 +174,8 @@ class Paths:
             stall = time.perf_counter() - t0
             response.staging_completion.result()
             staged = time.perf_counter() - t0
+            if path == "plugin":
+                copied_after = self._writer.profile.get("copy_s")
             response.upload_completion.result()
             # Either path copies the state once: DCP's stager, or ckpt's staging.
             copied = sd_bytes(sd) / MiB
@@ -192,6 +195,7 @@ class Paths:
             figures.update(_stall_profile(path, stall, profile))
             if path == "plugin":
                 figures.update(_durable_profile(self._writer.profile))
+                figures["staged_copy_s"] = _slowest(copied_after or 0.0)
         return figures
 
     def _group_for_async(self):
@@ -594,6 +598,7 @@ def render(report: dict[str, Any]) -> str:
         ("stall: the rest of the native call", "stall_other_s", "s"),
         ("stall: agreeing the step (plugin)", "stall_agree_s", "s"),
         ("stall: DCP's own, around the plugin", "stall_dcp_own_s", "s"),
+        ("staged: ckpt's copy done (plugin)", "staged_copy_s", "s"),
         ("durable: DCP's planning (plugin)", "durable_dcp_plan_s", "s"),
         ("durable: waiting for ckpt's write", "durable_wait_write_s", "s"),
         ("durable: DCP gathering the results", "durable_dcp_gather_s", "s"),

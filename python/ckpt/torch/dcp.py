@@ -134,7 +134,8 @@ class StorageWriter(_DcpWriter):
         its ``stage`` call as ``ckpt.torch.SaveHandle.profile`` says it, with
         ``agree_s`` (the agreement of the step and run id with the other ranks: a
         collective on a writer's first save only) and ``stage_s`` (the whole call);
-        then, as DCP's save thread goes on, ``dcp_plan_s`` (DCP's planning, between
+        ``copy_s`` (from the call until ckpt's copy was seen done); then, as DCP's
+        save thread goes on, ``dcp_plan_s`` (DCP's planning, between
         the end of staging and ``write_data``), ``wait_durable_s`` (``write_data``
         waiting for ckpt's write of this rank's part), and on the coordinator
         ``dcp_gather_s`` (DCP gathering the write results before ``finish``) and
@@ -304,6 +305,7 @@ class StorageWriter(_DcpWriter):
             try:
                 handle.wait_staged()
                 marks["staged"] = time.perf_counter()
+                self.profile["copy_s"] = marks["staged"] - started
                 return state_dict
             finally:
                 keep_alive.clear()
