@@ -318,26 +318,12 @@ def boxes(fqn: str, value: torch.Tensor, rank: int) -> list[Box]:
 class ToSave:
     """One rank's part of a state dict, as the native save takes it."""
 
-    tensors: list[tuple]  # the boxes (`Box.for_save`)
+    tensors: Any  # the boxes (`Box.for_save` tuples), or a `_native.SavePlan` of them
     values: dict[str, str | bytes]  # non-tensor leaves, encoded
     keep_alive: list[torch.Tensor]  # the memory the boxes point at
     copied: int  # bytes copied to make non-contiguous tensors contiguous
     paths: dict[str, tuple]  # flattened name -> object path, of every leaf
-
-
-def to_save(
-    state_dict: Mapping[str, Any], rank: int, encode: Callable[[str, Any], str | bytes]
-) -> ToSave:
-    """This rank's boxes of ``state_dict``'s tensors, and its other leaves encoded by
-    ``encode`` (JSON for the native API, ``torch.save`` bytes for DCP's)."""
-    out = ToSave([], {}, [], 0, {})
-    for leaf in leaves(state_dict):
-        out.paths[leaf.fqn] = leaf.path
-        if not isinstance(leaf.value, torch.Tensor):
-            out.values[leaf.fqn] = encode(leaf.fqn, leaf.value)
-            continue
-        _add_boxes(out, leaf.fqn, leaf.value, rank)
-    return out
+    reused: bool = False  # the plan of the previous save was handed over again
 
 
 def _add_boxes(out: ToSave, fqn: str, value: torch.Tensor, rank: int) -> None:
@@ -377,19 +363,6 @@ def _memory_key(value: torch.Tensor) -> tuple | None:
     return (value.data_ptr(), value.shape, value.dtype, value.device)
 
 
-@dataclass
-class Prepared:
-    """A save as the native layer takes it: ``tensors`` is a ``_native.SavePlan``
-    (or the tuples, for a state whose plan is not kept); the rest as in ToSave."""
-
-    tensors: Any
-    values: dict[str, str | bytes]
-    keep_alive: list[torch.Tensor]
-    copied: int
-    paths: dict[str, tuple]
-    reused: bool  # the plan of the previous save was reused
-
-
 class SavePlanner:
     """One rank's save plan, kept between saves of a state that keeps its structure.
 
@@ -413,7 +386,10 @@ class SavePlanner:
 
     def prepare(
         self, state_dict: Mapping[str, Any], encode: Callable[[str, Any], str | bytes]
-    ) -> Prepared:
+    ) -> ToSave:
+        """This rank's boxes of ``state_dict``'s tensors (the kept plan when they are
+        unchanged), and its other leaves encoded by ``encode`` (JSON for the native
+        API, ``torch.save`` bytes for DCP's)."""
         from ckpt import _native
 
         values: dict[str, str | bytes] = {}
@@ -443,17 +419,18 @@ class SavePlanner:
             key.append((_default_rank(), _streams(cuda)))
         if key is not None and key == self._key:
             keep_alive = [value for _, value in tensors]
-            return Prepared(self._plan, values, keep_alive, 0, paths, True)
+            return ToSave(self._plan, values, keep_alive, 0, paths, reused=True)
         out = ToSave([], values, [], 0, paths)
         for fqn, value in tensors:
             _add_boxes(out, fqn, value, self.rank)
         if key is None:
             self._key, self._plan, self._held = None, None, []
-            return Prepared(out.tensors, values, out.keep_alive, out.copied, paths, False)
+            return out
         self._plan = _native.SavePlan(out.tensors)
         self._key = key
         self._held = [value.device_mesh for _, value in tensors if is_dtensor(value)]
-        return Prepared(self._plan, values, out.keep_alive, 0, paths, False)
+        out.tensors = self._plan
+        return out
 
 
 def _default_rank() -> int:
