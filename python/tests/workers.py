@@ -114,8 +114,7 @@ def save_world(rank: int, world: int, port: int, roots: dict[str, str], referenc
     assert agreements == [], "a later stage made a collective"
     assert writer.profile["plan_reused"] is True, writer.profile
     assert writer._last_step == first + 1, (first, writer._last_step)
-    _, handle = writer._staged.popleft()
-    handle.wait_committed()
+    writer._staged.popleft().handle.wait_committed()
     dist.barrier()
     dist.destroy_process_group()
 

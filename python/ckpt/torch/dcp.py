@@ -98,6 +98,17 @@ class _SaveTarget:
     planner_data: Any = dataclasses.field(default=None, compare=False)
 
 
+@dataclasses.dataclass
+class _StagedSave:
+    """A save `stage` started, until `write_data` waits for it: its profile (see
+    ``StorageWriter.profile``) and when its copy ended and its part became durable."""
+
+    target: _SaveTarget
+    handle: _native.SaveHandle
+    profile: dict[str, Any]
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
 class StorageWriter(_DcpWriter):
     """DCP's ``StorageWriter`` over a ckpt checkpoint root.
 
@@ -117,9 +128,7 @@ class StorageWriter(_DcpWriter):
         self._handle: _native.SaveHandle | None = None
         self._run_id: str | None = None
         # Saves staged by `stage` (dcp.async_save) whose write_data has not run yet.
-        self._staged: collections.deque[tuple[_SaveTarget, _native.SaveHandle]] = (
-            collections.deque()
-        )
+        self._staged: collections.deque[_StagedSave] = collections.deque()
         # What `stage` agreed with the other ranks once, (world size, run id), and the
         # step of its last save: later saves need no collective.
         self._agreed: tuple[int, str] | None = None
@@ -127,10 +136,11 @@ class StorageWriter(_DcpWriter):
         self._planner: _state.SavePlanner | None = None
         # The thread that completes each staging future (one, reused).
         self._stage_waiter: concurrent.futures.ThreadPoolExecutor | None = None
-        # When the last staged save's copy ended and its part became durable.
-        self._marks: dict[str, float] = {}
+        # The staged save `write_data` waited for last, for `finish`'s figures.
+        self._writing: _StagedSave | None = None
         self.profile: dict[str, Any] = {}
-        """Where the last save staged through the writer spent its time, in seconds:
+        """Where the last save staged through the writer spends its time, in seconds
+        (each save fills its own dict as it goes; this is the newest's):
         its ``stage`` call as ``ckpt.torch.SaveHandle.profile`` says it, with
         ``agree_s`` (the agreement of the step and run id with the other ranks: a
         collective on a writer's first save only) and ``stage_s`` (the whole call);
@@ -158,7 +168,7 @@ class StorageWriter(_DcpWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self._staged:
             # dcp.async_save staged through `stage`, which fixed the target already.
-            target = self._staged[0][0]
+            target = self._staged[0].target
         else:
             step = self.step
             if step is None:
@@ -199,7 +209,7 @@ class StorageWriter(_DcpWriter):
             raise _native.InvalidError(
                 "the save plan carries no ckpt target: prepare_global_plan did not run"
             )
-        if self._staged and self._staged[0][0] == target:
+        if self._staged and self._staged[0].target == target:
             return self._write_staged(plan)
         tensors, rank_state, keep_alive, results = [], {}, [], []
         for item in plan.items:
@@ -245,17 +255,17 @@ class StorageWriter(_DcpWriter):
         """The write of a save that `stage` started: ckpt is already writing this
         rank's part (of the boxes ckpt's own rules give this rank, whatever rank
         DCP's planner picked for a replicated item); wait until it is durable."""
-        _, handle = self._staged.popleft()
+        save = self._staged.popleft()
+        self._writing = save
         entered = time.perf_counter()
-        staged_at = self._marks.get("staged")
-        if staged_at is not None:
+        if "staged" in save.marks:
             # DCP's planning between the end of staging and this call (its local
             # plans, their gathering, the global plan and its scatter).
-            self.profile["dcp_plan_s"] = entered - staged_at
-        handle.wait_durable()
-        self._marks["durable"] = time.perf_counter()
-        self.profile["wait_durable_s"] = self._marks["durable"] - entered
-        self._handle = handle
+            save.profile["dcp_plan_s"] = entered - save.marks["staged"]
+        save.handle.wait_durable()
+        save.marks["durable"] = time.perf_counter()
+        save.profile["wait_durable_s"] = save.marks["durable"] - entered
+        self._handle = save.handle
         results = [
             WriteResult(item.index, item.tensor_storage_size() or 0, None) for item in plan.items
         ]
@@ -298,14 +308,15 @@ class StorageWriter(_DcpWriter):
         handle = checkpointer.save(target.step, part.tensors, part.values, {}, metadata, True)
         registered = time.perf_counter()
         keep_alive = part.keep_alive
-        self._staged.append((target, handle))
+        save = _StagedSave(target, handle, {})
+        self._staged.append(save)
         self._last_step = target.step
 
         def wait_staged() -> dict[str, Any]:
             try:
                 handle.wait_staged()
-                marks["staged"] = time.perf_counter()
-                self.profile["copy_s"] = marks["staged"] - started
+                save.marks["staged"] = time.perf_counter()
+                save.profile["copy_s"] = save.marks["staged"] - started
                 return state_dict
             finally:
                 keep_alive.clear()
@@ -314,19 +325,18 @@ class StorageWriter(_DcpWriter):
             # Not a daemon: the interpreter waits for it at exit instead of ending it
             # inside the library's wait.
             self._stage_waiter = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="ckpt-stage"
+                max_workers=1, thread_name_prefix="ckpt-staged-waiter"
             )
-        marks: dict[str, float] = {}
-        self._marks = marks
+        save.profile.update(
+            agree_s=agreed - started,
+            prepare_s=prepared - agreed,
+            library_s=registered - prepared,
+            library_stall_s=handle.stall,
+            plan_reused=part.reused,
+        )
+        self.profile = save.profile
         staged = self._stage_waiter.submit(wait_staged)
-        self.profile = {
-            "agree_s": agreed - started,
-            "prepare_s": prepared - agreed,
-            "library_s": registered - prepared,
-            "library_stall_s": handle.stall,
-            "plan_reused": part.reused,
-            "stage_s": time.perf_counter() - started,
-        }
+        save.profile["stage_s"] = time.perf_counter() - started
         return staged
 
     def _stage_target(self, rank: int, world: int) -> _SaveTarget:
@@ -341,7 +351,7 @@ class StorageWriter(_DcpWriter):
             if step is None:
                 newest = _native.latest(self.url)
                 step = newest["step"] + 1 if newest else 0
-                pending = [t.step for t, _ in self._staged]
+                pending = [save.target.step for save in self._staged]
                 step = max([step, *[p + 1 for p in pending]])
             choice[0] = (step, self._own_run_id())
         if world > 1:
@@ -368,13 +378,14 @@ class StorageWriter(_DcpWriter):
         # runs on its own committer ranks, rank 0 first); DCP's metadata is not
         # stored: the reader rebuilds it from ckpt's manifest.
         entered = time.perf_counter()
-        durable_at = self._marks.get("durable")
-        if durable_at is not None:
+        save = self._writing
+        if save is not None and "durable" in save.marks:
             # DCP gathering every rank's write results and building its metadata.
-            self.profile["dcp_gather_s"] = entered - durable_at
+            save.profile["dcp_gather_s"] = entered - save.marks["durable"]
         if self._handle is not None:
             self._handle.wait_committed()
-        self.profile["wait_committed_s"] = time.perf_counter() - entered
+        if save is not None:
+            save.profile["wait_committed_s"] = time.perf_counter() - entered
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -457,6 +468,12 @@ class StorageReader(_DcpReader):
         self._dcp_written = False
         self._meta_cache: dict[str, tuple[torch.dtype, list[int]]] = {}
         self.stats: dict[str, int] = {}
+        self.profile: dict[str, float] = {}
+        """Where the last ``read_data`` call's time went, in seconds: ``read_data_s``
+        (the whole call: the plan's items turned into the library's request, the
+        library's read, the copies of converted destinations, DCP's commits of the
+        tensors) and ``library_s`` (the library's read alone). What ``dcp.load``
+        takes besides is DCP's own: reading the metadata, planning, collectives."""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -522,6 +539,7 @@ class StorageReader(_DcpReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._reader is None:
             raise _native.InvalidError("read_data before read_metadata")
+        started = time.perf_counter()
         if isinstance(plan.storage_data, int) and plan.storage_data != self._reader.step:
             self._open(plan.storage_data)
         wants, pending, keep_alive = [], [], []
@@ -552,7 +570,9 @@ class StorageReader(_DcpReader):
                 )
             )
             pending.append((item, target, into, direct))
+        reading = time.perf_counter()
         self.stats = self._reader.load_into(wants) if wants else {}
+        read = time.perf_counter()
         for item, target, into, direct in pending:
             if not direct:
                 with torch.no_grad():
@@ -562,6 +582,7 @@ class StorageReader(_DcpReader):
                 )
             planner.commit_tensor(item, target)
         del keep_alive
+        self.profile = {"read_data_s": time.perf_counter() - started, "library_s": read - reading}
         future: Future[None] = Future()
         future.set_result(None)
         return future
