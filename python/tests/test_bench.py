@@ -61,6 +61,8 @@ def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
     assert report["paths"]["plugin"]["durable_dcp_plan_s"]["median"] > 0
     assert report["paths"]["plugin"]["durable_wait_commit_s"]["median"] > 0
     assert 0 < report["paths"]["plugin"]["staged_copy_s"]["median"]
+    plugin = report["paths"]["plugin"]
+    assert 0 < plugin["load_read_data_s"]["median"] <= plugin["load_s"]["max"]
     assert "stall_prepare_s" not in report["paths"]["dcp"]
     assert report["memcpy_s"]["median"] > 0
     assert report["stall_alone_s"]["median"] > 0

@@ -213,7 +213,7 @@ class Paths:
             drop_cache(root)
         dist.barrier()
         t0 = time.perf_counter()
-        copied = None
+        copied, reader = None, None
         if path == "native":
             extra = load(self.native_url, sd, step=step)
             copied = extra.stats.get("bytes_copied", 0) / MiB
@@ -224,7 +224,15 @@ class Paths:
         else:
             dcp.load(sd, checkpoint_id=str(self.dcp_dir / f"step-{step}"))
         elapsed = time.perf_counter() - t0
-        return {"load_s": _slowest(elapsed), "load_copied_mib": copied}
+        figures = {"load_s": _slowest(elapsed), "load_copied_mib": copied}
+        if self.args.profile and reader is not None:
+            # The slowest rank's split: the plugin's read_data, and DCP's own around it.
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, (elapsed, reader.profile.get("read_data_s", 0.0)))
+            slowest, own = max(everyone)
+            figures["load_read_data_s"] = own
+            figures["load_dcp_own_s"] = slowest - own
+        return figures
 
     def close(self) -> None:
         if self._native is not None:
@@ -599,12 +607,14 @@ def render(report: dict[str, Any]) -> str:
         ("stall: agreeing the step (plugin)", "stall_agree_s", "s"),
         ("stall: DCP's own, around the plugin", "stall_dcp_own_s", "s"),
         ("staged: ckpt's copy done (plugin)", "staged_copy_s", "s"),
+        ("load: the plugin's read_data", "load_read_data_s", "s"),
+        ("load: DCP's own, around read_data", "load_dcp_own_s", "s"),
         ("durable: DCP's planning (plugin)", "durable_dcp_plan_s", "s"),
         ("durable: waiting for ckpt's write", "durable_wait_write_s", "s"),
         ("durable: DCP gathering the results", "durable_dcp_gather_s", "s"),
         ("durable: waiting for ckpt's commit", "durable_wait_commit_s", "s"),
     ]
-    rows += [row for row in profile_rows if any(row[1] in p for p in report["paths"].values())]
+    rows += profile_rows
     lines += _table(report["paths"], rows)
     memcpy = report.get("memcpy_s")
     if memcpy:
@@ -621,17 +631,13 @@ def render(report: dict[str, Any]) -> str:
             f"({w['mib_per_rank']:.0f} MiB per rank, dim-0 shards)",
             "",
         ]
-        small_rows = [
-            ("stall per save", "stall_s", "s"),
-            ("save until durable", "durable_s", "s"),
-            ("load, same world (cold)", "load_s", "s"),
-        ]
-        small_rows += [r for r in profile_rows if any(r[1] in p for p in small["paths"].values())]
-        lines += _table(small["paths"], small_rows)
+        lines += _table(small["paths"], rows)
     return "\n".join(lines)
 
 
 def _table(paths: dict[str, Any], rows: list[tuple[str, str, str]]) -> list[str]:
+    """The rows that some path has a figure for, a column per path."""
+    rows = [row for row in rows if any(row[1] in figures for figures in paths.values())]
     names = {"native": "ckpt.torch", "plugin": "DCP + ckpt plugin", "dcp": "stock DCP"}
     width = 44
     lines = ["".ljust(width) + "".join(names[p].ljust(30) for p in paths)]
