@@ -128,6 +128,7 @@ pub mod save;
 mod staging;
 pub mod state;
 pub mod tools;
+mod upload;
 #[doc(hidden)]
 pub mod writer;
 

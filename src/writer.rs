@@ -324,7 +324,7 @@ impl RankFileWriter {
             rank_state,
             metadata,
         };
-        crate::save::put_part(
+        crate::upload::put_part(
             &self.store,
             &format!("{}/{}", self.attempt.dir(), rank_part_name(self.rank)),
             part.to_bytes(),

@@ -1,0 +1,174 @@
+//! Laying a rank's data file out before anything is copied: the safetensors header,
+//! the order of the boxes, the sources to copy from, and the check that a tensor did
+//! not change while an overlapped save was copying it.
+
+use super::Checkpointer;
+use crate::error::{Error, Result};
+use crate::format::Chunk;
+use crate::staging::{Source, StagingBuffer, copy_sources};
+use crate::writer::{PlannedBox, rank_file_header};
+
+impl Checkpointer {
+    /// Lays the rank's data file out: its header, and the tensors that follow it.
+    /// Fails when two of its safetensors entries would get one name.
+    pub(super) fn plan(&self, step: u64, state: &crate::State<'_>) -> Result<StagePlan> {
+        let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
+        #[allow(unused_mut)]
+        let mut planned: Vec<PlannedBox> = written
+            .iter()
+            .map(|t| PlannedBox {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                region: t.region.clone(),
+            })
+            .collect();
+        // Device tensors follow the host tensors in the file.
+        #[cfg(feature = "cuda")]
+        let device_written: Vec<_> = state.device.iter().filter(|t| t.write).collect();
+        #[cfg(feature = "cuda")]
+        planned.extend(device_written.iter().map(|t| PlannedBox {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            region: t.region.clone(),
+        }));
+        let header = rank_file_header(
+            step,
+            self.config.rank as u32,
+            self.config.world_size as u32,
+            &planned,
+        )?;
+        #[cfg_attr(feature = "cuda", allow(unused_variables))]
+        let total = header.len() + written.iter().map(|t| t.data.len()).sum::<usize>();
+        let mut at = header.len() as u64;
+        #[allow(unused_mut)]
+        let mut chunks: Vec<Chunk> = written
+            .iter()
+            .map(|t| {
+                let begin = at;
+                at += t.data.len() as u64;
+                Chunk {
+                    tensor: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    offsets: t.region.offsets.clone(),
+                    lengths: t.region.lengths.clone(),
+                    bytes: [begin, at],
+                }
+            })
+            .collect();
+        #[cfg(feature = "cuda")]
+        let (total, device) = {
+            let mut device = Vec::new();
+            for t in device_written {
+                let begin = at;
+                at += t.buffer.len() as u64;
+                chunks.push(Chunk {
+                    tensor: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    offsets: t.region.offsets.clone(),
+                    lengths: t.region.lengths.clone(),
+                    bytes: [begin, at],
+                });
+                device.push((t.buffer.clone(), begin as usize));
+            }
+            (at as usize, device)
+        };
+        Ok(StagePlan {
+            total,
+            chunks,
+            sources: written.iter().map(|t| Source::new(t.data)).collect(),
+            names: written.iter().map(|t| t.name.clone()).collect(),
+            header,
+            #[cfg(feature = "cuda")]
+            device,
+        })
+    }
+}
+
+/// A rank's data file, laid out.
+pub(super) struct StagePlan {
+    /// The safetensors header.
+    pub(super) header: Vec<u8>,
+    /// The written tensors' bytes, in file order.
+    pub(super) sources: Vec<Source>,
+    /// Their names.
+    pub(super) names: Vec<String>,
+    /// Header plus data.
+    pub(super) total: usize,
+    /// The manifest's records of the written tensors (file offsets).
+    pub(super) chunks: Vec<Chunk>,
+    /// The written device tensors and their offsets in the file, after the host ones.
+    #[cfg(feature = "cuda")]
+    pub(super) device: Vec<(crate::cuda::DeviceBuffer, usize)>,
+}
+
+/// The staging buffer, filled or being filled.
+pub(super) enum Filled {
+    /// A blocking save's, filled.
+    Ready(StagingBuffer),
+    /// An overlapped save's: the staging thread hands it over when the copy ends.
+    Copying(tokio::sync::oneshot::Receiver<(StagingBuffer, Result<()>)>),
+}
+
+/// Writes `header` then `sources` into `buffer` (`total` bytes in all), copying on
+/// `threads` threads. The `during-staging` failpoint sits after the first tensor.
+///
+/// # Safety
+/// Every source must stay allocated and unwritten until this returns.
+pub(super) unsafe fn fill(
+    buffer: &mut StagingBuffer,
+    header: &[u8],
+    sources: &[Source],
+    total: usize,
+    threads: usize,
+) {
+    let out = buffer.fill(total);
+    let (head, mut data) = out.split_at_mut(header.len());
+    head.copy_from_slice(header);
+    // The first tensor, then the failpoint (with two tensors or more), then the rest.
+    let split = sources.len().min(1);
+    for (i, group) in [&sources[..split], &sources[split..]]
+        .into_iter()
+        .enumerate()
+    {
+        if i == 1 && !group.is_empty() {
+            crate::failpoint::hit("during-staging");
+        }
+        let n: usize = group.iter().map(Source::len).sum();
+        let (now, rest) = data.split_at_mut(n);
+        // SAFETY: forwarded from the caller.
+        unsafe { copy_sources(now, group, threads) };
+        data = rest;
+    }
+}
+
+/// Compares each staged tensor's CRC32 with the one taken when the save was
+/// registered: a difference means the caller changed the tensor before the copy read
+/// it, so the staged file mixes two states. The error names the first such tensor.
+pub(super) fn check_staged(
+    buffer: &StagingBuffer,
+    header_len: usize,
+    sources: &[Source],
+    names: &[String],
+    expected: &[u32],
+    step: u64,
+) -> Result<()> {
+    let mut at = header_len;
+    for ((source, name), &before) in sources.iter().zip(names).zip(expected) {
+        let staged = crc32fast::hash(&buffer[at..at + source.len()]);
+        at += source.len();
+        if staged != before {
+            let e = Error::Mutated(format!(
+                "tensor {name:?} changed while step {step} was being staged (crc32 \
+                 {before:08x} when save_overlapped was called, {staged:08x} copied): it \
+                 was written before SaveHandle::staged() returned; this save is abandoned"
+            ));
+            tracing::error!(step, tensor = %name, "{e}");
+            return Err(e);
+        }
+    }
+    Ok(())
+}

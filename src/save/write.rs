@@ -1,0 +1,238 @@
+//! Writing one rank's files: block CRC32s (and zstd frames) computed on background
+//! threads at lowered priority, the data file uploaded (or written with direct I/O
+//! on local disk), then the rank's manifest part. The encode threads are bounded per
+//! process, so eight ranks on one node do not each start a thread per core.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::sync::Semaphore;
+use tracing::{debug, warn};
+
+use super::{Job, Staged};
+use crate::attempt::data_file_name;
+use crate::codec::{block_crcs, compress_block};
+use crate::error::{Error, Result};
+use crate::format::{Codec, FileEntry, RankPart, rank_part_name, repeats_a_tensor, version_for};
+use crate::staging::Pooled;
+use crate::upload::{put_part, upload};
+
+pub(super) async fn write_rank(job: &Job) -> Result<()> {
+    let config = &job.config;
+    let rank = config.rank as u32;
+    let dir = job.attempt.dir();
+    let block = config.block_size as usize;
+    let compressed = matches!(config.codec, Codec::Zstd { .. });
+    let file_name = data_file_name(rank, compressed, &crate::attempt::nonce());
+    let file_key = format!("{dir}/{file_name}");
+    crate::failpoint::hit("before-data-upload");
+
+    // Checksums (and frames) on background threads: CPU work off the async workers.
+    // A plain file does not depend on its checksums, so it is written meanwhile.
+    let started = Instant::now();
+    let (crcs, frames, stored_bytes) = match config.codec {
+        Codec::None => {
+            let (crcs, stored) = tokio::try_join!(
+                async {
+                    encode(job.buffer.clone(), block, config.codec)
+                        .await
+                        .map(|(crcs, _)| crcs)
+                },
+                write_plain(job, &file_key),
+            )?;
+            (crcs, None, stored)
+        }
+        Codec::Zstd { .. } => {
+            let (crcs, frames) = encode(job.buffer.clone(), block, config.codec).await?;
+            let frames = frames.unwrap_or_default();
+            upload(&job.store, &file_key, &frames).await?;
+            let stored = frames.iter().map(|f| f.len() as u64).sum();
+            (crcs, Some(frames), stored)
+        }
+    };
+    let encoded = started.elapsed();
+    debug!(bytes = stored_bytes, elapsed = ?encoded, "data file written");
+    crate::failpoint::hit("after-data-upload");
+
+    let part = RankPart {
+        // The lowest version that describes the part: 3 only when this rank holds
+        // several boxes of one tensor (the data file's header says the same).
+        format_version: version_for(repeats_a_tensor(
+            job.chunks.iter().map(|c| c.tensor.as_str()),
+        )),
+        step: job.attempt.step,
+        attempt: Some(job.attempt.name()),
+        rank,
+        world_size: config.world_size as u32,
+        generation: config.generation,
+        block_size: config.block_size,
+        codec: config.codec,
+        file: FileEntry {
+            name: file_name,
+            raw_bytes: job.buffer.len() as u64,
+            stored_bytes,
+            block_crc32: crcs,
+            frame_bytes: frames
+                .as_ref()
+                .map(|f| f.iter().map(|b| b.len() as u64).collect())
+                .unwrap_or_default(),
+        },
+        chunks: job.chunks.clone(),
+        global_state: job.global.clone(),
+        rank_state: job.rank_state.clone(),
+        metadata: if job.global.is_some() {
+            job.metadata.clone()
+        } else {
+            BTreeMap::new()
+        },
+    };
+    put_part(
+        &job.store,
+        &format!("{dir}/{}", rank_part_name(rank)),
+        part.to_bytes(),
+    )
+    .await
+}
+
+/// Writes the staging buffer as the rank's plain data file: on local disk with
+/// direct I/O straight from the aligned buffer, elsewhere as a streaming upload.
+/// Returns the bytes stored.
+async fn write_plain(job: &Job, file_key: &str) -> Result<u64> {
+    let local = if job.config.direct_io {
+        job.store.local_path(file_key)?
+    } else {
+        None
+    };
+    match local {
+        Some(path) => {
+            let buffer = job.buffer.clone();
+            let fsync = job.store.config().fsync;
+            tokio::task::spawn_blocking(move || {
+                crate::direct::write_file(&path, &buffer, fsync, || {
+                    crate::failpoint::hit("during-data-upload")
+                })
+                .map_err(|e| Error::Failed(format!("write {}: {e}", path.display())))
+            })
+            .await
+            .map_err(|e| Error::Failed(format!("data file writer failed: {e}")))??;
+        }
+        _ => {
+            let all = Bytes::from_owner(Staged(job.buffer.clone()));
+            upload(&job.store, file_key, &[all]).await?;
+        }
+    }
+    Ok(job.buffer.len() as u64)
+}
+
+/// Block checksums, and with zstd the frames, computed in parallel slices of blocks on
+/// threads of their own at a lower scheduling priority.
+///
+/// Why not tokio's blocking pool: this is background work that competes for the same
+/// cores as the training loop, and in particular as other ranks' staging copies (every
+/// `save` stall is one memcpy only if nothing else runs). Threads of their own can be
+/// niced without lowering the priority of the shared pool's threads for good (an
+/// unprivileged thread cannot raise its priority back), and the pool's I/O stays at
+/// normal priority.
+async fn encode(
+    buffer: Arc<Pooled>,
+    block: usize,
+    codec: Codec,
+) -> Result<(Vec<u32>, Option<Vec<Bytes>>)> {
+    let blocks = buffer.len().div_ceil(block).max(1);
+    let workers = encode_threads().min(blocks);
+    let per = blocks.div_ceil(workers);
+    let mut tasks = Vec::with_capacity(workers);
+    for w in 0..workers {
+        let buffer = buffer.clone();
+        // One permit per thread, process-wide: concurrent saves share the budget.
+        let permit = ENCODE_PERMITS
+            .get_or_init(|| Arc::new(Semaphore::new(encode_threads())))
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Error::Failed("encode permits closed".into()))?;
+        tasks.push(spawn_background(
+            move || -> std::io::Result<(Vec<u32>, Vec<Bytes>)> {
+                let _permit = permit;
+                let start = (w * per * block).min(buffer.len());
+                let end = ((w + 1) * per * block).min(buffer.len());
+                let slice = &buffer[start..end];
+                let crcs = block_crcs(slice, block);
+                let frames = match codec {
+                    Codec::None => Vec::new(),
+                    Codec::Zstd { level, shuffle } => slice
+                        .chunks(block)
+                        .map(|raw| compress_block(raw, level, shuffle).map(Bytes::from))
+                        .collect::<std::io::Result<_>>()?,
+                };
+                Ok((crcs, frames))
+            },
+        ));
+    }
+    let mut crcs = Vec::with_capacity(blocks);
+    let mut frames = Vec::new();
+    for task in tasks {
+        let (c, f) = task
+            .await
+            .map_err(|_| Error::Failed("checksum thread panicked".into()))?
+            .map_err(|e| Error::Failed(format!("compression failed: {e}")))?;
+        crcs.extend(c);
+        frames.extend(f);
+    }
+    if buffer.is_empty() {
+        crcs.clear();
+    }
+    Ok((crcs, matches!(codec, Codec::Zstd { .. }).then_some(frames)))
+}
+
+/// Encode threads a process may run at once, over all its saves: the cores divided
+/// among the ranks of the node (`LOCAL_WORLD_SIZE`, as launchers set it), at most 8.
+/// Eight ranks on a 96-core node then run 8 threads each, not 96.
+pub(super) fn encode_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let local_ranks = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(1);
+        (cores / local_ranks).clamp(1, 8)
+    })
+}
+
+static ENCODE_PERMITS: std::sync::OnceLock<Arc<Semaphore>> = std::sync::OnceLock::new();
+
+/// Niceness of the background encode threads (0 is normal, 19 the lowest).
+const BACKGROUND_NICE: i32 = 10;
+
+/// Runs `work` on a new thread at [`BACKGROUND_NICE`] and hands back its result.
+fn spawn_background<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> tokio::sync::oneshot::Receiver<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("ckpt-encode".into())
+        .spawn(move || {
+            lower_priority();
+            let _ = tx.send(work());
+        });
+    if let Err(e) = spawned {
+        // Out of threads: the receiver reports a failure when `tx` is dropped.
+        warn!(error = %e, "cannot start an encode thread");
+    }
+    rx
+}
+
+/// Lowers this thread's scheduling priority (Linux: `setpriority` on a thread id
+/// applies to that thread only). Best effort.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: plain syscalls on the calling thread's own id.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, BACKGROUND_NICE);
+    }
+}
