@@ -19,10 +19,9 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
+pub use crate::format::names::MAX_RUN_ID_LEN;
+use crate::format::names::is_run_id;
 use crate::format::step_dir;
-
-/// Longest run id accepted (it is part of every object name of an attempt).
-pub const MAX_RUN_ID_LEN: usize = 48;
 
 /// One save attempt of one step by one world.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -72,12 +71,7 @@ impl Attempt {
 /// A run id is 1 to [`MAX_RUN_ID_LEN`] ASCII letters, digits, `_` or `-`: safe in an
 /// object name on every store.
 pub fn check_run_id(run: &str) -> Result<()> {
-    let valid = !run.is_empty()
-        && run.len() <= MAX_RUN_ID_LEN
-        && run
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    if valid {
+    if is_run_id(run) {
         Ok(())
     } else {
         Err(Error::invalid(format!(
@@ -107,6 +101,60 @@ pub fn nonce() -> String {
 /// A fresh random run id (for a single-rank world, where nobody else must agree).
 pub fn random_run_id() -> String {
     format!("{:016x}", random_u64())
+}
+
+/// A run id: the name every rank of one world shares for its saves, and that differs
+/// between runs and restarts (see [`CheckpointConfig::run_id`](crate::CheckpointConfig::run_id)).
+/// Launchers and trainers make one here rather than restating its syntax.
+///
+/// ```
+/// let id = ckpt::RunId::generate();
+/// assert_eq!(ckpt::RunId::new(id.as_str()).unwrap(), id);
+/// assert!(ckpt::RunId::new("a/b").is_err());
+/// assert_eq!(ckpt::RunId::MAX_LEN, 48);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RunId(String);
+
+impl RunId {
+    /// Longest run id accepted ([`MAX_RUN_ID_LEN`]).
+    pub const MAX_LEN: usize = MAX_RUN_ID_LEN;
+
+    /// `run` as a run id; [`Error::Invalid`] unless it is 1 to [`RunId::MAX_LEN`] ASCII
+    /// letters, digits, `_` or `-`.
+    pub fn new(run: impl Into<String>) -> Result<Self> {
+        let run = run.into();
+        check_run_id(&run)?;
+        Ok(Self(run))
+    }
+
+    /// A fresh random run id (16 hex digits), for a world where nobody else must agree
+    /// on it, or for a launcher to hand to all its ranks.
+    pub fn generate() -> Self {
+        Self(random_run_id())
+    }
+
+    /// Whether `run` is a valid run id, without building one.
+    pub fn is_valid(run: &str) -> bool {
+        is_run_id(run)
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for RunId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<RunId> for String {
+    fn from(id: RunId) -> Self {
+        id.0
+    }
 }
 
 /// Random enough for names: std's per-process random hash keys, mixed with a

@@ -17,7 +17,9 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-use crate::staging::ALIGN;
+/// Alignment of buffers written with direct I/O (and so of staging buffers): the
+/// page size and the largest logical block size direct I/O needs.
+pub(crate) const ALIGN: usize = 4096;
 
 /// Bytes per write call.
 const CHUNK: usize = 8 << 20;

@@ -1,4 +1,5 @@
-//! Element types, named as safetensors names them.
+//! Element types, named as safetensors names them, and the plain numbers that hold
+//! them viewed as bytes.
 
 use std::fmt;
 use std::str::FromStr;
@@ -120,6 +121,25 @@ impl FromStr for DType {
             .find(|d| d.name() == s)
             .ok_or_else(|| format!("unknown dtype {s:?}"))
     }
+}
+
+/// Plain old data element types, viewable as bytes: bytemuck's [`Pod`](bytemuck::Pod)
+/// (no padding, every bit pattern a valid value), under the name ckpt's API uses.
+/// The primitive numbers implement it, and so does any type that derives or
+/// implements `bytemuck::Pod` (`half::f16` and `half::bf16` with half's `bytemuck`
+/// feature, for instance).
+pub use bytemuck::Pod as Element;
+
+/// Views a slice of numbers as its bytes (native, i.e. little-endian on every
+/// platform ckpt supports).
+pub fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
+    bytemuck::must_cast_slice(data)
+}
+
+/// Views a slice of numbers as its bytes, for writing: the destination of an in-place
+/// load ([`CheckpointReader::load_into`](crate::CheckpointReader::load_into)).
+pub fn as_bytes_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
+    bytemuck::must_cast_slice_mut(data)
 }
 
 #[cfg(test)]

@@ -62,9 +62,14 @@
 //! `Send + Sync` (share them by reference or `Arc`); so are [`State`] and [`Error`].
 //! Saves and loads are `async` and need a multi-threaded tokio runtime.
 //!
-//! Modules hidden from these docs (`attempt`, `commit`, `commits`, `format`,
-//! `writer`, `failpoint`) are the protocol's internals, public for the crate's own
-//! tools, tests and benchmarks; they may change in any release.
+//! Modules hidden from these docs (`attempt`, `commit`, `commits`, `writer`) are the
+//! protocol's internals, public for the crate's own tools and tests; they may change
+//! in any release, and other crates do not use them. What a benchmark or a test
+//! outside the crate needs of them (building commit logs and manifests at scale,
+//! hostile commit records) is in [`testing`], behind the `testing` feature. The
+//! on-storage format ([`format`], normative in `docs/FORMAT.md`) and the failpoints
+//! of the chaos harness ([`failpoint`], active with the `failpoints` feature) are
+//! public.
 //!
 //! ```
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -116,23 +121,24 @@ pub mod cuda;
 mod direct;
 pub mod dtype;
 mod error;
-#[doc(hidden)]
 pub mod failpoint;
-#[doc(hidden)]
 pub mod format;
 pub mod load;
 pub mod probe;
+mod rank_file;
 pub mod region;
 pub mod retention;
 pub mod save;
 mod staging;
 pub mod state;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tools;
 mod upload;
 #[doc(hidden)]
 pub mod writer;
 
-pub use attempt::Attempt;
+pub use attempt::{Attempt, RunId};
 pub use catalog::{CheckpointInfo, Commit, latest, list_checkpoints, read_manifest};
 pub use commit::Outcome;
 pub use dtype::DType;

@@ -26,9 +26,7 @@ use std::ops::Deref;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
-/// Alignment of staging buffers: the page size and the largest logical block size
-/// direct I/O needs.
-pub(crate) const ALIGN: usize = 4096;
+use crate::direct::ALIGN;
 
 /// A byte buffer aligned to [`ALIGN`] whose capacity is kept across uses.
 pub(crate) struct StagingBuffer {

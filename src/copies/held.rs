@@ -11,7 +11,20 @@ use tokio::sync::watch;
 use super::net::{Pull, Server, pull_replicas};
 use super::{CopyKey, RankCopy};
 use crate::error::{Error, Result};
-use crate::save::SaveHandle;
+
+/// What [`Copies::keep`] needs of a save: its step, its checkpoint's directory, and
+/// where its staged file is published once staged (`None` when the save keeps no
+/// copy). The save path makes one from a [`SaveHandle`](crate::SaveHandle); the copies
+/// need nothing else of the save, so they do not depend on it.
+#[derive(Debug, Clone)]
+pub struct PendingCopy {
+    /// The step saved.
+    pub step: u64,
+    /// The save attempt's directory (its checkpoint's name).
+    pub dir: String,
+    /// Where the staged file arrives.
+    pub copy: Option<watch::Receiver<Option<RankCopy>>>,
+}
 
 /// Settings of a [`Copies`] holder.
 #[derive(Debug, Clone)]
@@ -253,20 +266,20 @@ impl Copies {
         self.server.as_ref().map_or(0, Server::refused)
     }
 
-    /// Keeps the save `handle` follows as this rank's own copy, once it has staged
-    /// (the holder takes it then, without waiting here); its checkpoint is now the
-    /// newest, and copies of checkpoints neither newest nor committed are let go.
+    /// Keeps the save `save` follows (a [`SaveHandle`](crate::SaveHandle), or its
+    /// [`PendingCopy`]) as this rank's own copy, once it has staged (the holder takes
+    /// it then, without waiting here); its checkpoint is now the newest, and copies of
+    /// checkpoints neither newest nor committed are let go.
     ///
     /// Errors: [`Error::Invalid`] when the save keeps no copy (its checkpointer lacks
     /// [`CheckpointConfig::keep_copy`](crate::CheckpointConfig::keep_copy)).
-    pub fn keep(&self, handle: &SaveHandle) -> Result<()> {
-        let copy = handle.copy_channel().ok_or_else(|| {
+    pub fn keep(&self, save: impl Into<PendingCopy>) -> Result<()> {
+        let PendingCopy { step, dir, copy } = save.into();
+        let copy = copy.ok_or_else(|| {
             Error::invalid(format!(
-                "step {}: the save keeps no copy (CheckpointConfig::keep_copy is off)",
-                handle.step()
+                "step {step}: the save keeps no copy (CheckpointConfig::keep_copy is off)"
             ))
         })?;
-        let dir = handle.attempt().dir();
         let mut held = self.shared.lock();
         held.newest = Some(dir.clone());
         held.pending.retain(|(d, _)| *d != dir);

@@ -122,7 +122,7 @@ use crate::staging::Pooled;
 
 /// The job's secret that [`CopyConfig::secret`] holds (from `ckpt-auth`).
 pub use ckpt_auth::JobSecret;
-pub use held::{Copies, CopyConfig, Holding};
+pub use held::{Copies, CopyConfig, Holding, PendingCopy};
 pub use load::{Fallback, FallbackReason, FromCopies, Sources, load_into};
 pub use verify::{ReadBox, VerifiedBytes, file_header, read_verified};
 

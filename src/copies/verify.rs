@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::format::{Chunk, FormatError, RankPart};
-use crate::writer::{PlannedBox, rank_file_header};
+use crate::rank_file::{PlannedBox, rank_file_header};
 
 /// Where a copy's bytes come from: `read(chunk, bytes, out)` fills `out` with bytes
 /// `bytes` (offsets inside the box's data, row-major) of `chunk`'s box, or says why it

@@ -93,7 +93,7 @@ pub(crate) fn check_common(
                 .is_some_and(|(g, run)| {
                     g.len() >= 8
                         && g.bytes().all(|b| b.is_ascii_digit())
-                        && crate::attempt::check_run_id(run).is_ok()
+                        && super::names::is_run_id(run)
                 });
             if !valid {
                 return Err(FormatError::new(

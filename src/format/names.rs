@@ -10,6 +10,20 @@ pub const MANIFEST: &str = "manifest.json";
 /// Name of the hint object at the root (the newest committed step, as text).
 pub const LATEST: &str = "latest";
 
+/// Longest run id accepted (it is part of every object name of a save attempt).
+pub const MAX_RUN_ID_LEN: usize = 48;
+
+/// Whether `run` is a run id: 1 to [`MAX_RUN_ID_LEN`] ASCII letters, digits, `_` or
+/// `-`, safe in an object name on every store. Written here, with the other names,
+/// because both the writers of attempts and the parsers of untrusted parts check it.
+pub fn is_run_id(run: &str) -> bool {
+    !run.is_empty()
+        && run.len() <= MAX_RUN_ID_LEN
+        && run
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 /// The directory of one checkpoint: `step-00000120`.
 pub fn step_dir(step: u64) -> String {
     format!("step-{step:08}")

@@ -43,7 +43,7 @@ pub struct SafetensorsHeader {
 /// tells a plain safetensors reader which piece the entry is. Two boxes of one tensor
 /// get one name only when they are the same box. Such a name can still equal another
 /// tensor's own name: writers check that before writing
-/// ([`crate::writer::rank_file_header`]).
+/// (`rank_file_header` in `src/rank_file.rs`).
 pub fn entry_names(boxes: &[(&str, &[u64], &[u64])]) -> Vec<String> {
     let mut count: HashMap<&str, u32> = HashMap::with_capacity(boxes.len());
     for &(name, _, _) in boxes {

@@ -28,7 +28,7 @@ pub(super) fn zeroed(n: u64, tensor: &str) -> Result<Vec<u8>> {
 ///
 /// Errors: [`Error::Failed`] when the memory cannot be had (rather than the abort of
 /// `vec![0; n]`).
-pub fn zeroed_huge<T: crate::Element>(n: usize) -> Result<Vec<T>> {
+pub fn zeroed_huge<T: crate::dtype::Element>(n: usize) -> Result<Vec<T>> {
     zeroed_vec(n, true).ok_or_else(|| {
         Error::Failed(format!(
             "cannot allocate {n} elements of {} bytes",
@@ -39,7 +39,7 @@ pub fn zeroed_huge<T: crate::Element>(n: usize) -> Result<Vec<T>> {
 
 /// `len` zero elements from the allocator (huge pages asked for with `huge`), or
 /// `None` when they cannot be had.
-fn zeroed_vec<T: crate::Element>(len: usize, huge: bool) -> Option<Vec<T>> {
+fn zeroed_vec<T: crate::dtype::Element>(len: usize, huge: bool) -> Option<Vec<T>> {
     let layout = std::alloc::Layout::array::<T>(len).ok()?;
     if layout.size() == 0 {
         return Some(Vec::new());

@@ -5,12 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
-
 use super::{Role, SaveHandle, Staging, Status};
 use crate::attempt::Attempt;
 use crate::commit::Outcome;
-use crate::copies::RankCopy;
+use crate::copies::{PendingCopy, RankCopy};
 use crate::error::{Error, Result};
 
 impl Drop for SaveHandle {
@@ -118,12 +116,6 @@ impl SaveHandle {
                 )));
             }
         }
-    }
-
-    /// The channel [`SaveHandle::copy`] reads, for a holder of copies that takes the
-    /// copy once it is there (`crate::copies::Copies::keep`).
-    pub(crate) fn copy_channel(&self) -> Option<watch::Receiver<Option<RankCopy>>> {
-        self.copy.clone()
     }
 
     /// The event recorded after the device-to-host copies of the save's device
@@ -265,5 +257,16 @@ pub(super) fn outcome_result(attempt: &Attempt, outcome: Outcome) -> Result<()> 
             attempt.step,
             attempt.dir()
         ))),
+    }
+}
+
+impl From<&SaveHandle> for PendingCopy {
+    /// The save's copy as a holder of copies takes it ([`crate::copies::Copies::keep`]).
+    fn from(handle: &SaveHandle) -> Self {
+        PendingCopy {
+            step: handle.attempt.step,
+            dir: handle.attempt.dir(),
+            copy: handle.copy.clone(),
+        }
     }
 }

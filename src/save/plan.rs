@@ -5,8 +5,8 @@
 use super::Checkpointer;
 use crate::error::{Error, Result};
 use crate::format::Chunk;
+use crate::rank_file::{PlannedBox, rank_file_header};
 use crate::staging::{Source, StagingBuffer, copy_sources};
-use crate::writer::{PlannedBox, rank_file_header};
 
 impl Checkpointer {
     /// Lays the rank's data file out: its header, and the tensors that follow it.

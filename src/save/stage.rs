@@ -15,8 +15,8 @@ use super::plan::{Filled, StagePlan, check_staged, fill};
 use super::{Checkpointer, Job, PendingCopies, Role, SaveHandle, Staging, Status};
 use crate::attempt::Attempt;
 use crate::error::{Error, Result};
+use crate::rank_file::check_header;
 use crate::staging::{Pooled, StagingBuffer};
-use crate::writer::check_header;
 
 impl Checkpointer {
     pub(super) async fn start(
