@@ -39,8 +39,10 @@ pub(super) enum Outbox {
         queue: SyncSender<Arc<str>>,
         socket: TcpStream,
     },
-    /// A rank simulated in this process ([`NodeAgent::attach`](super::NodeAgent::attach)): the lines go to a
+    /// A rank simulated in this process ([`NodeAgent::attach`]): the lines go to a
     /// queue shared by many, tagged with the rank's number.
+    ///
+    /// [`NodeAgent::attach`]: super::NodeAgent::attach
     Attached {
         tag: usize,
         queue: SyncSender<(usize, Arc<str>)>,
