@@ -207,7 +207,7 @@ def judge(
     """The oracle; returns the schedule it checked."""
     plan = schedule(*logs)
     assert plan and plan[0] == (0, plan[0][1]), "\n".join(logs)
-    commits = [e for e in ckpt.torch.list(url) if e["committed"]]
+    commits = [e for e in ckpt.torch.list_checkpoints(url) if e["committed"]]
     steps_committed = sorted({e["step"] for e in commits})
     assert steps_committed[-1] == steps, steps_committed
     missing = set(range(EVERY, steps + 1, EVERY)) - set(steps_committed)
@@ -287,7 +287,9 @@ def test_sigstop_is_dropped_by_heartbeat_fenced_and_killed(urls):
     plan = judge(url, ref, text)
     assert [w for _, w in plan] == [4, 3]
     # Fenced: nothing of generation 1 was committed after the re-formation.
-    later = [e for e in ckpt.torch.list(url) if e["committed"] and e["step"] > plan[1][0]]
+    later = [
+        e for e in ckpt.torch.list_checkpoints(url) if e["committed"] and e["step"] > plan[1][0]
+    ]
     assert later and all(e["dir"].endswith("-e2") for e in later), later
 
 
@@ -308,7 +310,9 @@ def test_sigcont_after_the_drop_leaves_as_stale(urls):
     )
     assert job.finish() == 0, job.text()
     plan = judge(url, ref, job.text())
-    later = [e for e in ckpt.torch.list(url) if e["committed"] and e["step"] > plan[1][0]]
+    later = [
+        e for e in ckpt.torch.list_checkpoints(url) if e["committed"] and e["step"] > plan[1][0]
+    ]
     assert all(e["dir"].endswith("-e2") for e in later), later
 
 
@@ -552,7 +556,7 @@ def test_a_stale_generation_cannot_commit_over_a_newer_one(tmp_path):
     stale = ckpt.torch.Checkpointer(url, rank=0, world_size=1, generation=1, run_id="job-e1")
     with pytest.raises(ckpt.FencedError):
         stale.save(30, state).wait_committed()
-    assert [e["step"] for e in ckpt.torch.list(url) if e["committed"]] == [20]
+    assert [e["step"] for e in ckpt.torch.list_checkpoints(url) if e["committed"]] == [20]
 
 
 def test_a_fixed_world_drains_on_sigterm_too(urls):

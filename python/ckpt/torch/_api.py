@@ -1,4 +1,5 @@
-"""The native torch API: ``Checkpointer``, ``SaveHandle``, ``load``, ``latest``, ``list``.
+"""The native torch API: ``Checkpointer``, ``SaveHandle``, ``load``, ``latest``,
+``list_checkpoints``.
 
 Shaped like the Rust API. A save blocks the caller only while the rank's tensors
 are copied into the library's staging buffer (``overlapped=False``), or not even for
@@ -20,7 +21,6 @@ What each path copies (bytes of tensor data; see docs/PYTHON.md):
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import time
@@ -377,7 +377,7 @@ def latest(url: str | os.PathLike) -> dict[str, Any] | None:
     return _native.latest(_url(url))
 
 
-def list(url: str | os.PathLike) -> builtins.list[dict[str, Any]]:  # noqa: A001
+def list_checkpoints(url: str | os.PathLike) -> list[dict[str, Any]]:
     """Every checkpoint under ``url``, commits first in commit order (``step``,
     ``dir``, ``status``, ``committed``, ``generation``, ``ranks_present``, ``bytes``)."""
     return _native.list(_url(url))
