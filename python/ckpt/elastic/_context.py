@@ -169,10 +169,17 @@ class Context:
             return True
         return False
 
-    def checkpointer(self, url: str | os.PathLike, **config: Any) -> _api.Checkpointer:
+    def checkpointer(
+        self,
+        url: str | os.PathLike,
+        *,
+        store_options: _api.StoreOptions | None = None,
+        **config: Any,
+    ) -> _api.Checkpointer:
         """A ``ckpt.torch.Checkpointer`` for this rank, fenced by the generation (its
         run id and checkpoint generation), whose commits are reported to the control
-        plane (which is how waiting ranks are let in at a checkpoint)."""
+        plane (which is how waiting ranks are let in at a checkpoint). ``config`` and
+        ``store_options`` as ``ckpt.torch.Checkpointer`` takes them."""
         if self._run_id is not None:
             config.setdefault("run_id", self._run_id)
         if self._copies is not None:
@@ -182,12 +189,21 @@ class Context:
         self._agent.set_checkpoint_generation(config["generation"])
         from ckpt.elastic._checkpointer import FencedCheckpointer
 
-        return FencedCheckpointer(self, url, rank=self.rank, world_size=self.world_size, **config)
+        return FencedCheckpointer(
+            self,
+            url,
+            rank=self.rank,
+            world_size=self.world_size,
+            store_options=store_options,
+            **config,
+        )
 
     def resume(
         self,
         url: str | os.PathLike,
         state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        *,
+        store_options: _api.StoreOptions | None = None,
     ) -> _api.ExtraState | None:
         """Loads the newest committed checkpoint under ``url`` (every rank the same
         one) into ``state_dict`` in place, resharded for this generation, and returns
@@ -195,12 +211,13 @@ class Context:
         nothing is committed yet. ``state_dict`` may be a function that returns it,
         called only when there is something to load (``get_state_dict`` gives a fresh
         optimizer state, which a run from scratch must not have). The load counts as
-        a wait on the other ranks, not as a hang."""
+        a wait on the other ranks, not as a hang. ``store_options`` as
+        ``ckpt.torch.Checkpointer`` takes them."""
         from ckpt.torch import _api
 
         started = time.monotonic()
         try:
-            step = self._collective(lambda: _newest_step(os.fspath(url)))
+            step = self._collective(lambda: _newest_step(os.fspath(url), store_options))
             if step is None:
                 return None
             if callable(state_dict):
@@ -209,7 +226,14 @@ class Context:
             self._agent.collective_started()
             copies = (self._copies, self._table) if self._copies is not None else None
             try:
-                extra = _api.load(url, state_dict, step=step, rank=self.rank, copies=copies)
+                extra = _api.load(
+                    url,
+                    state_dict,
+                    step=step,
+                    rank=self.rank,
+                    copies=copies,
+                    store_options=store_options,
+                )
             finally:
                 self._agent.collective_done()
             self._loaded = extra.stats
@@ -247,14 +271,14 @@ class Context:
             self._agent.collective_done()
 
 
-def _newest_step(url: str) -> int | None:
+def _newest_step(url: str, store_options: _api.StoreOptions | None) -> int | None:
     """The newest committed step under ``url`` as rank 0 sees it, or None: every rank
     resumes from the same one."""
     import torch.distributed as dist
 
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
-        newest = _native.latest(url)
+        newest = _native.latest(url, store_options)
         choice[0] = newest["step"] if newest else None
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
