@@ -11,7 +11,6 @@
 //! reference that replays its schedule of world sizes.
 
 pub mod env;
-pub mod etcd;
 pub mod netns;
 pub mod oracle;
 pub mod plot;
@@ -20,6 +19,10 @@ pub mod scenario;
 pub mod shim;
 pub mod soak;
 pub mod storage_proxy;
+
+/// The private etcd cluster of scenarios on the etcd backend, shared with the tests
+/// that kill etcd members.
+pub use ckpt_testkit::etcd;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

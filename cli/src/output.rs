@@ -53,7 +53,7 @@ fn end(failure: WriteFailure, stream: &str) -> ! {
         WriteFailure::Failed(e) => {
             // stderr may be the stream that failed: this is the last attempt.
             let _ = writeln!(io::stderr(), "error: cannot write to {stream}: {e}");
-            std::process::exit(i32::from(crate::commands::EXIT_STORAGE))
+            std::process::exit(i32::from(crate::exit::STORAGE))
         }
     }
 }
@@ -87,6 +87,21 @@ macro_rules! errln {
 }
 
 pub(crate) use {errln, out, outln};
+
+/// Prints `value` as pretty JSON on stdout. False, with the reason on stderr, when
+/// it cannot be encoded.
+pub(crate) fn print_json(value: &impl serde::Serialize) -> bool {
+    match serde_json::to_string_pretty(value) {
+        Ok(text) => {
+            outln!("{text}");
+            true
+        }
+        Err(e) => {
+            errln!("error: cannot encode the JSON output: {e}");
+            false
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -225,3 +225,38 @@ fn the_control_plane_bench_forms_1024_ranks_and_reforms_without_a_silent_node() 
         "{report:#}"
     );
 }
+
+/// The store flags reach the bench and, passed on, its rank processes.
+#[test]
+fn bench_takes_store_settings_and_timeouts_and_passes_them_to_its_ranks() {
+    let report = bench_json(&[
+        "-o",
+        "retries=0",
+        "-o",
+        "part_size=8MiB",
+        "--request-timeout",
+        "30",
+        "--connect-timeout",
+        "2",
+        "--ranks-as",
+        "processes",
+        "--ranks",
+        "2",
+        "--reshard-ranks",
+        "2",
+        "--tensors",
+        "2",
+        "--rows",
+        "32",
+        "--cols",
+        "16",
+        "--reps",
+        "1",
+        "--raw-mib",
+        "1",
+        "--meta-tensors",
+        "0",
+        "--no-zstd",
+    ]);
+    assert_eq!(report["processes"]["ranks"].as_u64(), Some(2), "{report}");
+}

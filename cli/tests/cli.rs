@@ -1166,3 +1166,64 @@ async fn ls_shows_commits_in_commit_order_and_marks_abandoned_ones() {
     // A resume takes step 15.
     assert_eq!(ckpt::latest(&store).await.unwrap().unwrap().step, 15);
 }
+
+/// A URL of an empty local directory, which lives as long as the guard.
+fn empty_root() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", dir.path().display());
+    (dir, url)
+}
+
+#[test]
+fn a_bad_store_option_value_exits_2_naming_the_key_and_the_value() {
+    let (_dir, url) = empty_root();
+    let cases: [Vec<&str>; 4] = [
+        vec!["ls", &url, "-o", "retries=lots"],
+        vec!["verify", &url, "-o", "request_timeout=soon"],
+        vec!["probe", &url, "-o", "part_size=huge"],
+        vec!["bench", "--url", &url, "--reps", "1", "-o", "fsync=maybe"],
+    ];
+    for args in cases {
+        let out = ckpt(&args);
+        let err = stderr(&out);
+        assert_eq!(code(&out), 2, "{args:?}: {err}");
+        let (key, value) = args.last().unwrap().split_once('=').unwrap();
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(err.contains(key), "{args:?}: {err}");
+        assert!(err.contains(value), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn store_settings_and_timeouts_are_accepted_by_a_checkpoint_tool() {
+    let (_dir, url) = empty_root();
+    let out = ckpt(&[
+        "ls",
+        &url,
+        "-o",
+        "retries=0",
+        "-o",
+        "max_backoff=500ms",
+        "--retries",
+        "1",
+        "--request-timeout",
+        "2.5",
+        "--connect-timeout",
+        "1",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("no checkpoints under"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+#[test]
+fn a_timeout_that_is_not_positive_seconds_is_a_usage_error() {
+    let (_dir, url) = empty_root();
+    for bad in ["0", "-1", "soon"] {
+        let out = ckpt(&["ls", &url, "--connect-timeout", bad]);
+        assert_eq!(code(&out), 2, "{bad}: {}", stderr(&out));
+    }
+}

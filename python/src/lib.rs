@@ -30,13 +30,13 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use ckpt::storage::Store;
+use ckpt::storage::{ErrorKind, Store, StoreConfig};
 use ckpt::{CheckpointConfig, CheckpointReader, Codec, DType, LoadRequest, Region, StateValue};
 use futures::FutureExt;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
 
 create_exception!(ckpt, CkptError, PyException, "A ckpt operation failed.");
 create_exception!(
@@ -467,9 +467,50 @@ fn config(
     Ok(config)
 }
 
-fn open_store(url: &str) -> PyResult<Store> {
-    let py_err = |e: ckpt::storage::Error| Python::attach(|py| to_py(py, ckpt::Error::from(e)));
-    Store::from_url(url).map_err(py_err)
+/// Opens the store at `url`, with Python's `store_options={...}` applied in order by
+/// [`StoreConfig::set`]: the one mapping from a key and its text to a setting, which
+/// the `ckpt` command line's `-o KEY=VALUE` goes through too. A key or value the
+/// store refuses raises `ValueError` naming it; any other failure to open keeps its
+/// library error.
+fn open_store(url: &str, store_options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
+    let mut config = StoreConfig::default();
+    let mut given = false;
+    for (key, value) in store_options.into_iter().flat_map(|d| d.iter()) {
+        let key: String = key.extract().map_err(|_| {
+            PyValueError::new_err(format!("store_options: key {key} is not a string"))
+        })?;
+        config
+            .set(&key, &option_text(&key, &value)?)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        given = true;
+    }
+    Store::open(url, config).map_err(|e| {
+        // An unknown backend option, or settings that do not fit together, fail only
+        // when the store opens; the options are at fault when the URL opens without.
+        if given && e.kind() == ErrorKind::Config && Store::from_url(url).is_ok() {
+            PyValueError::new_err(format!("store_options: {e}"))
+        } else {
+            Python::attach(|py| to_py(py, ckpt::Error::from(e)))
+        }
+    })
+}
+
+/// A store option's value as the text [`StoreConfig::set`] parses: a bool as `true`
+/// or `false`, a number as Python writes it (durations are seconds), a str as is.
+fn option_text(key: &str, value: &Bound<'_, PyAny>) -> PyResult<String> {
+    if let Ok(flag) = value.cast::<PyBool>() {
+        return Ok(flag.is_true().to_string());
+    }
+    if value.is_instance_of::<PyInt>()
+        || value.is_instance_of::<PyFloat>()
+        || value.is_instance_of::<PyString>()
+    {
+        return Ok(value.str()?.to_string());
+    }
+    Err(PyValueError::new_err(format!(
+        "store option {key}: expected a str, int, float or bool, got {}",
+        value.get_type().name()?
+    )))
 }
 
 /// A save's boxes, converted and checked once (`SavePlan(tensors)`, the tuples
@@ -538,15 +579,16 @@ struct Checkpointer {
 #[pymethods]
 impl Checkpointer {
     #[new]
-    #[pyo3(signature = (url, rank, world_size, settings=None))]
+    #[pyo3(signature = (url, rank, world_size, settings=None, store_options=None))]
     fn new(
         py: Python<'_>,
         url: &str,
         rank: usize,
         world_size: usize,
         settings: Option<&Bound<'_, PyDict>>,
+        store_options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let store = open_store(url)?;
+        let store = open_store(url, store_options)?;
         let config = config(rank, world_size, settings)?;
         let _entered = runtime().enter();
         let inner = ckpt::Checkpointer::new(store, config).map_err(|e| to_py(py, e))?;
@@ -750,9 +792,14 @@ struct Reader {
 impl Reader {
     /// Opens checkpoint `step` under `url`, or the newest committed one.
     #[new]
-    #[pyo3(signature = (url, step=None))]
-    fn new(py: Python<'_>, url: &str, step: Option<u64>) -> PyResult<Self> {
-        let store = open_store(url)?;
+    #[pyo3(signature = (url, step=None, store_options=None))]
+    fn new(
+        py: Python<'_>,
+        url: &str,
+        step: Option<u64>,
+        store_options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let store = open_store(url, store_options)?;
         let reader = run(
             py,
             async move { CheckpointReader::open(&store, step).await },
@@ -1034,8 +1081,13 @@ fn check_disjoint(views: &[TensorView]) -> PyResult<()> {
 /// The newest committed checkpoint under `url`: a dict (`step`, `generation`,
 /// `world_size`, `tensors`, `created_unix_ms`), or None when there is none.
 #[pyfunction]
-fn latest<'py>(py: Python<'py>, url: &str) -> PyResult<Option<Bound<'py, PyDict>>> {
-    let store = open_store(url)?;
+#[pyo3(signature = (url, store_options=None))]
+fn latest<'py>(
+    py: Python<'py>,
+    url: &str,
+    store_options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let store = open_store(url, store_options)?;
     let manifest = run(py, async move { ckpt::latest(&store).await })?;
     manifest
         .map(|m| {
@@ -1053,8 +1105,13 @@ fn latest<'py>(py: Python<'py>, url: &str) -> PyResult<Option<Bound<'py, PyDict>
 /// Every checkpoint directory under `url`, commits in commit order first: dicts
 /// (`step`, `dir`, `status`, `committed`, `generation`, `ranks_present`, `bytes`).
 #[pyfunction(name = "list")]
-fn list_checkpoints<'py>(py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyList>> {
-    let store = open_store(url)?;
+#[pyo3(signature = (url, store_options=None))]
+fn list_checkpoints<'py>(
+    py: Python<'py>,
+    url: &str,
+    store_options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let store = open_store(url, store_options)?;
     let infos = run(py, async move { ckpt::list_checkpoints(&store).await })?;
     let out = PyList::empty(py);
     for info in infos {

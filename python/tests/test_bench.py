@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "save_load.py"
 
 # Tiny sizes and one repetition: a run of every path whose figures are checked to be
 # there, not compared, so it runs beside another test (not `serial`); the figures of
-# docs/BENCHMARKS.md come from `python -m ckpt.torch.bench` run alone.
+# docs/BENCHMARKS.md come from `python python/benchmarks/save_load.py` run alone.
 
 
 def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "ckpt.torch.bench",
+            str(BENCH),
             "--tensors",
             "3",
             "--rows",
@@ -73,7 +76,8 @@ def test_the_bench_reports_every_figure_for_the_three_paths(tmp_path):
         for key in ("stall_s", "durable_s", "load_s"):
             assert figures[key]["median"] > 0, (path, key)
     assert set(report["small"]["paths"]) == {"native", "plugin", "dcp"}
-    from ckpt.torch.bench import render
-
-    text = render(report)
+    spec = importlib.util.spec_from_file_location("save_load", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    text = bench.render(report)
     assert "stall: preparing the save" in text and "Small tensors: 20" in text, text

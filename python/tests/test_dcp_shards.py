@@ -26,8 +26,7 @@ from torch.distributed._shard.sharding_spec import (
 )
 from workers import init
 
-from ckpt.torch import list as list_checkpoints
-from ckpt.torch import load
+from ckpt.torch import list_checkpoints, load
 from ckpt.torch.dcp import StorageReader, StorageWriter
 
 WORLD = 2

@@ -207,7 +207,7 @@ def judge(
     """The oracle; returns the schedule it checked."""
     plan = schedule(*logs)
     assert plan and plan[0] == (0, plan[0][1]), "\n".join(logs)
-    commits = [e for e in ckpt.torch.list(url) if e["committed"]]
+    commits = [e for e in ckpt.torch.list_checkpoints(url) if e["committed"]]
     steps_committed = sorted({e["step"] for e in commits})
     assert steps_committed[-1] == steps, steps_committed
     missing = set(range(EVERY, steps + 1, EVERY)) - set(steps_committed)
@@ -287,7 +287,9 @@ def test_sigstop_is_dropped_by_heartbeat_fenced_and_killed(urls):
     plan = judge(url, ref, text)
     assert [w for _, w in plan] == [4, 3]
     # Fenced: nothing of generation 1 was committed after the re-formation.
-    later = [e for e in ckpt.torch.list(url) if e["committed"] and e["step"] > plan[1][0]]
+    later = [
+        e for e in ckpt.torch.list_checkpoints(url) if e["committed"] and e["step"] > plan[1][0]
+    ]
     assert later and all(e["dir"].endswith("-e2") for e in later), later
 
 
@@ -308,7 +310,9 @@ def test_sigcont_after_the_drop_leaves_as_stale(urls):
     )
     assert job.finish() == 0, job.text()
     plan = judge(url, ref, job.text())
-    later = [e for e in ckpt.torch.list(url) if e["committed"] and e["step"] > plan[1][0]]
+    later = [
+        e for e in ckpt.torch.list_checkpoints(url) if e["committed"] and e["step"] > plan[1][0]
+    ]
     assert all(e["dir"].endswith("-e2") for e in later), later
 
 
@@ -321,7 +325,7 @@ def test_a_stale_member_whose_training_thread_stays_blocked_leaves_at_once():
     made endless: only the stale path can end the process."""
     script = """
 import threading
-from ckpt import elastic
+from ckpt.elastic import _watch
 
 class Agent:
     def wait_abort(self, generation, timeout):
@@ -330,8 +334,8 @@ class Agent:
     def directive(self):
         return {"kind": "stale", "current": 2}
 
-elastic.STUCK_AFTER_ABORT = 1e9
-elastic._watch(Agent(), "n0-l3-i0", 1, "gloo", threading.Event(), {}, 0)
+_watch.STUCK_AFTER_ABORT = 1e9
+_watch.watch(Agent(), "n0-l3-i0", 1, "gloo", threading.Event(), {}, 0)
 print("the watcher returned")
 """
     done = subprocess.run(
@@ -345,7 +349,7 @@ print("the watcher returned")
 _TWO_RANKS = """
 import datetime, sys, threading, time
 import torch.distributed as dist
-from ckpt import elastic
+from ckpt.elastic import _watch
 
 rank = int(sys.argv[1])
 if rank == 0:
@@ -366,10 +370,10 @@ class Agent:  # aborted at once, by a restart: this rank survives the failure
     def directive(self):
         return {"kind": "restart", "generation": 1}
 
-elastic.STUCK_AFTER_ABORT = 1e9
+_watch.STUCK_AFTER_ABORT = 1e9
 trainer = threading.get_ident()
 threading.Thread(
-    target=elastic._watch,
+    target=_watch.watch,
     args=(Agent(), "n0-l0-i0", 1, "gloo", threading.Event(), {}, trainer),
     daemon=True,
 ).start()
@@ -422,7 +426,7 @@ def test_an_abort_while_the_group_forms_ends_the_formation():
     script = r"""
 import datetime, subprocess, sys, time
 import torch.distributed as dist
-from ckpt import elastic
+from ckpt.elastic._group import form_group
 
 
 store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
@@ -441,7 +445,7 @@ class Agent:  # rank 0 never shows up; the generation is aborted after a second
 
 a = {"rank": 1, "world_size": 2, "generation": 1}
 try:
-    elastic._form_group(Agent(), a, "gloo", datetime.timedelta(seconds=600))
+    form_group(Agent(), a, "gloo", datetime.timedelta(seconds=600))
     print("formed?!")
 except Exception as e:
     print(f"raised after {time.monotonic() - started:.1f} s: {type(e).__name__}")
@@ -470,7 +474,7 @@ class Next:
 
 agent = Next()
 a = {"rank": 0, "world_size": 2, "generation": 2}
-elastic._form_group(agent, a, "gloo", datetime.timedelta(seconds=60))
+form_group(agent, a, "gloo", datetime.timedelta(seconds=60))
 print("the next generation formed")
 agent.peer.wait(60)
 """
@@ -552,7 +556,7 @@ def test_a_stale_generation_cannot_commit_over_a_newer_one(tmp_path):
     stale = ckpt.torch.Checkpointer(url, rank=0, world_size=1, generation=1, run_id="job-e1")
     with pytest.raises(ckpt.FencedError):
         stale.save(30, state).wait_committed()
-    assert [e["step"] for e in ckpt.torch.list(url) if e["committed"]] == [20]
+    assert [e["step"] for e in ckpt.torch.list_checkpoints(url) if e["committed"]] == [20]
 
 
 def test_a_fixed_world_drains_on_sigterm_too(urls):
@@ -570,32 +574,32 @@ def test_a_transient_checkpoint_error_re_forms_the_world_instead_of_dropping_the
     """The chaos harness found it: a store that reset connections made a rank's
     wait_committed raise a transient StorageError, which used to count as a bug in the
     script (the rank left, the job fell under its minimum)."""
-    from ckpt import elastic
+    from ckpt.elastic._ending import transient
 
     reset = ckpt.StorageError("list s3://b/step-30: connection reset by peer")
     reset.transient = True
     corrupt = ckpt.CorruptionError("step-30/0.safetensors: block 0 fails its CRC32")
     corrupt.transient = False
-    assert elastic._transient(reset)
-    assert not elastic._transient(corrupt)
-    assert not elastic._transient(ValueError("a bug in the script"))
+    assert transient(reset)
+    assert not transient(corrupt)
+    assert not transient(ValueError("a bug in the script"))
 
 
 def test_finished_decides_the_exit_of_a_member_without_a_control_plane():
     """The chaos soak found it: a node started again after the job finished found
     no coordinator (it had exited with the job) and its ranks exited 1. The script's
     ``finished`` says whether the job is over; no answer, or a failed look, is no."""
-    from ckpt import elastic
+    from ckpt.elastic._ending import over_without_us
 
     gone = ckpt.ElasticError("control plane unreachable: cannot reach the coordinator")
-    assert elastic._over_without_us(lambda: True, gone)
-    assert not elastic._over_without_us(lambda: False, gone)
-    assert not elastic._over_without_us(None, gone)
+    assert over_without_us(lambda: True, gone)
+    assert not over_without_us(lambda: False, gone)
+    assert not over_without_us(None, gone)
 
     def broken() -> bool:
         raise ckpt.StorageError("list file:///nowhere: not found")
 
-    assert not elastic._over_without_us(broken, gone)
+    assert not over_without_us(broken, gone)
 
 
 def test_a_rank_that_moves_within_one_world_size_saves_its_own_shards(urls):

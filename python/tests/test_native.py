@@ -9,8 +9,7 @@ import torch
 from conftest import run_cli
 
 import ckpt
-from ckpt.torch import Checkpointer, latest, load
-from ckpt.torch import list as list_checkpoints
+from ckpt.torch import Checkpointer, latest, list_checkpoints, load
 from ckpt.torch._state import _DTYPES
 
 
@@ -193,6 +192,20 @@ def test_latest_and_list_name_the_commits(root):
     assert [e["step"] for e in listed if e["committed"]] == [5, 10]
     into = {"w": torch.zeros(4)}
     assert load(root, into, step=5).step == 5 and into["w"][0].item() == 5.0
+
+
+def test_the_old_name_list_still_lists_but_warns_that_it_is_deprecated(root):
+    import ckpt.torch
+
+    with Checkpointer(root) as c:
+        c.save(5, {"w": torch.ones(4)}).wait_committed()
+    with pytest.warns(DeprecationWarning, match="list_checkpoints"):
+        old = ckpt.torch.list
+    assert old is list_checkpoints and old(root) == list_checkpoints(root)
+    with pytest.warns(DeprecationWarning, match="list_checkpoints"):
+        from ckpt.torch import list as imported
+    assert imported is list_checkpoints
+    assert "list" not in ckpt.torch.__all__  # a star import shadows no builtin
 
 
 def test_errors_are_exceptions_with_the_library_kind(root, tmp_path):

@@ -35,8 +35,7 @@ from frameworks import (
     verify_all,
 )
 
-from ckpt.torch import latest
-from ckpt.torch import list as ckpt_list
+from ckpt.torch import latest, list_checkpoints
 
 WORKER = Path(__file__).with_name("titan_worker.py")
 STEPS, EVERY, BATCH = 20, 5, 4
@@ -215,7 +214,7 @@ def train_step(model, optimizers, mgr) -> None:
 
 
 def committed(url: str) -> list[int]:
-    return sorted(c["step"] for c in ckpt_list(url) if c["committed"])
+    return sorted(c["step"] for c in list_checkpoints(url) if c["committed"])
 
 
 def test_the_manager_saves_at_its_interval_and_the_last_step_and_keeps_the_latest_k(tmp_path):

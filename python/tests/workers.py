@@ -183,7 +183,7 @@ def save_twice(rank: int, world: int, port: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from ckpt.torch import list as list_checkpoints
+    from ckpt.torch import list_checkpoints
 
     init(rank, world, port)
     mesh = init_device_mesh("cpu", (world,))

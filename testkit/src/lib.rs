@@ -1,5 +1,6 @@
 //! Shared fixtures of the end-to-end tests: stores, deterministic tensors, saving a
-//! whole world in one process, reading tensors back.
+//! whole world in one process, reading tensors back, child processes ([`child`]), a
+//! private etcd cluster ([`etcd`]).
 //!
 //! The S3 store is the loopback server that `scripts/test` starts and announces
 //! through `CKPT_TEST_S3_*` variables; a missing variable fails the test with a
@@ -8,6 +9,7 @@
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
 pub mod child;
+pub mod etcd;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

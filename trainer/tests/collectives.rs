@@ -1,55 +1,100 @@
-//! The TCP backend against a serial reference, and its failure behaviour: timeouts,
-//! abort from another thread, mismatched calls, and a peer process killed during an
-//! all-gather.
+//! The TCP backend: the collectives' conformance suite (`conformance/`), and what
+//! only the host trait has: uneven shards and the typed conveniences, mismatched
+//! calls detected, and a peer process SIGKILLed during an all-gather.
 
 use std::net::TcpListener;
 use std::process::Command;
-use std::sync::Arc;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ckpt_trainer::collective::{
-    Collective, CollectiveError, CollectiveExt, TcpCollective, TcpConfig, shard_counts,
+    Collective, CollectiveError, CollectiveExt, HostDevice, TcpCollective, TcpConfig, shard_counts,
 };
 
+mod conformance;
+
+use conformance::{Backend, value};
+
 /// Bootstraps `world` ranks on threads and runs `body` on each; returns their results.
-fn with_world<T: Send + 'static>(
+fn with_world<T: Send>(
     world: usize,
     config: TcpConfig,
-    body: impl Fn(TcpCollective) -> T + Send + Sync + 'static,
+    body: impl Fn(TcpCollective) -> T + Sync,
 ) -> Vec<T> {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let body = Arc::new(body);
-    let mut threads = Vec::new();
     let mut listener = Some(listener);
-    for rank in 0..world {
-        let body = body.clone();
-        let config = config.clone();
-        let listener = listener.take();
-        threads.push(std::thread::spawn(move || {
-            let comm = if rank == 0 {
-                TcpCollective::bootstrap_root(listener.unwrap(), world, config).unwrap()
-            } else {
-                TcpCollective::bootstrap(rank, world, addr, config).unwrap()
-            };
-            body(comm)
-        }));
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..world)
+            .map(|rank| {
+                let (body, config, listener) = (&body, config.clone(), listener.take());
+                s.spawn(move || {
+                    let comm = if rank == 0 {
+                        TcpCollective::bootstrap_root(listener.unwrap(), world, config).unwrap()
+                    } else {
+                        TcpCollective::bootstrap(rank, world, addr, config).unwrap()
+                    };
+                    body(comm)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
+/// The TCP backend in the conformance suite: ranks on threads, through the device
+/// trait ([`HostDevice`]); it names the peer that stalled or went away.
+struct Tcp;
+
+impl Backend for Tcp {
+    type Rank = HostDevice<TcpCollective>;
+
+    fn available(_: usize) -> bool {
+        true
     }
-    threads.into_iter().map(|t| t.join().unwrap()).collect()
+
+    fn capacity() -> usize {
+        usize::MAX
+    }
+
+    fn with_world<T: Send>(
+        world: usize,
+        timeout: Duration,
+        body: impl Fn(Self::Rank) -> T + Sync,
+    ) -> Vec<T> {
+        let config = TcpConfig {
+            timeout,
+            ..TcpConfig::default()
+        };
+        with_world(world, config, |comm| body(HostDevice::new(comm)))
+    }
+
+    fn timed_out(err: &CollectiveError, peer: usize) -> bool {
+        matches!(err, CollectiveError::Timeout { peer: p, .. } if *p == peer)
+            && err.to_string().contains(&format!("rank {peer}"))
+    }
+
+    fn lost(err: &CollectiveError, peer: usize) -> bool {
+        matches!(err, CollectiveError::PeerLost { peer: p, .. } if *p == peer)
+    }
+
+    fn aborted(err: &CollectiveError, op: &str) -> bool {
+        matches!(err, CollectiveError::Aborted { op: o } if *o == op)
+    }
 }
 
-fn value(rank: usize, i: usize) -> i64 {
-    ((rank as i64 + 1) * 1_000_003 + i as i64 * 7) * if i.is_multiple_of(2) { 1 } else { -1 }
+mod tcp {
+    crate::conformance::every_check!(crate::Tcp);
 }
 
+/// The host trait's uneven shards (a rank may hold nothing), which the device trait
+/// does not have, and its typed conveniences.
 #[test]
-fn every_operation_matches_a_serial_reference_for_world_sizes_one_to_five() {
+fn uneven_shards_and_typed_helpers_match_a_serial_reference_for_world_sizes_one_to_five() {
     for world in 1..=5 {
         let results = with_world(world, TcpConfig::default(), move |comm| {
             let (rank, w) = (comm.rank(), comm.world_size());
-            // All-gather, uneven (a rank may hold nothing), small and large (> 32 KiB,
-            // the threaded path).
+            // All-gather, small and large (> 32 KiB, the threaded path).
             for rows in [3usize, 7, 50_000] {
                 let counts = shard_counts(rows, w);
                 let start: usize = counts[..rank].iter().sum();
@@ -58,7 +103,7 @@ fn every_operation_matches_a_serial_reference_for_world_sizes_one_to_five() {
                 comm.all_gather_f32(&mine, &counts, &mut out).unwrap();
                 assert_eq!(out, (0..rows).map(|i| i as f32).collect::<Vec<_>>());
             }
-            // Reduce-scatter of i64, uneven, exact.
+            // Reduce-scatter of i64, exact.
             for n in [5usize, 40_000] {
                 let mut data: Vec<i64> = (0..n).map(|i| value(rank, i)).collect();
                 let counts = shard_counts(n, w);
@@ -71,121 +116,12 @@ fn every_operation_matches_a_serial_reference_for_world_sizes_one_to_five() {
                     assert_eq!(*got, want, "world {w} rank {rank} element {}", start + k);
                 }
             }
-            // All-reduce of i64 and of f32 (integer-valued, so exact too).
-            let mut ints: Vec<i64> = (0..10_001).map(|i| value(rank, i)).collect();
-            comm.all_reduce_i64(&mut ints).unwrap();
-            for (i, got) in ints.iter().enumerate() {
-                assert_eq!(*got, (0..w).map(|r| value(r, i)).sum::<i64>());
-            }
-            let mut floats: Vec<f32> = (0..9_999).map(|i| (i % 13 + rank) as f32).collect();
-            comm.all_reduce_f32(&mut floats).unwrap();
-            for (i, got) in floats.iter().enumerate() {
-                let want: usize = (0..w).map(|r| i % 13 + r).sum();
-                assert_eq!(*got, want as f32);
-            }
-            // Broadcast from the last rank, more than one 1 MiB piece.
-            let root = w - 1;
-            let mut data = if rank == root {
-                (0..3_000_000u32).map(|i| (i % 251) as u8).collect()
-            } else {
-                vec![0u8; 3_000_000]
-            };
-            comm.broadcast(root, &mut data).unwrap();
-            assert!(data.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
             assert_eq!(comm.broadcast_u64(0, 42 + rank as u64).unwrap(), 42);
             comm.barrier().unwrap();
             rank
         });
         assert_eq!(results, (0..world).collect::<Vec<_>>());
     }
-}
-
-#[test]
-fn a_silent_peer_times_out_naming_it() {
-    let config = TcpConfig {
-        timeout: Duration::from_millis(300),
-        ..TcpConfig::default()
-    };
-    let (done_tx, done_rx) = mpsc::channel::<()>();
-    let done_rx = std::sync::Mutex::new(done_rx);
-    let results = with_world(2, config, move |comm| {
-        if comm.rank() == 1 {
-            // Silent until rank 0 has given up.
-            done_rx.lock().unwrap().recv().unwrap();
-            return None;
-        }
-        let started = Instant::now();
-        let err = comm.barrier().unwrap_err();
-        let elapsed = started.elapsed();
-        done_tx.send(()).unwrap();
-        Some((err, elapsed))
-    });
-    let (err, elapsed) = results[0].clone().unwrap();
-    assert!(
-        matches!(err, CollectiveError::Timeout { peer: 1, .. }),
-        "{err}"
-    );
-    assert!(err.to_string().contains("rank 1"), "{err}");
-    assert!(
-        elapsed >= Duration::from_millis(250) && elapsed < Duration::from_secs(5),
-        "{elapsed:?}"
-    );
-}
-
-#[test]
-fn abort_from_another_thread_wakes_a_blocked_operation_and_poisons_the_communicator() {
-    let config = TcpConfig {
-        timeout: Duration::from_secs(60),
-        ..TcpConfig::default()
-    };
-    let (done_tx, done_rx) = mpsc::channel::<()>();
-    let done_rx = std::sync::Mutex::new(done_rx);
-    let results = with_world(2, config, move |comm| {
-        if comm.rank() == 1 {
-            done_rx.lock().unwrap().recv().unwrap();
-            // Rank 0 aborted: its sockets are shut, so this rank loses it at once.
-            let started = Instant::now();
-            let err = comm.barrier().unwrap_err();
-            return (err, started.elapsed());
-        }
-        let comm = Arc::new(comm);
-        let aborter = {
-            let comm = comm.clone();
-            std::thread::spawn(move || {
-                // The outcome is the same whether abort lands before or during the
-                // barrier: Aborted, at once.
-                std::thread::sleep(Duration::from_millis(100));
-                comm.abort();
-                Instant::now()
-            })
-        };
-        let err = comm
-            .all_gather(
-                &[0u8; 1 << 20],
-                &[1 << 20, 1 << 20],
-                &mut vec![0u8; 2 << 20],
-            )
-            .unwrap_err();
-        let woke = Instant::now();
-        let aborted_at = aborter.join().unwrap();
-        assert!(
-            matches!(err, CollectiveError::Aborted { op: "all_gather" }),
-            "{err}"
-        );
-        assert!(woke.saturating_duration_since(aborted_at) < Duration::from_secs(2));
-        // Poisoned: later calls fail at once.
-        let started = Instant::now();
-        let again = comm.barrier().unwrap_err();
-        assert!(matches!(again, CollectiveError::Aborted { .. }), "{again}");
-        done_tx.send(()).unwrap();
-        (err, started.elapsed())
-    });
-    let (err, elapsed) = &results[1];
-    assert!(
-        matches!(err, CollectiveError::PeerLost { peer: 0, .. }),
-        "{err}"
-    );
-    assert!(*elapsed < Duration::from_secs(5), "{elapsed:?}");
 }
 
 #[test]

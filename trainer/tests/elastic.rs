@@ -992,13 +992,9 @@ mod on_etcd {
         stuck_loop(Plane::Etcd);
     }
 
-    use ckpt_chaos::etcd::{Cluster, find_etcd};
-
-    /// A private 3-member cluster (these tests kill its members; the test command's
-    /// shared one must stay whole).
-    fn private_cluster() -> Cluster {
-        Cluster::start(&find_etcd().unwrap()).unwrap()
-    }
+    // A private 3-member cluster (these tests kill its members; the test command's
+    // shared one must stay whole).
+    use ckpt_testkit::etcd::private_cluster;
 
     /// Reads `count` more step lines of rank 0 and returns the largest gap between
     /// two of them (the lines carry no timestamps: the test times their arrival).
@@ -1035,7 +1031,9 @@ mod on_etcd {
             return;
         }
         let _serial = one_at_a_time();
-        let mut cluster = private_cluster();
+        let Some(mut cluster) = private_cluster() else {
+            return;
+        };
         let (reference_dir, dir, mut args) = scenario(150);
         args.extend(["--fault-step-pause-ms".into(), "40".into()]);
         let mut launch = Launch::start(
@@ -1070,7 +1068,9 @@ mod on_etcd {
             return;
         }
         let _serial = one_at_a_time();
-        let mut cluster = private_cluster();
+        let Some(mut cluster) = private_cluster() else {
+            return;
+        };
         let (reference_dir, dir, mut args) = scenario(100);
         args.extend(["--fault-step-pause-ms".into(), "40".into()]);
         let mut launch = Launch::start(

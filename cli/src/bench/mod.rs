@@ -39,6 +39,7 @@ use ckpt::storage::{Backend, Store};
 use serde::{Deserialize, Serialize};
 
 mod codec_samples;
+pub(crate) mod command;
 pub(crate) mod control_plane;
 #[cfg(feature = "cuda")]
 pub(crate) mod device;

@@ -1,7 +1,8 @@
-//! Human output: sizes, ages, aligned tables; and JSON.
+//! Human output of the checkpoint tools: sizes, ages, aligned tables, progress bars.
 
-use crate::output::{errln, outln};
-use serde::Serialize;
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Bytes as B, KiB, MiB, GiB or TiB.
 pub(crate) fn bytes(n: u64) -> String {
@@ -36,12 +37,21 @@ pub(crate) fn unix_ms(ms: u64) -> String {
     humantime::format_rfc3339_seconds(time).to_string()
 }
 
-/// Pretty JSON on stdout.
-pub(crate) fn print_json(value: &impl Serialize) {
-    match serde_json::to_string_pretty(value) {
-        Ok(text) => outln!("{text}"),
-        Err(e) => errln!("error: cannot encode JSON output: {e}"),
+/// A byte-progress bar on stderr, hidden when stderr is not a terminal.
+pub(super) fn progress(total: u64, message: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
     }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar.set_message(message.to_string());
+    bar
 }
 
 /// A table with aligned columns.

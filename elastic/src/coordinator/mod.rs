@@ -20,7 +20,12 @@
 //! - this one: the public face (configuration, events, the bound coordinator and the
 //!   handle of a running one) and the state the tasks and the handle share;
 //! - `server.rs`: the runtime's tasks and the sockets, which decide nothing;
-//! - `core.rs`: every decision, driven by messages and an explicit clock;
+//! - `core.rs`: the state every decision reads and its three entry points (a
+//!   message, a tick of the explicit clock, a connection gone);
+//! - the decisions, one `impl Core` per step of a generation's life: `hello.rs` (who
+//!   is let in, and what the generation it claims gets it), `formation.rs` (asks to
+//!   join and the forming of the next generation), `running.rs` (heartbeats, reports
+//!   and keys while it trains), `ending.rs` (how a generation ends, and the job);
 //! - `adopt.rs`: the part of the decisions that only a restarted coordinator takes
 //!   (adopting the generation its reconnecting members claim), kept apart because it
 //!   reads as one story of its own;
@@ -28,6 +33,10 @@
 
 mod adopt;
 mod core;
+mod ending;
+mod formation;
+mod hello;
+mod running;
 mod server;
 #[cfg(test)]
 mod tests;

@@ -285,7 +285,9 @@ class CkptCheckpointManager(BaseCheckpointManager):
             step = _common.newest_step(url)
         else:
             exists = _common.on_rank0(
-                lambda: any(c["step"] == step and c["committed"] for c in ckpt.torch.list(url))
+                lambda: any(
+                    c["step"] == step and c["committed"] for c in ckpt.torch.list_checkpoints(url)
+                )
             )
             if not exists:
                 raise FileNotFoundError(f"--checkpoint.load_step={step} not found at {url}")

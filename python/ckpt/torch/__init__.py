@@ -20,9 +20,16 @@ it is imported on first use, so ``ckpt.torch.dcp.StorageWriter(url)`` works afte
 plain ``import ckpt.torch``.
 """
 
-from ckpt.torch._api import Checkpointer, ExtraState, SaveHandle, latest, list, load
+from ckpt.torch._api import (
+    Checkpointer,
+    ExtraState,
+    SaveHandle,
+    latest,
+    list_checkpoints,
+    load,
+)
 
-__all__ = ["Checkpointer", "ExtraState", "SaveHandle", "latest", "list", "load"]
+__all__ = ["Checkpointer", "ExtraState", "SaveHandle", "latest", "list_checkpoints", "load"]
 
 
 def __getattr__(name: str):
@@ -31,4 +38,16 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("ckpt.torch.dcp")
+    # The old name of `list_checkpoints`, which shadowed the builtin; warned on every
+    # use (attribute or `from ckpt.torch import list`), never star-imported.
+    if name == "list":
+        import warnings
+
+        warnings.warn(
+            "ckpt.torch.list is deprecated (it shadows the builtin list): "
+            "use ckpt.torch.list_checkpoints",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return list_checkpoints
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

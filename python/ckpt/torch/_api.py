@@ -1,4 +1,5 @@
-"""The native torch API: ``Checkpointer``, ``SaveHandle``, ``load``, ``latest``, ``list``.
+"""The native torch API: ``Checkpointer``, ``SaveHandle``, ``load``, ``latest``,
+``list_checkpoints``.
 
 Shaped like the Rust API. A save blocks the caller only while the rank's tensors
 are copied into the library's staging buffer (``overlapped=False``), or not even for
@@ -20,7 +21,6 @@ What each path copies (bytes of tensor data; see docs/PYTHON.md):
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import time
@@ -36,6 +36,12 @@ from ckpt.torch import _state
 # What a checkpoint written through DCP says in its manifest's metadata: its
 # non-tensor values are torch-pickled bytes (DCP's way), not JSON.
 DCP_MARK = "ckpt.torch.dcp"
+
+#: Settings of the store a URL opens (``store_options=``): ckpt's own keys
+#: (``retries``, ``retry_timeout``, ``request_timeout``, ``part_size``, ``fsync``, …;
+#: durations in seconds) and any other key as object_store names it
+#: (``aws_endpoint``, …), as the ``ckpt`` command's ``-o KEY=VALUE`` takes them.
+StoreOptions = dict[str, str | int | float | bool]
 
 
 def _url(url: str | os.PathLike) -> str:
@@ -179,7 +185,9 @@ class Checkpointer:
     ``generation``, ``run_id``, ``block_size``, ``codec`` (``"none"``, ``"zstd"``,
     ``"zstd:LEVEL"``), ``max_in_flight``, ``keep_last``, ``commit_timeout``,
     ``commit_takeover``, ``retention_grace`` (seconds), ``direct_io``,
-    ``copy_threads``, ``check_staging``. Every rank of a world must use the same
+    ``copy_threads``, ``check_staging``. ``store_options`` are the store's settings
+    (see docs/PYTHON.md; a key or value the store refuses raises ``ValueError``).
+    Every rank of a world must use the same
     ``run_id``, different for every run that saves under the same URL with the same
     generation: by default the ``CKPT_RUN_ID`` variable, else one drawn by rank 0 and
     broadcast (a collective: every rank constructs its checkpointer), else (a world
@@ -192,15 +200,19 @@ class Checkpointer:
         *,
         rank: int | None = None,
         world_size: int | None = None,
+        store_options: StoreOptions | None = None,
         **config: Any,
     ):
         self.url = _url(url)
+        self.store_options = store_options
         self.rank, self.world_size = _world(rank, world_size)
         if "run_id" not in config and not os.environ.get("CKPT_RUN_ID"):
             run_id = _shared_run_id(self.world_size)
             if run_id is not None:
                 config["run_id"] = run_id
-        self._native = _native.Checkpointer(self.url, self.rank, self.world_size, config)
+        self._native = _native.Checkpointer(
+            self.url, self.rank, self.world_size, config, store_options
+        )
         self._planner = _state.SavePlanner(self.rank)
 
     def save(
@@ -259,7 +271,9 @@ class Checkpointer:
         """Loads checkpoint ``step`` (default: the newest committed one, agreed by
         every rank when ``torch.distributed`` is initialised) into ``state_dict`` in
         place; see :func:`load`."""
-        return load(self.url, state_dict, step=step, rank=self.rank)
+        return load(
+            self.url, state_dict, step=step, rank=self.rank, store_options=self.store_options
+        )
 
     def close(self) -> None:
         """Waits for every save's background work (commit, retention), then refuses
@@ -273,7 +287,7 @@ class Checkpointer:
         self.close()
 
 
-def _agreed_step(url: str, step: int | None) -> int | None:
+def _agreed_step(url: str, step: int | None, store_options: StoreOptions | None) -> int | None:
     """Every rank of an initialised process group loads the same step: rank 0
     chooses the newest commit and broadcasts it."""
     import torch.distributed as dist
@@ -285,7 +299,7 @@ def _agreed_step(url: str, step: int | None) -> int | None:
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            newest = _native.latest(url)
+            newest = _native.latest(url, store_options)
             choice[0] = ("ok", newest["step"] if newest else None)
         except _native.CkptError as e:
             choice[0] = ("error", f"{type(e).__name__}: {e}")
@@ -305,6 +319,7 @@ def load(
     step: int | None = None,
     rank: int | None = None,
     copies: Any = None,
+    store_options: StoreOptions | None = None,
 ) -> ExtraState:
     """Loads checkpoint ``step`` under ``url`` (default: the newest committed one)
     into ``state_dict`` in place, resharded from whatever world saved it.
@@ -317,10 +332,11 @@ def load(
 
     A corrupt block raises ``CorruptionError`` naming the object and offset; the
     tensors are then partly written and must be loaded again before use.
+    ``store_options``: the store's settings, as for :class:`Checkpointer`.
     """
     url = _url(url)
     rank, _ = _world(rank, None)
-    reader = _native.Reader(url, _agreed_step(url, step))
+    reader = _native.Reader(url, _agreed_step(url, step, store_options), store_options)
     wants, fixups, keep_alive = [], [], []
     for leaf in _state.leaves(state_dict):
         if not isinstance(leaf.value, torch.Tensor):
@@ -371,13 +387,17 @@ def load(
     )
 
 
-def latest(url: str | os.PathLike) -> dict[str, Any] | None:
+def latest(
+    url: str | os.PathLike, *, store_options: StoreOptions | None = None
+) -> dict[str, Any] | None:
     """The newest committed checkpoint under ``url`` (``step``, ``generation``,
     ``world_size``, ``tensors``, ``created_unix_ms``), or None."""
-    return _native.latest(_url(url))
+    return _native.latest(_url(url), store_options)
 
 
-def list(url: str | os.PathLike) -> builtins.list[dict[str, Any]]:  # noqa: A001
+def list_checkpoints(
+    url: str | os.PathLike, *, store_options: StoreOptions | None = None
+) -> list[dict[str, Any]]:
     """Every checkpoint under ``url``, commits first in commit order (``step``,
     ``dir``, ``status``, ``committed``, ``generation``, ``ranks_present``, ``bytes``)."""
-    return _native.list(_url(url))
+    return _native.list(_url(url), store_options)

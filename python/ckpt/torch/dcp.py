@@ -73,7 +73,7 @@ from torch.futures import Future
 
 from ckpt import _native
 from ckpt.torch import _state
-from ckpt.torch._api import DCP_MARK, _url
+from ckpt.torch._api import DCP_MARK, StoreOptions, _url
 
 _SCHEMES = ("file://", "memory://", "s3://", "gs://", "az://", "azure://", "abfs://")
 
@@ -113,13 +113,22 @@ class StorageWriter(_DcpWriter):
     """DCP's ``StorageWriter`` over a ckpt checkpoint root.
 
     ``config`` keywords are the native ``Checkpointer``'s settings (``generation``,
-    ``run_id``, ``codec``, ``keep_last``, ``block_size``, …).
+    ``run_id``, ``codec``, ``keep_last``, ``block_size``, …); ``store_options`` the
+    store's, as ``ckpt.torch.Checkpointer`` takes them.
     """
 
-    def __init__(self, url: str | os.PathLike, *, step: int | None = None, **config: Any):
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        step: int | None = None,
+        store_options: StoreOptions | None = None,
+        **config: Any,
+    ):
         super().__init__()
         self.url = _url(url)
         self.step = step
+        self.store_options = store_options
         self._config = config
         self._rank = 0
         self._is_coordinator = True
@@ -172,7 +181,7 @@ class StorageWriter(_DcpWriter):
         else:
             step = self.step
             if step is None:
-                newest = _native.latest(self.url)
+                newest = _native.latest(self.url, self.store_options)
                 step = newest["step"] + 1 if newest else 0
             target = _SaveTarget(step=step, run_id=self._own_run_id(), world_size=len(plans))
         first = dataclasses.replace(target, planner_data=_merged_planner_data(plans))
@@ -198,7 +207,7 @@ class StorageWriter(_DcpWriter):
         if self._checkpointer_key != key:
             config = dict(self._config, run_id=target.run_id)
             self._checkpointer = _native.Checkpointer(
-                self.url, self._rank, target.world_size, config
+                self.url, self._rank, target.world_size, config, self.store_options
             )
             self._checkpointer_key = key
         return self._checkpointer
@@ -349,7 +358,7 @@ class StorageWriter(_DcpWriter):
         if rank == 0:
             step = self.step
             if step is None:
-                newest = _native.latest(self.url)
+                newest = _native.latest(self.url, self.store_options)
                 step = newest["step"] + 1 if newest else 0
                 pending = [save.target.step for save in self._staged]
                 step = max([step, *[p + 1 for p in pending]])
@@ -456,12 +465,20 @@ def _planner_data(metadata: dict[str, Any], state: dict[str, Any]) -> Any:
 
 class StorageReader(_DcpReader):
     """DCP's ``StorageReader`` over a ckpt checkpoint root: the newest commit, or
-    ``step``."""
+    ``step``; ``store_options`` are the store's settings, as ``ckpt.torch.Checkpointer``
+    takes them."""
 
-    def __init__(self, url: str | os.PathLike, *, step: int | None = None):
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        step: int | None = None,
+        store_options: StoreOptions | None = None,
+    ):
         super().__init__()
         self.url = _url(url)
         self.step = step
+        self.store_options = store_options
         self._reader: _native.Reader | None = None
         self._rank = 0
         self._values: dict[str, tuple[str, Any]] = {}
@@ -488,7 +505,7 @@ class StorageReader(_DcpReader):
 
     def _open(self, step: int | None) -> Metadata:
         """Opens checkpoint ``step`` (or the newest) and returns DCP's view of it."""
-        reader = _native.Reader(self.url, step)
+        reader = _native.Reader(self.url, step, self.store_options)
         self._reader = reader
         metadata = json.loads(reader.metadata)
         self._dcp_written = bool(metadata.get(DCP_MARK))

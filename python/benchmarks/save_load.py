@@ -3,7 +3,10 @@ storage plugin, and stock DCP.
 
 ::
 
-    python -m ckpt.torch.bench [--url URL] [--reps N] [--json]
+    python python/benchmarks/save_load.py [--url URL] [--reps N] [--json]
+
+It lives beside the package, not in it (as ``frameworks.py`` and ``recovery.py``
+do): it is a measurement of ckpt, not part of what users import.
 
 W1 (as ``ckpt bench``): 4 rank processes, each holding its dim-0 shard of 64 fp32
 tensors of 8192x1024 (512 MiB per rank, 2 GiB in all) as DTensors, saved, loaded on
@@ -648,7 +651,9 @@ def _table(paths: dict[str, Any], rows: list[tuple[str, str, str]]) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ckpt.torch.bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python python/benchmarks/save_load.py", description=__doc__
+    )
     parser.add_argument("--url", help="checkpoint root for the ckpt paths (default: a temp dir)")
     parser.add_argument("--dir", help="where temporary checkpoints go (default: $TMPDIR)")
     parser.add_argument("--reps", type=int, default=5)

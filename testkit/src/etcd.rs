@@ -1,6 +1,7 @@
-//! A private 3-member etcd cluster for scenarios on the etcd backend
-//! (`coordinator = "etcd"`), whose members `kill-etcd-member` faults kill and start
-//! again; the trainer's tests that kill etcd members use it too.
+//! A private 3-member etcd cluster, for whatever kills etcd members: the trainer's
+//! tests that do, and the chaos harness's scenarios on the etcd backend
+//! (`coordinator = "etcd"`), whose `kill-etcd-member` faults kill members and start
+//! them again (`ckpt_chaos::etcd` is this module).
 //!
 //! Private because the faults hurt it: a cluster shared with other jobs would carry
 //! one run's damage into the next. Data lives on tmpfs where there is one (etcd syncs
@@ -10,6 +11,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::{Capability, has_probed};
 
 /// One member: its ports, data directory and process (`None` while killed).
 struct Member {
@@ -45,6 +48,18 @@ pub fn find_etcd() -> Result<PathBuf, String> {
         })
 }
 
+/// A cluster for a test, under the tests' skip policy ([`crate::has`]): `None`, after
+/// a `SKIPPED` line, when there is no `etcd` program (a failure instead when
+/// `CKPT_REQUIRE` names etcd); a cluster that does not start fails the test.
+pub fn private_cluster() -> Option<Cluster> {
+    let bin = find_etcd();
+    if !has_probed(Capability::Etcd, bin.as_ref().err().cloned()) {
+        return None;
+    }
+    let bin = bin.expect("probed above");
+    Some(Cluster::start(&bin).unwrap_or_else(|e| panic!("a private etcd cluster: {e}")))
+}
+
 fn free_port(ip: IpAddr) -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
 }
@@ -64,11 +79,7 @@ impl Cluster {
         } else {
             std::env::temp_dir()
         };
-        let dir = base.join(format!(
-            "ckpt-chaos-etcd-{}-{}",
-            std::process::id(),
-            crate::run::unix_ms()
-        ));
+        let dir = base.join(crate::unique("ckpt-etcd"));
         let mut members = Vec::new();
         for i in 0..3 {
             members.push(Member {
