@@ -612,7 +612,6 @@ type RankBox<'a> = (u32, &'a [u64], &'a [u64]);
 type Gathered<'a> = (&'a str, crate::DType, &'a [u64], Vec<RankBox<'a>>);
 
 /// Builds the root manifest from every rank's part (sorted by rank).
-#[doc(hidden)]
 pub fn build_manifest(
     attempt: &Attempt,
     world: u32,

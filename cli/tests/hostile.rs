@@ -10,8 +10,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, SystemTime};
 
 use ckpt::Attempt;
-use ckpt::commits::{CommitRecord, record_key};
 use ckpt::storage::Store;
+use ckpt::testing::{CommitRecord, record_key};
 use common::*;
 use serde_json::Value;
 
@@ -191,7 +191,7 @@ async fn gc_after_a_duplicate_record_leaves_the_log_naming_a_commit_and_verify_p
     assert!(text(&out).contains("step 2: ok"), "{}", text(&out));
     // The newest record, which the fence reads, names a directory that still
     // holds its manifest.
-    let newest = ckpt::commits::newest(&store).await.unwrap().unwrap();
+    let newest = ckpt::testing::newest(&store).await.unwrap().unwrap();
     let slot = dir
         .path()
         .join(newest.record.attempt().dir())

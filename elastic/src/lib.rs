@@ -88,9 +88,10 @@ pub mod env;
 pub mod etcd;
 pub mod node;
 pub mod policy;
-// The wire format: public for the tests that speak it raw and for the peers that
-// reuse its line reader; not part of the API.
-#[doc(hidden)]
+/// The wire format (docs/ELASTIC.md): public for the tools and tests that speak it
+/// raw (the control plane's scale bench simulates thousands of members with it) and
+/// for the peers that reuse its line reader. It changes only with the protocol
+/// version.
 pub mod protocol;
 #[cfg(test)]
 mod scenarios;

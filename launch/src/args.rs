@@ -174,7 +174,7 @@ impl LaunchArgs {
         let job = match &self.job_id {
             Some(job) => job.clone(),
             None if rdzv.is_none() && etcd.is_none() => {
-                format!("job-{}", ckpt::attempt::random_run_id())
+                format!("job-{}", crate::fresh_id().map_err(|e| e.to_string())?)
             }
             None => return Err("--rdzv needs --job-id (the same on every node)".into()),
         };

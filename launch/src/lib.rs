@@ -308,7 +308,7 @@ pub fn launch(config: &LaunchConfig) -> std::io::Result<i32> {
     }
     // One run id per launch, shared by its ranks: a relaunch that saves a step again
     // writes a new save attempt instead of meeting the old one's objects.
-    let run_id = std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id());
+    let run_id = run_id_from_env()?;
     // Every rank of this job is started here: a secret of its own unless the
     // environment holds the job's (which the ranks inherit).
     let (_, generated_secret) = job_secret(true)?;
@@ -861,7 +861,7 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
         rdzv,
         generated_secret,
         plane: &plane,
-        run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| ckpt::attempt::random_run_id()),
+        run_id: run_id_from_env()?,
         pgid: 0,
         pumps: Vec::new(),
     };
@@ -1106,9 +1106,36 @@ fn launch_elastic(config: &LaunchConfig, elastic: &ElasticLaunch) -> std::io::Re
     Ok(code)
 }
 
+/// The run id a launch hands its ranks: `CKPT_RUN_ID` when set (the ranks check it),
+/// else a fresh one. A fresh id is 16 hex digits from the OS's random source, so it
+/// is a valid run id (`ckpt::RunId`: 1 to 48 letters, digits, `_` or `-`) without the
+/// launcher linking the library: it moves no checkpoint bytes.
+fn run_id_from_env() -> std::io::Result<String> {
+    match std::env::var("CKPT_RUN_ID") {
+        Ok(run) => Ok(run),
+        Err(_) => fresh_id(),
+    }
+}
+
+/// 16 random hex digits.
+pub(crate) fn fresh_id() -> std::io::Result<String> {
+    let mut bytes = [0u8; 8];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| std::io::Error::other(format!("no random source for a run id: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fresh_run_id_is_one_the_library_accepts_and_differs_each_time() {
+        let (a, b) = (fresh_id().unwrap(), fresh_id().unwrap());
+        assert!(ckpt::RunId::is_valid(&a), "{a}");
+        assert_eq!(a.len(), 16);
+        assert_ne!(a, b);
+    }
 
     #[test]
     fn the_state_of_a_stopped_process_is_read_and_named() {

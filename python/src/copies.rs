@@ -88,7 +88,7 @@ impl Copies {
     fn keep(&self, handle: &SaveHandle, table: Vec<Vec<u8>>, rank: usize) -> PyResult<()> {
         let table = decode_table(&table)?;
         self.inner
-            .keep(&handle.inner)
+            .keep(handle.inner.as_ref())
             .map_err(|e| InvalidError::new_err(e.to_string()))?;
         let world = table.len();
         if world < 2 || rank >= world {

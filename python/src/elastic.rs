@@ -354,7 +354,7 @@ fn assignment_dict<'py>(
     out.set_item("cause", &a.cause)?;
     out.set_item(
         "run_id",
-        ckpt_elastic::env::run_id(job, a.generation, ckpt::attempt::MAX_RUN_ID_LEN),
+        ckpt_elastic::env::run_id(job, a.generation, ckpt::RunId::MAX_LEN),
     )?;
     Ok(out)
 }

@@ -468,7 +468,7 @@ pub fn run(
 /// The run id of a generation's save attempts (`ckpt_elastic::env::run_id` within
 /// the library's length limit).
 pub fn run_id(job: &str, generation: u64) -> String {
-    ckpt_elastic::env::run_id(job, generation, ckpt::attempt::MAX_RUN_ID_LEN)
+    ckpt_elastic::env::run_id(job, generation, ckpt::RunId::MAX_LEN)
 }
 
 /// When the control plane dropped this member or ended the job, how it leaves.

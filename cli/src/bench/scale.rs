@@ -22,7 +22,7 @@ pub(super) async fn metadata_scale(
     );
     let store = Store::from_url(&name)?;
     let step = 1u64;
-    let attempt = ckpt::attempt::Attempt::new(step, 0, "bench")?;
+    let attempt = ckpt::Attempt::new(step, 0, "bench")?;
     let dir = attempt.dir();
     // Each tensor 4096 x 1024 fp32 (16 MiB) when the world allows, else a row per rank.
     let rows = (world as u64).max(4096);
@@ -79,7 +79,7 @@ pub(super) async fn metadata_scale(
     progress("metadata scale: building the manifest");
     let started = Instant::now();
     let refs: Vec<&(Vec<u8>, RankPart)> = parts.iter().collect();
-    let manifest = ckpt::commit::build_manifest(&attempt, world as u32, &refs)?;
+    let manifest = ckpt::testing::build_manifest(&attempt, world as u32, &refs)?;
     drop(refs);
     manifest.validate(&format!("{dir}/{MANIFEST}"))?;
     let manifest_bytes = manifest.to_bytes();
@@ -91,9 +91,9 @@ pub(super) async fn metadata_scale(
             .put(&format!("{dir}/{}", rank_part_name(part.rank)), bytes)
             .await?;
     }
-    ckpt::commits::append(
+    ckpt::testing::append(
         &store,
-        &ckpt::commits::CommitRecord::new(&attempt, world as u32),
+        &ckpt::testing::CommitRecord::new(&attempt, world as u32),
     )
     .await?;
     store
@@ -203,9 +203,9 @@ pub(super) async fn commit_scale(
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    let run = ckpt::attempt::random_run_id();
+    let run = ckpt::RunId::generate().to_string();
     // The generation of the root's newest commit: not fenced, and fencing nobody.
-    let generation = ckpt::commits::newest(store)
+    let generation = ckpt::testing::newest(store)
         .await?
         .map_or(0, |c| c.record.generation);
     let (rows, cols) = (ranks as u64 * 4, 16u64);
@@ -250,13 +250,13 @@ pub(super) async fn commit_scale(
             let part_written = &part_written;
             async move {
                 let (region, values) = commit_shard(rank, ranks, rows, cols);
-                let planned = ckpt::writer::PlannedBox {
+                let planned = ckpt::testing::PlannedBox {
                     name: "w".into(),
                     dtype: DType::F32,
                     shape: vec![rows, cols],
                     region,
                 };
-                let mut writer = ckpt::writer::RankFileWriter::begin(
+                let mut writer = ckpt::testing::RankFileWriter::begin(
                     store,
                     attempt,
                     rank as u32,

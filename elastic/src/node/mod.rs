@@ -240,8 +240,8 @@ impl NodeAgent {
 
     /// Stops the node's heartbeats and its handling of directives, as if its
     /// process were stopped (a scale test's node that goes silent rather than
-    /// closing its connections). Not undone.
-    #[doc(hidden)]
+    /// closing its connections). Not undone. For fault and scale tests: a real node
+    /// goes silent only when its process or its network does.
     pub fn go_silent(&self) {
         self.shared.silent.store(true, Ordering::SeqCst);
     }
