@@ -66,8 +66,8 @@
 //! protocol's internals, public for the crate's own tools and tests; they may change
 //! in any release, and other crates do not use them. What a benchmark or a test
 //! outside the crate needs of them (building commit logs and manifests at scale,
-//! hostile commit records) is in [`testing`], behind the `testing` feature. The
-//! on-storage format ([`format`], normative in `docs/FORMAT.md`) and the failpoints
+//! hostile commit records) is in `ckpt::testing`, behind the `testing` feature. The
+//! on-storage format ([`format`](mod@format), normative in `docs/FORMAT.md`) and the failpoints
 //! of the chaos harness ([`failpoint`], active with the `failpoints` feature) are
 //! public.
 //!

@@ -7,7 +7,7 @@
 //! own address, since the launcher stands for its node's ranks in the control plane.
 //! A rank started by hand on etcd (`CKPT_RDZV=etcd://…`) is a member of its own, under
 //! a lease of its own or one named by `CKPT_ETCD_LEASE`, with etcd's TLS and user
-//! from `CKPT_ETCD_CACERT`… ([`EtcdSettings::from_env`](crate::EtcdSettings::from_env)
+//! from `CKPT_ETCD_CACERT`… (`EtcdSettings::from_env`
 //! with the `etcd` feature).
 //! Every kind of rank reads them here — the reference trainer and a Python script
 //! through the binding alike — so that the two cannot drift apart.

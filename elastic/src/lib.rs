@@ -88,10 +88,9 @@ pub mod env;
 pub mod etcd;
 pub mod node;
 pub mod policy;
-/// The wire format (docs/ELASTIC.md): public for the tools and tests that speak it
-/// raw (the control plane's scale bench simulates thousands of members with it) and
-/// for the peers that reuse its line reader. It changes only with the protocol
-/// version.
+// The wire format (docs/ELASTIC.md): public for the tools and tests that speak it raw
+// (the control plane's scale bench simulates thousands of members with it) and for
+// the peers that reuse its line reader. It changes only with the protocol version.
 pub mod protocol;
 #[cfg(test)]
 mod scenarios;

@@ -12,7 +12,7 @@
 //!   local disk reads straight into the destination.
 //! - **The GIL is released for every copy and I/O.** Every call that waits runs its
 //!   work as a task on one shared tokio runtime and waits for it with the GIL
-//!   released, waking every [`SIGNAL_POLL`] to let Python run its signal handlers: a
+//!   released, waking every `SIGNAL_POLL` to let Python run its signal handlers: a
 //!   `KeyboardInterrupt` there cancels the wait (and a load itself: the call returns
 //!   only once nothing writes into the caller's tensors any more).
 //! - **Errors keep the library's kind.** Each [`ckpt::Error`] variant becomes its own

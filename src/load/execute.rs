@@ -19,9 +19,9 @@ use crate::error::{Error, Result};
 use crate::format::{Codec, FormatError};
 
 impl CheckpointReader {
-    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`]
+    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`](crate::CheckpointReader::plan)
     /// for the same `request`) names, into buffers it allocates. See
-    /// [`CheckpointReader::load`].
+    /// [`CheckpointReader::load`](crate::CheckpointReader::load).
     pub async fn execute(&self, request: &LoadRequest, plan: LoadPlan) -> Result<Loaded> {
         check_plan(request, &plan)?;
         // Sizes claimed by the manifest and parts are checked against the objects
@@ -59,9 +59,9 @@ impl CheckpointReader {
         Ok(Loaded { tensors, stats })
     }
 
-    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`]
+    /// Reads, verifies and scatters what `plan` (made by [`CheckpointReader::plan`](crate::CheckpointReader::plan)
     /// for the same `request`) names, into `outputs`. See
-    /// [`CheckpointReader::load_into`] for what `outputs` must be and hold after an
+    /// [`CheckpointReader::load_into`](crate::CheckpointReader::load_into) for what `outputs` must be and hold after an
     /// error.
     pub async fn execute_into(
         &self,

@@ -19,7 +19,7 @@ pub(super) fn zeroed(n: u64, tensor: &str) -> Result<Vec<u8>> {
 
 /// `n` zero elements in fresh memory that the kernel is asked to back with
 /// transparent huge pages (Linux; elsewhere plain memory): a destination for
-/// [`CheckpointReader::load_into`], or any large buffer written once in full, whose
+/// [`CheckpointReader::load_into`](crate::CheckpointReader::load_into), or any large buffer written once in full, whose
 /// first writes fault in a page per 2 MiB rather than per 4 KiB — several times less
 /// time on the machines measured (`docs/BENCHMARKS.md`). Nothing is written up front:
 /// the zeros are the kernel's fresh pages. (Staging buffers do not use this: they are

@@ -59,7 +59,7 @@ impl CheckpointReader {
 
     /// Plans a load without reading data: checks the request against the manifest,
     /// fetches the rank parts its boxes touch and turns every intersection into byte
-    /// runs per data file. [`CheckpointReader::execute`] then reads them; the split
+    /// runs per data file. [`CheckpointReader::execute`](crate::CheckpointReader::execute) then reads them; the split
     /// lets the planning cost be measured on its own (`ckpt bench`).
     ///
     /// A plan's runs are checked to tile every want's output exactly (inside it, no

@@ -159,7 +159,7 @@ impl CheckpointReader {
 
     /// Loads the boxes of `request`, verified, into buffers it allocates.
     ///
-    /// The same read path as [`CheckpointReader::load_into`]: the data files' sizes
+    /// The same read path as [`CheckpointReader::load_into`](crate::CheckpointReader::load_into): the data files' sizes
     /// are checked first, then one zero-filled buffer per want is allocated and
     /// loaded in place. A trainer whose parameters already exist should call
     /// `load_into` instead: a fresh buffer costs a page fault per 4 KiB page on

@@ -1,6 +1,6 @@
 //! What a load asks for and what it gives back: the boxes a rank wants
-//! ([`LoadRequest`]), the tensors and figures it returns ([`Loaded`], [`LoadStats`]),
-//! a plan made ahead ([`LoadPlan`]) and the read settings ([`ReadConfig`]). Plain
+//! ([`LoadRequest`](crate::LoadRequest)), the tensors and figures it returns ([`Loaded`](crate::Loaded), [`LoadStats`](crate::LoadStats)),
+//! a plan made ahead ([`LoadPlan`](crate::LoadPlan)) and the read settings ([`ReadConfig`](crate::ReadConfig)). Plain
 //! data, no I/O.
 
 use std::sync::Arc;
@@ -126,7 +126,7 @@ pub struct LoadStats {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LoadTimings {
     /// Planning, wall time: rank parts fetched and parsed, runs computed (set by
-    /// [`CheckpointReader::load`] and [`CheckpointReader::load_into`]).
+    /// [`CheckpointReader::load`](crate::CheckpointReader::load) and [`CheckpointReader::load_into`](crate::CheckpointReader::load_into)).
     pub plan: Duration,
     /// In reads: positioned reads of local files, or ranged gets from the store
     /// (request to last body byte).
@@ -161,7 +161,7 @@ pub struct Loaded {
 }
 
 /// What a load will read: per data file, the byte runs to fetch and where they go.
-/// Made by [`CheckpointReader::plan`], consumed by [`CheckpointReader::execute`].
+/// Made by [`CheckpointReader::plan`](crate::CheckpointReader::plan), consumed by [`CheckpointReader::execute`](crate::CheckpointReader::execute).
 #[derive(Debug, Clone)]
 pub struct LoadPlan {
     /// (object key, its rank part, runs sorted by source offset) per data file.

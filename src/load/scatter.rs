@@ -10,7 +10,7 @@ use super::request::LoadTimings;
 /// write disjoint runs into them without a lock per copy.
 ///
 /// Sound because (1) the runs of a plan never overlap and lie inside their output
-/// (checked by [`CheckpointReader::check_tiling`] before any read, and each run is
+/// (checked by [`CheckpointReader::check_tiling`](crate::CheckpointReader::check_tiling) before any read, and each run is
 /// handed to exactly one task), so no two slices made here alias; (2) the outputs
 /// are mutably borrowed by the load for its whole duration, so nothing else reads or
 /// writes them meanwhile; (3) every write happens within a poll of the load's future

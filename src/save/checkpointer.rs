@@ -1,4 +1,4 @@
-//! The public face of the save path ([`Checkpointer`]): making one, the blocking,
+//! The public face of the save path ([`Checkpointer`](crate::Checkpointer)): making one, the blocking,
 //! overlapped and non-waiting saves, warming the staging pool up, and `close`. Each
 //! save starts in `stage.rs`; this file holds what a trainer calls.
 
@@ -46,18 +46,18 @@ impl Checkpointer {
     ///
     /// Blocks while the state is copied into a staging buffer (and while
     /// `max_in_flight` earlier saves are still writing their parts: see
-    /// [`Checkpointer::try_save`] for a save that never waits).
+    /// [`Checkpointer::try_save`](crate::Checkpointer::try_save) for a save that never waits).
     /// The returned handle tells when this rank's part is durable and when the whole
     /// checkpoint is committed. Must be called within a tokio runtime.
     ///
-    /// [`Checkpointer::save_overlapped`] returns before the copy instead, so that it
+    /// [`Checkpointer::save_overlapped`](crate::Checkpointer::save_overlapped) returns before the copy instead, so that it
     /// runs while the caller computes.
     pub async fn save(&self, step: u64, state: &crate::State<'_>) -> Result<SaveHandle> {
         let handle = self.start(step, state, false, true).await?;
         Ok(handle.expect("a save that may wait always starts"))
     }
 
-    /// [`Checkpointer::save`], except that when `max_in_flight` saves are still
+    /// [`Checkpointer::save`](crate::Checkpointer::save), except that when `max_in_flight` saves are still
     /// writing their parts it returns `Ok(None)` at once and stages nothing: training
     /// never waits for storage, and this step is not checkpointed.
     pub async fn try_save(
@@ -101,20 +101,20 @@ impl Checkpointer {
 
     /// Saves this rank's `state` as part of checkpoint `step`, returning as soon as
     /// the save is registered: the copy into the staging buffer runs on background
-    /// threads ([`CheckpointConfig::copy_threads`]) while the caller goes on (the next
+    /// threads ([`CheckpointConfig::copy_threads`](crate::CheckpointConfig::copy_threads)) while the caller goes on (the next
     /// forward and backward passes only read the parameters). The handle's
-    /// [`SaveHandle::staged`] (or [`SaveHandle::wait_staged`]) says when the copy is
+    /// [`SaveHandle::staged`](crate::SaveHandle::staged) (or [`SaveHandle::wait_staged`](crate::SaveHandle::wait_staged)) says when the copy is
     /// complete; a trainer waits for it right before its optimizer step overwrites
     /// the saved parameters and moments.
     ///
     /// Changing a saved tensor before `staged()` returns is a bug: the checkpoint
-    /// would hold a mix of two steps. With [`CheckpointConfig::check_staging`] (on in
+    /// would hold a mix of two steps. With [`CheckpointConfig::check_staging`](crate::CheckpointConfig::check_staging) (on in
     /// debug builds) such a change is detected and the save fails with
     /// [`Error::Mutated`] naming the tensor; without it, it goes unnoticed.
     ///
     /// # Safety
     /// Every tensor's memory in `state` must stay allocated, and must not be written,
-    /// until [`SaveHandle::staged`] (or [`SaveHandle::wait_staged`]) has returned or
+    /// until [`SaveHandle::staged`](crate::SaveHandle::staged) (or [`SaveHandle::wait_staged`](crate::SaveHandle::wait_staged)) has returned or
     /// the handle has been dropped (dropping it waits for the copy). The borrow
     /// checker cannot see this: `state`'s borrows end when this call returns, while
     /// the copy reads the memory after that.
@@ -127,12 +127,12 @@ impl Checkpointer {
         Ok(handle.expect("a save that may wait always starts"))
     }
 
-    /// [`Checkpointer::save_overlapped`], except that when `max_in_flight` saves are
+    /// [`Checkpointer::save_overlapped`](crate::Checkpointer::save_overlapped), except that when `max_in_flight` saves are
     /// still writing their parts it returns `Ok(None)` at once (and then reads
     /// nothing of `state` after returning).
     ///
     /// # Safety
-    /// As for [`Checkpointer::save_overlapped`] when it returns a handle.
+    /// As for [`Checkpointer::save_overlapped`](crate::Checkpointer::save_overlapped) when it returns a handle.
     pub async unsafe fn try_save_overlapped(
         &self,
         step: u64,
@@ -144,7 +144,7 @@ impl Checkpointer {
     /// Allocates the staging pool for saves of `state`'s size (its shape, not its
     /// values, matters) and faults every page in now, so that the first save of a
     /// job is not its slowest: `max_in_flight` buffers, each the size of this rank's
-    /// data file (one more with [`CheckpointConfig::keep_copy`], for the copy of the
+    /// data file (one more with [`CheckpointConfig::keep_copy`](crate::CheckpointConfig::keep_copy), for the copy of the
     /// committed checkpoint held while the next save stages). Returns how long that
     /// took. Later saves of a larger state grow the buffers
     /// again.

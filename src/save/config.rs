@@ -1,4 +1,4 @@
-//! The settings of a rank's checkpointer ([`CheckpointConfig`]): plain data with
+//! The settings of a rank's checkpointer ([`CheckpointConfig`](crate::CheckpointConfig)): plain data with
 //! documented defaults, checked once when the checkpointer is made so that a bad
 //! setting fails before the first save, not in the middle of one.
 
@@ -32,13 +32,13 @@ pub struct CheckpointConfig {
     /// Encoding of data files. Default [`Codec::None`].
     pub codec: Codec,
     /// Saves whose upload may run at once. Default 1. A further
-    /// [`Checkpointer::save`] waits until the oldest has written its part;
-    /// [`Checkpointer::try_save`] returns `None` instead.
+    /// [`Checkpointer::save`](crate::Checkpointer::save) waits until the oldest has written its part;
+    /// [`Checkpointer::try_save`](crate::Checkpointer::try_save) returns `None` instead.
     pub max_in_flight: usize,
     /// Keep this many newest committed checkpoints (older ones and stale partial
     /// ones are deleted by the committing rank). Default `None`: keep all.
     pub keep_last: Option<usize>,
-    /// How long [`SaveHandle::committed`] waits for the other ranks' parts. Default
+    /// How long [`SaveHandle::committed`](crate::SaveHandle::committed) waits for the other ranks' parts. Default
     /// 10 min. Once every part is durable the outcome arrives within about
     /// `commit_takeover` × 2 (× world size ÷ 1,024 beyond 1,024 ranks), whatever
     /// this is.
@@ -57,7 +57,7 @@ pub struct CheckpointConfig {
     /// Default true; false writes through the page cache like other objects.
     pub direct_io: bool,
     /// Threads that copy an overlapped save into its staging buffer
-    /// ([`Checkpointer::save_overlapped`]). Default: the cores divided among the
+    /// ([`Checkpointer::save_overlapped`](crate::Checkpointer::save_overlapped)). Default: the cores divided among the
     /// node's ranks (`LOCAL_WORLD_SIZE`), 1 to 4.
     pub copy_threads: usize,
     /// Overlapped saves check that no tensor changed between `save_overlapped` and the
@@ -67,13 +67,13 @@ pub struct CheckpointConfig {
     /// Default: on in debug builds, off in release builds.
     pub check_staging: bool,
     /// Keep each save's staged data file (header and boxes, raw, as the block CRC32s
-    /// cover it) as this rank's in-memory copy of the save: [`SaveHandle::copy`] hands
+    /// cover it) as this rank's in-memory copy of the save: [`SaveHandle::copy`](crate::SaveHandle::copy) hands
     /// out a shared reference to the staging buffer itself, no byte copied, and the
     /// buffer returns to the pool only when the save's upload and every holder of the
     /// copy are done with it. So each copy kept costs one staging buffer (the size of
     /// this rank's data file) for as long as it is kept, and a save while copies are
     /// held takes a fresh buffer (page faults in its copy) unless
-    /// [`Checkpointer::warm_up`] prepared it. `crate::copies` keeps, replicates and
+    /// [`Checkpointer::warm_up`](crate::Checkpointer::warm_up) prepared it. `crate::copies` keeps, replicates and
     /// recovers from these copies. Default false.
     pub keep_copy: bool,
 }

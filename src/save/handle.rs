@@ -1,4 +1,4 @@
-//! What the caller holds while a save runs ([`SaveHandle`]): when its tensors are
+//! What the caller holds while a save runs ([`SaveHandle`](crate::SaveHandle)): when its tensors are
 //! free again (staged), when this rank's part is durable, when the whole checkpoint
 //! is committed. The background task publishes each milestone on a watch channel;
 //! the handle only reads them, so dropping it never cancels the save.
@@ -41,10 +41,10 @@ impl SaveHandle {
 
     /// Waits until the caller's tensors have been copied into the staging buffer:
     /// from then on the caller may change or free them. For a blocking
-    /// [`Checkpointer::save`] this is ready at once.
+    /// [`Checkpointer::save`](crate::Checkpointer::save) this is ready at once.
     ///
     /// Errors: [`Error::Mutated`] when a tensor was changed before the copy read it
-    /// (with [`CheckpointConfig::check_staging`]); the save is then abandoned on this
+    /// (with [`CheckpointConfig::check_staging`](crate::CheckpointConfig::check_staging)); the save is then abandoned on this
     /// rank and its checkpoint does not commit.
     pub async fn staged(&self) -> Result<Duration> {
         let mut staging = self.staging.clone();
@@ -67,7 +67,7 @@ impl SaveHandle {
         }
     }
 
-    /// [`SaveHandle::staged`] for synchronous code: blocks the calling thread (the
+    /// [`SaveHandle::staged`](crate::SaveHandle::staged) for synchronous code: blocks the calling thread (the
     /// copy runs on threads of its own, so this may be called anywhere, a runtime's
     /// worker included). Returns how long after `save` was called the copy ended.
     pub fn wait_staged(&self) -> Result<Duration> {
@@ -83,7 +83,7 @@ impl SaveHandle {
     }
 
     /// This rank's data file of the save as it was staged, shared with the save
-    /// (with [`CheckpointConfig::keep_copy`]; no byte is copied): `None` until the
+    /// (with [`CheckpointConfig::keep_copy`](crate::CheckpointConfig::keep_copy); no byte is copied): `None` until the
     /// staging copy (and with device tensors, their device-to-host copies) has ended,
     /// when staging failed, and without `keep_copy`. While this handle or any clone of
     /// the copy lives, its staging buffer does not go back to the pool.
@@ -91,8 +91,8 @@ impl SaveHandle {
         self.copy.as_ref().and_then(|copy| copy.borrow().clone())
     }
 
-    /// Waits for [`SaveHandle::copy`]. Errors: [`Error::Invalid`] without
-    /// [`CheckpointConfig::keep_copy`]; the staging error when staging failed.
+    /// Waits for [`SaveHandle::copy`](crate::SaveHandle::copy). Errors: [`Error::Invalid`] without
+    /// [`CheckpointConfig::keep_copy`](crate::CheckpointConfig::keep_copy); the staging error when staging failed.
     pub async fn staged_copy(&self) -> Result<RankCopy> {
         let Some(copy) = &self.copy else {
             return Err(Error::invalid(format!(
@@ -122,13 +122,13 @@ impl SaveHandle {
     /// tensors (feature `cuda`; `None` when the state had none). Until it has
     /// completed, the device tensors must not be written: a trainer makes its
     /// optimizer step's stream wait for it (`stream.wait(event)`, no host stall).
-    /// [`SaveHandle::staged`] covers the host tensors only.
+    /// [`SaveHandle::staged`](crate::SaveHandle::staged) covers the host tensors only.
     #[cfg(feature = "cuda")]
     pub fn device_released(&self) -> Option<&cudarc::driver::CudaEvent> {
         self.device.as_deref()
     }
 
-    /// Blocks the calling thread until [`SaveHandle::device_released`] has
+    /// Blocks the calling thread until [`SaveHandle::device_released`](crate::SaveHandle::device_released) has
     /// completed (at once without device tensors). Errors: [`Error::Device`] when a
     /// copy failed.
     #[cfg(feature = "cuda")]

@@ -438,7 +438,7 @@ pub unsafe extern "C" fn pwrite(fd: c_int, buf: *const c_void, count: usize, off
     unsafe { pwrite64(fd, buf, count, offset) }
 }
 
-/// `writev(2)`: as [`write`].
+/// `writev(2)`: as [`write`](fn@write).
 ///
 /// # Safety
 /// As `writev(2)`.

@@ -116,7 +116,7 @@ pub struct NodeConfig {
     /// process that reaches the listener is served).
     pub secret: Option<ckpt_auth::JobSecret>,
     /// How long a node that has not joined a generation yet lets the control plane
-    /// stay out of reach before it gives up (at most [`UNREACHABLE_GIVE_UP`]): the
+    /// stay out of reach before it gives up (at most `UNREACHABLE_GIVE_UP`, 60 s): the
     /// launcher's connect timeout. With no training to protect, a coordinator that
     /// went away before the node joined (its job finished meanwhile) is one the
     /// node could not connect to.

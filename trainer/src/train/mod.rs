@@ -87,7 +87,7 @@ pub struct TrainConfig {
     /// a newer generation than the checkpoint it resumed from).
     pub generation: u64,
     /// Run id of the save attempts (`None`: `CKPT_RUN_ID`, as
-    /// [`CheckpointConfig::new`] reads it). An elastic rank sets one per generation,
+    /// [`CheckpointConfig::new`](ckpt::CheckpointConfig::new) reads it). An elastic rank sets one per generation,
     /// so that two generations never name the same attempt directory.
     pub run_id: Option<String>,
     /// Fault injection for tests: one rank stops forever at a step, so that a test
@@ -108,7 +108,7 @@ pub struct TrainConfig {
     /// Elastic ranks: keep in-memory copies of the newest checkpoints (see
     /// [`ckpt::copies`]), so that a recovery rebuilds from RAM where it can.
     pub memory_copies: bool,
-    /// Overlapped saves ([`Checkpointer::save_overlapped`]): the copy into the staging
+    /// Overlapped saves ([`Checkpointer::save_overlapped`](ckpt::Checkpointer::save_overlapped)): the copy into the staging
     /// buffer runs while the next step gathers and computes, and the rank waits for
     /// it only right before its optimizer step overwrites the saved rows. False:
     /// blocking saves, the copy inside the step that saves.
