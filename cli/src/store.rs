@@ -79,20 +79,13 @@ impl<D: Defaults> StoreArgs<D> {
         Ok(Store::open(url, self.config()?)?)
     }
 
-    /// The settings: the command's defaults, then the flags, then each `-o` in order.
+    /// The settings: the command's defaults, then the flags, then each `-o` in order,
+    /// every one through [`StoreConfig::set`] (the flags as the pairs of [`Self::pairs`]),
+    /// so a flag and its `-o` spelling cannot mean two things.
     fn config(&self) -> Result<StoreConfig, Error> {
         let mut config = D::config();
-        if let Some(retries) = self.retries {
-            config.retry.max_retries = retries;
-        }
-        if let Some(seconds) = self.request_timeout {
-            config.request_timeout = Duration::from_secs_f64(seconds);
-        }
-        if let Some(seconds) = self.connect_timeout {
-            config.connect_timeout = Duration::from_secs_f64(seconds);
-        }
-        for option in &self.options {
-            let (key, value) = split(option)?;
+        for pair in self.pairs() {
+            let (key, value) = split(&pair)?;
             config.set(key, value)?;
         }
         Ok(config)
