@@ -322,7 +322,8 @@ impl NewestFirst {
     }
 }
 
-/// The newest committed checkpoint whose manifest is valid. A corrupt newer one is
+/// The newest committed checkpoint whose manifest is valid, healthy or not (see
+/// [`latest_selecting`] for the newest healthy one). A corrupt newer one is
 /// reported (tracing warning) and skipped. `None` when there is none.
 ///
 /// Costs the log's tail and one manifest when the newest commit is sound.
@@ -331,6 +332,77 @@ pub async fn latest(store: &Store) -> Result<Option<Manifest>> {
     while let Some(commit) = walk.next().await? {
         if let Some(manifest) = open_or_skip(store, &commit).await? {
             return Ok(Some(manifest));
+        }
+    }
+    Ok(None)
+}
+
+/// Which checkpoints a search for "the newest" accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Select {
+    /// Any that is not judged unhealthy: healthy, or of unknown health (written
+    /// before health was recorded). What resumes use.
+    #[default]
+    Healthy,
+    /// Any committed checkpoint, healthy or not. What the tools show.
+    Any,
+}
+
+/// A commit that a search for the newest healthy checkpoint passed over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    /// Its step.
+    pub step: u64,
+    /// Its directory.
+    pub dir: String,
+    /// Why it is unhealthy.
+    pub reasons: Vec<String>,
+}
+
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "step {} ({}) is unhealthy: {}",
+            self.step,
+            self.dir,
+            self.reasons.join("; ")
+        )
+    }
+}
+
+/// Whether `manifest` is one `select` accepts; `None` when it does, the skipped
+/// commit (warned about) when it does not.
+pub fn passes(manifest: &Manifest, select: Select) -> Option<Skipped> {
+    let status = manifest.health_status();
+    if select == Select::Any || status.acceptable() {
+        return None;
+    }
+    let skipped = Skipped {
+        step: manifest.step,
+        dir: manifest.dir(),
+        reasons: status.reasons().to_vec(),
+    };
+    warn!("passing over checkpoint {skipped}");
+    Some(skipped)
+}
+
+/// The newest committed checkpoint whose manifest is valid and that `select`
+/// accepts, and the unhealthy commits passed over on the way (newest first, each
+/// also a tracing warning). Costs [`latest`]'s requests plus one manifest per
+/// commit passed over.
+pub async fn latest_selecting(
+    store: &Store,
+    select: Select,
+) -> Result<Option<(Manifest, Vec<Skipped>)>> {
+    let mut walk = NewestFirst::new(store).await?;
+    let mut skipped = Vec::new();
+    while let Some(commit) = walk.next().await? {
+        if let Some(manifest) = open_or_skip(store, &commit).await? {
+            match passes(&manifest, select) {
+                None => return Ok(Some((manifest, skipped))),
+                Some(passed) => skipped.push(passed),
+            }
         }
     }
     Ok(None)

@@ -523,13 +523,24 @@ pub(crate) async fn commit_gathered(
     };
     let slot = slot_key(attempt);
     let manifest = match parts.and_then(|parts| {
-        let manifest = build_manifest(attempt, world, &parts)?;
+        let (manifest, refuse) = build_judged_manifest(attempt, world, &parts)?;
         // The boxes must tile every tensor exactly: an overlap or a hole is refused
         // here, once, for every rank to read.
         manifest.validate(&slot)?;
-        Ok(manifest)
+        Ok((manifest, refuse))
     }) {
-        Ok(manifest) => manifest,
+        Ok((_, Some(refusal))) => {
+            warn!(step = attempt.step, "commit refused: {refusal}");
+            return bury(
+                store,
+                attempt,
+                &Outcome::Failed {
+                    reason: format!("cannot commit step {}: {refusal}", attempt.step),
+                },
+            )
+            .await;
+        }
+        Ok((manifest, None)) => manifest,
         Err(e @ (Error::Corrupt(_) | Error::Mismatch(_) | Error::Invalid(_))) => {
             return bury(
                 store,
@@ -611,12 +622,23 @@ type RankBox<'a> = (u32, &'a [u64], &'a [u64]);
 /// A tensor's name, dtype, shape and boxes, gathered from the parts.
 type Gathered<'a> = (&'a str, crate::DType, &'a [u64], Vec<RankBox<'a>>);
 
-/// Builds the root manifest from every rank's part (sorted by rank).
+/// Builds the root manifest from every rank's part (sorted by rank), with the
+/// verdict on its health ([`crate::health::judge`]).
 pub fn build_manifest(
     attempt: &Attempt,
     world: u32,
     parts: &[&(Vec<u8>, RankPart)],
 ) -> Result<Manifest> {
+    Ok(build_judged_manifest(attempt, world, parts)?.0)
+}
+
+/// [`build_manifest`], and why the commit must be refused when a rank's replica
+/// policy refuses the disagreement found.
+fn build_judged_manifest(
+    attempt: &Attempt,
+    world: u32,
+    parts: &[&(Vec<u8>, RankPart)],
+) -> Result<(Manifest, Option<String>)> {
     let step = attempt.step;
     let first = &parts
         .first()
@@ -722,8 +744,25 @@ pub fn build_manifest(
         .iter()
         .map(|e| &e.1)
         .find(|p| p.global_state.is_some());
-    Ok(Manifest {
-        format_version: crate::format::version_for(several),
+    let verdict = crate::health::judge(
+        &parts.iter().map(|e| &e.1).collect::<Vec<_>>(),
+        global.map(|p| p.rank),
+    );
+    if let Some(health) = &verdict.health
+        && !health.healthy
+    {
+        warn!(
+            step,
+            reasons = ?health.reasons,
+            "step {step} is unhealthy; resumes pass over it unless asked for it"
+        );
+    }
+    let manifest = Manifest {
+        format_version: if verdict.health.is_some() {
+            crate::format::version_with_health(several)
+        } else {
+            crate::format::version_for(several)
+        },
         step,
         attempt: Some(name),
         world_size: world,
@@ -738,7 +777,9 @@ pub fn build_manifest(
         ranks,
         global_state_rank: global.map(|p| p.rank),
         metadata: global.map(|p| p.metadata.clone()).unwrap_or_default(),
-    })
+        health: verdict.health,
+    };
+    Ok((manifest, verdict.refuse))
 }
 
 /// The compact dim-0 form when rank `r`'s rows follow rank `r-1`'s and every other

@@ -123,6 +123,7 @@ pub mod dtype;
 mod error;
 pub mod failpoint;
 pub mod format;
+pub mod health;
 pub mod load;
 pub mod probe;
 mod rank_file;
@@ -139,14 +140,16 @@ mod upload;
 pub mod writer;
 
 pub use attempt::{Attempt, RunId};
-pub use catalog::{CheckpointInfo, Commit, latest, list_checkpoints, read_manifest};
+pub use catalog::{
+    CheckpointInfo, Commit, Select, latest, latest_selecting, list_checkpoints, read_manifest,
+};
 pub use commit::Outcome;
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use format::{Codec, Manifest, StateValue};
+pub use format::{Codec, Health, HealthStatus, Manifest, ReplicaPolicy, StateValue};
 pub use load::{CheckpointReader, LoadRequest, Loaded, LoadedTensor, load_latest};
 pub use region::Region;
-pub use save::{CheckpointConfig, Checkpointer, SaveHandle};
+pub use save::{CheckpointConfig, Checkpointer, HealthCheck, SaveHandle};
 pub use state::{Element, State, as_bytes, as_bytes_mut};
 
 /// The README's examples, compiled as doctests so they cannot go stale.

@@ -218,26 +218,42 @@ pub(crate) type Pool = Mutex<Vec<StagingBuffer>>;
 /// when the last reference to it is dropped, whoever holds that reference (the save's
 /// upload, or an in-memory copy of the save kept after it, `crate::copies`). A
 /// buffer whose checkpointer is gone is freed instead.
+///
+/// A save may stage more than its file: the replicas it holds but another rank
+/// writes, copied after the file only to be checksummed (`crate::health`). The
+/// buffer then reads as the file alone ([`Deref`]), and [`Pooled::beyond`] gives
+/// the rest.
 pub(crate) struct Pooled {
     buffer: StagingBuffer,
     pool: Weak<Pool>,
+    /// Bytes that are the file: the buffer derefs to these.
+    file_len: usize,
 }
 
 impl Pooled {
-    /// `buffer`, to be given back to `pool`.
-    pub(crate) fn new(buffer: StagingBuffer, pool: &Arc<Pool>) -> Self {
+    /// `buffer`, to be given back to `pool`; its first `file_len` bytes are the file.
+    pub(crate) fn new(buffer: StagingBuffer, pool: &Arc<Pool>, file_len: usize) -> Self {
+        let file_len = file_len.min(buffer.len());
         Self {
             buffer,
             pool: Arc::downgrade(pool),
+            file_len,
         }
     }
 
     /// `buffer`, freed when dropped (a buffer that must not be reused).
     pub(crate) fn unpooled(buffer: StagingBuffer) -> Self {
+        let file_len = buffer.len();
         Self {
             buffer,
             pool: Weak::new(),
+            file_len,
         }
+    }
+
+    /// The staged bytes after the file (replicas staged only to be checksummed).
+    pub(crate) fn beyond(&self) -> &[u8] {
+        &self.buffer[self.file_len..]
     }
 }
 
@@ -245,7 +261,7 @@ impl Deref for Pooled {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        &self.buffer
+        &self.buffer[..self.file_len]
     }
 }
 

@@ -31,6 +31,10 @@ pub struct TensorShard<'a> {
     pub data: &'a [u8],
     /// False for a replica that another rank writes.
     pub write: bool,
+    /// True when other ranks hold the same box ([`State::add_replica`], a scalar of
+    /// [`State::add_dim0_shard`]): every holder checksums its copy for the commit
+    /// to compare.
+    pub replicated: bool,
 }
 
 pub use crate::dtype::{Element, as_bytes, as_bytes_mut};
@@ -51,6 +55,8 @@ pub struct DeviceShard {
     pub buffer: crate::cuda::DeviceBuffer,
     /// False for a replica that another rank writes.
     pub write: bool,
+    /// True when other ranks hold the same box, as [`TensorShard::replicated`].
+    pub replicated: bool,
 }
 
 /// What a rank has added of one tensor: its dtype and shape (every box of a tensor
@@ -74,6 +80,10 @@ pub struct State<'a> {
     pub(crate) global: BTreeMap<String, StateValue>,
     pub(crate) rank: BTreeMap<String, StateValue>,
     pub(crate) metadata: BTreeMap<String, serde_json::Value>,
+    /// The caller's metrics for the checkpoint's health.
+    pub(crate) metrics: BTreeMap<String, f64>,
+    /// Why the caller found this state unhealthy.
+    pub(crate) unhealthy: Vec<String>,
 }
 
 impl<'a> State<'a> {
@@ -95,7 +105,7 @@ impl<'a> State<'a> {
         region: Region,
         data: &'a [u8],
     ) -> Result<&mut Self> {
-        self.push(name.into(), dtype, shape, region, data, true)
+        self.push(name.into(), dtype, shape, region, data, true, false)
     }
 
     /// Adds this rank's even dim-0 shard (FSDP2 / ZeRO) of tensor `name`: rows
@@ -113,7 +123,8 @@ impl<'a> State<'a> {
         let region = Region::dim0_shard(shape, rank, world);
         // A scalar cannot be split: every rank holds it, rank 0 writes it.
         let write = !shape.is_empty() || rank == 0;
-        self.push(name.into(), dtype, shape, region, data, write)
+        let replicated = shape.is_empty() && world > 1;
+        self.push(name.into(), dtype, shape, region, data, write, replicated)
     }
 
     /// Adds a box that several ranks hold identical copies of (a replicated tensor,
@@ -128,13 +139,15 @@ impl<'a> State<'a> {
         data: &'a [u8],
         writer: bool,
     ) -> Result<&mut Self> {
-        self.push(name.into(), dtype, shape, region, data, writer)
+        self.push(name.into(), dtype, shape, region, data, writer, true)
     }
 
     /// Adds this rank's box `region` of tensor `name` held in device memory
     /// (feature `cuda`); `writer` as in [`State::add_replica`] (true for a box only
-    /// this rank holds). A save stages it by an asynchronous device-to-host copy; the
-    /// buffer must not be written until the save's
+    /// this rank holds; false for a replica, which the save checksums for the
+    /// commit to compare, as every holder of a host replica does). A save stages it
+    /// by an asynchronous device-to-host copy; the buffer must not be written until
+    /// the save's
     /// [`device_released`](crate::SaveHandle::device_released) event (see
     /// [`crate::cuda::device`]). Same checks as [`State::add`].
     #[cfg(feature = "cuda")]
@@ -147,7 +160,38 @@ impl<'a> State<'a> {
         buffer: crate::cuda::DeviceBuffer,
         writer: bool,
     ) -> Result<&mut Self> {
-        let name = name.into();
+        self.push_device(name.into(), dtype, shape, region, buffer, writer, !writer)
+    }
+
+    /// Adds a box held in device memory that several ranks hold identical copies of
+    /// (feature `cuda`), as [`State::add_replica`] does for host memory: only the
+    /// rank passing `writer = true` writes it, and every holder checksums its copy
+    /// for the commit to compare.
+    #[cfg(feature = "cuda")]
+    pub fn add_device_replica(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        region: Region,
+        buffer: crate::cuda::DeviceBuffer,
+        writer: bool,
+    ) -> Result<&mut Self> {
+        self.push_device(name.into(), dtype, shape, region, buffer, writer, true)
+    }
+
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    fn push_device(
+        &mut self,
+        name: String,
+        dtype: DType,
+        shape: &[u64],
+        region: Region,
+        buffer: crate::cuda::DeviceBuffer,
+        writer: bool,
+        replicated: bool,
+    ) -> Result<&mut Self> {
         self.check(&name, dtype, shape, &region, buffer.len())?;
         self.record(&name, dtype, shape, &region);
         self.device.push(DeviceShard {
@@ -157,6 +201,7 @@ impl<'a> State<'a> {
             region,
             buffer,
             write: writer,
+            replicated,
         });
         Ok(self)
     }
@@ -184,6 +229,7 @@ impl<'a> State<'a> {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn push(
         &mut self,
         name: String,
@@ -192,6 +238,7 @@ impl<'a> State<'a> {
         region: Region,
         data: &'a [u8],
         write: bool,
+        replicated: bool,
     ) -> Result<&mut Self> {
         self.check(&name, dtype, shape, &region, data.len())?;
         self.record(&name, dtype, shape, &region);
@@ -202,6 +249,7 @@ impl<'a> State<'a> {
             region,
             data,
             write,
+            replicated,
         });
         Ok(self)
     }
@@ -301,6 +349,27 @@ impl<'a> State<'a> {
     pub fn set_metadata(&mut self, key: impl Into<String>, value: serde_json::Value) -> &mut Self {
         self.metadata.insert(key.into(), value);
         self
+    }
+
+    /// Records a scalar metric of this step for the checkpoint's health (`loss`,
+    /// `grad_norm`, …): kept in the manifest, shown by `ckpt inspect`. A metric
+    /// that is not finite makes the checkpoint unhealthy, as does a failed
+    /// [`CheckpointConfig::health_check`](crate::CheckpointConfig::health_check).
+    pub fn health_metric(&mut self, name: impl Into<String>, value: f64) -> &mut Self {
+        self.metrics.insert(name.into(), value);
+        self
+    }
+
+    /// Marks the state unhealthy for `reason` (the caller's own check failed): the
+    /// checkpoint commits, but "the newest healthy checkpoint" passes over it.
+    pub fn mark_unhealthy(&mut self, reason: impl Into<String>) -> &mut Self {
+        self.unhealthy.push(reason.into());
+        self
+    }
+
+    /// The metrics recorded so far.
+    pub fn health_metrics(&self) -> &BTreeMap<String, f64> {
+        &self.metrics
     }
 
     /// The tensors added so far.

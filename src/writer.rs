@@ -222,6 +222,8 @@ impl RankFileWriter {
             global_state,
             rank_state,
             metadata,
+            // The offline tools write what they read: health unknown.
+            health: None,
         };
         crate::upload::put_part(
             &self.store,

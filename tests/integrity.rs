@@ -480,6 +480,7 @@ fn sample_part() -> RankPart {
         global_state: None,
         rank_state: Default::default(),
         metadata: Default::default(),
+        health: None,
     }
 }
 

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::envelope::{parse_json, seal, unseal};
+use super::health::{HEALTH_VERSION, Health, HealthStatus};
 use super::layout::{Layout, check_layout, check_one_box_per_rank};
 use super::limits::{MAX_MANIFEST_BYTES, MAX_PART_BYTES, check_common, check_shape, tensor_bytes};
 use super::names::check_object_name;
@@ -99,6 +100,10 @@ pub struct Manifest {
     /// User metadata.
     #[serde(default)]
     pub metadata: BTreeMap<String, serde_json::Value>,
+    /// The committer's verdict on the checkpoint's health (version 4); `None`
+    /// (health unknown) in older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<Health>,
 }
 
 impl Manifest {
@@ -161,6 +166,15 @@ impl Manifest {
         {
             return Err(err(format!("global_state_rank {rank} is not a rank")));
         }
+        if let Some(health) = &self.health {
+            if self.format_version < HEALTH_VERSION {
+                return Err(err(format!(
+                    "format_version {} carries health, which version {HEALTH_VERSION} introduced",
+                    self.format_version
+                )));
+            }
+            health.validate(object)?;
+        }
         for pair in self.tensors.windows(2) {
             if pair[0].name >= pair[1].name {
                 return Err(err(format!(
@@ -189,6 +203,15 @@ impl Manifest {
             }
         }
         Ok(())
+    }
+
+    /// What is known of the checkpoint's health.
+    pub fn health_status(&self) -> HealthStatus<'_> {
+        match &self.health {
+            Some(health) if health.healthy => HealthStatus::Healthy,
+            Some(health) => HealthStatus::Unhealthy(&health.reasons),
+            None => HealthStatus::Unknown,
+        }
     }
 
     /// The tensor called `name`.

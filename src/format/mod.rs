@@ -1,4 +1,4 @@
-//! On-storage format (version 3; versions 2 and 1 are still read): object names, the
+//! On-storage format (version 4; versions 3, 2 and 1 are still read): object names, the
 //! manifest, the rank parts, and the safetensors header of rank data files. Normative
 //! description: `docs/FORMAT.md`.
 //!
@@ -8,13 +8,18 @@
 //! so a checkpoint whose ranks hold one box per tensor stays readable by builds that
 //! read only version 2.
 //!
+//! Version 4 adds health to the parts and the manifest ([`health`]): what the save
+//! found of non-finite values, of replicas that disagree and of the caller's
+//! metrics. A manifest without it has health unknown.
+//!
 //! Everything here parses untrusted bytes: sizes are capped before allocating,
 //! arithmetic is checked, names are confined to the checkpoint directory, and every
 //! failure is a [`FormatError`] naming the object and, where known, the byte offset.
 //!
 //! The module is split by concern so each parser can be read (and fuzzed) alone:
 //! [`names`] for object names, [`envelope`] for the checksummed JSON wrapper,
-//! [`limits`] for the caps and the checks every object shares, [`manifest`] for the
+//! [`limits`] for the caps and the checks every object shares, [`health`] for what
+//! a save knew of the state it wrote, [`manifest`] for the
 //! commit object, [`layout`] for which rank holds which box, [`part`] for a rank's
 //! part, [`agreement`] for what the manifest and a part must both say, and
 //! [`safetensors`] for the header of the data files. Everything is
@@ -24,6 +29,7 @@ use std::fmt;
 
 pub mod agreement;
 pub mod envelope;
+pub mod health;
 pub mod layout;
 pub mod limits;
 pub mod manifest;
@@ -34,6 +40,10 @@ mod tiling;
 
 pub use agreement::Assignments;
 pub use envelope::{seal, unseal};
+pub use health::{
+    ChunkNonFinite, HEALTH_VERSION, Health, HealthStatus, Metric, NonFinite, PartHealth,
+    ReplicaCrcs, ReplicaMismatch, ReplicaPolicy, count_nonfinite,
+};
 pub(crate) use layout::check_layout;
 pub use layout::{Layout, LayoutBox};
 pub use limits::{
@@ -51,7 +61,7 @@ pub use safetensors::{
 };
 
 /// The newest format version this code reads and writes.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest version this build still reads.
 pub const OLDEST_READABLE_VERSION: u32 = 1;
 /// The first version in which a rank may hold several boxes of one tensor.
@@ -67,6 +77,12 @@ pub fn version_for(several_boxes_per_rank: bool) -> u32 {
     } else {
         2
     }
+}
+
+/// The version of a rank part or manifest that carries health: at least
+/// [`HEALTH_VERSION`]. Data files carry none and keep [`version_for`].
+pub fn version_with_health(several_boxes_per_rank: bool) -> u32 {
+    version_for(several_boxes_per_rank).max(HEALTH_VERSION)
 }
 
 /// True when some name occurs more than once in `tensors` (one name per box of a

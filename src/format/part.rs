@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::envelope::{parse_json, seal, unseal};
+use super::health::{HEALTH_VERSION, PartHealth};
 use super::limits::{MAX_PART_BYTES, check_common, check_shape, tensor_bytes};
 use super::manifest::Codec;
 use super::names::check_object_name;
@@ -152,6 +153,9 @@ pub struct RankPart {
     /// User metadata (from the rank that carries the global state).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, serde_json::Value>,
+    /// What the save found of the state's health (version 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<PartHealth>,
 }
 
 impl RankPart {
@@ -317,6 +321,15 @@ impl RankPart {
                     chunk.tensor, chunk.dtype, chunk.lengths, self.file.raw_bytes
                 )));
             }
+        }
+        if let Some(health) = &self.health {
+            if self.format_version < HEALTH_VERSION {
+                return Err(err(format!(
+                    "format_version {} carries health, which version {HEALTH_VERSION} introduced",
+                    self.format_version
+                )));
+            }
+            health.validate(&self.chunks, self.block_size, object)?;
         }
         Ok(())
     }

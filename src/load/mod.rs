@@ -50,7 +50,7 @@ mod scatter;
 pub(crate) use execute::{in_this_poll, on_threads};
 pub use memory::zeroed_huge;
 pub(crate) use read::{FileRead, read_batch, verify_and_copy};
-pub use reader::load_latest;
+pub use reader::{load_latest, load_latest_selecting};
 pub use request::{
     LoadPlan, LoadRequest, LoadStats, LoadTimings, Loaded, LoadedTensor, ReadConfig, Want,
 };
@@ -68,6 +68,8 @@ pub struct CheckpointReader {
     /// tools load a checkpoint in many slabs).
     sized: Mutex<std::collections::HashSet<String>>,
     config: ReadConfig,
+    /// Unhealthy commits passed over to find this one.
+    skipped: Vec<crate::catalog::Skipped>,
 }
 
 /// A contiguous run of bytes: `len` bytes at raw file offset `src` go to byte `dst`

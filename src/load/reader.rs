@@ -19,8 +19,53 @@ use crate::error::{Error, Result};
 use crate::format::{Assignments, FormatError, MAX_PART_BYTES, Manifest, RankPart, StateValue};
 
 impl CheckpointReader {
-    /// Opens checkpoint `step`, or the newest committed one when `None` (skipping
-    /// corrupt manifests with a warning).
+    /// Opens checkpoint `step`, or when `None` the newest committed one that
+    /// `select` accepts (skipping corrupt manifests, and with
+    /// [`Select::Healthy`](crate::catalog::Select::Healthy) unhealthy ones, with a
+    /// warning each: [`CheckpointReader::skipped`] lists the unhealthy ones).
+    pub async fn open_selecting(
+        store: &Store,
+        step: Option<u64>,
+        select: crate::catalog::Select,
+    ) -> Result<Self> {
+        match step {
+            Some(step) => Ok(Self::from_manifest(
+                store,
+                crate::catalog::read_manifest(store, step).await?,
+            )),
+            None => {
+                let (manifest, skipped) = crate::catalog::latest_selecting(store, select)
+                    .await?
+                    .ok_or_else(|| {
+                        Error::NotFound(format!(
+                            "no committed{} checkpoint in {}{}",
+                            if select == crate::catalog::Select::Healthy {
+                                " healthy"
+                            } else {
+                                ""
+                            },
+                            store.url(),
+                            if select == crate::catalog::Select::Healthy {
+                                " (unhealthy ones are passed over unless asked for)"
+                            } else {
+                                ""
+                            }
+                        ))
+                    })?;
+                let mut reader = Self::from_manifest(store, manifest);
+                reader.skipped = skipped;
+                Ok(reader)
+            }
+        }
+    }
+
+    /// The unhealthy commits passed over to find this one (newest first).
+    pub fn skipped(&self) -> &[crate::catalog::Skipped] {
+        &self.skipped
+    }
+
+    /// Opens checkpoint `step`, or the newest committed one when `None`, healthy or
+    /// not (skipping corrupt manifests with a warning).
     pub async fn open(store: &Store, step: Option<u64>) -> Result<Self> {
         let manifest = match step {
             Some(step) => crate::catalog::read_manifest(store, step).await?,
@@ -40,6 +85,7 @@ impl CheckpointReader {
             assignments: OnceLock::new(),
             sized: Mutex::new(Default::default()),
             config: ReadConfig::default(),
+            skipped: Vec::new(),
         }
     }
 
@@ -235,26 +281,44 @@ impl CheckpointReader {
     }
 }
 
-/// Loads from the newest committed checkpoint; when it turns out to be corrupt
-/// (a checksum mismatch, a missing or truncated file), warns and tries the one before,
-/// down to the oldest. Commit records that name no commit are skipped, as every
+/// Loads from the newest committed checkpoint that is not judged unhealthy (see
+/// [`crate::catalog::Select::Healthy`]; each one passed over is warned about); when
+/// it turns out to be corrupt (a checksum mismatch, a missing or truncated file),
+/// warns and tries the one before, down to the oldest. Commit records that name no commit are skipped, as every
 /// command skips them (see [`crate::catalog::names_a_commit`]). `request` builds the
 /// request from the manifest found.
 pub async fn load_latest(
     store: &Store,
     request: impl Fn(&Manifest) -> LoadRequest,
 ) -> Result<(CheckpointReader, Loaded)> {
+    load_latest_selecting(store, crate::catalog::Select::Healthy, request).await
+}
+
+/// [`load_latest`], accepting what `select` accepts.
+pub async fn load_latest_selecting(
+    store: &Store,
+    select: crate::catalog::Select,
+    request: impl Fn(&Manifest) -> LoadRequest,
+) -> Result<(CheckpointReader, Loaded)> {
+    let mut skipped = Vec::new();
     let mut walk = crate::catalog::NewestFirst::new(store).await?;
     let mut last_error = None;
     while let Some(commit) = walk.next().await? {
         let attempt = async {
             let manifest = crate::catalog::read_commit(store, &commit).await?;
+            if let Some(passed) = crate::catalog::passes(&manifest, select) {
+                return Ok(Err(passed));
+            }
             let reader = CheckpointReader::from_manifest(store, manifest);
             let loaded = reader.load(&request(reader.manifest())).await?;
-            Ok::<_, Error>((reader, loaded))
+            Ok::<_, Error>(Ok((reader, loaded)))
         };
         match attempt.await {
-            Ok(result) => return Ok(result),
+            Ok(Ok((mut reader, loaded))) => {
+                reader.skipped = skipped;
+                return Ok((reader, loaded));
+            }
+            Ok(Err(passed)) => skipped.push(passed),
             Err(e) if e.is_corruption() => {
                 warn!(step = commit.step, dir = %commit.dir, error = %e, "checkpoint is corrupt; falling back to the previous commit");
                 last_error = Some(e);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::write::encode_threads;
 use crate::error::{Error, Result};
-use crate::format::{Codec, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
+use crate::format::{Codec, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, ReplicaPolicy};
 
 /// Settings of a rank's checkpointer.
 #[derive(Debug, Clone)]
@@ -76,6 +76,20 @@ pub struct CheckpointConfig {
     /// [`Checkpointer::warm_up`](crate::Checkpointer::warm_up) prepared it. `crate::copies` keeps, replicates and
     /// recovers from these copies. Default false.
     pub keep_copy: bool,
+    /// What a save does when the ranks that hold one replicated box (a
+    /// [`State::add_replica`](crate::State::add_replica) box, a scalar of
+    /// [`State::add_dim0_shard`](crate::State::add_dim0_shard)) hold different bytes:
+    /// every holder checksums its own copy off the training thread and the commit
+    /// compares them. `Warn` (default) commits the checkpoint marked unhealthy, with
+    /// a warning naming the ranks; `Fail` refuses the commit (the previous checkpoint
+    /// stays the newest, and `wait_committed` fails); `Off` does not compare (ranks
+    /// that do not write a replica then do not stage it either).
+    pub replica_mismatch: ReplicaPolicy,
+    /// The caller's own test of a save's health, on the metrics it recorded with
+    /// [`State::health_metric`](crate::State::health_metric): an `Err(reason)`
+    /// marks the checkpoint unhealthy. Runs on the caller's thread when `save` is
+    /// called. Default none.
+    pub health_check: Option<HealthCheck>,
 }
 
 impl CheckpointConfig {
@@ -96,6 +110,8 @@ impl CheckpointConfig {
             copy_threads: (encode_threads()).clamp(1, 4),
             check_staging: cfg!(debug_assertions),
             keep_copy: false,
+            replica_mismatch: ReplicaPolicy::default(),
+            health_check: None,
             run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| {
                 if world_size == 1 {
                     crate::attempt::random_run_id()
@@ -153,5 +169,34 @@ impl CheckpointConfig {
             )));
         }
         Ok(())
+    }
+}
+
+/// A caller's test of a save's health: metrics in, `Err(reason)` when unhealthy.
+#[derive(Clone)]
+pub struct HealthCheck(
+    #[allow(clippy::type_complexity)]
+    pub  std::sync::Arc<
+        dyn Fn(&std::collections::BTreeMap<String, f64>) -> std::result::Result<(), String>
+            + Send
+            + Sync,
+    >,
+);
+
+impl HealthCheck {
+    /// Wraps `check`.
+    pub fn new(
+        check: impl Fn(&std::collections::BTreeMap<String, f64>) -> std::result::Result<(), String>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        Self(std::sync::Arc::new(check))
+    }
+}
+
+impl std::fmt::Debug for HealthCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HealthCheck(..)")
     }
 }

@@ -69,7 +69,7 @@ pub(super) async fn run_job(
         give_up(&job.store, &job.config, &job.attempt, e, &status).await;
         return;
     }
-    job.buffer = Arc::new(Pooled::new(buffer, &pool));
+    job.buffer = Arc::new(Pooled::new(buffer, &pool, job.file_len));
     if let Some(copy) = job.copy.take() {
         let key = CopyKey {
             dir: job.attempt.dir(),

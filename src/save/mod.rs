@@ -56,7 +56,7 @@ mod stage;
 mod stage_thread;
 mod write;
 
-pub use config::CheckpointConfig;
+pub use config::{CheckpointConfig, HealthCheck};
 
 #[derive(Debug, Clone)]
 enum Status {
@@ -150,12 +150,33 @@ struct Job {
     /// Where the staged file is published as an in-memory copy (with `keep_copy`).
     copy: Option<watch::Sender<Option<RankCopy>>>,
     chunks: Vec<Chunk>,
+    /// The written chunks as the health scan needs them.
+    scan_chunks: Arc<Vec<crate::health::ScanChunk>>,
+    /// The replicas staged after the file, only to be checksummed.
+    shadow: Vec<ShadowBox>,
+    /// Bytes of the staged buffer that are the file.
+    file_len: usize,
+    /// The part's health before the scan: the replica policy, the caller's metrics
+    /// and findings.
+    health: crate::format::PartHealth,
     global: Option<BTreeMap<String, crate::format::StateValue>>,
     rank_state: BTreeMap<String, crate::format::StateValue>,
     metadata: BTreeMap<String, serde_json::Value>,
     /// Waits for copies into the staging buffer that the host does not make (the
     /// device-to-host copies of device tensors); `None` when there are none.
     pending_copies: Option<PendingCopies>,
+}
+
+/// A replica this rank holds but another writes, staged after the file at
+/// `[begin, end)` of [`Pooled::beyond`](crate::staging::Pooled::beyond).
+#[derive(Debug, Clone)]
+struct ShadowBox {
+    tensor: String,
+    dtype: crate::DType,
+    offsets: Vec<u64>,
+    lengths: Vec<u64>,
+    begin: usize,
+    end: usize,
 }
 
 /// A blocking wait for copies into the staging buffer made by a device.

@@ -2,9 +2,11 @@
 //! the order of the boxes, the sources to copy from, and the check that a tensor did
 //! not change while an overlapped save was copying it.
 
-use super::Checkpointer;
+use super::{Checkpointer, ShadowBox};
 use crate::error::{Error, Result};
 use crate::format::Chunk;
+use crate::format::ReplicaPolicy;
+use crate::health::ScanChunk;
 use crate::rank_file::{PlannedBox, rank_file_header};
 use crate::staging::{Source, StagingBuffer, copy_sources};
 
@@ -13,6 +15,14 @@ impl Checkpointer {
     /// Fails when two of its safetensors entries would get one name.
     pub(super) fn plan(&self, step: u64, state: &crate::State<'_>) -> Result<StagePlan> {
         let written: Vec<_> = state.tensors.iter().filter(|t| t.write).collect();
+        // Replicas another rank writes are staged after the file, only to be
+        // checksummed for the commit to compare (unless comparing is off).
+        let compare = self.config.replica_mismatch != ReplicaPolicy::Off;
+        let shadowed: Vec<_> = state
+            .tensors
+            .iter()
+            .filter(|t| !t.write && compare)
+            .collect();
         #[allow(unused_mut)]
         let mut planned: Vec<PlannedBox> = written
             .iter()
@@ -39,48 +49,89 @@ impl Checkpointer {
             self.config.world_size as u32,
             &planned,
         )?;
-        #[cfg_attr(feature = "cuda", allow(unused_variables))]
-        let total = header.len() + written.iter().map(|t| t.data.len()).sum::<usize>();
         let mut at = header.len() as u64;
-        #[allow(unused_mut)]
-        let mut chunks: Vec<Chunk> = written
-            .iter()
-            .map(|t| {
-                let begin = at;
-                at += t.data.len() as u64;
-                Chunk {
-                    tensor: t.name.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    offsets: t.region.offsets.clone(),
-                    lengths: t.region.lengths.clone(),
-                    bytes: [begin, at],
-                }
-            })
-            .collect();
-        #[cfg(feature = "cuda")]
-        let (total, device) = {
-            let mut device = Vec::new();
-            for t in device_written {
-                let begin = at;
-                at += t.buffer.len() as u64;
-                chunks.push(Chunk {
-                    tensor: t.name.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    offsets: t.region.offsets.clone(),
-                    lengths: t.region.lengths.clone(),
-                    bytes: [begin, at],
-                });
-                device.push((t.buffer.clone(), begin as usize));
-            }
-            (at as usize, device)
+        let mut chunks: Vec<Chunk> = Vec::with_capacity(planned.len());
+        let mut scan: Vec<ScanChunk> = Vec::with_capacity(planned.len());
+        let mut place = |name: &str,
+                         dtype: crate::DType,
+                         shape: &[u64],
+                         region: &crate::Region,
+                         len: usize,
+                         replicated: bool| {
+            let begin = at;
+            at += len as u64;
+            chunks.push(Chunk {
+                tensor: name.to_string(),
+                dtype,
+                shape: shape.to_vec(),
+                offsets: region.offsets.clone(),
+                lengths: region.lengths.clone(),
+                bytes: [begin, at],
+            });
+            scan.push(ScanChunk::new(
+                begin as usize,
+                at as usize,
+                dtype,
+                replicated && compare,
+            ));
+            begin as usize
         };
+        for t in &written {
+            place(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                &t.region,
+                t.data.len(),
+                t.replicated,
+            );
+        }
+        #[cfg(feature = "cuda")]
+        let mut device = Vec::new();
+        #[cfg(feature = "cuda")]
+        for t in &device_written {
+            let begin = place(
+                &t.name,
+                t.dtype,
+                &t.shape,
+                &t.region,
+                t.buffer.len(),
+                t.replicated,
+            );
+            device.push((t.buffer.clone(), begin));
+        }
+        let file_len = at as usize;
+        let mut shadow = Vec::new();
+        let mut beyond = 0usize;
+        let mut shade = |name: &str, dtype: crate::DType, region: &crate::Region, len: usize| {
+            shadow.push(ShadowBox {
+                tensor: name.to_string(),
+                dtype,
+                offsets: region.offsets.clone(),
+                lengths: region.lengths.clone(),
+                begin: beyond,
+                end: beyond + len,
+            });
+            beyond += len;
+            file_len + beyond - len
+        };
+        for t in &shadowed {
+            shade(&t.name, t.dtype, &t.region, t.data.len());
+        }
+        #[cfg(feature = "cuda")]
+        for t in state.device.iter().filter(|t| !t.write && compare) {
+            let begin = shade(&t.name, t.dtype, &t.region, t.buffer.len());
+            device.push((t.buffer.clone(), begin));
+        }
+        let staged: Vec<_> = written.iter().chain(&shadowed).collect();
         Ok(StagePlan {
-            total,
+            total: file_len + beyond,
+            file_len,
             chunks,
-            sources: written.iter().map(|t| Source::new(t.data)).collect(),
-            names: written.iter().map(|t| t.name.clone()).collect(),
+            scan,
+            shadow,
+            sources: staged.iter().map(|t| Source::new(t.data)).collect(),
+            names: staged.iter().map(|t| t.name.clone()).collect(),
             header,
             #[cfg(feature = "cuda")]
             device,
@@ -92,14 +143,21 @@ impl Checkpointer {
 pub(super) struct StagePlan {
     /// The safetensors header.
     pub(super) header: Vec<u8>,
-    /// The written tensors' bytes, in file order.
+    /// The written tensors' bytes, in file order, then the host replicas staged
+    /// after the file.
     pub(super) sources: Vec<Source>,
     /// Their names.
     pub(super) names: Vec<String>,
-    /// Header plus data.
+    /// Header plus data, plus the replicas staged after the file.
     pub(super) total: usize,
+    /// Header plus data: the file.
+    pub(super) file_len: usize,
     /// The manifest's records of the written tensors (file offsets).
     pub(super) chunks: Vec<Chunk>,
+    /// The same, as the health scan needs them.
+    pub(super) scan: Vec<ScanChunk>,
+    /// The replicas staged after the file.
+    pub(super) shadow: Vec<ShadowBox>,
     /// The written device tensors and their offsets in the file, after the host ones.
     #[cfg(feature = "cuda")]
     pub(super) device: Vec<(crate::cuda::DeviceBuffer, usize)>,

@@ -56,6 +56,10 @@ impl Checkpointer {
         let mut plan = self.plan(step, state)?;
         check_header(&plan.header, self.config.rank as u32, plan.chunks.len())?;
         let chunks = std::mem::take(&mut plan.chunks);
+        let scan_chunks = Arc::new(std::mem::take(&mut plan.scan));
+        let shadow = std::mem::take(&mut plan.shadow);
+        let file_len = plan.file_len;
+        let health = self.part_health(state);
         let mut buffer = self
             .pool
             .lock()
@@ -159,6 +163,10 @@ impl Checkpointer {
             buffer: Arc::new(Pooled::unpooled(StagingBuffer::new())),
             copy: copy_tx,
             chunks,
+            scan_chunks,
+            shadow,
+            health,
+            file_len,
             // Global state is identical on every rank: rank 0's copy is stored.
             global: (self.config.rank == 0
                 && (!state.global.is_empty() || !state.metadata.is_empty()))
@@ -188,6 +196,29 @@ impl Checkpointer {
             #[cfg(feature = "cuda")]
             device: device_event,
         }))
+    }
+
+    /// What the part will say of health before the scan: the replica policy, the
+    /// caller's metrics, and its findings (its own marks, a failed
+    /// [`health_check`](crate::CheckpointConfig::health_check)).
+    fn part_health(&self, state: &crate::State<'_>) -> crate::format::PartHealth {
+        let mut unhealthy = state.unhealthy.clone();
+        if let Some(check) = &self.config.health_check
+            && let Err(reason) = (check.0)(&state.metrics)
+        {
+            unhealthy.push(reason);
+        }
+        crate::format::PartHealth {
+            replica_mismatch: self.config.replica_mismatch,
+            nonfinite: Vec::new(),
+            replicas: Vec::new(),
+            metrics: state
+                .metrics
+                .iter()
+                .map(|(k, v)| (k.clone(), crate::format::Metric(*v)))
+                .collect(),
+            unhealthy,
+        }
     }
 
     /// Makes room in `buffer` for the planned file (page-locked when the state has

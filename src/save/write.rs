@@ -13,10 +13,12 @@ use tracing::{debug, warn};
 
 use super::{Job, Staged};
 use crate::attempt::data_file_name;
-use crate::codec::{block_crcs, compress_block};
+use crate::codec::compress_block;
 use crate::error::{Error, Result};
-use crate::format::{Codec, FileEntry, RankPart, rank_part_name, repeats_a_tensor, version_for};
-use crate::staging::Pooled;
+use crate::format::{
+    Codec, FileEntry, RankPart, ReplicaCrcs, rank_part_name, repeats_a_tensor, version_with_health,
+};
+use crate::health::{SliceScan, join_scans, scan_blocks};
 use crate::upload::{put_part, upload};
 
 pub(super) async fn write_rank(job: &Job) -> Result<()> {
@@ -29,37 +31,56 @@ pub(super) async fn write_rank(job: &Job) -> Result<()> {
     let file_key = format!("{dir}/{file_name}");
     crate::failpoint::hit("before-data-upload");
 
-    // Checksums (and frames) on background threads: CPU work off the async workers.
-    // A plain file does not depend on its checksums, so it is written meanwhile.
+    // Checksums (and frames), and the health scan, on background threads: CPU work
+    // off the async workers. A plain file does not depend on its checksums, so it is
+    // written meanwhile.
     let started = Instant::now();
-    let (crcs, frames, stored_bytes) = match config.codec {
+    let (scan, frames, stored_bytes) = match config.codec {
         Codec::None => {
-            let (crcs, stored) = tokio::try_join!(
-                async {
-                    encode(job.buffer.clone(), block, config.codec)
-                        .await
-                        .map(|(crcs, _)| crcs)
-                },
+            let (scan, stored) = tokio::try_join!(
+                async { encode(job, block, config.codec).await.map(|(scan, _)| scan) },
                 write_plain(job, &file_key),
             )?;
-            (crcs, None, stored)
+            (scan, None, stored)
         }
         Codec::Zstd { .. } => {
-            let (crcs, frames) = encode(job.buffer.clone(), block, config.codec).await?;
+            let (scan, frames) = encode(job, block, config.codec).await?;
             let frames = frames.unwrap_or_default();
             upload(&job.store, &file_key, &frames).await?;
             let stored = frames.iter().map(|f| f.len() as u64).sum();
-            (crcs, Some(frames), stored)
+            (scan, Some(frames), stored)
         }
     };
     let encoded = started.elapsed();
     debug!(bytes = stored_bytes, elapsed = ?encoded, "data file written");
     crate::failpoint::hit("after-data-upload");
 
+    let Scanned {
+        crcs,
+        nonfinite,
+        replicas,
+    } = scan;
+    let mut health = job.health.clone();
+    health.nonfinite = nonfinite;
+    health.replicas = replicas;
+    if !health.nonfinite.is_empty() {
+        let tensors: Vec<&str> = health
+            .nonfinite
+            .iter()
+            .filter_map(|n| job.chunks.get(n.chunk as usize).map(|c| c.tensor.as_str()))
+            .collect();
+        warn!(
+            step = job.attempt.step,
+            rank,
+            ?tensors,
+            "saving non-finite values"
+        );
+    }
     let part = RankPart {
-        // The lowest version that describes the part: 3 only when this rank holds
-        // several boxes of one tensor (the data file's header says the same).
-        format_version: version_for(repeats_a_tensor(
+        // The lowest version that describes the part: at least 4, which carries
+        // health; 3 in the data file's header when this rank holds several boxes of
+        // one tensor.
+        format_version: version_with_health(repeats_a_tensor(
             job.chunks.iter().map(|c| c.tensor.as_str()),
         )),
         step: job.attempt.step,
@@ -87,6 +108,7 @@ pub(super) async fn write_rank(job: &Job) -> Result<()> {
         } else {
             BTreeMap::new()
         },
+        health: Some(health),
     };
     put_part(
         &job.store,
@@ -126,8 +148,17 @@ async fn write_plain(job: &Job, file_key: &str) -> Result<u64> {
     Ok(job.buffer.len() as u64)
 }
 
-/// Block checksums, and with zstd the frames, computed in parallel slices of blocks on
-/// threads of their own at a lower scheduling priority.
+/// What the encode threads found: the file's block CRCs and the part's health scan.
+struct Scanned {
+    crcs: Vec<u32>,
+    nonfinite: Vec<crate::format::ChunkNonFinite>,
+    replicas: Vec<ReplicaCrcs>,
+}
+
+/// Block checksums, the health scan (`crate::health`: non-finite counts, the slice
+/// CRCs of replicated boxes, those of the replicas staged after the file), and with
+/// zstd the frames, computed in parallel slices on threads of their own at a lower
+/// scheduling priority.
 ///
 /// Why not tokio's blocking pool: this is background work that competes for the same
 /// cores as the training loop, and in particular as other ranks' staging copies (every
@@ -135,17 +166,30 @@ async fn write_plain(job: &Job, file_key: &str) -> Result<u64> {
 /// niced without lowering the priority of the shared pool's threads for good (an
 /// unprivileged thread cannot raise its priority back), and the pool's I/O stays at
 /// normal priority.
-async fn encode(
-    buffer: Arc<Pooled>,
-    block: usize,
-    codec: Codec,
-) -> Result<(Vec<u32>, Option<Vec<Bytes>>)> {
-    let blocks = buffer.len().div_ceil(block).max(1);
-    let workers = encode_threads().min(blocks);
+async fn encode(job: &Job, block: usize, codec: Codec) -> Result<(Scanned, Option<Vec<Bytes>>)> {
+    let buffer = &job.buffer;
+    let blocks = buffer.len().div_ceil(block);
+    // The replicas staged after the file, in slices: (replica, slice range).
+    let units: Vec<(usize, std::ops::Range<usize>)> = job
+        .shadow
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| {
+            (r.begin..r.end)
+                .step_by(block)
+                .map(move |at| (i, at..(at + block).min(r.end)))
+        })
+        .collect();
+    let units = Arc::new(units);
+    let workers = encode_threads().min(blocks.max(units.len()).max(1));
     let per = blocks.div_ceil(workers);
+    let per_unit = units.len().div_ceil(workers);
+    let chunks = job.scan_chunks.clone();
     let mut tasks = Vec::with_capacity(workers);
     for w in 0..workers {
         let buffer = buffer.clone();
+        let chunks = chunks.clone();
+        let units = units.clone();
         // One permit per thread, process-wide: concurrent saves share the budget.
         let permit = ENCODE_PERMITS
             .get_or_init(|| Arc::new(Semaphore::new(encode_threads())))
@@ -154,37 +198,78 @@ async fn encode(
             .await
             .map_err(|_| Error::Failed("encode permits closed".into()))?;
         tasks.push(spawn_background(
-            move || -> std::io::Result<(Vec<u32>, Vec<Bytes>)> {
+            move || -> std::io::Result<(SliceScan, Vec<Bytes>, Vec<u32>)> {
                 let _permit = permit;
-                let start = (w * per * block).min(buffer.len());
-                let end = ((w + 1) * per * block).min(buffer.len());
-                let slice = &buffer[start..end];
-                let crcs = block_crcs(slice, block);
+                let mine = (w * per).min(blocks)..((w + 1) * per).min(blocks);
+                let start = (mine.start * block).min(buffer.len());
+                let end = (mine.end * block).min(buffer.len());
+                let scan = scan_blocks(&buffer, mine, block, &chunks);
                 let frames = match codec {
                     Codec::None => Vec::new(),
-                    Codec::Zstd { level, shuffle } => slice
+                    Codec::Zstd { level, shuffle } => buffer[start..end]
                         .chunks(block)
                         .map(|raw| compress_block(raw, level, shuffle).map(Bytes::from))
                         .collect::<std::io::Result<_>>()?,
                 };
-                Ok((crcs, frames))
+                let beyond = buffer.beyond();
+                let shadow = units
+                    [(w * per_unit).min(units.len())..((w + 1) * per_unit).min(units.len())]
+                    .iter()
+                    .map(|(_, range)| crc32fast::hash(&beyond[range.clone()]))
+                    .collect();
+                Ok((scan, frames, shadow))
             },
         ));
     }
-    let mut crcs = Vec::with_capacity(blocks);
+    let mut scans = Vec::with_capacity(workers);
     let mut frames = Vec::new();
+    let mut shadow_crcs = Vec::with_capacity(units.len());
     for task in tasks {
-        let (c, f) = task
+        let (scan, f, shadow) = task
             .await
             .map_err(|_| Error::Failed("checksum thread panicked".into()))?
             .map_err(|e| Error::Failed(format!("compression failed: {e}")))?;
-        crcs.extend(c);
+        scans.push(scan);
         frames.extend(f);
+        shadow_crcs.extend(shadow);
     }
-    if buffer.is_empty() {
-        crcs.clear();
+    let found = join_scans(scans, &chunks, block);
+    let mut replicas: Vec<ReplicaCrcs> = found
+        .replicas
+        .into_iter()
+        .map(|(i, block_crc32)| {
+            let chunk = &job.chunks[i];
+            ReplicaCrcs {
+                tensor: chunk.tensor.clone(),
+                dtype: chunk.dtype,
+                offsets: chunk.offsets.clone(),
+                lengths: chunk.lengths.clone(),
+                written: true,
+                block_crc32,
+            }
+        })
+        .collect();
+    let mut shadow_crcs = shadow_crcs.into_iter();
+    for r in &job.shadow {
+        let n = (r.end - r.begin).div_ceil(block);
+        let block_crc32: Vec<u32> = shadow_crcs.by_ref().take(n).collect();
+        replicas.push(ReplicaCrcs {
+            tensor: r.tensor.clone(),
+            dtype: r.dtype,
+            offsets: r.offsets.clone(),
+            lengths: r.lengths.clone(),
+            written: false,
+            block_crc32,
+        });
     }
-    Ok((crcs, matches!(codec, Codec::Zstd { .. }).then_some(frames)))
+    Ok((
+        Scanned {
+            crcs: found.crcs,
+            nonfinite: found.nonfinite,
+            replicas,
+        },
+        matches!(codec, Codec::Zstd { .. }).then_some(frames),
+    ))
 }
 
 /// Encode threads a process may run at once, over all its saves: the cores divided

@@ -72,6 +72,7 @@ pub(super) async fn metadata_scale(
             global_state: None,
             rank_state: BTreeMap::new(),
             metadata: BTreeMap::new(),
+            health: None,
         };
         let bytes = part.to_bytes();
         parts.push((bytes, part));
