@@ -1,11 +1,14 @@
-//! Golden bytes: the on-storage format of both versions, pinned.
+//! Golden bytes: the on-storage format, pinned.
 //!
 //! - **Version 1** (`tests/golden/*`): bytes written by the version-1 writer, kept
 //!   as they are. This build must still read them: they are put at their version-1
 //!   paths (`step-N/manifest.json`, `step-N/rank-RRRRR.json`,
 //!   `step-N/rank-RRRRR.safetensors[.zst]`) and loaded, verified and ordered.
-//! - **Version 2** (`tests/golden/v2/*`): a fixed checkpoint saved by this build
-//!   must serialize to exactly these files. Two things in a version-2 save differ
+//! - **Version 2** (`tests/golden/v2/*`): the fixed checkpoint as the version-2
+//!   writer saved it, normalized as below, kept as it is: this build reads it, with
+//!   health unknown, and a resume that wants a healthy checkpoint takes it.
+//! - **Version 4** (`tests/golden/v4/*`, the current version): a fixed checkpoint
+//!   saved by this build must serialize to exactly these files. Two things in a version-2 save differ
 //!   from run to run by design: the data file names carry a random nonce
 //!   (`rank-00000-<16 hex>.safetensors`), which the part and the manifest name, and
 //!   the manifest records its commit time. Before comparing, the test checks every
@@ -22,7 +25,8 @@
 //!
 //! Any change to these bytes must be deliberate: bump the format version, update
 //! docs/FORMAT.md, then re-bless with `CKPT_BLESS=1 cargo test --test golden`
-//! (blessing writes the version-2 files only; version-1 files never change).
+//! (blessing writes the current version's files only; older versions' files never
+//! change).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -37,7 +41,9 @@ use ckpt::{
 
 /// Stands in for the per-save nonce of data file names (same length).
 const NONCE_PLACEHOLDER: &str = "xxxxxxxxxxxxxxxx";
-/// The run id of the version-2 golden save.
+/// The folder of the current version's golden files.
+const CURRENT: &str = "v4";
+/// The run id of the golden saves.
 const RUN: &str = "golden";
 
 fn golden(name: &str) -> PathBuf {
@@ -273,7 +279,10 @@ async fn version_1_checkpoints_stay_readable_and_come_before_every_logged_commit
         ]
     );
     let latest = ckpt::latest(&store).await.unwrap().unwrap();
-    assert_eq!((latest.format_version, latest.step), (2, 1));
+    assert_eq!(
+        (latest.format_version, latest.step),
+        (ckpt::format::FORMAT_VERSION, 1)
+    );
     assert_eq!(latest.dir(), "step-00000001/g00000000-golden");
 
     // The version-1 checkpoints are abandoned (the newest commit went back to step
@@ -294,7 +303,11 @@ async fn version_1_checkpoints_stay_readable_and_come_before_every_logged_commit
     assert_reads_fixed_checkpoint(&store, 2).await;
     assert_reads_fixed_checkpoint(&store, 1).await;
     let manifest = ckpt::read_manifest(&store, 1).await.unwrap();
-    assert_eq!(manifest.format_version, 2, "step 1's newest commit is v2");
+    assert_eq!(
+        manifest.format_version,
+        ckpt::format::FORMAT_VERSION,
+        "step 1's newest commit is of the current version"
+    );
 }
 
 /// The nonce in data file name `name` of `rank`, checked to be 16 lowercase hex
@@ -319,11 +332,77 @@ fn nonce_of(name: &str, rank: u32, codec: Codec) -> String {
     nonce.to_string()
 }
 
+/// Puts the normalized golden files of `version` (`v2`, `v4`) back as the
+/// checkpoint they describe: both steps' attempts and the commit log.
+async fn put_normalized(store: &Store, version: &str) {
+    for (seq, (codec, step, prefix)) in (1u64..).zip(variants()) {
+        let dir = format!("step-{step:08}/g00000000-{RUN}");
+        for rank in 0..2u32 {
+            let part = format!("rank-{rank:05}.json");
+            store
+                .put(
+                    &format!("{dir}/{part}"),
+                    read_golden(&format!("{version}/{prefix}-{part}")),
+                )
+                .await
+                .unwrap();
+            let ext = if codec == Codec::None {
+                "safetensors"
+            } else {
+                "safetensors.zst"
+            };
+            store
+                .put(
+                    &format!("{dir}/rank-{rank:05}-{NONCE_PLACEHOLDER}.{ext}"),
+                    read_golden(&format!("{version}/{prefix}-rank-{rank:05}.{ext}")),
+                )
+                .await
+                .unwrap();
+        }
+        store
+            .put(
+                &format!("{dir}/manifest.json"),
+                read_golden(&format!("{version}/{prefix}-manifest.json")),
+            )
+            .await
+            .unwrap();
+        store
+            .put(
+                &ckpt::commits::record_key(seq),
+                read_golden(&format!("{version}/{prefix}-commit.json")),
+            )
+            .await
+            .unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fixed_version_2_checkpoint_serializes_to_the_golden_bytes() {
-    let store = Store::from_url("memory://golden-v2").unwrap();
+async fn version_2_checkpoints_stay_readable_with_health_unknown() {
+    let store = Store::from_url("memory://golden-v2-read").unwrap();
+    put_normalized(&store, "v2").await;
+    for (_, step, _) in variants() {
+        assert_reads_fixed_checkpoint(&store, step).await;
+        let manifest = ckpt::read_manifest(&store, step).await.unwrap();
+        assert_eq!(manifest.format_version, 2);
+        assert_eq!(manifest.health_status(), ckpt::HealthStatus::Unknown);
+    }
+    // Nothing is known against it: the newest healthy checkpoint is the newest.
+    let (newest, skipped) = ckpt::latest_selecting(&store, ckpt::Select::Healthy)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((newest.step, skipped.len()), (2, 0));
+    let (reader, _) = ckpt::load_latest(&store, LoadRequest::everything)
+        .await
+        .unwrap();
+    assert_eq!(reader.step(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_checkpoint_serializes_to_the_golden_bytes_of_the_current_version() {
+    let store = Store::from_url("memory://golden-current").unwrap();
     // The normalized files, put back as a checkpoint of their own and read.
-    let replay = Store::from_url("memory://golden-v2-replay").unwrap();
+    let replay = Store::from_url("memory://golden-current-replay").unwrap();
     for (seq, (codec, step, prefix)) in (1u64..).zip(variants()) {
         save_fixed(&store, step, codec).await;
         let dir = format!("step-{step:08}/g00000000-{RUN}");
@@ -335,8 +414,13 @@ async fn a_fixed_version_2_checkpoint_serializes_to_the_golden_bytes() {
             stored_manifest.to_vec(),
             "the manifest re-serializes to its stored bytes"
         );
-        assert_eq!(manifest.format_version, 2);
+        assert_eq!(manifest.format_version, ckpt::format::FORMAT_VERSION);
         assert_eq!(manifest.attempt.as_deref(), Some("g00000000-golden"));
+        // Two replicated boxes (the bias, the step scalar), each held by both ranks
+        // and compared; the values are finite.
+        let health = manifest.health.as_ref().expect("health recorded");
+        assert!(health.healthy, "{:?}", health.reasons);
+        assert_eq!(health.replicas_compared, 2);
 
         let mut expected_objects = vec![key.clone()];
         for rank in 0..2u32 {
@@ -353,7 +437,7 @@ async fn a_fixed_version_2_checkpoint_serializes_to_the_golden_bytes() {
             } else {
                 format!("rank-{rank:05}.safetensors.zst")
             };
-            check(&format!("v2/{prefix}-{file}"), &data);
+            check(&format!("{CURRENT}/{prefix}-{file}"), &data);
 
             // The part names its data file: that name is normalized, nothing else.
             let part = store.get(&part_key).await.unwrap();
@@ -364,7 +448,7 @@ async fn a_fixed_version_2_checkpoint_serializes_to_the_golden_bytes() {
             assert_eq!(body.matches(&nonce).count(), 1, "{body}");
             let normalized = seal(body.replace(&nonce, NONCE_PLACEHOLDER).as_bytes());
             let part_name = format!("rank-{rank:05}.json");
-            check(&format!("v2/{prefix}-{part_name}"), &normalized);
+            check(&format!("{CURRENT}/{prefix}-{part_name}"), &normalized);
 
             entry.file = entry.file.replace(&nonce, NONCE_PLACEHOLDER);
             entry.part_crc32 = crc32fast::hash(&normalized);
@@ -391,13 +475,13 @@ async fn a_fixed_version_2_checkpoint_serializes_to_the_golden_bytes() {
 
         manifest.created_unix_ms = 0;
         let normalized = manifest.to_bytes();
-        check(&format!("v2/{prefix}-manifest.json"), &normalized);
+        check(&format!("{CURRENT}/{prefix}-manifest.json"), &normalized);
         replay.put(&key, normalized).await.unwrap();
 
         // The commit log record holds no nonce and no time: compared exactly.
         let record_key = ckpt::commits::record_key(seq);
         let record = store.get(&record_key).await.unwrap();
-        check(&format!("v2/{prefix}-commit.json"), &record);
+        check(&format!("{CURRENT}/{prefix}-commit.json"), &record);
         replay.put(&record_key, record).await.unwrap();
     }
     for (_, step, _) in variants() {
