@@ -256,7 +256,7 @@ fn fixtures_are_valid_to_begin_with() {
     let f = fixtures();
     let manifest = Manifest::parse(&f.manifest, MANIFEST).unwrap();
     assert_eq!((manifest.world_size, manifest.tensors.len()), (2, 3));
-    assert_eq!(manifest.format_version, 3);
+    assert_eq!(manifest.format_version, ckpt::format::FORMAT_VERSION);
     let part = RankPart::parse(&f.part, PART).unwrap();
     assert_eq!(part.chunks.iter().filter(|c| c.tensor == "w").count(), 2);
     assert!(part.file.raw_bytes > 4096, "the part spans several blocks");
@@ -501,6 +501,8 @@ proptest! {
         let mut ranks: Vec<u32> = boxes.iter().map(|b| b.rank).collect();
         ranks.sort_unstable();
         let one_box_per_rank = ranks.windows(2).all(|w| w[0] != w[1]);
+        // The versions before health, whose layout rules differ.
+        manifest.health = None;
         for version in [2, 3] {
             manifest.format_version = version;
             let verdict = manifest.validate(MANIFEST);

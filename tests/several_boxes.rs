@@ -160,7 +160,9 @@ async fn a_rank_holding_several_pieces_of_one_tensor_saves_and_loads_whole_and_r
 
     let reader = CheckpointReader::open(&store, None).await.unwrap();
     let manifest = reader.manifest();
-    assert_eq!(manifest.format_version, 3, "a rank holds two boxes of w");
+    // Version 4: the manifest carries health. That a rank holds two boxes of w
+    // is version 3's, which the data file's header says (below).
+    assert_eq!(manifest.format_version, 4);
     let w = manifest.tensor("w").unwrap();
     let Layout::Boxes(boxes) = &manifest.layouts[w.layout as usize] else {
         panic!("w's pieces need a box layout");
@@ -172,12 +174,12 @@ async fn a_rank_holding_several_pieces_of_one_tensor_saves_and_loads_whole_and_r
         "one box per rank keeps the dim-0 form"
     );
     let part = part_of(dir.path(), 4, 0);
-    assert_eq!(part.format_version, 3);
+    assert_eq!(part.format_version, 4);
     assert_eq!(part.chunks.iter().filter(|c| c.tensor == "w").count(), 3);
     assert_eq!(
         part_of(dir.path(), 4, 1).format_version,
-        3,
-        "rank 1 holds two pieces of w"
+        4,
+        "rank 1 holds two pieces of w, and its part carries health"
     );
 
     // Whole, and under other plans: even dim-0 splits over 1..=4 ranks, the
@@ -285,14 +287,24 @@ async fn every_box_of_a_tensor_split_on_one_rank_is_a_safetensors_entry_named_by
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_checkpoint_whose_ranks_hold_one_box_per_tensor_is_still_written_as_version_2() {
+async fn a_checkpoint_whose_ranks_hold_one_box_per_tensor_keeps_version_2_data_files() {
     let (store, dir) = local_store("several-boxes-v2");
     let tensors = common::model(1, 8);
     common::save_world(&store, 1, 2, &tensors, |_| {}).await;
     let reader = CheckpointReader::open(&store, None).await.unwrap();
-    assert_eq!(reader.manifest().format_version, 2);
-    assert_eq!(part_of(dir.path(), 1, 0).format_version, 2);
-    assert_eq!(FORMAT_VERSION, 3, "the newest version this build reads");
+    // The manifest and the parts carry health (version 4); the data files carry
+    // none and keep the lowest version that describes them, which any
+    // safetensors-reading tool of version 2 reads.
+    assert_eq!(reader.manifest().format_version, 4);
+    assert_eq!(part_of(dir.path(), 1, 0).format_version, 4);
+    let file = common::rank_file_name_in(dir.path(), 1, 0);
+    let bytes = std::fs::read(dir.path().join(step_dir(1)).join(file)).unwrap();
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    assert_eq!(
+        metadata.metadata().clone().unwrap()["ckpt.format_version"],
+        "2"
+    );
+    assert_eq!(FORMAT_VERSION, 4, "the newest version this build reads");
 }
 
 #[test]
@@ -462,6 +474,7 @@ async fn hostile_descriptions_of_several_boxes_are_refused_by_name() {
     // rank two boxes of one tensor.
     let mut old = part0.clone();
     old.format_version = 2;
+    old.health = None;
     let e = RankPart::parse(&old.to_bytes(), "rank-00000.json").unwrap_err();
     assert!(
         e.message.contains("format_version 2") && e.message.contains("\"w\""),
@@ -469,6 +482,7 @@ async fn hostile_descriptions_of_several_boxes_are_refused_by_name() {
     );
     let mut old = manifest.clone();
     old.format_version = 2;
+    old.health = None;
     let e = old.validate("manifest.json").unwrap_err();
     assert!(
         e.message.contains("format_version 2") && e.message.contains("rank 0"),
