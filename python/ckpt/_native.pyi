@@ -72,13 +72,23 @@ class Checkpointer:
         global_state: dict[str, str | bytes],
         metadata: str,
         overlapped: bool,
+        health: dict[str, float] | None = None,
+        unhealthy: list[str] | None = None,
     ) -> SaveHandle: ...
     def close(self) -> None: ...
 
 class Reader:
     def __init__(
-        self, url: str, step: int | None = None, store_options: StoreOptions | None = None
+        self,
+        url: str,
+        step: int | None = None,
+        store_options: StoreOptions | None = None,
+        healthy: bool = False,
     ) -> None: ...
+    @property
+    def health(self) -> str | None: ...
+    @property
+    def skipped(self) -> list[tuple[int, str, list[str]]]: ...
     @property
     def url(self) -> str: ...
     @property
@@ -102,7 +112,9 @@ class Reader:
         rank: int = 0,
     ) -> dict[str, Any]: ...
 
-def latest(url: str, store_options: StoreOptions | None = None) -> dict[str, Any] | None: ...
+def latest(
+    url: str, store_options: StoreOptions | None = None, healthy: bool = False
+) -> dict[str, Any] | None: ...
 def list(url: str, store_options: StoreOptions | None = None) -> list[dict[str, Any]]: ...
 
 class Copies:

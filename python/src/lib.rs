@@ -30,8 +30,12 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use ckpt::catalog::{Select, Skipped};
 use ckpt::storage::{ErrorKind, Store, StoreConfig};
-use ckpt::{CheckpointConfig, CheckpointReader, Codec, DType, LoadRequest, Region, StateValue};
+use ckpt::{
+    CheckpointConfig, CheckpointReader, Codec, DType, LoadRequest, Manifest, Region, ReplicaPolicy,
+    StateValue,
+};
 use futures::FutureExt;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
@@ -455,11 +459,18 @@ fn config(
             "copy_threads" => config.copy_threads = value.extract()?,
             "check_staging" => config.check_staging = value.extract()?,
             "keep_copy" => config.keep_copy = value.extract()?,
+            "replica_mismatch" => {
+                let text: String = value.extract()?;
+                config.replica_mismatch = text
+                    .parse::<ReplicaPolicy>()
+                    .map_err(PyValueError::new_err)?;
+            }
             other => {
                 return Err(invalid(format!(
                     "unknown setting {other:?}; the settings are generation, run_id, block_size, \
                      codec, max_in_flight, keep_last, commit_timeout, commit_takeover, \
-                     retention_grace, direct_io, copy_threads, check_staging, keep_copy"
+                     retention_grace, direct_io, copy_threads, check_staging, keep_copy, \
+                     replica_mismatch"
                 )));
             }
         }
@@ -618,8 +629,10 @@ impl Checkpointer {
     /// write, device, stream)`, or a [`SavePlan`] of them) and non-tensor state as
     /// checkpoint `step`. Blocks until the tensors are staged, or with `overlapped`
     /// only until the save is registered (then the caller must keep the tensors
-    /// alive and unwritten until `wait_staged`).
-    #[pyo3(signature = (step, tensors, rank_state, global_state, metadata, overlapped))]
+    /// alive and unwritten until `wait_staged`). `health` are the caller's metrics
+    /// (`State::health_metric`), `unhealthy` the reasons its own check failed
+    /// (`State::mark_unhealthy`).
+    #[pyo3(signature = (step, tensors, rank_state, global_state, metadata, overlapped, health=None, unhealthy=None))]
     // One argument per part of a save, as the Python layer passes them.
     #[allow(clippy::too_many_arguments)]
     fn save(
@@ -631,6 +644,8 @@ impl Checkpointer {
         global_state: &Bound<'_, PyDict>,
         metadata: &str,
         overlapped: bool,
+        health: Option<BTreeMap<String, f64>>,
+        unhealthy: Option<Vec<String>>,
     ) -> PyResult<SaveHandle> {
         let views = save_views(tensors)?;
         let metadata: BTreeMap<String, serde_json::Value> = serde_json::from_str(metadata)
@@ -681,6 +696,12 @@ impl Checkpointer {
         add_values(&mut state, Scope::Global, global_state)?;
         for (key, value) in metadata {
             state.set_metadata(key, value);
+        }
+        for (name, value) in health.into_iter().flatten() {
+            state.health_metric(name, value);
+        }
+        for reason in unhealthy.into_iter().flatten() {
+            state.mark_unhealthy(reason);
         }
         let checkpointer = self.inner.clone();
         let handle = register(py, async move {
@@ -790,20 +811,27 @@ struct Reader {
 
 #[pymethods]
 impl Reader {
-    /// Opens checkpoint `step` under `url`, or the newest committed one.
+    /// Opens checkpoint `step` under `url`, or the newest committed one: with
+    /// `healthy`, the newest that is not judged unhealthy (`skipped` then lists the
+    /// unhealthy ones passed over); an explicit `step` opens whatever its health.
     #[new]
-    #[pyo3(signature = (url, step=None, store_options=None))]
+    #[pyo3(signature = (url, step=None, store_options=None, healthy=false))]
     fn new(
         py: Python<'_>,
         url: &str,
         step: Option<u64>,
         store_options: Option<&Bound<'_, PyDict>>,
+        healthy: bool,
     ) -> PyResult<Self> {
         let store = open_store(url, store_options)?;
-        let reader = run(
-            py,
-            async move { CheckpointReader::open(&store, step).await },
-        )?;
+        let select = if healthy {
+            Select::Healthy
+        } else {
+            Select::Any
+        };
+        let reader = run(py, async move {
+            CheckpointReader::open_selecting(&store, step, select).await
+        })?;
         Ok(Self {
             inner: Arc::new(reader),
             url: url.to_string(),
@@ -829,6 +857,22 @@ impl Reader {
     #[getter]
     fn generation(&self) -> u64 {
         self.inner.manifest().generation
+    }
+
+    /// The checkpoint's health as the manifest's JSON text (`healthy`, `reasons`,
+    /// `nonfinite`, `replica_mismatches`, `replicas_compared`, `metrics`; a metric
+    /// that is not finite as the string `"NaN"`, `"inf"` or `"-inf"`), or None when
+    /// unknown (written before health was recorded).
+    #[getter]
+    fn health(&self) -> Option<String> {
+        health_json(self.inner.manifest())
+    }
+
+    /// The unhealthy commits passed over to open this one (newest first), as
+    /// `(step, dir, reasons)`.
+    #[getter]
+    fn skipped(&self) -> Vec<(u64, String, Vec<String>)> {
+        skipped_tuples(self.inner.skipped())
     }
 
     /// The manifest's user metadata, as JSON text.
@@ -1078,25 +1122,55 @@ fn check_disjoint(views: &[TensorView]) -> PyResult<()> {
     Ok(())
 }
 
-/// The newest committed checkpoint under `url`: a dict (`step`, `generation`,
-/// `world_size`, `tensors`, `created_unix_ms`), or None when there is none.
+/// A manifest's health as JSON text, None when unknown.
+fn health_json(manifest: &Manifest) -> Option<String> {
+    manifest
+        .health
+        .as_ref()
+        .map(|h| serde_json::to_string(h).unwrap_or_else(|_| "null".into()))
+}
+
+fn skipped_tuples(skipped: &[Skipped]) -> Vec<(u64, String, Vec<String>)> {
+    skipped
+        .iter()
+        .map(|s| (s.step, s.dir.clone(), s.reasons.clone()))
+        .collect()
+}
+
+/// The newest committed checkpoint under `url`, or with `healthy` the newest that
+/// is not judged unhealthy: a dict (`step`, `generation`, `world_size`, `tensors`,
+/// `created_unix_ms`, `healthy` (True, False, or None when unknown), `reasons`,
+/// and `skipped`: the unhealthy commits passed over, as `(step, dir, reasons)`),
+/// or None when there is none.
 #[pyfunction]
-#[pyo3(signature = (url, store_options=None))]
+#[pyo3(signature = (url, store_options=None, healthy=false))]
 fn latest<'py>(
     py: Python<'py>,
     url: &str,
     store_options: Option<&Bound<'py, PyDict>>,
+    healthy: bool,
 ) -> PyResult<Option<Bound<'py, PyDict>>> {
     let store = open_store(url, store_options)?;
-    let manifest = run(py, async move { ckpt::latest(&store).await })?;
-    manifest
-        .map(|m| {
+    let select = if healthy {
+        Select::Healthy
+    } else {
+        Select::Any
+    };
+    let found = run(py, async move {
+        ckpt::catalog::latest_selecting(&store, select).await
+    })?;
+    found
+        .map(|(m, skipped)| {
             let out = PyDict::new(py);
             out.set_item("step", m.step)?;
             out.set_item("generation", m.generation)?;
             out.set_item("world_size", m.world_size)?;
             out.set_item("tensors", m.tensors.len())?;
             out.set_item("created_unix_ms", m.created_unix_ms)?;
+            let status = m.health_status();
+            out.set_item("healthy", status.healthy())?;
+            out.set_item("reasons", status.reasons().to_vec())?;
+            out.set_item("skipped", skipped_tuples(&skipped))?;
             Ok(out)
         })
         .transpose()

@@ -265,3 +265,129 @@ def load_2d(rank: int, world: int, port: int, root: str, reference: str) -> None
         assert torch.equal(sd[name].full_tensor(), tensor), name
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _flip_bit(tensor: torch.Tensor, element: int) -> None:
+    """Flips the lowest bit of one float32 element of a DTensor's local shard, in
+    place (silent data corruption in one replica)."""
+    flat = tensor.to_local().detach().view(-1).view(torch.int32)
+    flat[element : element + 1].bitwise_xor_(1)
+
+
+def hsdp_health(rank: int, world: int, port: int, roots: dict[str, str], reference: str) -> None:
+    """An FSDP2 model on an HSDP 2 x 2 mesh (2 replicas of 2 shards): replicas that
+    agree commit healthy and load bitwise; one flipped bit in rank 3's copy (a
+    replica rank 1 writes) marks the commit unhealthy naming rank 3 and the block,
+    or with replica_mismatch="fail" refuses it; the same through the DCP plugin,
+    whose planner keeps one copy of each replicated shard."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ckpt import CkptError
+    from ckpt.torch import UnhealthySkippedWarning, health, latest
+
+    init(rank, world, port)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    model = build(1)
+    sd = {"model": model.state_dict()}
+    weight = sd["model"]["0.weight"]
+    assert weight.placements == (Replicate(), Shard(0)), weight.placements
+    full = full_tensors(sd)
+    if rank == 0:
+        torch.save(full, reference)
+    dist.barrier()
+
+    # Replicas that agree: healthy, every replicated shard compared, loads bitwise.
+    native = Checkpointer(roots["native"])
+    native.save(1, sd).wait_committed()
+    verdict = health(roots["native"], 1)
+    assert verdict["healthy"] is True, verdict
+    # 4 parameters, each 2 shards held by 2 replicas.
+    assert verdict["replicas_compared"] == 8, verdict
+    other = build(2)
+    into = {"model": other.state_dict()}
+    load(roots["native"], into)
+    check_equal(into, reference, "native load of an HSDP save")
+
+    # One bit of rank 3's copy of rows 8..15 of 0.weight: rank 1 writes that shard.
+    element = 5
+    if rank == 3:
+        _flip_bit(weight, element)
+    native.save(2, sd).wait_committed()
+    verdict = health(roots["native"], 2)
+    assert verdict["healthy"] is False, verdict
+    assert verdict["replica_mismatches"] == [
+        {
+            "tensor": "model.0.weight",
+            "offsets": [8, 0],
+            "lengths": [8, 8],
+            "blocks": [0],
+            "written_by": 1,
+            "agree": [],
+            "disagree": [3],
+        }
+    ], verdict
+    (reason,) = verdict["reasons"]
+    assert "rank 3" in reason and "block 0" in reason and "model.0.weight" in reason, reason
+    assert latest(roots["native"])["step"] == 1
+    assert latest(roots["native"], healthy=False)["step"] == 2
+
+    # replica_mismatch="fail": the commit is refused; step 2 stays the newest.
+    failing = Checkpointer(roots["native"], replica_mismatch="fail")
+    handle = failing.save(3, sd)
+    try:
+        handle.wait_committed()
+    except CkptError as e:
+        assert "model.0.weight" in str(e) and "3" in str(e), e
+    else:
+        raise AssertionError("a save whose replicas disagree committed with replica_mismatch=fail")
+    dist.barrier()
+    assert latest(roots["native"], healthy=False)["step"] == 2
+    assert latest(roots["native"])["step"] == 1
+    failing.close()
+    native.close()
+
+    # Through DCP: its planner keeps one copy of each replicated shard, the writer
+    # still hands ckpt the others to compare.
+    if rank == 3:
+        _flip_bit(weight, element)  # back to the agreed value
+    dcp.save(sd, storage_writer=StorageWriter(roots["dcp"], step=1))
+    verdict = health(roots["dcp"], 1)
+    assert verdict["healthy"] is True and verdict["replicas_compared"] == 8, verdict
+    if rank == 3:
+        _flip_bit(weight, element)
+    dcp.save(sd, storage_writer=StorageWriter(roots["dcp"], step=2))
+    verdict = health(roots["dcp"], 2)
+    assert verdict["healthy"] is False, verdict
+    (mismatch,) = verdict["replica_mismatches"]
+    # DCP's planner picks which replica writes: the pair is ranks 1 and 3 either way.
+    assert {mismatch["written_by"], *mismatch["disagree"]} == {1, 3}, mismatch
+    assert (mismatch["tensor"], mismatch["offsets"], mismatch["blocks"]) == (
+        "model.0.weight",
+        [8, 0],
+        [0],
+    ), mismatch
+    # dcp.load without a step passes over the unhealthy step 2.
+    other = build(3)
+    into = {"model": other.state_dict()}
+    reader = StorageReader(roots["dcp"])
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load(into, storage_reader=reader)
+    assert [s["step"] for s in reader.skipped] == [2], reader.skipped
+    assert any(issubclass(w.category, UnhealthySkippedWarning) for w in caught), caught
+    check_equal(into, reference, "dcp.load of the healthy HSDP save")
+    if rank == 3:
+        _flip_bit(weight, element)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -15,6 +15,10 @@ zero-copy, verified block by block, resharded onto whatever world loads them::
 
     extra = ckpt.load({"model": model_sd, "optim": optim_sd})   # in place, any world size
 
+Each save records the checkpoint's health (non-finite tensors, replicas that
+disagree, the ``health=`` metrics and ``health_check``); loads and ``latest`` without
+a step take the newest checkpoint not judged unhealthy. ``health(url, step)`` reads it.
+
 ``ckpt.torch.dcp`` plugs the same format and commit into ``torch.distributed.checkpoint``;
 it is imported on first use, so ``ckpt.torch.dcp.StorageWriter(url)`` works after a
 plain ``import ckpt.torch``.
@@ -24,12 +28,23 @@ from ckpt.torch._api import (
     Checkpointer,
     ExtraState,
     SaveHandle,
+    UnhealthySkippedWarning,
+    health,
     latest,
     list_checkpoints,
     load,
 )
 
-__all__ = ["Checkpointer", "ExtraState", "SaveHandle", "latest", "list_checkpoints", "load"]
+__all__ = [
+    "Checkpointer",
+    "ExtraState",
+    "SaveHandle",
+    "UnhealthySkippedWarning",
+    "health",
+    "latest",
+    "list_checkpoints",
+    "load",
+]
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 """The native torch API: ``Checkpointer``, ``SaveHandle``, ``load``, ``latest``,
-``list_checkpoints``.
+``health``, ``list_checkpoints``.
 
 Shaped like the Rust API. A save blocks the caller only while the rank's tensors
 are copied into the library's staging buffer (``overlapped=False``), or not even for
@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,13 @@ class ExtraState:
     global_state: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    """The unhealthy checkpoints a load without a step passed over to find this one,
+    newest first: ``{"step", "dir", "reasons"}`` each (empty when it loaded the
+    newest, or an explicit step)."""
+    healthy: bool | None = None
+    """The loaded checkpoint's health: True, False (only when its step was asked
+    for), or None when unknown (written before health was recorded)."""
 
 
 def _decoder(metadata: Mapping[str, Any]):
@@ -192,6 +200,16 @@ class Checkpointer:
     generation: by default the ``CKPT_RUN_ID`` variable, else one drawn by rank 0 and
     broadcast (a collective: every rank constructs its checkpointer), else (a world
     of several ranks without a process group) ``"0"``.
+
+    Health: ``replica_mismatch`` says what a save does when the ranks holding the
+    same replicated box (a ``Replicate()`` placement, an HSDP replica dimension, a
+    plain tensor every rank has) hold different bytes: ``"warn"`` (the default:
+    commit it marked unhealthy), ``"fail"`` (refuse the commit: ``wait_committed``
+    raises and the previous checkpoint stays the newest) or ``"off"`` (do not
+    compare). ``health_check`` is called at each save with its metrics (the
+    ``health=`` dict, floats) and returns True or None when the state is healthy,
+    False or a string (the reason) when it is not: the checkpoint then commits
+    marked unhealthy, and loads without a step pass over it.
     """
 
     def __init__(
@@ -201,8 +219,20 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
         store_options: StoreOptions | None = None,
+        replica_mismatch: str = "warn",
+        health_check: Callable[[dict[str, float]], bool | str | None] | None = None,
         **config: Any,
     ):
+        if replica_mismatch not in REPLICA_POLICIES:
+            raise ValueError(
+                f"replica_mismatch must be one of {', '.join(map(repr, REPLICA_POLICIES))}, "
+                f"not {replica_mismatch!r}"
+            )
+        if health_check is not None and not callable(health_check):
+            raise TypeError(f"health_check must be callable, not {type(health_check).__name__}")
+        config["replica_mismatch"] = replica_mismatch
+        self.replica_mismatch = replica_mismatch
+        self.health_check = health_check
         self.url = _url(url)
         self.store_options = store_options
         self.rank, self.world_size = _world(rank, world_size)
@@ -223,6 +253,7 @@ class Checkpointer:
         overlapped: bool = True,
         global_state: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        health: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Saves this rank's part of ``state_dict`` as checkpoint ``step``.
 
@@ -231,10 +262,18 @@ class Checkpointer:
         every rank of a later world. ``global_state`` is state every rank has the
         same (written once); ``metadata`` goes into the manifest.
 
+        ``health`` are scalar metrics of the state (``{"loss": ..., "grad_norm":
+        ...}``: numbers, or one-element tensors), recorded in the checkpoint's
+        health; one that is NaN or infinite makes the checkpoint unhealthy, and so
+        does the checkpointer's ``health_check`` saying so. The manifest keeps the
+        metrics of rank 0 (of the lowest rank that gave any).
+
         With ``overlapped`` (the default) this returns before the tensors are
         copied: do not write them until ``wait_staged()`` returns.
         """
         started = time.perf_counter()
+        metrics = _metrics(health)
+        unhealthy = _judge(self.health_check, metrics)
         part = self._planner.prepare(state_dict, _state.encode_value)
         global_values = {k: _state.encode_value(k, v) for k, v in (global_state or {}).items()}
         meta = dict(metadata or {})
@@ -254,6 +293,8 @@ class Checkpointer:
             global_values,
             metadata_json,
             overlapped,
+            metrics,
+            unhealthy,
         )
         registered = time.perf_counter()
         if not overlapped and any(t.device.type != "cpu" for t in part.keep_alive):
@@ -267,12 +308,19 @@ class Checkpointer:
         }
         return SaveHandle(native, part.keep_alive if overlapped else None, part.copied, profile)
 
-    def load(self, state_dict: Mapping[str, Any], *, step: int | None = None) -> ExtraState:
-        """Loads checkpoint ``step`` (default: the newest committed one, agreed by
-        every rank when ``torch.distributed`` is initialised) into ``state_dict`` in
-        place; see :func:`load`."""
+    def load(
+        self, state_dict: Mapping[str, Any], *, step: int | None = None, healthy: bool = True
+    ) -> ExtraState:
+        """Loads checkpoint ``step`` (default: the newest committed one that is not
+        unhealthy, agreed by every rank when ``torch.distributed`` is initialised)
+        into ``state_dict`` in place; see :func:`load`."""
         return load(
-            self.url, state_dict, step=step, rank=self.rank, store_options=self.store_options
+            self.url,
+            state_dict,
+            step=step,
+            rank=self.rank,
+            store_options=self.store_options,
+            healthy=healthy,
         )
 
     def close(self) -> None:
@@ -287,20 +335,92 @@ class Checkpointer:
         self.close()
 
 
-def _agreed_step(url: str, step: int | None, store_options: StoreOptions | None) -> int | None:
+REPLICA_POLICIES = ("warn", "fail", "off")
+
+
+def _metrics(health: Mapping[str, Any] | None) -> dict[str, float]:
+    """A save's ``health=`` metrics as floats (a one-element tensor by ``.item()``)."""
+    out: dict[str, float] = {}
+    for name, value in (health or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"health metric names are strings, not {type(name).__name__}")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"health metric {name!r} is a tensor of {value.numel()} elements, not a scalar"
+                )
+            value = value.detach().item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"health metric {name!r} must be a number, not {type(value).__name__}"
+                ) from None
+        out[name] = float(value)
+    return out
+
+
+def _judge(
+    check: Callable[[dict[str, float]], bool | str | None] | None, metrics: dict[str, float]
+) -> list[str]:
+    """The reasons the caller's ``health_check`` finds the state unhealthy: none when
+    it returns True or None, its text when it returns a string, a line naming the
+    metrics when it returns False."""
+    if check is None:
+        return []
+    verdict = check(dict(metrics))
+    if verdict is None or verdict is True:
+        return []
+    if verdict is False:
+        shown = ", ".join(f"{k}={v!r}" for k, v in metrics.items()) or "no metrics"
+        return [f"health_check failed ({shown})"]
+    if isinstance(verdict, str):
+        return [verdict or "health_check failed"]
+    raise TypeError(
+        f"health_check returned a {type(verdict).__name__}; it returns True or None "
+        "(healthy), False or a reason (unhealthy)"
+    )
+
+
+def _skipped(native: list[tuple[int, str, list[str]]]) -> list[dict[str, Any]]:
+    return [{"step": step, "dir": d, "reasons": list(reasons)} for step, d, reasons in native]
+
+
+def _warn_skipped(url: str, skipped: list[dict[str, Any]], chosen: int) -> None:
+    for entry in skipped:
+        warnings.warn(
+            f"ckpt: passing over unhealthy checkpoint step {entry['step']} in {url} "
+            f"({'; '.join(entry['reasons']) or 'no reason recorded'}); loading step {chosen}",
+            UnhealthySkippedWarning,
+            stacklevel=3,
+        )
+
+
+class UnhealthySkippedWarning(UserWarning):
+    """A load without a step passed over a checkpoint judged unhealthy."""
+
+
+def _agreed_step(
+    url: str, step: int | None, store_options: StoreOptions | None, healthy: bool
+) -> tuple[int | None, list[dict[str, Any]]]:
     """Every rank of an initialised process group loads the same step: rank 0
-    chooses the newest commit and broadcasts it."""
+    chooses the newest commit (the newest not judged unhealthy, with ``healthy``)
+    and broadcasts it with the unhealthy ones it passed over."""
     import torch.distributed as dist
 
     if step is not None or not (dist.is_available() and dist.is_initialized()):
-        return step
+        return step, []
     if dist.get_world_size() == 1:
-        return step
+        return step, []
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            newest = _native.latest(url, store_options)
-            choice[0] = ("ok", newest["step"] if newest else None)
+            newest = _native.latest(url, store_options, healthy)
+            choice[0] = (
+                "ok",
+                (newest["step"], _skipped(newest["skipped"])) if newest else None,
+            )
         except _native.CkptError as e:
             choice[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(choice, src=0)
@@ -308,7 +428,8 @@ def _agreed_step(url: str, step: int | None, store_options: StoreOptions | None)
     if status == "error":
         raise _native.CkptError(f"rank 0 could not choose the checkpoint to load: {value}")
     if value is None:
-        raise _native.NotFoundError(f"no committed checkpoint in {url}")
+        which = "healthy (or health unknown) " if healthy else ""
+        raise _native.NotFoundError(f"no committed {which}checkpoint in {url}")
     return value
 
 
@@ -320,9 +441,18 @@ def load(
     rank: int | None = None,
     copies: Any = None,
     store_options: StoreOptions | None = None,
+    healthy: bool = True,
 ) -> ExtraState:
-    """Loads checkpoint ``step`` under ``url`` (default: the newest committed one)
-    into ``state_dict`` in place, resharded from whatever world saved it.
+    """Loads checkpoint ``step`` under ``url`` (default: the newest committed one
+    that is not judged unhealthy) into ``state_dict`` in place, resharded from
+    whatever world saved it.
+
+    Without a ``step`` and with ``healthy`` (the default), checkpoints judged
+    unhealthy (a NaN, replicas that disagreed, a failed ``health_check``) are
+    passed over: each one is a ``UnhealthySkippedWarning`` (``warnings.warn``) and
+    an entry of ``ExtraState.skipped``; a checkpoint of unknown health (written
+    before health was recorded) is taken. ``healthy=False`` loads the newest
+    whatever its health; an explicit ``step`` is loaded whatever its health.
 
     Every tensor and DTensor of ``state_dict`` receives its box (this rank's shard
     of a DTensor, the whole of a plain tensor), read and verified block by block;
@@ -336,7 +466,11 @@ def load(
     """
     url = _url(url)
     rank, _ = _world(rank, None)
-    reader = _native.Reader(url, _agreed_step(url, step, store_options), store_options)
+    agreed, skipped = _agreed_step(url, step, store_options, healthy)
+    reader = _native.Reader(url, agreed, store_options, healthy and agreed is None)
+    if agreed is None:
+        skipped = _skipped(reader.skipped)
+    _warn_skipped(url, skipped, reader.step)
     wants, fixups, keep_alive = [], [], []
     for leaf in _state.leaves(state_dict):
         if not isinstance(leaf.value, torch.Tensor):
@@ -384,15 +518,83 @@ def load(
         global_state=global_state,
         metadata=metadata,
         stats=stats,
+        skipped=skipped,
+        healthy=_health_dict(reader.health)["healthy"],
     )
 
 
 def latest(
-    url: str | os.PathLike, *, store_options: StoreOptions | None = None
+    url: str | os.PathLike,
+    *,
+    healthy: bool = True,
+    store_options: StoreOptions | None = None,
 ) -> dict[str, Any] | None:
-    """The newest committed checkpoint under ``url`` (``step``, ``generation``,
-    ``world_size``, ``tensors``, ``created_unix_ms``), or None."""
-    return _native.latest(_url(url), store_options)
+    """The newest committed checkpoint under ``url`` that is not judged unhealthy
+    (healthy, or of unknown health: written before health was recorded), or with
+    ``healthy=False`` the newest whatever its health; None when there is none.
+
+    A dict: ``step``, ``generation``, ``world_size``, ``tensors``,
+    ``created_unix_ms``, ``healthy`` (True, False, or None when unknown),
+    ``reasons`` (why it is unhealthy), and ``skipped``: the unhealthy commits passed
+    over, newest first, as ``{"step", "dir", "reasons"}``."""
+    found = _native.latest(_url(url), store_options, healthy)
+    if found is not None:
+        found["skipped"] = _skipped(found["skipped"])
+    return found
+
+
+def _metric(value: Any) -> float:
+    # The manifest writes a metric that is not finite as "NaN", "inf" or "-inf".
+    return float(value)
+
+
+def _health_dict(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {
+            "healthy": None,
+            "reasons": [],
+            "nonfinite": [],
+            "replica_mismatches": [],
+            "replicas_compared": 0,
+            "metrics": {},
+        }
+    raw = json.loads(text)
+    return {
+        "healthy": bool(raw["healthy"]),
+        "reasons": list(raw.get("reasons", [])),
+        "nonfinite": list(raw.get("nonfinite", [])),
+        "replica_mismatches": list(raw.get("replica_mismatches", [])),
+        "replicas_compared": int(raw.get("replicas_compared", 0)),
+        "metrics": {k: _metric(v) for k, v in raw.get("metrics", {}).items()},
+    }
+
+
+def health(
+    url: str | os.PathLike,
+    step: int | None = None,
+    *,
+    store_options: StoreOptions | None = None,
+) -> dict[str, Any]:
+    """The health recorded for checkpoint ``step`` under ``url`` (default: the
+    newest commit, whatever its health), as the manifest has it:
+
+    - ``healthy``: True, False, or None when unknown (written before health was
+      recorded; loads and ``latest`` accept it);
+    - ``reasons``: why it is unhealthy, one line each;
+    - ``nonfinite``: ``{"tensor", "elements", "ranks"}`` per float tensor with NaN
+      or infinite elements;
+    - ``replica_mismatches``: ``{"tensor", "offsets", "lengths", "blocks",
+      "written_by", "agree", "disagree"}`` per replicated box whose holders
+      disagreed (``blocks``: the first differing ``block_size`` slices of the box,
+      ``disagree``: the ranks whose copy differs from the one ``written_by`` wrote);
+    - ``replicas_compared``: replicated boxes compared;
+    - ``metrics``: the caller's ``health=`` metrics (floats; NaN and infinities kept);
+
+    and ``step``."""
+    reader = _native.Reader(_url(url), step, store_options)
+    out = _health_dict(reader.health)
+    out["step"] = reader.step
+    return out
 
 
 def list_checkpoints(

@@ -27,6 +27,15 @@ reads the newest commit unless told a step. A ``checkpoint_id`` given to
 Non-tensor values are saved the way DCP saves them (``torch.save`` bytes, one rank
 each), as ckpt rank state.
 
+Replicas are compared as in the native API (``replica_mismatch=`` among the writer's
+settings): DCP's planner keeps one copy of a tensor several ranks hold (a
+``Replicate()`` placement, the replica dimension of an HSDP mesh, a plain tensor),
+but the writer remembers each rank's own items from its local plan, before that
+deduplication, and hands the ones another rank writes to ckpt as replicas it does
+not write: ckpt checksums them and the commit compares every copy with the written
+one. The reader loads the newest checkpoint not judged unhealthy unless told a step
+(``healthy=False``: the newest whatever its health).
+
 ``dcp.async_save(sd, storage_writer=StorageWriter(url))`` with no ``async_stager``
 stages through ckpt: the writer is an ``AsyncStager`` whose ``stage`` starts ckpt's
 overlapped save (one copy of each rank's tensors into ckpt's staging buffer, on
@@ -73,7 +82,7 @@ from torch.futures import Future
 
 from ckpt import _native
 from ckpt.torch import _state
-from ckpt.torch._api import DCP_MARK, StoreOptions, _url
+from ckpt.torch._api import DCP_MARK, StoreOptions, _skipped, _url, _warn_skipped
 
 _SCHEMES = ("file://", "memory://", "s3://", "gs://", "az://", "azure://", "abfs://")
 
@@ -135,6 +144,9 @@ class StorageWriter(_DcpWriter):
         self._checkpointer: _native.Checkpointer | None = None
         self._checkpointer_key: tuple | None = None
         self._handle: _native.SaveHandle | None = None
+        # This rank's tensor items before DCP's planner dropped the replicas another
+        # rank writes: those are still checksummed, to be compared at the commit.
+        self._local_items: list = []
         self._run_id: str | None = None
         # Saves staged by `stage` (dcp.async_save) whose write_data has not run yet.
         self._staged: collections.deque[_StagedSave] = collections.deque()
@@ -172,6 +184,7 @@ class StorageWriter(_DcpWriter):
         self._rank = kwargs.get("rank", _dist_rank()[0])
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._local_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -221,13 +234,20 @@ class StorageWriter(_DcpWriter):
         if self._staged and self._staged[0].target == target:
             return self._write_staged(plan)
         tensors, rank_state, keep_alive, results = [], {}, [], []
-        for item in plan.items:
+        written = {item.index for item in plan.items}
+        # The replicas DCP's planner gave another rank: checksummed, not written.
+        replicas = []
+        if self._config.get("replica_mismatch", "warn") != "off":
+            replicas = [item for item in self._local_items if item.index not in written]
+        self._local_items = []
+        for item in [*plan.items, *replicas]:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 rank_state[item.index.fqn] = payload
                 results.append(WriteResult(item.index, len(payload), None))
                 continue
+            write = item.index in written
             tensor = data.detach()
             if not tensor.is_contiguous():
                 tensor = tensor.contiguous()
@@ -243,11 +263,12 @@ class StorageWriter(_DcpWriter):
                     [int(s) for s in chunk.sizes],
                     tensor.data_ptr(),
                     nbytes,
-                    True,
+                    write,
                     *_state.device_of(tensor, item.index.fqn),
                 )
             )
-            results.append(WriteResult(item.index, nbytes, None))
+            if write:
+                results.append(WriteResult(item.index, nbytes, None))
         checkpointer = self._native_checkpointer(target)
         metadata = _metadata(target.planner_data)
         handle = checkpointer.save(target.step, tensors, rank_state, {}, metadata, False)
@@ -464,9 +485,11 @@ def _planner_data(metadata: dict[str, Any], state: dict[str, Any]) -> Any:
 
 
 class StorageReader(_DcpReader):
-    """DCP's ``StorageReader`` over a ckpt checkpoint root: the newest commit, or
-    ``step``; ``store_options`` are the store's settings, as ``ckpt.torch.Checkpointer``
-    takes them."""
+    """DCP's ``StorageReader`` over a ckpt checkpoint root: the newest commit not
+    judged unhealthy (with ``healthy=False`` the newest whatever its health), or
+    ``step`` whatever its health; ``store_options`` are the store's settings, as
+    ``ckpt.torch.Checkpointer`` takes them. Each unhealthy commit passed over is an
+    ``UnhealthySkippedWarning`` and an entry of ``skipped``."""
 
     def __init__(
         self,
@@ -474,11 +497,14 @@ class StorageReader(_DcpReader):
         *,
         step: int | None = None,
         store_options: StoreOptions | None = None,
+        healthy: bool = True,
     ):
         super().__init__()
         self.url = _url(url)
         self.step = step
         self.store_options = store_options
+        self.healthy = healthy
+        self.skipped: list[dict[str, Any]] = []
         self._reader: _native.Reader | None = None
         self._rank = 0
         self._values: dict[str, tuple[str, Any]] = {}
@@ -504,9 +530,13 @@ class StorageReader(_DcpReader):
         return self._open(self.step)
 
     def _open(self, step: int | None) -> Metadata:
-        """Opens checkpoint ``step`` (or the newest) and returns DCP's view of it."""
-        reader = _native.Reader(self.url, step, self.store_options)
+        """Opens checkpoint ``step`` (or the newest healthy one) and returns DCP's view
+        of it."""
+        reader = _native.Reader(self.url, step, self.store_options, self.healthy and step is None)
         self._reader = reader
+        if step is None:
+            self.skipped = _skipped(reader.skipped)
+            _warn_skipped(self.url, self.skipped, reader.step)
         metadata = json.loads(reader.metadata)
         self._dcp_written = bool(metadata.get(DCP_MARK))
         state: dict[str, Any] = {}
