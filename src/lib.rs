@@ -25,6 +25,16 @@
 //! Version-1 checkpoints stay readable. The format and its guarantees:
 //! `docs/FORMAT.md`; where each invariant lives in the code: `docs/ARCHITECTURE.md`.
 //!
+//! **Health.** The pass that checksums a save also counts the non-finite values of
+//! every float box and checksums every replicated box on each of its holders (the
+//! writer's copy and the others', [`State::add_replica`]); the commit compares the
+//! holders and records a verdict in the manifest ([`format::Health`], [`health`]):
+//! healthy, or why not, with the caller's metrics ([`State::health_metric`]) and
+//! checks ([`CheckpointConfig::health_check`]). Disagreeing replicas commit marked
+//! unhealthy, or are refused with [`CheckpointConfig::replica_mismatch`] `Fail`.
+//! Resumes ([`load_latest`], [`catalog::latest_selecting`]) take the newest
+//! checkpoint not judged unhealthy, naming those they pass over.
+//!
 //! **Loading.** Any rank of any later world size loads exactly the boxes it wants
 //! with a [`CheckpointReader`] ([`LoadRequest`] names tensors and [`Region`]s),
 //! verified block by block, or in place into its own buffers.
