@@ -38,17 +38,31 @@ Saves go through ``ctx.checkpointer``, fenced by the generation: its run id and
 checkpoint generation are the generation's, so a rank of an older generation (a
 process resumed after SIGSTOP) can commit nothing over a newer one.
 
+Resumes take the newest *healthy* commit (no non-finite tensor or metric, replicas
+that agreed), saying which unhealthy ones they passed over. A bad step (a
+non-finite loss, a spike) rolls the job back to it in the same processes::
+
+        loss = ...forward...
+        if ctx.rollback_if(*ctx.bad_loss(loss)) is not None:
+            step, cursor = ctx.restored.step, ctx.restored.mine["data.cursor"]
+            continue
+
+and a job that keeps going back to the same commit stops with :class:`RollbackLoop`
+(``run(..., max_rollbacks=3)``).
+
 ``import ckpt.elastic`` does not import torch (an optional extra): torch is imported
 when :func:`run` or a :class:`Context` method needs it. The package's modules, one
 idea each: ``_context`` (what ``train`` gets), ``_run`` (the generations loop),
 ``_group`` (one generation's process group), ``_watch`` (the watcher that ends a
 wedged member), ``_sockets`` (the connections an abort shuts down), ``_ending``
 (how a member reads its generation's end, and its exit codes), ``_checkpointer``
-(saves fenced by the generation), ``_torch_workarounds`` (torch's private state).
+(saves fenced by the generation), ``_rollback`` (rollbacks in a row, the loss
+check), ``_torch_workarounds`` (torch's private state).
 """
 
 from ckpt.elastic._context import Context, WorldChanged
 from ckpt.elastic._ending import EXIT_STOPPED, EXIT_WEDGED
+from ckpt.elastic._rollback import RollbackLoop
 from ckpt.elastic._run import run
 
 # The watcher's delays, public before the package was split; read from here, set
@@ -57,4 +71,4 @@ from ckpt.elastic._watch import LEAVING_AFTER_ABORT as LEAVING_AFTER_ABORT
 from ckpt.elastic._watch import STUCK_AFTER_ABORT as STUCK_AFTER_ABORT
 from ckpt.elastic._watch import WEDGED_AFTER_ABORT as WEDGED_AFTER_ABORT
 
-__all__ = ["EXIT_STOPPED", "EXIT_WEDGED", "Context", "WorldChanged", "run"]
+__all__ = ["EXIT_STOPPED", "EXIT_WEDGED", "Context", "RollbackLoop", "WorldChanged", "run"]

@@ -12,11 +12,13 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckpt import _native
-from ckpt.elastic._ending import PeerFailure
+from ckpt.elastic._ending import PeerFailure, say
+from ckpt.elastic._rollback import Rollbacks, bad_loss
 
 if TYPE_CHECKING:
     from ckpt.torch import _api
@@ -85,7 +87,14 @@ class NoAgent:
 class Context:
     """What ``train`` gets for one generation."""
 
-    def __init__(self, agent: Any, assignment: Mapping[str, Any], backend: str, stop: Stop):
+    def __init__(
+        self,
+        agent: Any,
+        assignment: Mapping[str, Any],
+        backend: str,
+        stop: Stop,
+        rollbacks: Rollbacks | None = None,
+    ):
         self._agent = agent
         self._stop = stop
         self._ending: str | None = None
@@ -118,6 +127,18 @@ class Context:
         # holding in this generation, by rank.
         self._copies: Any = None
         self._table: list[bytes] | None = None
+        # Rollbacks: in a row (kept across generations by ``run``), in this
+        # generation (the run ids of the saves after each), what ``resume`` loaded
+        # into, the checkpointers to renew, the last step done, the last good loss.
+        self._rollbacks = rollbacks if rollbacks is not None else Rollbacks()
+        self._rolled = 0
+        self._resumed: tuple[str, Any, Any] | None = None
+        self._checkpointers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._done = 0
+        self._good_loss: float | None = None
+        #: What the last ``resume`` or ``rollback_if`` loaded (its ``ExtraState``:
+        #: ``step``, every saved rank's non-tensor state, ``skipped`` …), or None.
+        self.restored: _api.ExtraState | None = None
 
     @property
     def stopping(self) -> bool:
@@ -135,6 +156,7 @@ class Context:
         ``checkpointer`` and wait for its commit before going on. Raises
         :class:`WorldChanged` when the generation is over."""
         self._agent.progress(step)
+        self._done = step
         if not self._stepped.is_set():
             self._timing["first_step"] = time.monotonic()
             self._timing["first_step_unix"] = time.time()
@@ -189,7 +211,7 @@ class Context:
         self._agent.set_checkpoint_generation(config["generation"])
         from ckpt.elastic._checkpointer import FencedCheckpointer
 
-        return FencedCheckpointer(
+        checkpointer = FencedCheckpointer(
             self,
             url,
             rank=self.rank,
@@ -197,6 +219,8 @@ class Context:
             store_options=store_options,
             **config,
         )
+        self._checkpointers.add(checkpointer)
+        return checkpointer
 
     def resume(
         self,
@@ -205,44 +229,156 @@ class Context:
         *,
         store_options: _api.StoreOptions | None = None,
     ) -> _api.ExtraState | None:
-        """Loads the newest committed checkpoint under ``url`` (every rank the same
-        one) into ``state_dict`` in place, resharded for this generation, and returns
-        its ``ExtraState`` (``step``, every saved rank's non-tensor state …); None when
-        nothing is committed yet. ``state_dict`` may be a function that returns it,
-        called only when there is something to load (``get_state_dict`` gives a fresh
-        optimizer state, which a run from scratch must not have). The load counts as
-        a wait on the other ranks, not as a hang. ``store_options`` as
-        ``ckpt.torch.Checkpointer`` takes them."""
-        from ckpt.torch import _api
+        """Loads the newest healthy commit under ``url`` (every rank the same one)
+        into ``state_dict`` in place, resharded for this generation, and returns its
+        ``ExtraState`` (``step``, every saved rank's non-tensor state, ``skipped``: the
+        unhealthy commits passed over …); None when nothing is committed yet.
 
+        Healthy: not judged unhealthy (a non-finite tensor or metric, replicas that
+        disagreed, a failed ``health_check``); a commit of unknown health (written
+        before health was recorded) is taken. Rank 0 prints a line for each newer
+        commit passed over, with the reasons. ``state_dict`` may be a function that
+        returns it, called only when there is something to load (``get_state_dict``
+        gives a fresh optimizer state, which a run from scratch must not have); it is
+        also what :meth:`rollback_if` loads into. The load counts as a wait on the
+        other ranks, not as a hang. ``store_options`` as ``ckpt.torch.Checkpointer``
+        takes them."""
         started = time.monotonic()
+        url = os.fspath(url)
+        self._resumed = (url, state_dict, store_options)
         try:
-            step = self._collective(lambda: _newest_step(os.fspath(url), store_options))
-            if step is None:
+            choice = self._collective(lambda: _newest_healthy(url, store_options))
+            if choice is None:
                 return None
-            if callable(state_dict):
-                state_dict = state_dict()
-            # Reading is not being hung: it counts as a wait, as a collective does.
-            self._agent.collective_started()
-            copies = (self._copies, self._table) if self._copies is not None else None
-            try:
-                extra = _api.load(
-                    url,
-                    state_dict,
-                    step=step,
-                    rank=self.rank,
-                    copies=copies,
-                    store_options=store_options,
-                )
-            finally:
-                self._agent.collective_done()
-            self._loaded = extra.stats
+            extra = self._load(url, state_dict, store_options, *choice)
+            self._done = extra.step
             return extra
         finally:
             self._timing["load"] = time.monotonic() - started
 
+    def bad_loss(
+        self, loss: Any, spike: float | Callable[[float], bool | str | None] | None = None
+    ) -> tuple[bool, str]:
+        """This rank's verdict on ``loss`` (a number or a one-element tensor), for
+        :meth:`rollback_if`: ``(True, reason)`` when it is not finite, or a spike;
+        ``(False, "")`` otherwise. ``spike``: a callable taking the loss (True or a
+        reason when it is a spike), or a factor (a loss above ``spike`` times the
+        last good one this rank saw since the last load is a spike)."""
+        bad, why = bad_loss(loss, spike, self._good_loss)
+        if not bad:
+            self._good_loss = float(loss.detach().item() if hasattr(loss, "detach") else loss)
+        return bad, why
+
+    def rollback_if(
+        self,
+        bad: bool,
+        reason: str = "",
+        *,
+        step: int | None = None,
+        state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+    ) -> int | None:
+        """Goes back to the newest healthy commit when any rank's ``bad`` is true.
+
+        A collective: every rank calls it at the same point of every step, once the
+        step's loss is known (before the optimizer writes the parameters, before
+        ``step``), with no save in flight (``wait_staged`` done). The ranks agree on
+        the flag (one all-reduce); when no rank asked, it returns None. When one
+        did, every rank loads the newest healthy commit under the ``resume`` URL
+        into the ``resume`` state (or ``state_dict``), resharded for this world, in
+        this process, with the non-tensor state that commit saved (the data
+        cursor): :attr:`restored` is its ``ExtraState``. Rank 0 prints ``rolled back
+        from step B to step S: <reasons>`` (B: ``step``, by default the step after
+        the last one ``step`` or a load reported), and it returns S; the script
+        trains on from S. Later saves through this context's checkpointers use a
+        run id of their own, so that the steps saved again get directories of their
+        own.
+
+        Rollbacks to the same commit in a row (no commit since of a step past the one
+        that asked) are counted: one more than ``run``'s ``max_rollbacks`` raises
+        :class:`RollbackLoop` on every rank, which ends the job with a non-zero
+        exit. Raises ``RuntimeError`` when ``resume`` was not called, or when no
+        healthy commit is there to go back to."""
+        import torch
+        import torch.distributed as dist
+
+        self._check()
+        asked = self._done + 1 if step is None else step
+        flag = torch.tensor([int(bool(bad))], dtype=torch.int32, device=self.device)
+        self._collective(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))
+        if not flag.item():
+            return None
+        why: list[Any] = [None] * self.world_size
+        mine = f"rank {self.rank}: {reason or 'asked for a rollback'}" if bad else None
+        self._collective(lambda: dist.all_gather_object(why, mine))
+        reasons = "; ".join(w for w in why if w)
+        if self._resumed is None:
+            raise RuntimeError(
+                f"ckpt.elastic: step {asked} asked for a rollback ({reasons}), but "
+                "ctx.resume(url, state) was not called: it says where to go back to"
+            )
+        url, state, options = self._resumed
+        choice = self._collective(lambda: _newest_healthy(url, options))
+        if choice is None:
+            raise RuntimeError(
+                f"ckpt.elastic: step {asked} asked for a rollback ({reasons}), but {url} "
+                "holds no healthy commit to go back to"
+            )
+        target = choice[0]
+        self._rollbacks.count(asked, target, reasons)
+        started = time.monotonic()
+        self._rolled += 1
+        for checkpointer in list(self._checkpointers):
+            checkpointer._renew(self._rolled)
+        self._load(url, state if state_dict is None else state_dict, options, *choice)
+        self._done, self._committed, self._good_loss = target, target, None
+        if self.rank == 0:
+            say(
+                f"rolled back from step {asked} to step {target}: {reasons} "
+                f"(load {(time.monotonic() - started) * 1e3:.0f} ms)"
+            )
+        return target
+
+    def _load(
+        self,
+        url: str,
+        state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        store_options: _api.StoreOptions | None,
+        step: int,
+        skipped: list[dict[str, Any]],
+    ) -> _api.ExtraState:
+        """Loads commit ``step`` (the newest healthy one, chosen by rank 0, which
+        passed over ``skipped``) into ``state_dict``, from the in-memory copies
+        first."""
+        from ckpt.torch import _api
+
+        if self.rank == 0:
+            for entry in skipped:
+                reasons = "; ".join(entry["reasons"]) or "no reason recorded"
+                say(f"passing over unhealthy step {entry['step']} ({entry['dir']}): {reasons}")
+        if callable(state_dict):
+            state_dict = state_dict()
+        # Reading is not being hung: it counts as a wait, as a collective does.
+        self._agent.collective_started()
+        copies = (self._copies, self._table) if self._copies is not None else None
+        try:
+            extra = _api.load(
+                url,
+                state_dict,
+                step=step,
+                rank=self.rank,
+                copies=copies,
+                store_options=store_options,
+            )
+        finally:
+            self._agent.collective_done()
+        extra.skipped = skipped
+        self._loaded = extra.stats
+        self.restored = extra
+        return extra
+
     def _committed_step(self, step: int) -> None:
         self._committed = max(self._committed or 0, step)
+        self._rollbacks.committed(step)
         if self.rank == 0:
             try:
                 self._agent.report("committed", step=step)
@@ -271,14 +407,26 @@ class Context:
             self._agent.collective_done()
 
 
-def _newest_step(url: str, store_options: _api.StoreOptions | None) -> int | None:
-    """The newest committed step under ``url`` as rank 0 sees it, or None: every rank
-    resumes from the same one."""
+def _newest_healthy(
+    url: str, store_options: _api.StoreOptions | None
+) -> tuple[int, list[dict[str, Any]]] | None:
+    """The newest healthy (or health unknown) committed step under ``url`` as rank 0
+    sees it, with the unhealthy commits it passed over (``{"step", "dir",
+    "reasons"}``, newest first), or None: every rank loads the same one."""
     import torch.distributed as dist
+
+    from ckpt.torch import _api
 
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
-        newest = _native.latest(url, store_options)
-        choice[0] = newest["step"] if newest else None
+        try:
+            newest = _api.latest(url, healthy=True, store_options=store_options)
+            found = (newest["step"], list(newest.get("skipped", []))) if newest else None
+            choice[0] = ("ok", found)
+        except _native.CkptError as e:
+            choice[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+    status, value = choice[0]
+    if status == "error":
+        raise _native.CkptError(f"rank 0 could not choose the checkpoint to load: {value}")
+    return value

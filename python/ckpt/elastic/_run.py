@@ -30,6 +30,7 @@ from ckpt.elastic._ending import (
     transient,
 )
 from ckpt.elastic._group import device_kwargs, form_group, teardown
+from ckpt.elastic._rollback import MAX_ROLLBACKS, RollbackLoop, Rollbacks
 from ckpt.elastic._watch import watch
 
 
@@ -40,6 +41,7 @@ def run(
     timeout: float = 600.0,
     memory_copies: bool = True,
     finished: Callable[[], bool] | None = None,
+    max_rollbacks: int = MAX_ROLLBACKS,
 ) -> None:
     """Runs ``train(ctx)`` through as many generations as the job takes, then exits
     the process: 0 when ``train`` returned (the job trained to its end), 75 after a
@@ -58,7 +60,9 @@ def run(
     node started again after the job finished can meet a coordinator that went with
     the job (a launcher hosts it); only the script knows its last step, so the
     example passes a look at the newest commit
-    (``ckpt.torch.latest(url)["step"] >= steps``).
+    (``ckpt.torch.latest(url)["step"] >= steps``). ``max_rollbacks``: how many
+    times in a row ``ctx.rollback_if`` may go back to the same commit; one more
+    raises :class:`RollbackLoop` on every rank, and the job ends (exit 1).
 
     Outside an elastic launcher (no ``CKPT_RDZV``: torchrun, ``ckpt launch`` without
     elastic flags, or plain ``python``) there is one generation, the fixed world of
@@ -72,6 +76,7 @@ def run(
         raise RuntimeError(
             "ckpt.elastic.run forms the process groups itself: call it before init_process_group"
         )
+    rollbacks = Rollbacks(max_rollbacks)
     stop = Stop()
     stop.install()
     try:
@@ -82,11 +87,18 @@ def run(
         code = 0
     else:
         if agent is None:
-            code = _fixed(train, backend, timedelta(seconds=timeout), stop)
+            code = _fixed(train, backend, timedelta(seconds=timeout), stop, rollbacks)
         else:
             copies = _native.Copies(agent.member()["host"]) if memory_copies else None
             code = _generations(
-                agent, train, backend, timedelta(seconds=timeout), stop, copies, finished
+                agent,
+                train,
+                backend,
+                timedelta(seconds=timeout),
+                stop,
+                copies,
+                finished,
+                rollbacks,
             )
     sys.stdout.flush()
     sys.stderr.flush()
@@ -95,7 +107,13 @@ def run(
     os._exit(code)
 
 
-def _fixed(train: Callable[[Context], Any], backend: str, timeout: timedelta, stop: Stop) -> int:
+def _fixed(
+    train: Callable[[Context], Any],
+    backend: str,
+    timeout: timedelta,
+    stop: Stop,
+    rollbacks: Rollbacks,
+) -> int:
     import torch.distributed as dist
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -133,8 +151,12 @@ def _fixed(train: Callable[[Context], Any], backend: str, timeout: timedelta, st
         "run_id": None,
         "checkpoint_generation_floor": 0,
     }
-    ctx = Context(NoAgent(), assignment, backend, stop)
-    train(ctx)
+    ctx = Context(NoAgent(), assignment, backend, stop, rollbacks)
+    try:
+        train(ctx)
+    except RollbackLoop as e:
+        err(f"rank {rank}: RollbackLoop: {e}")
+        return 1
     dist.destroy_process_group()
     if ctx.stopping:
         err(f"rank {rank}: stopped at step {ctx._committed} after a committed checkpoint")
@@ -150,6 +172,7 @@ def _generations(
     stop: Stop,
     copies: Any,
     finished: Callable[[], bool] | None = None,
+    rollbacks: Rollbacks | None = None,
 ) -> int:
     member = agent.member()["id"]
     previous: dict[str, float] | None = None
@@ -174,7 +197,7 @@ def _generations(
                 f"generation {generation}: world {a['world_size']} ({a['cause']}), "
                 f"rendezvous {rendezvous_s * 1e3:.0f} ms"
             )
-        ctx = Context(agent, a, backend, stop)
+        ctx = Context(agent, a, backend, stop, rollbacks)
         formed = time.monotonic()
         try:
             sockets = form_group(agent, a, backend, timeout)
@@ -214,7 +237,10 @@ def _generations(
             outcome, error = ("regroup" if regroup else "failed"), e
         except Exception as e:  # noqa: BLE001 (sorted out below)
             error = e
-            if agent.is_cancelled() or looks_like_a_peer(e) or transient(e):
+            if isinstance(e, RollbackLoop):
+                # Every rank raises it: the job cannot get past the step.
+                outcome = "error"
+            elif agent.is_cancelled() or looks_like_a_peer(e) or transient(e):
                 outcome = "failed"
             # A plain error may still be the echo of a failure the control plane is
             # about to announce: give it a moment before blaming the script.
@@ -252,6 +278,10 @@ def _generations(
             # abort, so that the peers' failures are not blamed instead.
             agent.report("fatal", reason=f"{type(error).__name__}: {error}")
             teardown(agent, generation, True, backend)
+            if isinstance(error, RollbackLoop):
+                # Every rank stops on it: its message says why, not a traceback.
+                err(f"member {member}: RollbackLoop: {error}")
+                return 1
             raise error  # type: ignore[misc]
         if not agent.is_cancelled():
             # This rank saw the failure first (a peer's connection closed).
