@@ -173,8 +173,10 @@ fn bootstrap(
     .map_err(|e| e.to_string())
 }
 
-/// True when the store's newest checkpoint is the job's final step: whatever the
-/// control plane said, the job is done (the store is the record of what was trained).
+/// True when the store's newest healthy checkpoint is the job's final step: whatever
+/// the control plane said, the job is done (the store is the record of what was
+/// trained). A final commit judged unhealthy does not end the job: the next
+/// generation resumes from the newest healthy one and trains the steps again.
 pub fn final_step_committed(
     runtime: &tokio::runtime::Handle,
     store: Option<&Store>,
@@ -184,8 +186,8 @@ pub fn final_step_committed(
         return false;
     };
     matches!(
-        runtime.block_on(ckpt::catalog::latest(store)),
-        Ok(Some(manifest)) if manifest.step == steps
+        runtime.block_on(ckpt::catalog::latest_selecting(store, ckpt::catalog::Select::Healthy)),
+        Ok(Some((manifest, _))) if manifest.step == steps
     )
 }
 
@@ -337,6 +339,8 @@ pub fn run(
             generation_config.device_error = None;
             generation_config.rot_copy = None;
             generation_config.save_stage = None;
+            generation_config.sdc = None;
+            generation_config.nan = config.nan.filter(|f| f.persistent);
         }
         generation_config.run_id = Some(run_id(job, generation));
         first = false;

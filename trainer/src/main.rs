@@ -17,7 +17,7 @@ use ckpt_trainer::bench;
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
 use ckpt_trainer::elastic::{self as elastic_rank, Exit};
 use ckpt_trainer::model::Preset;
-use ckpt_trainer::train::{self, Hold, Outcome, Stats, TrainConfig};
+use ckpt_trainer::train::{self, Hold, NanFault, Outcome, Stats, TrainConfig};
 use clap::{ArgAction, Parser};
 
 const EXIT_FAILED: u8 = 1;
@@ -108,6 +108,24 @@ struct TrainArgs {
     /// Default: on in debug builds.
     #[arg(long, default_value_t = cfg!(debug_assertions), num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     check_staging: bool,
+    /// Data-parallel replicas of every shard: the world is R x S ranks, rank r holding
+    /// shard r % S; replica group 0 writes each save, the others checksum their
+    /// copies and the commit compares them. A world that R does not divide trains
+    /// without replicas.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    replicas: u32,
+    /// When replicas disagree at a save: `warn` commits it marked unhealthy (resumes
+    /// pass over it), `fail` refuses the commit.
+    #[arg(long, default_value = "warn")]
+    replica_mismatch: ckpt::ReplicaPolicy,
+    /// Roll back when a step's loss exceeds F times the mean of the 10 losses before
+    /// it (off by default; a non-finite loss or parameter always rolls back).
+    #[arg(long)]
+    spike_factor: Option<f64>,
+    /// Rollbacks in a row to the same checkpoint that the job survives; one more
+    /// stops it with an error naming the step.
+    #[arg(long, default_value_t = 3)]
+    max_rollbacks: u32,
     /// A collective fails when a peer makes no progress for this many seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout_secs: f64,
@@ -135,6 +153,17 @@ struct TrainArgs {
     /// it. Needs a build with the `ckpt/failpoints` feature.
     #[arg(long, hide = true)]
     fault_save_stage: Option<String>,
+    /// Fault injection for tests: STEP:RANK[:persistent] writes a NaN into one
+    /// parameter element of that rank right after that step (before its save): once
+    /// per process (in an elastic job, in its first generation only), or every time
+    /// the rank reaches the step with `:persistent`.
+    #[arg(long, hide = true)]
+    fault_nan: Option<String>,
+    /// Fault injection for tests: STEP:RANK flips one bit of one parameter element of
+    /// that rank right before the save of that step, and flips it back once the save
+    /// has its copy (with --replicas 2 or more, the commit names that rank).
+    #[arg(long, hide = true)]
+    fault_sdc: Option<String>,
 }
 
 /// Measure the TCP backend: all-reduce and all-gather bus bandwidth against one raw
@@ -328,6 +357,20 @@ fn parse_save_stage(text: &str) -> Result<(String, u64, usize), String> {
     }
     let (step, rank) = parse_pair(at, "--fault-save-stage")?;
     Ok((name.to_string(), step, rank))
+}
+
+/// `STEP:RANK[:persistent]` of `--fault-nan`.
+fn parse_nan(text: &str) -> Result<NanFault, String> {
+    let (pair, persistent) = match text.strip_suffix(":persistent") {
+        Some(pair) => (pair, true),
+        None => (text, false),
+    };
+    let (step, rank) = parse_pair(pair, "--fault-nan")?;
+    Ok(NanFault {
+        step,
+        rank,
+        persistent,
+    })
 }
 
 fn ms(total: Duration, steps: u64) -> f64 {
@@ -548,6 +591,27 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(f) => f,
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    let nan = match args.fault_nan.as_deref().map(parse_nan).transpose() {
+        Ok(f) => f,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let sdc = match args
+        .fault_sdc
+        .as_deref()
+        .map(|f| parse_pair(f, "--fault-sdc"))
+        .transpose()
+    {
+        Ok(d) => d,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    if let Some(f) = args.spike_factor
+        && !(f.is_finite() && f > 0.0)
+    {
+        return fail(
+            EXIT_USAGE,
+            format!("--spike-factor must be positive, got {f}"),
+        );
+    }
     let store = match args.ckpt.as_deref().map(Store::from_url).transpose() {
         Ok(s) => s,
         Err(e) => return fail(EXIT_USAGE, e),
@@ -594,6 +658,12 @@ fn run_train(args: TrainArgs) -> ExitCode {
         memory_copies: args.memory_copies,
         overlapped_staging: args.staging == Staging::Overlapped,
         check_staging: args.check_staging,
+        replicas: args.replicas as usize,
+        replica_mismatch: args.replica_mismatch,
+        spike_factor: args.spike_factor,
+        max_rollbacks: args.max_rollbacks,
+        nan,
+        sdc,
     };
     let world = match (world, rank_env) {
         (Some(world), _) => world,

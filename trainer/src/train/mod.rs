@@ -34,6 +34,8 @@
 //!   periodic save may fail, the last one of a generation may not);
 //! - `shards`: a rank's state and its saved form, written and read in one place;
 //! - `resume`: the world's one decision on the checkpoint to resume from;
+//! - `rollback`: the judgement of a step (non-finite, a spike) and the count of
+//!   rollbacks in a row;
 //! - `copies`: the trainer's side of in-memory copies ([`ckpt::copies`]).
 
 use std::io::Write;
@@ -48,6 +50,7 @@ use crate::model::Preset;
 mod checkpointing;
 mod copies;
 mod resume;
+mod rollback;
 mod saving;
 mod shards;
 mod supervised;
@@ -116,6 +119,43 @@ pub struct TrainConfig {
     /// Check that no saved tensor changes before its staging copy (a CRC32 of every
     /// tensor at save time; see `CheckpointConfig::check_staging`).
     pub check_staging: bool,
+    /// Data-parallel replicas of every shard: a world of `replicas × S` ranks holds
+    /// `S` dim-0 shards, rank `r` shard `r % S`, each `replicas` times over. Replicas
+    /// compute bitwise identical updates; every save has replica group 0 write and
+    /// the others checksum their copies, so that the commit compares them. A world
+    /// that `replicas` does not divide trains without replicas (1: none).
+    pub replicas: usize,
+    /// What a commit does when replicas disagree: record it and mark the commit
+    /// unhealthy (`Warn`), or refuse it (`Fail`).
+    pub replica_mismatch: ckpt::ReplicaPolicy,
+    /// Roll back when a step's loss exceeds this factor times the mean of the (up to
+    /// 10) losses before it. `None`: only non-finite losses and parameters roll back.
+    pub spike_factor: Option<f64>,
+    /// Rollbacks in a row to the same checkpoint that a job survives; one more stops
+    /// it with [`TrainError::Diverged`].
+    pub max_rollbacks: u32,
+    /// Fault injection for tests: a NaN written into one parameter element of one
+    /// rank after a step (see [`NanFault`]).
+    pub nan: Option<NanFault>,
+    /// Fault injection for tests: (step, rank) flips one bit of one element of that
+    /// rank's copy of a parameter right before the save of that step, and flips it
+    /// back once the save has staged it (memory corruption that only the save sees).
+    /// With replicas the commit's comparison names that rank; without, nothing can.
+    pub sdc: Option<(u64, usize)>,
+}
+
+/// Where and how often [`TrainConfig::nan`] poisons a parameter: `rank` writes a NaN
+/// into element 0 of its rows of the last tensor it holds rows of, right after step
+/// `step` (before that step's save).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NanFault {
+    /// The step just completed.
+    pub step: u64,
+    /// The rank that writes the NaN.
+    pub rank: usize,
+    /// Every time the rank reaches the step (a poison that rolling back cannot
+    /// escape), instead of once per process.
+    pub persistent: bool,
 }
 
 /// Where a rank holds (parks its training thread forever); see
@@ -177,6 +217,10 @@ pub enum TrainError {
     /// go on, the others can without it.
     #[error("device error: {0}")]
     Device(String),
+    /// Training keeps going bad at the same place: more rollbacks in a row to the
+    /// same checkpoint than [`TrainConfig::max_rollbacks`] allows.
+    #[error("{0}")]
+    Diverged(String),
 }
 
 /// Counters of one generation, for benchmarks.
@@ -255,6 +299,8 @@ struct Context<'a> {
     supervisor: &'a dyn Supervisor,
     rank: usize,
     world: usize,
+    /// The shard this rank holds and its replica group.
+    place: shards::Place,
 }
 
 /// Prints one line on stdout (flushed, so launchers and tests see it at once).

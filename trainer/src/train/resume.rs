@@ -5,10 +5,13 @@
 //! steps. Here rank 0 proposes the commits newest first, every rank tries the
 //! proposal (from in-memory copies where it can, from the store otherwise), and one
 //! all-reduce of the votes accepts it for all or moves every rank to the commit
-//! before it.
+//! before it. A commit whose manifest judges it unhealthy (non-finite values,
+//! replicas that disagreed, a failed check) is passed over the same way, with a line
+//! naming its step and reasons: a resume loads the newest *healthy* commit.
 
 use std::collections::BTreeMap;
 
+use ckpt::catalog::{Select, Skipped};
 use ckpt::storage::Store;
 
 use ckpt::copies::{Copies, FromCopies, Holding};
@@ -17,7 +20,7 @@ use crate::collective::{Collective, CollectiveExt};
 use crate::model::TensorSpec;
 
 use super::copies::load_from_copies;
-use super::shards::{Shards, shards_from_store, store_request};
+use super::shards::{Place, Shards, shards_from_store, store_request};
 use super::supervisor::{or_cancelled, unless_cancelled};
 use super::{Supervisor, TrainConfig, TrainError, say};
 
@@ -25,6 +28,8 @@ use super::{Supervisor, TrainConfig, TrainError, say};
 const LOADED: i64 = 1;
 /// The checkpoint is damaged where this rank reads it (or has no manifest).
 const DAMAGED: i64 = 0;
+/// The checkpoint's manifest judges it unhealthy: no rank resumes from it.
+const UNHEALTHY: i64 = 2;
 
 /// Loads the newest committed checkpoint that **every** rank can load, resharded onto
 /// this world, or `None` when the store holds none.
@@ -42,6 +47,7 @@ pub(super) fn load(
     specs: &[TensorSpec],
     supervisor: &dyn Supervisor,
     copies: Option<(&Copies, &[Holding])>,
+    place: Place,
     mut spare: Vec<Vec<f32>>,
 ) -> Result<Option<(Shards, u64)>, TrainError> {
     const NONE: u64 = u64::MAX;
@@ -96,11 +102,17 @@ pub(super) fn load(
         let attempt = match commit {
             Some(commit) => or_cancelled(runtime, supervisor, "loading", async {
                 let manifest = ckpt::catalog::read_commit(store, &commit).await?;
+                // An unhealthy commit (non-finite values, replicas that disagreed, a
+                // failed check) is never resumed from: every rank reads the same
+                // manifest, so every rank passes over it.
+                if let Some(skipped) = ckpt::catalog::passes(&manifest, Select::Healthy) {
+                    return Ok(Attempted::Unhealthy(skipped));
+                }
                 let generation = manifest.generation;
                 let reader = ckpt::CheckpointReader::from_manifest(store, manifest);
                 // In place: into the vectors the last generation left (pages this
                 // process has touched fill faster), or new ones.
-                let (request, mut tensors) = store_request(specs, rank, world, &mut spare);
+                let (request, mut tensors) = store_request(specs, place, &mut spare);
                 let mut outputs: Vec<&mut [u8]> =
                     tensors.iter_mut().map(|t| ckpt::as_bytes_mut(t)).collect();
                 // From the copies where the world keeps them; only a
@@ -124,7 +136,7 @@ pub(super) fn load(
                     }
                 };
                 let global = reader.global_state().await?;
-                Ok::<_, ckpt::Error>((
+                Ok::<_, ckpt::Error>(Attempted::Loaded(
                     Found {
                         step: reader.step(),
                         saved_world: reader.manifest().world_size,
@@ -140,7 +152,8 @@ pub(super) fn load(
             ))),
         };
         let (vote, fatal) = match &attempt {
-            Ok(_) => (LOADED, None),
+            Ok(Attempted::Loaded(..)) => (LOADED, None),
+            Ok(Attempted::Unhealthy(_)) => (UNHEALTHY, None),
             Err(e) if e.is_corruption() || matches!(e, ckpt::Error::NotFound(_)) => {
                 tracing::warn!(step, rank, error = %e, "checkpoint does not load here; the world falls back");
                 (DAMAGED, None)
@@ -148,16 +161,34 @@ pub(super) fn load(
             // Anything else (the store is down) ends the resume for every rank.
             Err(e) => (-(world as i64) - 1, Some(e.to_string())),
         };
-        let mut votes = [vote];
+        let mut votes = [
+            i64::from(vote == LOADED),
+            i64::from(vote == UNHEALTHY),
+            vote.min(0),
+        ];
         comm.all_reduce_i64(&mut votes)?;
-        if votes[0] < 0 {
+        if votes[2] < 0 {
             return Err(TrainError::Invalid(fatal.unwrap_or_else(|| {
                 format!("another rank could not read checkpoint step {step}; resume abandoned")
             })));
         }
         if votes[0] == world as i64 {
-            let (found, generation) = attempt.expect("this rank loaded");
+            let Ok(Attempted::Loaded(found, generation)) = attempt else {
+                unreachable!("every rank loaded");
+            };
             break (found, generation, dir);
+        }
+        if votes[1] > 0 {
+            if rank == 0 {
+                let why = match &attempt {
+                    Ok(Attempted::Unhealthy(skipped)) => skipped.reasons.join("; "),
+                    _ => "judged unhealthy on another rank".to_string(),
+                };
+                say(format_args!(
+                    "skipped unhealthy checkpoint step {step}: {why}; trying the commit before it"
+                ));
+            }
+            continue;
         }
         if rank == 0 {
             say(format_args!(
@@ -220,6 +251,14 @@ pub(super) fn load(
         ));
     }
     Ok(Some((shards, generation)))
+}
+
+/// What a rank's try of a proposed commit gave.
+enum Attempted {
+    /// Its rows and global state, and the commit's generation.
+    Loaded(Found, u64),
+    /// Nothing: the commit is unhealthy.
+    Unhealthy(Skipped),
 }
 
 /// What a rank loaded.

@@ -17,7 +17,7 @@ use ckpt::copies::{Copies, Holding};
 use crate::model::TensorSpec;
 
 use super::copies::keep_copy;
-use super::shards::{Shards, state_of};
+use super::shards::{Place, Shards, state_of};
 use super::supervisor::or_cancelled;
 use super::{Context, Stats, TrainConfig, TrainError, say};
 
@@ -65,7 +65,7 @@ impl Saves<'_> {
             ckpt::failpoint::arm(name).map_err(TrainError::Invalid)?;
         }
         let checkpointer = self.checkpointer.as_ref().expect("checked above");
-        let handle = start_save(runtime, checkpointer, config, specs, st, rank, world)?;
+        let handle = start_save(runtime, checkpointer, config, specs, st, self.ctx.place)?;
         if let Some((copies, table)) = self.copies {
             let rot = config
                 .rot_copy
@@ -102,6 +102,19 @@ impl Saves<'_> {
                 }
             }
             Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// Waits for the save in flight to reach its outcome before a rollback, which
+    /// then sees it among the commits (or knows it failed); a failed save is only
+    /// logged: the rollback goes to the newest healthy commit there is.
+    pub(super) fn settle(&mut self) -> Result<(), TrainError> {
+        let Some(handle) = self.pending.take() else {
+            return Ok(());
+        };
+        if let Err(e) = self.commit_of(&handle, "waiting for the commit before a rollback")? {
+            tracing::warn!(step = handle.step(), error = %e, "the save before a rollback failed");
         }
         Ok(())
     }
@@ -179,10 +192,9 @@ fn start_save(
     config: &TrainConfig,
     specs: &[TensorSpec],
     st: &Shards,
-    rank: usize,
-    world: usize,
+    place: Place,
 ) -> Result<SaveHandle, TrainError> {
-    let state = state_of(config, specs, st, rank, world)?;
+    let state = state_of(config, specs, st, place)?;
     let handle = if config.overlapped_staging {
         // SAFETY: the saved rows (`st.params`, `st.m`, `st.v`) are written only by
         // the optimizer step, which waits for `wait_staged()` on the pending handle

@@ -31,9 +31,44 @@ pub(super) struct Shards {
 /// the order a rank's state lists them.
 pub(super) const SAVED_AS: [&str; 3] = ["param", "adam_m", "adam_v"];
 
-/// The rows of `spec` that `rank` of `world` owns.
-pub(super) fn owned_rows(spec: &TensorSpec, rank: usize, world: usize) -> std::ops::Range<usize> {
-    shard_range(spec.rows, rank, world)
+/// The shard a rank holds and its replica group: a world of `replicas × shards`
+/// ranks, rank `r` holding shard `r % shards` in replica group `r / shards`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Place {
+    pub(super) shard: usize,
+    pub(super) shards: usize,
+    pub(super) replica: usize,
+    pub(super) replicas: usize,
+}
+
+impl Place {
+    /// `rank`'s place in `world` with `replicas` wanted: none (1) when `replicas` does
+    /// not divide the world.
+    pub(super) fn of(rank: usize, world: usize, replicas: usize) -> Self {
+        let replicas = if replicas > 1 && world.is_multiple_of(replicas) {
+            replicas
+        } else {
+            1
+        };
+        let shards = world / replicas;
+        Place {
+            shard: rank % shards,
+            shards,
+            replica: rank / shards,
+            replicas,
+        }
+    }
+
+    /// Whether this rank writes its boxes (replica group 0), rather than only
+    /// checksumming them for the commit to compare.
+    pub(super) fn writes(&self) -> bool {
+        self.replica == 0
+    }
+}
+
+/// The rows of `spec` that the ranks at `place` own.
+pub(super) fn owned_rows(spec: &TensorSpec, place: Place) -> std::ops::Range<usize> {
+    shard_range(spec.rows, place.shard, place.shards)
 }
 
 /// The settings a checkpoint records and a resume must match.
@@ -50,15 +85,10 @@ fn trainer_state(config: &TrainConfig) -> serde_json::Value {
 
 /// The state at step 0: this rank's rows of the seeded initial parameters, zero
 /// moments.
-pub(super) fn init(
-    config: &TrainConfig,
-    specs: &[TensorSpec],
-    rank: usize,
-    world: usize,
-) -> Shards {
+pub(super) fn init(config: &TrainConfig, specs: &[TensorSpec], place: Place) -> Shards {
     let mut params = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
-        let rows = owned_rows(spec, rank, world);
+        let rows = owned_rows(spec, place);
         let mut p = vec![0f32; rows.len() * spec.cols];
         model::init_rows(config.seed, i, spec, rows, &mut p);
         params.push(p);
@@ -74,13 +104,14 @@ pub(super) fn init(
 }
 
 /// What a rank saves: its rows of every parameter and both Adam moments, and the
-/// trainer's global state.
+/// trainer's global state, with the loss of the step saved as a health metric. With
+/// replicas, every holder of a shard adds it as a replica, replica group 0 the
+/// writer, so that the commit compares the copies.
 pub(super) fn state_of<'a>(
     config: &TrainConfig,
     specs: &[TensorSpec],
     st: &'a Shards,
-    rank: usize,
-    world: usize,
+    place: Place,
 ) -> Result<State<'a>, TrainError> {
     let mut state = State::new();
     for (i, spec) in specs.iter().enumerate() {
@@ -89,15 +120,31 @@ pub(super) fn state_of<'a>(
             .into_iter()
             .zip([&st.params[i], &st.m[i], &st.v[i]])
         {
-            state.add_dim0_shard(
-                format!("{prefix}/{}", spec.name),
-                DType::F32,
-                &shape,
-                rank,
-                world,
-                as_bytes(data),
-            )?;
+            let name = format!("{prefix}/{}", spec.name);
+            if place.replicas > 1 {
+                let region = ckpt::Region::dim0_shard(&shape, place.shard, place.shards);
+                state.add_replica(
+                    name,
+                    DType::F32,
+                    &shape,
+                    region,
+                    as_bytes(data),
+                    place.writes(),
+                )?;
+            } else {
+                state.add_dim0_shard(
+                    name,
+                    DType::F32,
+                    &shape,
+                    place.shard,
+                    place.shards,
+                    as_bytes(data),
+                )?;
+            }
         }
+    }
+    if let Some(loss) = st.losses.last() {
+        state.health_metric("loss", *loss);
     }
     let batch = config.preset.batch as u64;
     state.set_global_json("step", json!(st.step));
@@ -183,8 +230,7 @@ pub(super) fn shards_from_store(
 /// pages.
 pub(super) fn store_request(
     specs: &[TensorSpec],
-    rank: usize,
-    world: usize,
+    place: Place,
     spare: &mut Vec<Vec<f32>>,
 ) -> (LoadRequest, Vec<Vec<f32>>) {
     let mut request = LoadRequest::new();
@@ -192,13 +238,13 @@ pub(super) fn store_request(
     let mut spare = std::mem::take(spare).into_iter();
     for spec in specs {
         let shape = spec.shape();
-        let n = owned_rows(spec, rank, world).len() * spec.cols;
+        let n = owned_rows(spec, place).len() * spec.cols;
         for prefix in SAVED_AS {
             request = request.expect(
                 format!("{prefix}/{}", spec.name),
                 DType::F32,
                 &shape,
-                ckpt::Region::dim0_shard(&shape, rank, world),
+                ckpt::Region::dim0_shard(&shape, place.shard, place.shards),
             );
             tensors.push(match spare.next() {
                 Some(mut v) if v.capacity() > 0 => {

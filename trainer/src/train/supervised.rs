@@ -22,8 +22,9 @@ use crate::model::{self, GradSink, Preset, Teacher, TensorSpec};
 use super::checkpointing::{Checkpointing, Recycled, Workspace};
 use super::copies::holdings;
 use super::resume::load;
+use super::rollback::{self, Rollbacks};
 use super::saving::Saves;
-use super::shards::{Shards, init, state_of};
+use super::shards::{Place, Shards, init, owned_rows, state_of};
 use super::supervisor::Watched;
 use super::{Context, Outcome, Stats, Supervisor, TrainConfig, TrainError, say};
 
@@ -43,17 +44,76 @@ pub fn run_supervised(
     supervisor: &dyn Supervisor,
     checkpointing: &mut Checkpointing,
 ) -> Result<Outcome, TrainError> {
+    let mut rollbacks = Rollbacks::default();
+    let mut again: Option<TrainConfig> = None;
+    loop {
+        let round = again.as_ref().unwrap_or(config);
+        let ended = run_round(
+            comm,
+            runtime,
+            store,
+            round,
+            stop,
+            stats,
+            supervisor,
+            checkpointing,
+            &mut rollbacks,
+        )?;
+        match ended {
+            Ended::Done(outcome) => return Ok(outcome),
+            Ended::Rollback { from, reason } => {
+                // The same processes, the same world: resume from the newest
+                // healthy commit, in a newer checkpoint generation.
+                let mut next = round.clone();
+                next.resume = true;
+                next.generation = rollbacks.generation + 1;
+                rollbacks.pending = Some((from, reason));
+                again = Some(next);
+            }
+        }
+    }
+}
+
+/// How one round of a generation (its start, or a rollback's restart) ended.
+enum Ended {
+    /// The generation is over.
+    Done(Outcome),
+    /// A bad step: start again from the newest healthy commit.
+    Rollback {
+        /// The last step trained.
+        from: u64,
+        /// What was wrong with the step after it.
+        reason: String,
+    },
+}
+
+/// One round of [`run_supervised`]: the start (resume or initial state), then steps
+/// until the generation ends or a step goes bad.
+#[allow(clippy::too_many_arguments)]
+fn run_round(
+    comm: &dyn Collective,
+    runtime: &tokio::runtime::Handle,
+    store: Option<&Store>,
+    config: &TrainConfig,
+    stop: &AtomicBool,
+    stats: &mut Stats,
+    supervisor: &dyn Supervisor,
+    checkpointing: &mut Checkpointing,
+    rollbacks: &mut Rollbacks,
+) -> Result<Ended, TrainError> {
     let watched = Watched { comm, supervisor };
+    let (rank, world) = (comm.rank(), comm.world_size());
     let ctx = Context {
         comm: &watched,
         runtime,
         store,
         config,
         supervisor,
-        rank: comm.rank(),
-        world: comm.world_size(),
+        rank,
+        world,
+        place: Place::of(rank, world, config.replicas),
     };
-    let layout = Layout::new(&config.preset, ctx.world)?;
+    let layout = Layout::new(&config.preset, ctx.place)?;
     let start = agree_on_start(ctx, checkpointing.copies.as_ref())?;
     let copies = start
         .copies
@@ -61,6 +121,8 @@ pub fn run_supervised(
         .map(|(copies, table)| (copies.as_ref(), table.as_slice()));
     let (shards, generation) =
         starting_state(ctx, &layout.specs, copies, start.resume, checkpointing)?;
+    rollbacks.generation = generation;
+    rollbacks.arrived(ctx, shards.step)?;
     let Checkpointing {
         pending,
         failed_in_a_row,
@@ -107,14 +169,19 @@ struct Layout {
     /// Where each tensor starts in the full vector, then the total (`specs.len() + 1`
     /// entries).
     offsets: Vec<usize>,
-    /// Elements of each tensor that each rank owns (its rows times the columns).
+    /// Elements of each tensor that each rank contributes to its all-gather (its
+    /// rows times the columns; with replicas, replica group 0 alone contributes).
     counts: Vec<Vec<usize>>,
+    /// Where this rank's rows of each tensor start in it, and how many elements.
+    own: Vec<(usize, usize)>,
+    /// Replicas of each shard (1: none).
+    replicas: usize,
 }
 
 impl Layout {
-    /// The layout of `preset` on `world` ranks; an error when its chunks cannot split
-    /// its batch (fixed-point sums allow at most `fixed::MAX_CHUNKS`).
-    fn new(preset: &Preset, world: usize) -> Result<Self, TrainError> {
+    /// The layout of `preset` for a rank at `place`; an error when its chunks cannot
+    /// split its batch (fixed-point sums allow at most `fixed::MAX_CHUNKS`).
+    fn new(preset: &Preset, place: Place) -> Result<Self, TrainError> {
         if preset.chunks > fixed::MAX_CHUNKS || !preset.batch.is_multiple_of(preset.chunks) {
             return Err(TrainError::Invalid(format!(
                 "preset {}: {} chunks of a batch of {} (need a divisor, at most {})",
@@ -132,19 +199,31 @@ impl Layout {
             total += s.numel();
         }
         offsets.push(total);
+        let world = place.shards * place.replicas;
         let counts = specs
             .iter()
             .map(|s| {
-                shard_counts(s.rows, world)
+                let mut counts: Vec<usize> = shard_counts(s.rows, place.shards)
                     .into_iter()
                     .map(|rows| rows * s.cols)
-                    .collect()
+                    .collect();
+                counts.resize(world, 0);
+                counts
+            })
+            .collect();
+        let own = specs
+            .iter()
+            .map(|s| {
+                let rows = owned_rows(s, place);
+                (rows.start * s.cols, rows.len() * s.cols)
             })
             .collect();
         Ok(Layout {
             specs,
             offsets,
             counts,
+            own,
+            replicas: place.replicas,
         })
     }
 
@@ -220,6 +299,7 @@ fn starting_state(
                 specs,
                 ctx.supervisor,
                 copies,
+                ctx.place,
                 spare,
             )?
         }
@@ -232,7 +312,7 @@ fn starting_state(
         .map_or(config.generation, |(_, g)| config.generation.max(g + 1));
     let shards = resumed
         .map(|(shards, _)| shards)
-        .unwrap_or_else(|| init(config, specs, ctx.rank, ctx.world));
+        .unwrap_or_else(|| init(config, specs, ctx.place));
     Ok((shards, generation))
 }
 
@@ -257,8 +337,9 @@ fn checkpointer(
     }
     c.check_staging = config.check_staging;
     c.keep_copy = keep_copies;
+    c.replica_mismatch = config.replica_mismatch;
     let checkpointer = Checkpointer::new(store.clone(), c)?;
-    checkpointer.warm_up(&state_of(config, specs, st, ctx.rank, ctx.world)?)?;
+    checkpointer.warm_up(&state_of(config, specs, st, ctx.place)?)?;
     Ok(checkpointer)
 }
 
@@ -269,10 +350,17 @@ fn announce(ctx: Context<'_>, step: u64) {
     }
     let config = ctx.config;
     say(format_args!(
-        "start: preset {} ({} parameters), world {}, step {step} of {}, {} mode",
+        "start: preset {} ({} parameters), world {}{}, step {step} of {}, {} mode",
         config.preset.name,
         config.preset.parameters(),
         ctx.world,
+        match (config.replicas, ctx.place.replicas) {
+            (_, r) if r > 1 => format!(" ({r} replicas of {} shards)", ctx.place.shards),
+            (wanted, _) if wanted > 1 => {
+                format!(" (no replicas: {wanted} does not divide the world)")
+            }
+            _ => String::new(),
+        },
         config.steps,
         if config.deterministic {
             "deterministic"
@@ -292,13 +380,15 @@ enum Ending {
 }
 
 /// What the ranks agreed on in a step's all-reduce.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Agreed {
     /// The step's loss: every chunk's, summed in chunk order, so that it is the same
     /// for every world size.
     loss: f64,
     /// Whether the generation ends after this step.
     ending: Option<Ending>,
+    /// Why the step is bad (then it was not applied, and the world rolls back).
+    bad: Option<String>,
 }
 
 /// A generation under way.
@@ -321,20 +411,38 @@ struct Generation<'a> {
 }
 
 impl Generation<'_> {
-    /// Runs steps until the last one, an agreed stop or regroup, or a failure.
-    fn run(mut self) -> Result<Outcome, TrainError> {
+    /// Runs steps until the last one, an agreed stop or regroup, a bad step, or a
+    /// failure.
+    fn run(mut self) -> Result<Ended, TrainError> {
         let first_step = self.st.step;
         let mut loss = f64::NAN;
+        let names: Vec<String> = self.layout.specs.iter().map(|s| s.name.clone()).collect();
         while self.st.step < self.ctx.config.steps {
             if self.ctx.supervisor.is_cancelled() {
                 return Err(TrainError::Cancelled(format!("at step {}", self.st.step)));
             }
             let agreed = self.train_step()?;
+            if let Some(reason) = agreed.bad {
+                // Every rank judged the same agreed values: all of them end here.
+                self.saves.settle()?;
+                return Ok(Ended::Rollback {
+                    from: self.st.step,
+                    reason,
+                });
+            }
             loss = agreed.loss;
             self.inject_device_error()?;
+            let step = self.st.step;
+            rollback::inject_nan(self.ctx, &names, &mut self.st.params, step);
             self.hold(true)?;
             if self.save_due(agreed.ending) {
+                let flipped = rollback::inject_sdc(self.ctx, &names, &mut self.st.params, step);
                 self.saves.save(&self.st, &self.layout.specs, self.stats)?;
+                if let Some(i) = flipped {
+                    // The save has its copy (or gets it now): memory is mended.
+                    self.saves.wait_staged(self.stats)?;
+                    rollback::flip(&mut self.st.params[i]);
+                }
             }
             self.hold(false)?;
             self.stats.marks.push(self.started.elapsed());
@@ -342,10 +450,10 @@ impl Generation<'_> {
                 std::thread::sleep(self.ctx.config.step_pause);
             }
             if let Some(ending) = agreed.ending {
-                return self.end_early(ending);
+                return self.end_early(ending).map(Ended::Done);
             }
         }
-        self.finish(first_step, loss)
+        self.finish(first_step, loss).map(Ended::Done)
     }
 
     /// One step, phases 1 to 5 of the parent module's docs, then its record: the
@@ -355,13 +463,26 @@ impl Generation<'_> {
         let step = self.st.step;
         let mut clock = Instant::now();
         self.gather()?;
+        // Every rank gathered the same parameters: every rank reaches the same
+        // verdict on them.
+        let finite = self.workspace.full.iter().all(|x| x.is_finite());
         self.stats.gather += lap(&mut clock);
-        let losses = self.compute(step)?;
+        // Poisoned parameters are not worth a forward pass (nor the count of
+        // clamped gradients it would leave): the step is judged bad below.
+        let losses = if finite {
+            self.compute(step)?
+        } else {
+            vec![0; self.ctx.config.preset.chunks]
+        };
         self.stats.compute += lap(&mut clock);
         // Losses and stop flags before the update, so a stop is agreed before any
         // rank changes its rows.
-        let agreed = self.agree(losses)?;
+        let mut agreed = self.agree(losses)?;
         self.stats.reduce += lap(&mut clock);
+        agreed.bad = rollback::judge(self.ctx.config, &self.st.losses, agreed.loss, finite);
+        if agreed.bad.is_some() {
+            return Ok(agreed);
+        }
         self.reduce_and_update(step, &mut clock)?;
         self.record(agreed.loss);
         Ok(agreed)
@@ -369,11 +490,13 @@ impl Generation<'_> {
 
     /// Phase 1: all-gathers every parameter from its dim-0 shards into the workspace.
     fn gather(&mut self) -> Result<(), TrainError> {
+        let writes = self.ctx.place.writes();
         for (i, counts) in self.layout.counts.iter().enumerate() {
             let full = &mut self.workspace.full[self.layout.range(i)];
-            self.ctx
-                .comm
-                .all_gather_f32(&self.st.params[i], counts, full)?;
+            // With replicas, replica group 0 alone contributes: the others hold the
+            // same rows.
+            let mine = if writes { &self.st.params[i][..] } else { &[] };
+            self.ctx.comm.all_gather_f32(mine, counts, full)?;
         }
         Ok(())
     }
@@ -451,23 +574,39 @@ impl Generation<'_> {
         } else {
             None
         };
-        Ok(Agreed { loss, ending })
+        Ok(Agreed {
+            loss,
+            ending,
+            bad: None,
+        })
     }
 
     /// Phases 3 and 5: reduce-scatters each tensor's gradients (this rank receives
     /// the sum over all chunks of the rows it owns), and applies Adam to those rows.
     fn reduce_and_update(&mut self, step: u64, clock: &mut Instant) -> Result<(), TrainError> {
-        let Context {
-            comm, config, rank, ..
-        } = self.ctx;
+        let Context { comm, config, .. } = self.ctx;
         let Workspace {
             acc_i64, acc_f32, ..
         } = &mut *self.workspace;
         for (i, counts) in self.layout.counts.iter().enumerate() {
-            let mine = counts[rank];
+            let (start, mine) = self.layout.own[i];
             self.grad_shard.resize(mine, 0.0);
             let range = self.layout.range(i);
-            if config.deterministic {
+            if self.layout.replicas > 1 {
+                // Every replica needs its shard's sum: an all-reduce gives every rank
+                // the same bits of every row (exact in fixed point; one ring order
+                // in f32), so replicas update identically.
+                let own = range.start + start..range.start + start + mine;
+                if config.deterministic {
+                    comm.all_reduce_i64(&mut acc_i64[range])?;
+                    for (g, s) in self.grad_shard.iter_mut().zip(&acc_i64[own]) {
+                        *g = fixed::from_fixed(*s);
+                    }
+                } else {
+                    comm.all_reduce_f32(&mut acc_f32[range])?;
+                    self.grad_shard.copy_from_slice(&acc_f32[own]);
+                }
+            } else if config.deterministic {
                 self.grad_shard_i64.resize(mine, 0);
                 comm.reduce_scatter_i64(&mut acc_i64[range], counts, &mut self.grad_shard_i64)?;
                 for (g, s) in self.grad_shard.iter_mut().zip(&self.grad_shard_i64) {
