@@ -84,33 +84,36 @@ def test_a_nan_rolls_the_job_back_to_the_newest_healthy_commit(tmp_path, referen
     bitwise_equal(tmp_path / "final.pt", reference)
 
 
-def test_a_poison_at_every_attempt_stops_the_job_with_rollback_loop(tmp_path):
+def test_a_poison_at_every_attempt_stops_the_job_and_a_restart_passes_over_its_commits(
+    tmp_path, reference
+):
+    # The NaN comes back at every attempt of step 8: each save of step 8 is
+    # unhealthy, step 9 asks for a rollback to step 4 each time, and the third
+    # time (max_rollbacks 2) every rank stops with RollbackLoop.
     url = f"file://{tmp_path / 'ckpt'}"
     job = launch(
         url,
         tmp_path / "final.pt",
-        ROLLBACK_NAN_STEP="6",
+        ROLLBACK_NAN_STEP="8",
         ROLLBACK_NAN_EVERY_TIME="1",
         ROLLBACK_MAX="2",
     )
     assert job.returncode != 0, job.stdout
-    assert len(re.findall(r"\[rank 0\] rolled back from step 7 to step 4", job.stdout)) == 2
-    assert "RollbackLoop: step 7 asked for a rollback to step 4 for the 3rd time" in job.stdout
+    assert len(re.findall(r"\[rank 0\] rolled back from step 9 to step 4", job.stdout)) == 2
+    loop = "RollbackLoop: step 9 asked for a rollback to step 4 for the 3rd time in a row"
+    assert len(re.findall(loop, job.stdout)) == 2, job.stdout  # one line per rank
     assert not (tmp_path / "final.pt").exists()
-    assert ckpt.torch.latest(url)["step"] == 4
-
-
-def test_a_restart_resumes_from_the_newest_healthy_commit(tmp_path, reference):
-    # The first job ends at step 8, whose save carries the NaN (no step after it to
-    # see it); the next one passes over it and resumes from step 4.
-    url = f"file://{tmp_path / 'ckpt'}"
-    first = launch(url, tmp_path / "first.pt", steps=8, ROLLBACK_NAN_STEP="8")
-    assert first.returncode == 0, first.stdout
     assert ckpt.torch.latest(url, healthy=False)["step"] == 8
     assert ckpt.torch.health(url, 8)["healthy"] is False
+    assert ckpt.torch.latest(url)["step"] == 4
+    # A restart (no poison now) passes over the three unhealthy saves of step 8,
+    # resumes from step 4 and ends where a job that never saw the NaN ends.
     job = launch(url, tmp_path / "final.pt")
     assert job.returncode == 0, job.stdout
-    assert re.search(r"passing over unhealthy step 8 \(step-00000008/\S+\): .*rank 1", job.stdout)
+    passed = re.findall(
+        r"passing over unhealthy step 8 \(step-00000008/\S+\): .*rank 1", job.stdout
+    )
+    assert len(passed) == 3, job.stdout
     assert "gen 1: start at step 4" in job.stdout, job.stdout
     assert "rolled back" not in job.stdout
     bitwise_equal(tmp_path / "final.pt", reference)
