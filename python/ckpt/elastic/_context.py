@@ -281,17 +281,17 @@ class Context:
 
         A collective: every rank calls it at the same point of every step, once the
         step's loss is known (before the optimizer writes the parameters, before
-        ``step``), with no save in flight (``wait_staged`` done). The ranks agree on
-        the flag (one all-reduce); when no rank asked, it returns None. When one
-        did, every rank loads the newest healthy commit under the ``resume`` URL
-        into the ``resume`` state (or ``state_dict``), resharded for this world, in
-        this process, with the non-tensor state that commit saved (the data
-        cursor): :attr:`restored` is its ``ExtraState``. Rank 0 prints ``rolled back
-        from step B to step S: <reasons>`` (B: ``step``, by default the step after
-        the last one ``step`` or a load reported), and it returns S; the script
-        trains on from S. Later saves through this context's checkpointers use a
-        run id of their own, so that the steps saved again get directories of their
-        own.
+        ``step``). The ranks agree on the flag (one all-reduce); when no rank asked,
+        it returns None. When one did, the saves in flight through this context's
+        checkpointers end first (their commits count), then every rank loads the
+        newest healthy commit under the ``resume`` URL into the ``resume`` state (or
+        ``state_dict``), resharded for this world, in this process, with the
+        non-tensor state that commit saved (the data cursor): :attr:`restored` is its
+        ``ExtraState``. Rank 0 prints ``rolled back from step B to step S:
+        <reasons>`` (B: ``step``, by default the step after the last one ``step`` or
+        a load reported), and it returns S; the script trains on from S. Later saves
+        through this context's checkpointers use a run id of their own, so that the
+        steps saved again get directories of their own.
 
         Rollbacks to the same commit in a row (no commit since of a step past the one
         that asked) are counted: one more than ``run``'s ``max_rollbacks`` raises
@@ -317,6 +317,16 @@ class Context:
                 "ctx.resume(url, state) was not called: it says where to go back to"
             )
         url, state, options = self._resumed
+        started = time.monotonic()
+        # Closing a checkpointer waits for its saves in flight (their commits count
+        # in the choice); the saves after the rollback use a run id of their own.
+        self._rolled += 1
+        self._agent.collective_started()
+        try:
+            for checkpointer in list(self._checkpointers):
+                checkpointer._renew(self._rolled)
+        finally:
+            self._agent.collective_done()
         choice = self._collective(lambda: _newest_healthy(url, options))
         if choice is None:
             raise RuntimeError(
@@ -325,10 +335,6 @@ class Context:
             )
         target = choice[0]
         self._rollbacks.count(asked, target, reasons)
-        started = time.monotonic()
-        self._rolled += 1
-        for checkpointer in list(self._checkpointers):
-            checkpointer._renew(self._rolled)
         self._load(url, state if state_dict is None else state_dict, options, *choice)
         self._done, self._committed, self._good_loss = target, target, None
         if self.rank == 0:
