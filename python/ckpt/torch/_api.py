@@ -397,6 +397,13 @@ def _warn_skipped(url: str, skipped: list[dict[str, Any]], chosen: int) -> None:
         )
 
 
+def _not_found(message: str) -> _native.NotFoundError:
+    """A ``NotFoundError`` with the attributes the library's errors carry."""
+    error = _native.NotFoundError(message)
+    error.kind, error.transient = "not_found", False
+    return error
+
+
 class UnhealthySkippedWarning(UserWarning):
     """A load without a step passed over a checkpoint judged unhealthy."""
 
@@ -417,19 +424,23 @@ def _agreed_step(
     if dist.get_rank() == 0:
         try:
             newest = _native.latest(url, store_options, healthy)
-            choice[0] = (
-                "ok",
-                (newest["step"], _skipped(newest["skipped"])) if newest else None,
-            )
+            if newest is not None:
+                choice[0] = ("ok", (newest["step"], _skipped(newest["skipped"])))
+            elif healthy and _native.latest(url, store_options) is not None:
+                choice[0] = (
+                    "none",
+                    f"no committed healthy checkpoint in {url} (every one is unhealthy)",
+                )
+            else:
+                choice[0] = ("none", f"no committed checkpoint in {url}")
         except _native.CkptError as e:
             choice[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(choice, src=0)
     status, value = choice[0]
     if status == "error":
         raise _native.CkptError(f"rank 0 could not choose the checkpoint to load: {value}")
-    if value is None:
-        which = "healthy (or health unknown) " if healthy else ""
-        raise _native.NotFoundError(f"no committed {which}checkpoint in {url}")
+    if status == "none":
+        raise _not_found(value)
     return value
 
 
@@ -467,7 +478,13 @@ def load(
     url = _url(url)
     rank, _ = _world(rank, None)
     agreed, skipped = _agreed_step(url, step, store_options, healthy)
-    reader = _native.Reader(url, agreed, store_options, healthy and agreed is None)
+    try:
+        reader = _native.Reader(url, agreed, store_options, healthy and agreed is None)
+    except _native.NotFoundError:
+        if agreed is None and healthy and _native.latest(url, store_options) is None:
+            # Nothing committed at all: say so, not "no healthy one".
+            raise _not_found(f"no committed checkpoint in {url}") from None
+        raise
     if agreed is None:
         skipped = _skipped(reader.skipped)
     _warn_skipped(url, skipped, reader.step)
