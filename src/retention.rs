@@ -8,6 +8,12 @@
 //! - The `keep` newest commits whose manifest opens are kept, and so is every commit
 //!   newer than the oldest of them (a newer commit that does not open is evidence,
 //!   and never counts towards `keep`). The newest valid commit is never removed.
+//! - The newest commit that a resume would load is never removed either, whatever
+//!   `keep` says: the newest valid one not judged unhealthy (healthy, or of unknown
+//!   health; [`crate::catalog::Select::Healthy`]). When the `keep` newest are all
+//!   unhealthy, finding it costs one manifest per older commit until one is
+//!   acceptable; it is kept alone, and the unhealthy commits between it and the
+//!   kept ones go as usual.
 //! - An older commit is removed only once the commit right after it in commit order
 //!   is at least `grace` old: a reader that picked it while it was the newest has had
 //!   that long to finish (the grace period is the readers' lease).
@@ -95,6 +101,29 @@ pub struct Plan {
     pub kept: Vec<String>,
     /// Bytes freed by the removals.
     pub bytes_freed: u64,
+    /// Commits kept although `keep` alone would let them go (the newest healthy
+    /// one, when the newest `keep` are unhealthy).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<Held>,
+}
+
+/// A commit kept beyond `keep`, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Held {
+    /// The step.
+    pub step: u64,
+    /// The directory.
+    pub dir: String,
+    /// Why it stays.
+    pub reason: String,
+}
+
+/// The newest commit a resume would load, as retention found it.
+#[derive(Debug, Clone)]
+pub(crate) struct Resumable {
+    dir: String,
+    /// `healthy` or `unknown`.
+    health: &'static str,
 }
 
 fn age_at_least(now: SystemTime, t: Option<SystemTime>, grace: Duration) -> bool {
@@ -107,9 +136,13 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
     // One read of the commit log serves the survey, the kept newest record and the
     // dangling records alike.
     let (survey, records) = crate::catalog::survey(store).await?;
+    let keep = policy.keep.max(1);
     let mut valid = HashSet::new();
+    let mut resumable = None;
+    // The newest `keep` commits that open, and on past them (one manifest each)
+    // until one that a resume would load: the newest healthy one stays too.
     for info in survey.iter().rev().filter(|c| c.committed) {
-        if valid.len() >= policy.keep.max(1) {
+        if valid.len() >= keep && resumable.is_some() {
             break;
         }
         let commit = Commit {
@@ -119,8 +152,17 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
             time: info.committed_at,
         };
         match read_commit(store, &commit).await {
-            Ok(_) => {
-                valid.insert(info.dir.clone());
+            Ok(manifest) => {
+                if valid.len() < keep {
+                    valid.insert(info.dir.clone());
+                }
+                let health = manifest.health_status();
+                if resumable.is_none() && health.acceptable() {
+                    resumable = Some(Resumable {
+                        dir: info.dir.clone(),
+                        health: health.as_str(),
+                    });
+                }
             }
             Err(e) if e.is_corruption() || matches!(e, Error::NotFound(_)) => {
                 warn!(dir = %info.dir, error = %e, "a commit that does not open is kept, and not counted");
@@ -128,7 +170,13 @@ pub async fn plan(store: &Store, policy: Policy) -> Result<Plan> {
             Err(e) => return Err(e),
         }
     }
-    let mut plan = decide(&survey, &valid, policy, SystemTime::now());
+    let mut plan = decide(
+        &survey,
+        &valid,
+        resumable.as_ref(),
+        policy,
+        SystemTime::now(),
+    );
     keep_what_the_newest_record_names(&mut plan, &records);
     plan.remove.extend(dangling_records(
         &records,
@@ -229,10 +277,11 @@ fn dangling_records(
 }
 
 /// The rule itself, on a survey in commit order; `valid` holds the directories of
-/// the newest commits that opened.
+/// the newest commits that opened, `resumable` the newest commit a resume would load.
 pub(crate) fn decide(
     survey: &[CheckpointInfo],
     valid: &HashSet<String>,
+    resumable: Option<&Resumable>,
     policy: Policy,
     now: SystemTime,
 ) -> Plan {
@@ -257,7 +306,26 @@ pub(crate) fn decide(
     let newest_commit_time = commits.iter().filter_map(|c| c.committed_at).max();
     let mut remove = Vec::new();
     let mut kept = Vec::new();
+    let mut held = Vec::new();
     for (i, info) in commits.iter().enumerate() {
+        if i < oldest_kept
+            && let Some(resumable) = resumable.filter(|r| r.dir == info.dir)
+        {
+            held.push(Held {
+                step: info.step,
+                dir: info.dir.clone(),
+                reason: format!(
+                    "the newest {}, which a resume loads (the {keep} newest commit(s) are unhealthy)",
+                    if resumable.health == "healthy" {
+                        "healthy checkpoint"
+                    } else {
+                        "checkpoint not judged unhealthy (its health is unknown)"
+                    }
+                ),
+            });
+            kept.push(info.dir.clone());
+            continue;
+        }
         let verdict = (i < oldest_kept)
             .then(|| commits[i + 1])
             .filter(|successor| age_at_least(now, successor.committed_at, policy.grace))
@@ -300,6 +368,7 @@ pub(crate) fn decide(
         remove,
         kept,
         bytes_freed,
+        held,
     }
 }
 
@@ -340,9 +409,12 @@ pub async fn apply(store: &Store, plan: &Plan, progress: &(dyn Fn(&Removal) + Sy
 }
 
 /// Retention after a save committed: plan and apply with `policy`, logging what
-/// goes.
+/// goes and what stays beyond `keep`.
 pub async fn after_commit(store: &Store, policy: Policy) -> Result<Vec<Removal>> {
     let plan = plan(store, policy).await?;
+    for held in &plan.held {
+        info!(step = held.step, dir = %held.dir, reason = %held.reason, "retention keeps a checkpoint beyond keep_last");
+    }
     apply(store, &plan, &|r| {
         info!(step = r.step, dir = %r.dir, reason = %r.reason, "retention removed a checkpoint")
     })

@@ -103,7 +103,8 @@ async fn inspect_describes_tensors_ranks_and_filters() {
     let view = json(&out);
     assert_eq!(view["step"], 2);
     assert_eq!(view["world_size"], 4);
-    assert_eq!(view["format_version"], 2);
+    assert_eq!(view["format_version"], ckpt::format::HEALTH_VERSION);
+    assert_eq!(view["healthy"], true);
     assert_eq!(view["tensors"].as_array().unwrap().len(), 3);
     let weight = view["tensors"]
         .as_array()

@@ -4,11 +4,14 @@ use std::collections::BTreeMap;
 use std::time::SystemTime;
 
 use ckpt_storage::Store;
+use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
-use crate::catalog::{Commit, list_checkpoints, read_commit};
+use crate::catalog::{CheckpointInfo, Commit, list_checkpoints, read_commit};
 use crate::error::{Error, Result};
-use crate::format::{Codec, Layout, Manifest, RankPart, rank_part_name};
+use crate::format::{
+    Codec, Health, Layout, Manifest, Metric, NonFinite, RankPart, ReplicaMismatch, rank_part_name,
+};
 use crate::load::CheckpointReader;
 
 /// One step directory as `ckpt ls` shows it.
@@ -26,8 +29,20 @@ pub struct ListedCheckpoint {
     /// step), `failed` (its save recorded why it cannot commit), `partial` (no
     /// manifest) or `corrupt` (a manifest that fails its checks).
     pub status: &'static str,
-    /// True for the checkpoint a resume would load.
+    /// True for the newest commit whose manifest is valid, healthy or not: what
+    /// `inspect`, `verify` and the other tools open by default.
     pub latest: bool,
+    /// True for the checkpoint a resume loads: the newest commit whose manifest is
+    /// valid and that is not judged unhealthy (the latest one, unless it is
+    /// unhealthy).
+    pub resume: bool,
+    /// The commit's health: `true` healthy, `false` unhealthy, `null` unknown
+    /// (written before health was recorded, or by an offline tool) and for what is
+    /// not a valid commit (failed, partial, corrupt).
+    pub healthy: Option<bool>,
+    /// Why it is unhealthy (only when `healthy` is false).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub health_reasons: Vec<String>,
     /// Ranks that saved (from the manifest, or from a rank part when partial).
     pub world_size: Option<u32>,
     /// Ranks whose part is missing (partial checkpoints).
@@ -56,93 +71,120 @@ pub fn codec_name(codec: &Codec) -> String {
     }
 }
 
+/// Manifests (committed checkpoints) and part prefixes (partial ones) that `ckpt ls`
+/// reads at once.
+pub const LS_CONCURRENCY: usize = 16;
+
 /// Every checkpoint under the root: commits in commit order (oldest first), then
-/// failed and partial saves.
+/// failed and partial saves. Costs the survey of the root (a listing and the commit
+/// log), then one manifest per commit (its health is in it) and a 4 KiB prefix of a
+/// part per partial save, [`LS_CONCURRENCY`] at once.
 pub async fn ls(store: &Store) -> Result<Vec<ListedCheckpoint>> {
     let now = SystemTime::now();
-    let mut out = Vec::new();
-    for info in list_checkpoints(store).await? {
-        let age_s = info
-            .modified
-            .and_then(|m| now.duration_since(m).ok())
-            .map(|d| d.as_secs_f64());
-        let mut listed = ListedCheckpoint {
-            step: info.step,
-            dir: info.dir.clone(),
-            seq: info.seq,
-            generation: info.generation,
-            status: info.status.as_str(),
-            latest: false,
-            world_size: None,
-            missing_ranks: Vec::new(),
-            tensors: None,
-            tensor_bytes: None,
-            stored_bytes: info.bytes,
-            compression: None,
-            age_s,
-            problem: None,
-        };
-        if info.committed {
-            let commit = Commit {
-                seq: info.seq,
-                step: info.step,
-                dir: info.dir.clone(),
-                time: info.committed_at,
-            };
-            match read_commit(store, &commit).await {
-                Ok(manifest) => {
-                    listed.world_size = Some(manifest.world_size);
-                    listed.tensors = Some(manifest.tensors.len());
-                    listed.tensor_bytes = Some(manifest.tensor_bytes());
-                    listed.compression = Some(codec_name(&manifest.codec));
-                    if let Some(back_to) = info.abandoned_for {
-                        listed.problem = Some(format!(
-                            "abandoned: a later run went back and committed step {back_to} after it; \
-                             still readable by step, removed by retention in commit order"
-                        ));
-                    }
-                }
-                Err(Error::Corrupt(e)) => {
-                    listed.status = "corrupt";
-                    listed.problem = Some(e.to_string());
-                }
-                Err(e) => return Err(e),
-            }
-        } else if let Some(failure) = &info.failure {
-            listed.problem = Some(failure.clone());
-        } else {
-            // The world size is in any part that made it, near its start.
-            let world = match info.ranks_present.first() {
-                Some(&rank) => {
-                    let key = format!("{}/{}", info.dir, rank_part_name(rank));
-                    world_of_part(store, &key).await
-                }
-                None => None,
-            };
-            listed.world_size = world;
-            if let Some(world) = world {
-                listed.missing_ranks = (0..world)
-                    .filter(|r| info.ranks_present.binary_search(r).is_err())
-                    .collect();
-                listed.problem = Some(format!(
-                    "no manifest; {} of {world} rank parts present, missing ranks {}",
-                    info.ranks_present.len(),
-                    ranges_text(&listed.missing_ranks)
-                ));
-            } else {
-                listed.problem = Some("no manifest and no readable rank part".to_string());
-            }
-        }
-        out.push(listed);
-    }
-    if let Some(latest) = out
-        .iter_mut()
-        .rev()
-        .find(|c| matches!(c.status, "committed" | "abandoned"))
-    {
+    let survey = list_checkpoints(store).await?;
+    let mut out: Vec<ListedCheckpoint> =
+        futures::stream::iter(survey.into_iter().map(|info| describe(store, info, now)))
+            .buffered(LS_CONCURRENCY)
+            .try_collect()
+            .await?;
+    let valid = |c: &ListedCheckpoint| matches!(c.status, "committed" | "abandoned");
+    if let Some(latest) = out.iter_mut().rev().find(|c| valid(c)) {
         latest.latest = true;
     }
+    if let Some(resume) = out
+        .iter_mut()
+        .rev()
+        .find(|c| valid(c) && c.healthy != Some(false))
+    {
+        resume.resume = true;
+    }
     Ok(out)
+}
+
+/// One directory of the survey as `ckpt ls` shows it.
+async fn describe(
+    store: &Store,
+    info: CheckpointInfo,
+    now: SystemTime,
+) -> Result<ListedCheckpoint> {
+    let age_s = info
+        .modified
+        .and_then(|m| now.duration_since(m).ok())
+        .map(|d| d.as_secs_f64());
+    let mut listed = ListedCheckpoint {
+        step: info.step,
+        dir: info.dir.clone(),
+        seq: info.seq,
+        generation: info.generation,
+        status: info.status.as_str(),
+        latest: false,
+        resume: false,
+        healthy: None,
+        health_reasons: Vec::new(),
+        world_size: None,
+        missing_ranks: Vec::new(),
+        tensors: None,
+        tensor_bytes: None,
+        stored_bytes: info.bytes,
+        compression: None,
+        age_s,
+        problem: None,
+    };
+    if info.committed {
+        let commit = Commit {
+            seq: info.seq,
+            step: info.step,
+            dir: info.dir.clone(),
+            time: info.committed_at,
+        };
+        match read_commit(store, &commit).await {
+            Ok(manifest) => {
+                listed.world_size = Some(manifest.world_size);
+                listed.tensors = Some(manifest.tensors.len());
+                listed.tensor_bytes = Some(manifest.tensor_bytes());
+                listed.compression = Some(codec_name(&manifest.codec));
+                let health = manifest.health_status();
+                listed.healthy = health.healthy();
+                listed.health_reasons = health.reasons().to_vec();
+                if let Some(back_to) = info.abandoned_for {
+                    listed.problem = Some(format!(
+                        "abandoned: a later run went back and committed step {back_to} after it; \
+                         still readable by step, removed by retention in commit order"
+                    ));
+                }
+            }
+            Err(Error::Corrupt(e)) => {
+                listed.status = "corrupt";
+                listed.problem = Some(e.to_string());
+            }
+            Err(e) => return Err(e),
+        }
+    } else if let Some(failure) = &info.failure {
+        listed.problem = Some(failure.clone());
+    } else {
+        // The world size is in any part that made it, near its start.
+        let world = match info.ranks_present.first() {
+            Some(&rank) => {
+                let key = format!("{}/{}", info.dir, rank_part_name(rank));
+                world_of_part(store, &key).await
+            }
+            None => None,
+        };
+        listed.world_size = world;
+        if let Some(world) = world {
+            listed.missing_ranks = (0..world)
+                .filter(|r| info.ranks_present.binary_search(r).is_err())
+                .collect();
+            listed.problem = Some(format!(
+                "no manifest; {} of {world} rank parts present, missing ranks {}",
+                info.ranks_present.len(),
+                ranges_text(&listed.missing_ranks)
+            ));
+        } else {
+            listed.problem = Some("no manifest and no readable rank part".to_string());
+        }
+    }
+    Ok(listed)
 }
 
 /// How much of a partial save's part `ckpt ls` reads: its leading fields, whatever
@@ -230,6 +272,38 @@ pub struct RankView {
     pub rank_state: Vec<String>,
 }
 
+/// A manifest's health ([`Health`]), every list present even when empty.
+#[derive(Debug, Clone, Serialize)]
+pub struct HealthView {
+    /// True when every float tensor is finite, every replica agreed and no rank's
+    /// own check failed.
+    pub healthy: bool,
+    /// Why not, one line each.
+    pub reasons: Vec<String>,
+    /// Tensors with non-finite elements.
+    pub nonfinite: Vec<NonFinite>,
+    /// Replicated boxes whose holders disagree.
+    pub replica_mismatches: Vec<ReplicaMismatch>,
+    /// Replicated boxes whose copies were compared.
+    pub replicas_compared: u64,
+    /// The caller's metrics (a value that is not finite is `"NaN"`, `"inf"` or
+    /// `"-inf"`).
+    pub metrics: BTreeMap<String, Metric>,
+}
+
+impl From<&Health> for HealthView {
+    fn from(health: &Health) -> Self {
+        Self {
+            healthy: health.healthy,
+            reasons: health.reasons.clone(),
+            nonfinite: health.nonfinite.clone(),
+            replica_mismatches: health.replica_mismatches.clone(),
+            replicas_compared: health.replicas_compared,
+            metrics: health.metrics.clone(),
+        }
+    }
+}
+
 /// A manifest made readable.
 #[derive(Debug, Clone, Serialize)]
 pub struct Inspection {
@@ -261,6 +335,11 @@ pub struct Inspection {
     pub global_state: Vec<String>,
     /// User metadata.
     pub metadata: BTreeMap<String, serde_json::Value>,
+    /// `true` healthy, `false` unhealthy, `None` (JSON `null`) unknown: written
+    /// before health was recorded (format version 3 or older), or by an offline tool.
+    pub healthy: Option<bool>,
+    /// What the commit judged of the checkpoint's health; `None` when unknown.
+    pub health: Option<HealthView>,
     /// Tensors (with `--tensors`), filtered by the glob.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tensors: Option<Vec<TensorView>>,
@@ -351,6 +430,8 @@ pub async fn inspect(
         layouts,
         global_state,
         metadata: manifest.metadata.clone(),
+        healthy: manifest.health_status().healthy(),
+        health: manifest.health.as_ref().map(HealthView::from),
         tensors: tensor_views,
         ranks: rank_views,
     })

@@ -43,6 +43,9 @@ pub(super) async fn gc_cmd(
     if json {
         print_json(&serde_json::json!({ "url": store.url(), "dry_run": dry_run, "plan": plan }));
     } else {
+        for held in &plan.held {
+            outln!("keeping step {} {}: {}", held.step, held.dir, held.reason);
+        }
         if dry_run {
             for r in &plan.remove {
                 outln!(

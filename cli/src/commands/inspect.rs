@@ -21,13 +21,25 @@ pub(super) async fn ls(url: &str, json: bool, args: &StoreArgs) -> Result<u8, Er
         return Ok(exit::OK);
     }
     let mut table = Table::new(&[
-        "", "STEP", "STATUS", "WORLD", "TENSORS", "DATA", "STORED", "CODEC", "AGE",
+        "", "STEP", "STATUS", "HEALTH", "WORLD", "TENSORS", "DATA", "STORED", "CODEC", "AGE",
     ]);
     for c in &listed {
+        let mark = match (c.latest, c.resume) {
+            (true, _) => "*",
+            (false, true) => ">",
+            (false, false) => "",
+        };
+        let health = match (c.healthy, c.status) {
+            (Some(true), _) => "healthy",
+            (Some(false), _) => "UNHEALTHY",
+            (None, "committed" | "abandoned") => "unknown",
+            (None, _) => "-",
+        };
         table.row(vec![
-            if c.latest { "*".into() } else { String::new() },
+            mark.into(),
             c.step.to_string(),
             c.status.to_string(),
+            health.into(),
             c.world_size.map_or("-".into(), |w| w.to_string()),
             c.tensors.map_or("-".into(), |t| t.to_string()),
             c.tensor_bytes.map_or("-".into(), bytes),
@@ -36,16 +48,111 @@ pub(super) async fn ls(url: &str, json: bool, args: &StoreArgs) -> Result<u8, Er
             c.age_s.map_or("-".into(), age),
         ]);
     }
-    out!("{}", table.render(&[1, 3, 4, 5, 6]));
-    for c in listed.iter().filter(|c| c.problem.is_some()) {
-        outln!(
-            "step {}: {}",
-            c.step,
-            c.problem.as_deref().unwrap_or_default()
-        );
+    out!("{}", table.render(&[1, 4, 5, 6, 7]));
+    for c in &listed {
+        if let Some(problem) = &c.problem {
+            outln!("step {}: {problem}", c.step);
+        }
+        if let Some(first) = c.health_reasons.first() {
+            let more = match c.health_reasons.len() - 1 {
+                0 => String::new(),
+                n => format!(" (+{n} more: ckpt inspect --step {})", c.step),
+            };
+            outln!(
+                "step {}: unhealthy: {}{more}",
+                c.step,
+                truncate(first, REASON_CHARS)
+            );
+        }
     }
     outln!("* = latest: the newest commit whose manifest is valid");
+    if listed.iter().any(|c| c.resume && !c.latest) {
+        outln!("> = what a resume loads: the newest commit not judged unhealthy");
+    }
     Ok(exit::OK)
+}
+
+/// Characters of an unhealthy checkpoint's first reason that `ls` prints.
+const REASON_CHARS: usize = 160;
+
+/// `text`, cut to `max` characters with an ellipsis when longer.
+fn truncate(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_string(),
+    }
+}
+
+/// The health section of `inspect`.
+fn health_lines(view: &inspect::Inspection) {
+    let Some(health) = &view.health else {
+        outln!(
+            "health       unknown: no health recorded (format v{}: written before v4, or by an offline tool)",
+            view.format_version
+        );
+        return;
+    };
+    if health.healthy {
+        outln!("health       healthy");
+    } else {
+        outln!("health       UNHEALTHY: a resume passes over it unless asked for it");
+    }
+    for reason in &health.reasons {
+        outln!("  reason     {reason}");
+    }
+    for found in &health.nonfinite {
+        outln!(
+            "non-finite   {}: {} element{} (rank{} {})",
+            found.tensor,
+            found.elements,
+            if found.elements == 1 { "" } else { "s" },
+            if found.ranks.len() == 1 { "" } else { "s" },
+            ranks_list(&found.ranks)
+        );
+    }
+    match health.replicas_compared {
+        0 if health.replica_mismatches.is_empty() => outln!("replicas     none compared"),
+        n => outln!(
+            "replicas     {n} box{} compared, {} disagree",
+            if n == 1 { "" } else { "es" },
+            health.replica_mismatches.len()
+        ),
+    }
+    for m in &health.replica_mismatches {
+        outln!(
+            "  mismatch   {} {}: blocks {}; written by rank {}; agree: {}; disagree: {}",
+            m.tensor,
+            ckpt::Region::new(m.offsets.clone(), m.lengths.clone()),
+            m.blocks
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            m.written_by,
+            ranks_list(&m.agree),
+            ranks_list(&m.disagree)
+        );
+    }
+    if !health.metrics.is_empty() {
+        let metrics: Vec<String> = health
+            .metrics
+            .iter()
+            .map(|(name, value)| format!("{name} = {value}"))
+            .collect();
+        outln!("metrics      {}", metrics.join(", "));
+    }
+}
+
+/// Ranks as `0-3,7`, or `none`.
+fn ranks_list(ranks: &[u32]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if sorted.is_empty() {
+        "none".into()
+    } else {
+        inspect::ranges_text(&sorted)
+    }
 }
 
 pub(super) async fn inspect_cmd(
@@ -96,6 +203,7 @@ pub(super) async fn inspect_cmd(
     for (key, value) in &view.metadata {
         outln!("metadata     {key} = {value}");
     }
+    health_lines(&view);
     if let Some(tensors) = &view.tensors {
         outln!();
         let mut table = Table::new(&[

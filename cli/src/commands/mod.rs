@@ -27,8 +27,10 @@ use crate::store::StoreArgs;
 pub(crate) enum Tool {
     /// List the checkpoints under a root.
     ///
-    /// Step, committed or partial (and which ranks are missing), world size,
-    /// tensors, bytes, compression, age; `*` marks the latest commit.
+    /// Step, committed or partial (and which ranks are missing), health (healthy,
+    /// UNHEALTHY with its first reason, or unknown), world size, tensors, bytes,
+    /// compression, age; `*` marks the latest commit, `>` what a resume loads when
+    /// the latest is unhealthy. Reads every commit's manifest.
     #[command(
         after_help = "Example:\n  ckpt ls file://./runs/demo\n  ckpt ls s3://bucket/run1 --json"
     )]
@@ -43,8 +45,9 @@ pub(crate) enum Tool {
     },
     /// Show a checkpoint's manifest.
     ///
-    /// Step, world size, layouts, format, metadata; with --tensors each tensor's
-    /// dtype, shape and chunk boxes; with --ranks each rank's files.
+    /// Step, world size, layouts, format, metadata, health (reasons, non-finite
+    /// tensors, replica mismatches, metrics); with --tensors each tensor's dtype,
+    /// shape and chunk boxes; with --ranks each rank's files.
     #[command(
         after_help = "Example:\n  ckpt inspect file://./runs/demo --tensors --filter 'layers.0.*'\n  ckpt inspect s3://bucket/run1 --step 1200 --ranks --json"
     )]
@@ -226,9 +229,10 @@ pub(crate) enum Tool {
     },
     /// Remove old and partial checkpoints, keeping the K newest.
     ///
-    /// Never removes the newest commit, nor one superseded less than --grace ago (a
-    /// reader may be loading it), nor a partial one newer than the newest commit (a
-    /// save in progress).
+    /// Never removes the newest commit, nor the newest one not judged unhealthy
+    /// (what a resume loads, kept beyond --keep when the newer ones are unhealthy),
+    /// nor one superseded less than --grace ago (a reader may be loading it), nor a
+    /// partial one newer than the newest commit (a save in progress).
     #[command(
         after_help = "Example:\n  ckpt gc file://./runs/demo --keep 3 --dry-run\n  ckpt gc s3://bucket/run1 --keep 5 --grace 30m --json"
     )]
