@@ -168,3 +168,36 @@ def test_a_checkpoint_written_before_health_lists_as_unknown_and_loads(root, tmp
 def test_replicas_on_an_hsdp_mesh_are_compared_natively_and_through_dcp(tmp_path):
     roots = {name: f"file://{tmp_path / name}" for name in ("native", "dcp")}
     spawn(workers.hsdp_health, 4, roots, str(tmp_path / "reference.pt"))
+
+
+def test_the_dcp_writer_records_metrics_and_its_reader_passes_over_unhealthy_steps(root):
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.torch.dcp import StorageReader, StorageWriter
+
+    def check(metrics):
+        return metrics["loss"] < 10 or f"loss {metrics['loss']} is too high"
+
+    writer = StorageWriter(root, step=1, health={"loss": torch.tensor(2.0)}, health_check=check)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "no process group: one process"
+        dcp.save(_values(1), storage_writer=writer)
+        writer.step, writer.health = 2, {"loss": 50.0}
+        dcp.save(_values(2), storage_writer=writer)
+    assert health(root, 1)["healthy"] is True and health(root, 1)["metrics"] == {"loss": 2.0}
+    bad = health(root, 2)
+    assert bad["healthy"] is False and bad["reasons"] == [
+        "loss 50.0 is too high (reported by rank 0)"
+    ], bad
+
+    into = {k: torch.zeros_like(v) for k, v in _values(0).items()}
+    reader = StorageReader(root)
+    with pytest.warns(UnhealthySkippedWarning, match="step 2"):
+        dcp.load(into, storage_reader=reader)
+    assert [s["step"] for s in reader.skipped] == [2]
+    for name, tensor in _values(1).items():
+        assert torch.equal(into[name], tensor), name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(into, storage_reader=StorageReader(root, healthy=False))
+    assert torch.equal(into["w"], _values(2)["w"])

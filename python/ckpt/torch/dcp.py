@@ -82,7 +82,15 @@ from torch.futures import Future
 
 from ckpt import _native
 from ckpt.torch import _state
-from ckpt.torch._api import DCP_MARK, StoreOptions, _skipped, _url, _warn_skipped
+from ckpt.torch._api import (
+    DCP_MARK,
+    StoreOptions,
+    _judge,
+    _metrics,
+    _skipped,
+    _url,
+    _warn_skipped,
+)
 
 _SCHEMES = ("file://", "memory://", "s3://", "gs://", "az://", "azure://", "abfs://")
 
@@ -122,8 +130,13 @@ class StorageWriter(_DcpWriter):
     """DCP's ``StorageWriter`` over a ckpt checkpoint root.
 
     ``config`` keywords are the native ``Checkpointer``'s settings (``generation``,
-    ``run_id``, ``codec``, ``keep_last``, ``block_size``, …); ``store_options`` the
-    store's, as ``ckpt.torch.Checkpointer`` takes them.
+    ``run_id``, ``codec``, ``keep_last``, ``block_size``, ``replica_mismatch``, …);
+    ``store_options`` the store's, as ``ckpt.torch.Checkpointer`` takes them.
+
+    ``health`` (also settable as ``writer.health`` before each save: ``dcp.save``
+    takes no metrics) are the metrics each save records, as
+    ``Checkpointer.save(health=...)`` takes them, and ``health_check`` judges them, as
+    ``Checkpointer(health_check=...)`` does.
     """
 
     def __init__(
@@ -132,9 +145,15 @@ class StorageWriter(_DcpWriter):
         *,
         step: int | None = None,
         store_options: StoreOptions | None = None,
+        health: dict[str, Any] | None = None,
+        health_check: Any = None,
         **config: Any,
     ):
         super().__init__()
+        if health_check is not None and not callable(health_check):
+            raise TypeError(f"health_check must be callable, not {type(health_check).__name__}")
+        self.health = health
+        self.health_check = health_check
         self.url = _url(url)
         self.step = step
         self.store_options = store_options
@@ -271,7 +290,17 @@ class StorageWriter(_DcpWriter):
                 results.append(WriteResult(item.index, nbytes, None))
         checkpointer = self._native_checkpointer(target)
         metadata = _metadata(target.planner_data)
-        handle = checkpointer.save(target.step, tensors, rank_state, {}, metadata, False)
+        metrics = _metrics(self.health)
+        handle = checkpointer.save(
+            target.step,
+            tensors,
+            rank_state,
+            {},
+            metadata,
+            False,
+            metrics,
+            _judge(self.health_check, metrics),
+        )
         # DCP gathers the results on the coordinator and then calls `finish`: once
         # every rank's part is durable the commit follows at once.
         handle.wait_durable()
@@ -335,7 +364,17 @@ class StorageWriter(_DcpWriter):
         # is DCP's own.
         metadata = _metadata(part.paths if rank == 0 else None)
         prepared = time.perf_counter()
-        handle = checkpointer.save(target.step, part.tensors, part.values, {}, metadata, True)
+        metrics = _metrics(self.health)
+        handle = checkpointer.save(
+            target.step,
+            part.tensors,
+            part.values,
+            {},
+            metadata,
+            True,
+            metrics,
+            _judge(self.health_check, metrics),
+        )
         registered = time.perf_counter()
         keep_alive = part.keep_alive
         save = _StagedSave(target, handle, {})
