@@ -247,7 +247,7 @@ class Context:
         url = os.fspath(url)
         self._resumed = (url, state_dict, store_options)
         try:
-            choice = self._collective(lambda: _newest_healthy(url, store_options))
+            choice = self._choose(url, store_options)
             if choice is None:
                 return None
             extra = self._load(url, state_dict, store_options, *choice)
@@ -327,7 +327,7 @@ class Context:
                 checkpointer._renew(self._rolled)
         finally:
             self._agent.collective_done()
-        choice = self._collective(lambda: _newest_healthy(url, options))
+        choice = self._choose(url, options)
         if choice is None:
             raise RuntimeError(
                 f"ckpt.elastic: step {asked} asked for a rollback ({reasons}), but {url} "
@@ -343,6 +343,20 @@ class Context:
                 f"(load {(time.monotonic() - started) * 1e3:.0f} ms)"
             )
         return target
+
+    def _choose(
+        self, url: str, store_options: _api.StoreOptions | None
+    ) -> tuple[int, list[dict[str, Any]]] | None:
+        """The newest healthy (or health unknown) committed step under ``url`` as
+        rank 0 sees it, with the unhealthy commits it passed over (``{"step", "dir",
+        "reasons"}``, newest first), or None: every rank loads the same one. Rank 0's
+        store error is every rank's (not a peer's failure)."""
+        status, value, transient = self._collective(lambda: _newest_healthy(url, store_options))
+        if status == "error":
+            error = _native.CkptError(f"rank 0 could not choose the checkpoint to load: {value}")
+            error.transient = transient
+            raise error
+        return value
 
     def _load(
         self,
@@ -413,12 +427,9 @@ class Context:
             self._agent.collective_done()
 
 
-def _newest_healthy(
-    url: str, store_options: _api.StoreOptions | None
-) -> tuple[int, list[dict[str, Any]]] | None:
-    """The newest healthy (or health unknown) committed step under ``url`` as rank 0
-    sees it, with the unhealthy commits it passed over (``{"step", "dir",
-    "reasons"}``, newest first), or None: every rank loads the same one."""
+def _newest_healthy(url: str, store_options: _api.StoreOptions | None) -> tuple[str, Any, bool]:
+    """Rank 0's choice for ``Context._choose``, broadcast: ``("ok", (step, skipped) or
+    None, False)``, or ``("error", message, transient)``."""
     import torch.distributed as dist
 
     from ckpt.torch import _api
@@ -428,11 +439,8 @@ def _newest_healthy(
         try:
             newest = _api.latest(url, healthy=True, store_options=store_options)
             found = (newest["step"], list(newest.get("skipped", []))) if newest else None
-            choice[0] = ("ok", found)
+            choice[0] = ("ok", found, False)
         except _native.CkptError as e:
-            choice[0] = ("error", f"{type(e).__name__}: {e}")
+            choice[0] = ("error", f"{type(e).__name__}: {e}", bool(getattr(e, "transient", False)))
     dist.broadcast_object_list(choice, src=0)
-    status, value = choice[0]
-    if status == "error":
-        raise _native.CkptError(f"rank 0 could not choose the checkpoint to load: {value}")
-    return value
+    return choice[0]
