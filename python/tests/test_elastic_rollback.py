@@ -21,6 +21,7 @@ import torch
 from conftest import REPO, ckpt_cli, need
 
 import ckpt.torch
+from ckpt.elastic._context import _no_healthy
 from ckpt.elastic._rollback import RollbackLoop, Rollbacks, bad_loss, rolled_run_id
 
 # Whole elastic jobs (ckpt launch, heartbeats): nothing runs beside them.
@@ -142,3 +143,14 @@ def test_bad_loss_and_rolled_run_ids():
     assert rolled_run_id("job-e3", 2) == "job-e3-r2"
     long = rolled_run_id("j" * 46 + "-e3", 1)
     assert len(long) == 48 and long.endswith("-r1") and long != rolled_run_id("k" * 46 + "-e3", 1)
+
+
+def test_a_root_of_unhealthy_commits_only_is_said_to_have_none_healthy(tmp_path, capsys):
+    url = f"file://{tmp_path / 'ckpt'}"
+    with ckpt.torch.Checkpointer(url, rank=0, world_size=1) as saver:
+        saver.save(4, {"w": torch.tensor([1.0, float("nan")])}).wait_committed()
+    assert ckpt.torch.latest(url) is None
+    _no_healthy(url, None)
+    said = capsys.readouterr().out
+    assert said.startswith("no healthy commit under ") and "(step 4)" in said, said
+    assert 'tensor "w" holds 1 non-finite element' in said, said

@@ -439,8 +439,24 @@ def _newest_healthy(url: str, store_options: _api.StoreOptions | None) -> tuple[
         try:
             newest = _api.latest(url, healthy=True, store_options=store_options)
             found = (newest["step"], list(newest.get("skipped", []))) if newest else None
+            if found is None:
+                _no_healthy(url, store_options)
             choice[0] = ("ok", found, False)
         except _native.CkptError as e:
             choice[0] = ("error", f"{type(e).__name__}: {e}", bool(getattr(e, "transient", False)))
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
+
+
+def _no_healthy(url: str, store_options: _api.StoreOptions | None) -> None:
+    """Says so when ``url`` holds commits but none healthy (a resume then starts from
+    scratch, a rollback fails)."""
+    from ckpt.torch import _api
+
+    newest = _api.latest(url, healthy=False, store_options=store_options)
+    if newest is not None:
+        reasons = "; ".join(newest.get("reasons", [])) or "no reason recorded"
+        say(
+            f"no healthy commit under {url}: every commit is unhealthy, the newest "
+            f"(step {newest['step']}) for: {reasons}"
+        )
