@@ -172,7 +172,7 @@ fn world_sizes_one_to_four_end_with_bitwise_identical_weights() {
 
 /// One launcher, not two: the reference trainer runs under `ckpt launch` as under its
 /// own `launch` subcommand, fixed (without the listener hand-over) and elastic, and
-/// trains the same bits.
+/// trains the same bits, through a rollback in both.
 #[test]
 fn the_reference_trainer_runs_under_ckpt_launch_fixed_and_elastic() {
     let (own, fixed, elastic) = (tempdir(), tempdir(), tempdir());
@@ -193,10 +193,20 @@ fn the_reference_trainer_runs_under_ckpt_launch_fixed_and_elastic() {
                 "30",
             ])
             .args(["--steps", "20", "--ckpt", &target, "--ckpt-every", "10"])
+            // A NaN in rank 1's parameters after step 15: the world rolls back to
+            // step 10 in the same processes and trains the steps again, to the
+            // same bits.
+            .args(["--fault-nan", "15:1"])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "ckpt launch {flags:?}: {text}");
+        assert!(
+            text.contains(
+                "rolled back from step 15 to step 10: non-finite parameters entering step 16"
+            ),
+            "{text}"
+        );
         assert_eq!(latest_step(dir.path()), Some(20), "{text}");
         assert_identical(own.path(), dir.path());
     }
@@ -552,4 +562,133 @@ fn a_grace_that_is_not_a_number_of_seconds_is_a_usage_error_not_a_panic() {
             "--grace-secs {grace}: {stderr}"
         );
     }
+}
+
+/// Every commit of the store under `dir`, in commit order, by its manifest.
+fn manifests(dir: &Path) -> Vec<ckpt::Manifest> {
+    runtime().block_on(async {
+        let store = Store::from_url(&url(dir)).unwrap();
+        let mut manifests = Vec::new();
+        for commit in ckpt::catalog::commits(&store).await.unwrap() {
+            manifests.push(ckpt::catalog::read_commit(&store, &commit).await.unwrap());
+        }
+        manifests
+    })
+}
+
+/// Two replicas of two shards train the same bits as two ranks without replicas;
+/// every save compares the replicas, which agree; one bit flipped in one replica's
+/// memory right before a save makes that commit unhealthy, naming the rank, the
+/// tensor, the box and the block; the replicated checkpoints resume on a world that
+/// the replicas do not divide, past the unhealthy commit.
+#[test]
+fn replicas_agree_and_a_bit_flipped_in_one_is_named_by_the_commit_of_its_save() {
+    let (reference, run) = (tempdir(), tempdir());
+    train(2, reference.path(), 30, &[]);
+    // Rank 3 is replica 1 of shard 1: rank 1 writes that shard.
+    let out = train(
+        4,
+        run.path(),
+        20,
+        &["--replicas", "2", "--fault-sdc", "10:3"],
+    );
+    assert!(out.contains("world 4 (2 replicas of 2 shards)"), "{out}");
+    assert!(
+        out.contains("fault: rank 3 (replica 1 of shard 1) flipped a bit of param/layers.0.weight before saving step 10"),
+        "{out}"
+    );
+    let commits = manifests(run.path());
+    let steps: Vec<u64> = commits.iter().map(|m| m.step).collect();
+    assert_eq!(steps, [10, 20], "{out}");
+    let flipped = commits[0].health.as_ref().expect("health recorded");
+    assert!(!flipped.healthy, "{flipped:?}");
+    assert!(flipped.nonfinite.is_empty(), "{flipped:?}");
+    let [mismatch] = &flipped.replica_mismatches[..] else {
+        panic!("one mismatch expected: {flipped:?}");
+    };
+    assert_eq!(mismatch.tensor, "param/layers.0.weight");
+    assert_eq!((mismatch.written_by, &mismatch.disagree[..]), (1, &[3][..]));
+    assert_eq!(mismatch.blocks, [0]);
+    // Rows 16..32 of 32: shard 1 of 2.
+    assert_eq!(mismatch.offsets, [16, 0]);
+    assert!(
+        flipped.reasons.iter().any(|r| r.contains("rank 3")),
+        "{flipped:?}"
+    );
+    let agreed = commits[1].health.as_ref().expect("health recorded");
+    assert!(agreed.healthy, "{agreed:?}");
+    // Every box of the second replica group compared: 6 tensors x 3 x 2 shards.
+    assert_eq!(agreed.replicas_compared, 36, "{agreed:?}");
+    let loss = agreed.metrics.get("loss").expect("the loss recorded").0;
+    assert!(loss.is_finite() && loss > 0.0, "{loss}");
+
+    // Three ranks: no replicas; the resume takes the newest healthy commit.
+    let out = train(3, run.path(), 30, &["--resume", "--replicas", "2"]);
+    assert!(
+        out.contains("world 3 (no replicas: 2 does not divide the world)"),
+        "{out}"
+    );
+    assert_eq!(resumed_from(&out), 20);
+    assert_identical(reference.path(), run.path());
+}
+
+/// A NaN written into one rank's parameters after a saved step: that commit is
+/// unhealthy, the next step finds the NaN, and every rank rolls back in place to the
+/// commit before it, passing over the unhealthy one, and trains on to the same bits
+/// as a run without the fault. A poison that every retry meets again stops the job
+/// after `--max-rollbacks` rollbacks in a row, naming the step.
+#[test]
+fn a_nan_rolls_back_to_the_newest_healthy_commit_and_a_persistent_one_stops_the_job() {
+    let (reference, run, poisoned) = (tempdir(), tempdir(), tempdir());
+    train(2, reference.path(), 30, &[]);
+    let out = train(3, run.path(), 30, &["--fault-nan", "20:2"]);
+    assert!(
+        out.contains("skipped unhealthy checkpoint step 20: tensor \"param/layers.2.bias\" holds 1 non-finite element (written by rank 2)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rolled back from step 20 to step 10: non-finite parameters entering step 21"),
+        "{out}"
+    );
+    let health: Vec<(u64, Option<bool>)> = manifests(run.path())
+        .iter()
+        .map(|m| (m.step, m.health_status().healthy()))
+        .collect();
+    assert_eq!(
+        health,
+        [
+            (10, Some(true)),
+            (20, Some(false)),
+            (20, Some(true)),
+            (30, Some(true))
+        ]
+    );
+    assert_identical(reference.path(), run.path());
+
+    let target = url(poisoned.path());
+    let output = Command::new(BIN)
+        .args(["launch", "--nproc", "2", "--"])
+        .args(["--preset", "tiny", "--seed", "7", "--timeout-secs", "30"])
+        .args(["--steps", "30", "--ckpt", &target, "--ckpt-every", "10"])
+        .args(["--fault-nan", "15:1:persistent", "--max-rollbacks", "2"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(!output.status.success(), "{stdout}");
+    assert_eq!(
+        stdout
+            .matches("rolled back from step 15 to step 10")
+            .count(),
+        2,
+        "{stdout}"
+    );
+    let all = format!("{stdout}{stderr}");
+    assert!(
+        all.contains("step 15 went bad again after 2 rollbacks in a row to step 10 (non-finite parameters entering step 16); stopping (--max-rollbacks 2)"),
+        "{all}"
+    );
+    assert_eq!(latest_step(poisoned.path()), Some(10));
 }

@@ -46,6 +46,9 @@ pub fn run_supervised(
 ) -> Result<Outcome, TrainError> {
     let mut rollbacks = Rollbacks::default();
     let mut again: Option<TrainConfig> = None;
+    // One clock for every round: the step marks of a rollback's round go on from
+    // the ones before it.
+    let started = Instant::now();
     loop {
         let round = again.as_ref().unwrap_or(config);
         let ended = run_round(
@@ -58,6 +61,7 @@ pub fn run_supervised(
             supervisor,
             checkpointing,
             &mut rollbacks,
+            started,
         )?;
         match ended {
             Ended::Done(outcome) => return Ok(outcome),
@@ -100,6 +104,7 @@ fn run_round(
     supervisor: &dyn Supervisor,
     checkpointing: &mut Checkpointing,
     rollbacks: &mut Rollbacks,
+    started: Instant,
 ) -> Result<Ended, TrainError> {
     let watched = Watched { comm, supervisor };
     let (rank, world) = (comm.rank(), comm.world_size());
@@ -156,7 +161,7 @@ fn run_round(
             pending,
             failed_in_a_row,
         },
-        started: Instant::now(),
+        started,
     }
     .run()
 }
