@@ -265,31 +265,49 @@ impl fmt::Display for ReplicaMismatch {
         let boxed = crate::region::Region::new(self.offsets.clone(), self.lengths.clone());
         write!(
             f,
-            "replicas of tensor {:?} box {boxed} disagree at block {}: rank{} {} differ from the copy rank {} wrote",
+            "replicas of tensor {:?} box {boxed} disagree at block {}: {} {} from the copy rank {} wrote",
             self.tensor,
             self.blocks
                 .iter()
                 .map(u64::to_string)
                 .collect::<Vec<_>>()
                 .join(", "),
-            if self.disagree.len() == 1 { "" } else { "s" },
-            self.disagree
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
+            match self.disagree.as_slice() {
+                [one] => format!("rank {one}"),
+                many => format!(
+                    "ranks {}",
+                    many.iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            },
+            if self.disagree.len() == 1 {
+                "differs"
+            } else {
+                "differ"
+            },
             self.written_by
         )?;
         if !self.agree.is_empty() {
             write!(
                 f,
-                " (rank{} {} agree with it)",
-                if self.agree.len() == 1 { "" } else { "s" },
-                self.agree
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                " ({} {} with it)",
+                match self.agree.as_slice() {
+                    [one] => format!("rank {one}"),
+                    many => format!(
+                        "ranks {}",
+                        many.iter()
+                            .map(u32::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                },
+                if self.agree.len() == 1 {
+                    "agrees"
+                } else {
+                    "agree"
+                }
             )?;
         }
         Ok(())
@@ -391,30 +409,78 @@ impl HealthStatus<'_> {
 /// Number of elements of `dtype` in `bytes` that are NaN or infinite (0 for a dtype
 /// that is not a float). Reads each element once; a trailing partial element is
 /// ignored (callers pass whole elements).
+///
+/// Element-aligned slices of the wide types are read as words, a block at a time
+/// into a 32-bit sum, which the compiler vectorizes: the scan runs about as fast as
+/// the CRC beside it. Other slices take the plain loop.
 pub fn count_nonfinite(dtype: DType, bytes: &[u8]) -> u64 {
-    fn count<const N: usize>(bytes: &[u8], bad: impl Fn([u8; N]) -> bool) -> u64 {
-        bytes
-            .chunks_exact(N)
-            .map(|e| bad(e.try_into().expect("exact chunk")) as u64)
-            .sum()
-    }
     match dtype {
-        DType::F32 => count::<4>(bytes, |e| {
-            u32::from_le_bytes(e) & 0x7f80_0000 == 0x7f80_0000
-        }),
-        DType::F64 => count::<8>(bytes, |e| {
-            u64::from_le_bytes(e) & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
-        }),
-        DType::F16 => count::<2>(bytes, |e| u16::from_le_bytes(e) & 0x7c00 == 0x7c00),
-        DType::BF16 => count::<2>(bytes, |e| u16::from_le_bytes(e) & 0x7f80 == 0x7f80),
+        DType::F32 => count_words::<u32>(bytes, 0x7f80_0000),
+        DType::F64 => count_words::<u64>(bytes, 0x7ff0_0000_0000_0000),
+        DType::F16 => count_words::<u16>(bytes, 0x7c00),
+        DType::BF16 => count_words::<u16>(bytes, 0x7f80),
         // E5M2 keeps IEEE's infinities and NaNs: the exponent all ones.
-        DType::F8_E5M2 => count::<1>(bytes, |[b]| b & 0x7c == 0x7c),
+        DType::F8_E5M2 => count_bytes(bytes, |b| b & 0x7c == 0x7c),
         // E4M3 (the "fn" variant) has no infinity; its one NaN is S.1111.111.
-        DType::F8_E4M3 => count::<1>(bytes, |[b]| b & 0x7f == 0x7f),
+        DType::F8_E4M3 => count_bytes(bytes, |b| b & 0x7f == 0x7f),
         // E8M0 is an exponent alone; 0xff is its NaN.
-        DType::F8_E8M0 => count::<1>(bytes, |[b]| b == 0xff),
+        DType::F8_E8M0 => count_bytes(bytes, |b| b == 0xff),
         _ => 0,
     }
+}
+
+/// A little-endian word type whose exponent bits `mask` covers.
+trait Word: Copy + std::ops::BitAnd<Output = Self> + PartialEq {
+    fn from_le_slice(bytes: &[u8]) -> Self;
+}
+
+macro_rules! word {
+    ($t:ty) => {
+        impl Word for $t {
+            fn from_le_slice(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("one element"))
+            }
+        }
+    };
+}
+word!(u16);
+word!(u32);
+word!(u64);
+
+fn count_words<T: Word>(bytes: &[u8], mask: T) -> u64 {
+    let size = std::mem::size_of::<T>();
+    let whole = &bytes[..bytes.len() / size * size];
+    let slow = |b: &[u8]| {
+        b.chunks_exact(size)
+            .filter(|e| T::from_le_slice(e) & mask == mask)
+            .count() as u64
+    };
+    if cfg!(target_endian = "big")
+        || !(whole.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
+        return slow(whole);
+    }
+    // SAFETY: every bit pattern is a valid `T`, and `whole` starts aligned for `T`
+    // (checked above), so `head` is empty and the words are the elements.
+    let (head, words, tail) = unsafe { whole.align_to::<T>() };
+    debug_assert!(head.is_empty());
+    words
+        .chunks(1 << 16)
+        .map(|block| {
+            block
+                .iter()
+                .map(|&w| u32::from(w & mask == mask))
+                .sum::<u32>() as u64
+        })
+        .sum::<u64>()
+        + slow(tail)
+}
+
+fn count_bytes(bytes: &[u8], bad: impl Fn(u8) -> bool) -> u64 {
+    bytes
+        .chunks(1 << 16)
+        .map(|block| block.iter().map(|&b| u32::from(bad(b))).sum::<u32>() as u64)
+        .sum()
 }
 
 /// True for the dtypes whose elements can be NaN or infinite.
@@ -462,6 +528,15 @@ mod tests {
         assert_eq!(count_nonfinite(DType::F8_E4M3, &[0x7f, 0x7e, 0xff]), 2);
         assert_eq!(count_nonfinite(DType::F8_E5M2, &[0x7c, 0x7b, 0xfe]), 2);
         assert_eq!(count_nonfinite(DType::F8_E8M0, &[0xff, 0xfe]), 1);
+        // Unaligned slices take the plain loop and count the same.
+        let mut shifted = vec![0u8];
+        shifted.extend(&f32s);
+        assert_eq!(count_nonfinite(DType::F32, &shifted[1..]), 3);
+        let many: Vec<u8> = (0..100_000u32)
+            .map(|i| if i % 1000 == 7 { f32::NAN } else { i as f32 })
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(count_nonfinite(DType::F32, &many), 100);
     }
 
     #[test]

@@ -37,12 +37,12 @@ pub(super) async fn run_job(
             .unwrap_or_else(|e| Err(Error::Failed(format!("waiting for device copies: {e}")))),
         None => Ok(()),
     };
-    let buffer = match filled {
-        Filled::Ready(buffer) => buffer,
+    let (buffer, replica_crcs) = match filled {
+        Filled::Ready(buffer, crcs) => (buffer, crcs),
         Filled::Copying(copy) => {
             let failed = match copy.await {
-                Ok((buffer, Ok(()))) => Ok(buffer),
-                Ok((buffer, Err(e))) => {
+                Ok((buffer, Ok(()), crcs)) => Ok((buffer, crcs)),
+                Ok((buffer, Err(e), _)) => {
                     pool.lock().unwrap_or_else(|p| p.into_inner()).push(buffer);
                     Err(e)
                 }
@@ -51,7 +51,7 @@ pub(super) async fn run_job(
                 ))),
             };
             match failed {
-                Ok(buffer) => buffer,
+                Ok(filled) => filled,
                 Err(e) => {
                     drop(permit);
                     warn!(step, error = %e, "checkpoint save failed while staging");
@@ -70,6 +70,10 @@ pub(super) async fn run_job(
         return;
     }
     job.buffer = Arc::new(Pooled::new(buffer, &pool, job.file_len));
+    // The host replicas are the first shadow boxes, in order.
+    for (shadow, crcs) in job.shadow.iter_mut().zip(replica_crcs) {
+        shadow.crcs = Some(crcs);
+    }
     if let Some(copy) = job.copy.take() {
         let key = CopyKey {
             dir: job.attempt.dir(),

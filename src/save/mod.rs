@@ -167,16 +167,36 @@ struct Job {
     pending_copies: Option<PendingCopies>,
 }
 
-/// A replica this rank holds but another writes, staged after the file at
-/// `[begin, end)` of [`Pooled::beyond`](crate::staging::Pooled::beyond).
+/// A replica this rank holds but another writes: hashed during staging (host
+/// memory, `crcs`), or staged after the file at `staged` of
+/// [`Pooled::beyond`](crate::staging::Pooled::beyond) and hashed with it (device
+/// memory).
 #[derive(Debug, Clone)]
 struct ShadowBox {
     tensor: String,
     dtype: crate::DType,
     offsets: Vec<u64>,
     lengths: Vec<u64>,
-    begin: usize,
-    end: usize,
+    staged: std::ops::Range<usize>,
+    crcs: Option<Vec<u32>>,
+}
+
+impl ShadowBox {
+    fn new(
+        tensor: &str,
+        dtype: crate::DType,
+        region: &crate::Region,
+        staged: std::ops::Range<usize>,
+    ) -> Self {
+        Self {
+            tensor: tensor.to_string(),
+            dtype,
+            offsets: region.offsets.clone(),
+            lengths: region.lengths.clone(),
+            staged,
+            crcs: None,
+        }
+    }
 }
 
 /// A blocking wait for copies into the staging buffer made by a device.

@@ -101,37 +101,37 @@ impl Checkpointer {
             device.push((t.buffer.clone(), begin));
         }
         let file_len = at as usize;
-        let mut shadow = Vec::new();
+        // Host replicas are hashed from the caller's memory while it is staged (no
+        // copy: `hash_replicas`); device ones are copied after the file and hashed
+        // with it.
+        #[allow(unused_mut)]
+        let mut shadow: Vec<ShadowBox> = shadowed
+            .iter()
+            .map(|t| ShadowBox::new(&t.name, t.dtype, &t.region, 0..0))
+            .collect();
+        #[allow(unused_mut)]
         let mut beyond = 0usize;
-        let mut shade = |name: &str, dtype: crate::DType, region: &crate::Region, len: usize| {
-            shadow.push(ShadowBox {
-                tensor: name.to_string(),
-                dtype,
-                offsets: region.offsets.clone(),
-                lengths: region.lengths.clone(),
-                begin: beyond,
-                end: beyond + len,
-            });
-            beyond += len;
-            file_len + beyond - len
-        };
-        for t in &shadowed {
-            shade(&t.name, t.dtype, &t.region, t.data.len());
-        }
         #[cfg(feature = "cuda")]
         for t in state.device.iter().filter(|t| !t.write && compare) {
-            let begin = shade(&t.name, t.dtype, &t.region, t.buffer.len());
-            device.push((t.buffer.clone(), begin));
+            let len = t.buffer.len();
+            shadow.push(ShadowBox::new(
+                &t.name,
+                t.dtype,
+                &t.region,
+                beyond..beyond + len,
+            ));
+            device.push((t.buffer.clone(), file_len + beyond));
+            beyond += len;
         }
-        let staged: Vec<_> = written.iter().chain(&shadowed).collect();
         Ok(StagePlan {
             total: file_len + beyond,
             file_len,
             chunks,
             scan,
             shadow,
-            sources: staged.iter().map(|t| Source::new(t.data)).collect(),
-            names: staged.iter().map(|t| t.name.clone()).collect(),
+            replica_sources: shadowed.iter().map(|t| Source::new(t.data)).collect(),
+            sources: written.iter().map(|t| Source::new(t.data)).collect(),
+            names: written.iter().map(|t| t.name.clone()).collect(),
             header,
             #[cfg(feature = "cuda")]
             device,
@@ -143,12 +143,14 @@ impl Checkpointer {
 pub(super) struct StagePlan {
     /// The safetensors header.
     pub(super) header: Vec<u8>,
-    /// The written tensors' bytes, in file order, then the host replicas staged
-    /// after the file.
+    /// The written tensors' bytes, in file order.
     pub(super) sources: Vec<Source>,
+    /// The host replicas another rank writes, the first entries of `shadow`, in
+    /// order: hashed in slices during staging, not copied.
+    pub(super) replica_sources: Vec<Source>,
     /// Their names.
     pub(super) names: Vec<String>,
-    /// Header plus data, plus the replicas staged after the file.
+    /// Header plus data, plus the device replicas staged after the file.
     pub(super) total: usize,
     /// Header plus data: the file.
     pub(super) file_len: usize,
@@ -156,19 +158,65 @@ pub(super) struct StagePlan {
     pub(super) chunks: Vec<Chunk>,
     /// The same, as the health scan needs them.
     pub(super) scan: Vec<ScanChunk>,
-    /// The replicas staged after the file.
+    /// The replicas this rank holds but does not write.
     pub(super) shadow: Vec<ShadowBox>,
     /// The written device tensors and their offsets in the file, after the host ones.
     #[cfg(feature = "cuda")]
     pub(super) device: Vec<(crate::cuda::DeviceBuffer, usize)>,
 }
 
-/// The staging buffer, filled or being filled.
+/// The staging buffer, filled or being filled, and the slice CRCs of the host
+/// replicas hashed meanwhile.
 pub(super) enum Filled {
     /// A blocking save's, filled.
-    Ready(StagingBuffer),
+    Ready(StagingBuffer, Vec<Vec<u32>>),
     /// An overlapped save's: the staging thread hands it over when the copy ends.
-    Copying(tokio::sync::oneshot::Receiver<(StagingBuffer, Result<()>)>),
+    Copying(tokio::sync::oneshot::Receiver<(StagingBuffer, Result<()>, Vec<Vec<u32>>)>),
+}
+
+/// The slice CRCs (`block`-byte slices) of every replica in `sources`, on
+/// `threads` threads: replicas another rank writes are checksummed straight from
+/// the caller's memory while the save stages its own file, never copied (a hash
+/// reads at several times the speed a copy writes, so the stall of a rank that
+/// holds only replicas stays below a writer's).
+///
+/// # Safety
+/// Every source must stay allocated and unwritten until this returns.
+pub(super) unsafe fn hash_replicas(
+    sources: &[Source],
+    block: usize,
+    threads: usize,
+) -> Vec<Vec<u32>> {
+    let units: Vec<(usize, usize)> = sources
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| (0..s.len()).step_by(block).map(move |at| (i, at)))
+        .collect();
+    let hash = |&(i, at): &(usize, usize)| {
+        // SAFETY: forwarded from the caller.
+        let bytes = unsafe { sources[i].bytes() };
+        crc32fast::hash(&bytes[at..(at + block).min(bytes.len())])
+    };
+    let per = units.len().div_ceil(threads.max(1)).max(1);
+    let crcs: Vec<u32> = if threads <= 1 || units.len() < 2 {
+        units.iter().map(hash).collect()
+    } else {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = units
+                .chunks(per)
+                .map(|group| scope.spawn(move || group.iter().map(hash).collect::<Vec<u32>>()))
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("a replica hashing thread panicked"))
+                .collect()
+        })
+    };
+    let mut crcs = crcs.into_iter();
+    sources
+        .iter()
+        .map(|s| crcs.by_ref().take(s.len().div_ceil(block)).collect())
+        .collect()
 }
 
 /// Writes `header` then `sources` into `buffer` (`total` bytes in all), copying on

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tracing::{Instrument, debug, info_span};
 
 use super::job::run_job;
-use super::plan::{Filled, StagePlan, check_staged, fill};
+use super::plan::{Filled, StagePlan, check_staged, fill, hash_replicas};
 use super::{Checkpointer, Job, PendingCopies, Role, SaveHandle, Staging, Status};
 use crate::attempt::Attempt;
 use crate::error::{Error, Result};
@@ -92,10 +92,12 @@ impl Checkpointer {
             });
             let (tx, rx) = tokio::sync::oneshot::channel();
             let threads = self.config.copy_threads;
+            let block = self.config.block_size as usize;
             let spawned = self.stage_thread.run(Box::new(move || {
                 let StagePlan {
                     header,
                     sources,
+                    replica_sources,
                     names,
                     total,
                     ..
@@ -103,6 +105,8 @@ impl Checkpointer {
                 // SAFETY: `save_overlapped`'s contract keeps every source live and
                 // unwritten until `staging_tx` reports the copy done, below.
                 unsafe { fill(&mut buffer, &header, &sources, total, threads) };
+                // SAFETY: as above.
+                let replica_crcs = unsafe { hash_replicas(&replica_sources, block, threads) };
                 let result = match checksums {
                     Some(expected) => {
                         check_staged(&buffer, header.len(), &sources, &names, &expected, step)
@@ -113,7 +117,7 @@ impl Checkpointer {
                     Ok(()) => Staging::Done(started.elapsed()),
                     Err(e) => Staging::Failed(Arc::new(e.duplicate())),
                 });
-                let _ = tx.send((buffer, result));
+                let _ = tx.send((buffer, result, replica_crcs));
             }));
             if let Err(e) = spawned {
                 return Err(Error::Failed(format!(
@@ -124,8 +128,16 @@ impl Checkpointer {
         } else {
             // SAFETY: the caller's borrows of `state` are live during this call.
             unsafe { fill(&mut buffer, &plan.header, &plan.sources, plan.total, 1) };
+            // SAFETY: as above.
+            let replica_crcs = unsafe {
+                hash_replicas(
+                    &plan.replica_sources,
+                    self.config.block_size as usize,
+                    self.config.copy_threads,
+                )
+            };
             let _ = staging_tx.send(Staging::Done(started.elapsed()));
-            Filled::Ready(buffer)
+            Filled::Ready(buffer, replica_crcs)
         };
         let stall = started.elapsed();
         debug!(

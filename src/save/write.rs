@@ -169,15 +169,19 @@ struct Scanned {
 async fn encode(job: &Job, block: usize, codec: Codec) -> Result<(Scanned, Option<Vec<Bytes>>)> {
     let buffer = &job.buffer;
     let blocks = buffer.len().div_ceil(block);
-    // The replicas staged after the file, in slices: (replica, slice range).
+    // The replicas staged after the file (device memory), in slices: (replica,
+    // slice range); host replicas were hashed while staging.
     let units: Vec<(usize, std::ops::Range<usize>)> = job
         .shadow
         .iter()
         .enumerate()
+        .filter(|(_, r)| r.crcs.is_none())
         .flat_map(|(i, r)| {
-            (r.begin..r.end)
+            let end = r.staged.end;
+            r.staged
+                .clone()
                 .step_by(block)
-                .map(move |at| (i, at..(at + block).min(r.end)))
+                .map(move |at| (i, at..(at + block).min(end)))
         })
         .collect();
     let units = Arc::new(units);
@@ -251,8 +255,13 @@ async fn encode(job: &Job, block: usize, codec: Codec) -> Result<(Scanned, Optio
         .collect();
     let mut shadow_crcs = shadow_crcs.into_iter();
     for r in &job.shadow {
-        let n = (r.end - r.begin).div_ceil(block);
-        let block_crc32: Vec<u32> = shadow_crcs.by_ref().take(n).collect();
+        let block_crc32: Vec<u32> = match &r.crcs {
+            Some(crcs) => crcs.clone(),
+            None => shadow_crcs
+                .by_ref()
+                .take(r.staged.len().div_ceil(block))
+                .collect(),
+        };
         replicas.push(ReplicaCrcs {
             tensor: r.tensor.clone(),
             dtype: r.dtype,

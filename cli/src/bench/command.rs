@@ -38,6 +38,11 @@ pub(crate) struct BenchArgs {
     /// Ranks of the resharded load.
     #[arg(long, default_value_t = 3)]
     reshard_ranks: usize,
+    /// Replicas of every shard (HSDP-style: ranks / R shards, replica 0 writes).
+    /// Above 1, measure only what replica agreement costs a save: saves with and
+    /// without it, one process per rank, and the CRC throughput per core.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
     /// Tensors.
     #[arg(long, default_value_t = 64)]
     tensors: usize,
@@ -304,6 +309,7 @@ pub(crate) fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> E
         threads: args.ranks_as != RanksAs::Processes,
         processes: args.ranks_as != RanksAs::Threads,
         store_options: args.store.pairs(),
+        replicas: args.replicas,
     };
     print_bench(
         args.json,

@@ -47,6 +47,7 @@ mod measure;
 mod processes;
 mod raw;
 mod render;
+mod replicas;
 mod scale;
 mod workload;
 
@@ -127,6 +128,15 @@ pub(crate) struct BenchConfig {
     /// reported (they may hold credentials).
     #[serde(skip)]
     pub store_options: Vec<String>,
+    /// Replicas of every shard: `ranks / replicas` shards, rank `r` holding shard
+    /// `r % shards`, replica 0 writing. Above 1, the bench measures replica agreement
+    /// alone (`replicas::run`): saves with and without it, one process per rank.
+    #[serde(default = "one")]
+    pub replicas: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Default for BenchConfig {
@@ -154,6 +164,7 @@ impl Default for BenchConfig {
             threads: true,
             processes: true,
             store_options: Vec::new(),
+            replicas: 1,
         }
     }
 }
@@ -187,6 +198,12 @@ impl BenchConfig {
         }
         if self.meta_tensors > 0 && self.meta_ranks == 0 {
             return Err(invalid("meta ranks must be at least 1, got 0"));
+        }
+        if self.replicas == 0 || !self.ranks.is_multiple_of(self.replicas) {
+            return Err(invalid(format!(
+                "replicas {} must be at least 1 and divide ranks {}",
+                self.replicas, self.ranks
+            )));
         }
         Ok(())
     }
@@ -430,6 +447,8 @@ pub(crate) struct BenchReport {
     pub rss: Option<RssReport>,
     /// The core figures again with one process per rank (`BenchConfig::processes`).
     pub processes: Option<ProcessesReport>,
+    /// Replica agreement's cost (`BenchConfig::replicas` above 1).
+    pub replicas: Option<replicas::ReplicasReport>,
     /// The targets.
     pub targets: Vec<Target>,
     /// Every repetition's figures, for the curious.
@@ -512,6 +531,10 @@ pub(crate) fn run(
     }
     if config.metadata_only {
         report.targets = targets(&report);
+        return Ok(report);
+    }
+    if config.replicas > 1 {
+        report.replicas = Some(replicas::run(store, rt, config, progress)?);
         return Ok(report);
     }
 
@@ -796,6 +819,7 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         commit_scale: None,
         rss: None,
         processes: None,
+        replicas: None,
         targets: Vec::new(),
         samples: BTreeMap::new(),
         load_alloc_ms: 0.0,

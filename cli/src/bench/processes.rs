@@ -25,9 +25,11 @@ use super::{
 };
 use ckpt::format::step_dir;
 use ckpt::load::{CheckpointReader, LoadRequest};
+use ckpt::region::Region;
 use ckpt::save::{CheckpointConfig, Checkpointer};
+use ckpt::state::State;
 use ckpt::storage::Store;
-use ckpt::{Error, Result};
+use ckpt::{DType, Error, ReplicaPolicy, Result};
 
 /// The core of W1 with one process per rank.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -44,13 +46,19 @@ pub(crate) struct ProcessesReport {
 /// What the parent asks a rank process to do.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
-enum Order {
+pub(super) enum Order {
     /// Allocate and fault in the staging pool.
     WarmUp,
     /// Copy the rank's bytes once into a pre-faulted buffer.
     Memcpy,
-    /// Save `step`, blocking or overlapped, and wait for the commit.
-    Save { step: u64, overlapped: bool },
+    /// Save `step`, blocking or overlapped, and wait for the commit; with
+    /// `no_agreement`, through the checkpointer that does not compare replicas.
+    Save {
+        step: u64,
+        overlapped: bool,
+        #[serde(default)]
+        no_agreement: bool,
+    },
     /// Load rank's dim-0 shard of every tensor of `step` for a world of `world`
     /// (ranks at or above it do nothing); with `verify`, compare with the values.
     Load {
@@ -64,17 +72,18 @@ enum Order {
 
 /// A rank process's answer: the fields its order fills, or `error`.
 #[derive(Debug, Default, Serialize, Deserialize)]
-struct Answer {
-    error: Option<String>,
-    ms: f64,
-    stall_ms: f64,
-    staged_ms: f64,
-    start_ns: u64,
-    end_ns: u64,
-    requested: u64,
-    read: u64,
-    file_bytes: u64,
-    skipped: bool,
+pub(super) struct Answer {
+    pub(super) error: Option<String>,
+    pub(super) ms: f64,
+    pub(super) stall_ms: f64,
+    pub(super) staged_ms: f64,
+    pub(super) start_ns: u64,
+    pub(super) durable_ns: u64,
+    pub(super) end_ns: u64,
+    pub(super) requested: u64,
+    pub(super) read: u64,
+    pub(super) file_bytes: u64,
+    pub(super) skipped: bool,
 }
 
 /// Nanoseconds on the monotonic clock that every process of the machine shares
@@ -101,16 +110,32 @@ pub(crate) fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Resul
     let rt = runtime.handle();
     // Ranks past the saving world only take part in the resharded load.
     let saver = rank < config.ranks;
+    // With replicas, a rank holds shard `rank % shards`: the values of that rank of
+    // a world of `shards`.
+    let shards = config.ranks / config.replicas.max(1);
     let data = if saver {
-        generate_rank(&config, rank)
+        let mut sharded = config.clone();
+        sharded.ranks = shards;
+        generate_rank(&sharded, rank % shards)
     } else {
         Vec::new()
     };
-    let checkpointer = if saver {
+    let checkpointer = |policy: ReplicaPolicy| -> Result<Checkpointer> {
         let mut c = CheckpointConfig::new(rank, config.ranks);
         c.block_size = config.block_size;
         c.run_id = RUN_ID.into();
-        Some(Checkpointer::new(store.clone(), c)?)
+        c.replica_mismatch = policy;
+        Checkpointer::new(store.clone(), c)
+    };
+    let checkpointers = if saver {
+        Some(Savers {
+            agreeing: checkpointer(ReplicaPolicy::Warn)?,
+            unchecked: if config.replicas > 1 {
+                Some(checkpointer(ReplicaPolicy::Off)?)
+            } else {
+                None
+            },
+        })
     } else {
         None
     };
@@ -128,7 +153,7 @@ pub(crate) fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Resul
         let answer = obey(
             rt,
             &store,
-            checkpointer.as_ref(),
+            checkpointers.as_ref(),
             &config,
             rank,
             &data,
@@ -148,6 +173,35 @@ pub(crate) fn rank_main(store: Store, rank: usize, config: BenchConfig) -> Resul
     Ok(())
 }
 
+/// A saving rank's checkpointers: the default one (replicas compared), and with
+/// replicas one that does not compare them, for the bench of agreement's cost.
+struct Savers {
+    agreeing: Checkpointer,
+    unchecked: Option<Checkpointer>,
+}
+
+/// The state a rank saves: its dim-0 shard of every tensor, or with replicas its
+/// copy of its shard, written by replica 0 only.
+fn rank_state<'a>(rank: usize, config: &BenchConfig, data: &'a [Vec<f32>]) -> Result<State<'a>> {
+    if config.replicas <= 1 {
+        return state_of(rank, config, data);
+    }
+    let shards = config.ranks / config.replicas;
+    let shape = [config.rows, config.cols];
+    let mut state = State::new();
+    for (t, values) in data.iter().enumerate() {
+        state.add_replica(
+            format!("layers.{t:03}.weight"),
+            DType::F32,
+            &shape,
+            Region::dim0_shard(&shape, rank % shards, shards),
+            ckpt::as_bytes(values),
+            rank < shards,
+        )?;
+    }
+    Ok(state)
+}
+
 /// Memory a rank process keeps between orders, as a trainer keeps its buffers.
 #[derive(Default)]
 struct Scratch {
@@ -161,7 +215,7 @@ struct Scratch {
 fn obey(
     rt: &tokio::runtime::Handle,
     store: &Store,
-    checkpointer: Option<&Checkpointer>,
+    savers: Option<&Savers>,
     config: &BenchConfig,
     rank: usize,
     data: &[Vec<f32>],
@@ -169,7 +223,7 @@ fn obey(
     scratch: &mut Scratch,
     order: Order,
 ) -> Result<Answer> {
-    let Some(checkpointer) = checkpointer else {
+    let Some(savers) = savers else {
         // Not a saving rank: only loads concern it.
         if !matches!(order, Order::Load { .. }) {
             return Ok(Answer {
@@ -183,11 +237,19 @@ fn obey(
         return obey_load(rt, store, config, rank, data, &mut scratch.loads, order);
     }
     let memcpy_dst = &mut scratch.memcpy_dst;
+    let checkpointer = &savers.agreeing;
     Ok(match order {
-        Order::WarmUp => Answer {
-            ms: super::ms(checkpointer.warm_up(&state_of(rank, config, data)?)?),
-            ..Answer::default()
-        },
+        Order::WarmUp => {
+            let state = rank_state(rank, config, data)?;
+            let mut ms = super::ms(checkpointer.warm_up(&state)?);
+            if let Some(unchecked) = &savers.unchecked {
+                ms += super::ms(unchecked.warm_up(&state)?);
+            }
+            Answer {
+                ms,
+                ..Answer::default()
+            }
+        }
         Order::Memcpy => {
             if memcpy_dst.len() != bytes {
                 // Pre-faulted, as the staging pool is after `warm_up`.
@@ -206,8 +268,17 @@ fn obey(
                 ..Answer::default()
             }
         }
-        Order::Save { step, overlapped } => {
-            let state = state_of(rank, config, data)?;
+        Order::Save {
+            step,
+            overlapped,
+            no_agreement,
+        } => {
+            let checkpointer = match (&savers.unchecked, no_agreement) {
+                (Some(unchecked), true) => unchecked,
+                (None, true) => return Err(invalid("no_agreement needs replicas")),
+                (_, false) => checkpointer,
+            };
+            let state = rank_state(rank, config, data)?;
             let start_ns = now_ns();
             let outcome = if overlapped {
                 // SAFETY: `data` lives as long as this process and is never written;
@@ -218,6 +289,8 @@ fn obey(
             };
             let handle = outcome;
             let staged = handle.wait_staged()?;
+            rt.block_on(handle.durable())?;
+            let durable_ns = now_ns();
             rt.block_on(handle.committed())?;
             let end_ns = now_ns();
             let file_bytes = if rank == 0 {
@@ -230,6 +303,7 @@ fn obey(
                 stall_ms: ms(handle.stall()),
                 staged_ms: ms(staged),
                 start_ns,
+                durable_ns,
                 end_ns,
                 file_bytes,
                 ..Answer::default()
@@ -307,13 +381,17 @@ struct RankProcess {
 }
 
 /// The rank processes of one bench run; they exit when this is dropped.
-struct Ranks {
+pub(super) struct Ranks {
     ranks: Vec<RankProcess>,
 }
 
 impl Ranks {
     /// Starts `config.ranks` processes of `exe bench-rank` on `store`.
-    fn spawn(exe: &std::path::Path, store: &Store, config: &BenchConfig) -> Result<Self> {
+    pub(super) fn spawn(
+        exe: &std::path::Path,
+        store: &Store,
+        config: &BenchConfig,
+    ) -> Result<Self> {
         let json = serde_json::to_string(config).expect("the config serializes");
         let processes = config.ranks.max(config.reshard_ranks);
         let mut ranks = Vec::with_capacity(processes);
@@ -353,7 +431,7 @@ impl Ranks {
     }
 
     /// Sends `order` to every rank, then collects their answers in rank order.
-    fn all(&mut self, order: &Order) -> Result<Vec<Answer>> {
+    pub(super) fn all(&mut self, order: &Order) -> Result<Vec<Answer>> {
         let line = serde_json::to_string(order).expect("orders serialize") + "\n";
         for (rank, p) in self.ranks.iter_mut().enumerate() {
             p.stdin
@@ -399,7 +477,7 @@ impl Drop for Ranks {
 }
 
 /// The executable that serves `bench-rank`: `CKPT_BENCH_EXE`, or this program.
-fn rank_executable() -> Result<std::path::PathBuf> {
+pub(super) fn rank_executable() -> Result<std::path::PathBuf> {
     match std::env::var_os("CKPT_BENCH_EXE") {
         Some(exe) => Ok(exe.into()),
         None => std::env::current_exe()
@@ -466,6 +544,7 @@ pub(crate) fn run(
     let cold = ranks.all(&Order::Save {
         step,
         overlapped: false,
+        no_agreement: false,
     })?;
     push("cold_stall_ms", worst(&cold, |a| a.stall_ms));
     let file_bytes = cold[0].file_bytes;
@@ -480,6 +559,7 @@ pub(crate) fn run(
         let saved = ranks.all(&Order::Save {
             step,
             overlapped: false,
+            no_agreement: false,
         })?;
         push("stall_ms", worst(&saved, |a| a.stall_ms));
         let commit_ms = first_commit_ms(&saved);
@@ -491,6 +571,7 @@ pub(crate) fn run(
         let overlapped = ranks.all(&Order::Save {
             step,
             overlapped: true,
+            no_agreement: false,
         })?;
         push("overlap_stall_ms", worst(&overlapped, |a| a.stall_ms));
         push("overlap_staged_ms", worst(&overlapped, |a| a.staged_ms));

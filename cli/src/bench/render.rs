@@ -87,6 +87,10 @@ pub(crate) fn render(r: &BenchReport) -> String {
     let mut s = String::new();
     let c = &r.config;
     let _ = writeln!(s, "ckpt bench on {}", r.url);
+    if let Some(replicas) = &r.replicas {
+        render_replicas(&mut s, replicas);
+        return s;
+    }
     if !c.metadata_only {
         let _ = writeln!(
             s,
@@ -309,4 +313,50 @@ pub(crate) fn render(r: &BenchReport) -> String {
         );
     }
     s
+}
+
+/// The replica agreement bench: each figure with and without agreement.
+fn render_replicas(s: &mut String, r: &super::replicas::ReplicasReport) {
+    use std::fmt::Write as _;
+    let f = |key: &str| r.figures.get(key).copied().unwrap_or(f64::NAN);
+    let _ = writeln!(
+        s,
+        "replica agreement: {} rank processes, {} shards x {} replicas, {:.0} MiB per rank, medians",
+        r.ranks,
+        r.ranks / r.replicas.max(1),
+        r.replicas,
+        r.bytes_per_rank as f64 / (1 << 20) as f64
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "{:<28} {:>12} {:>12} {:>9}",
+        "measure", "agreement", "off", "ratio"
+    );
+    for (name, key) in [
+        ("stall (worst rank), ms", "stall"),
+        ("time to durable, ms", "durable"),
+        ("time to commit, ms", "commit"),
+    ] {
+        let (with, without) = (f(&format!("{key}_ms")), f(&format!("{key}_off_ms")));
+        let _ = writeln!(
+            s,
+            "{name:<28} {with:>12.1} {without:>12.1} {:>9.3}",
+            with / without
+        );
+    }
+    let _ = writeln!(
+        s,
+        "replicated boxes compared per save: {:.0}",
+        f("replicas_compared")
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(s, "one core, GB/s:");
+    for (name, key) in [
+        ("block CRC32s", "crc_gbps_per_core"),
+        ("save scan (CRCs + finite check)", "scan_gbps_per_core"),
+        ("scan of a replicated box", "replica_scan_gbps_per_core"),
+    ] {
+        let _ = writeln!(s, "  {name:<34} {:>8.2}", f(key));
+    }
 }
