@@ -1202,6 +1202,21 @@ fn list_checkpoints<'py>(
     Ok(out)
 }
 
+/// Every checkpoint under `url` as `ckpt ls --json` shows it (health included: one
+/// manifest read per commit), as JSON text: a list of objects with `step`, `dir`,
+/// `status`, `latest`, `resume`, `healthy` (null when unknown), `health_reasons`, ….
+#[pyfunction]
+#[pyo3(signature = (url, store_options=None))]
+fn ls_json(
+    py: Python<'_>,
+    url: &str,
+    store_options: Option<&Bound<'_, PyDict>>,
+) -> PyResult<String> {
+    let store = open_store(url, store_options)?;
+    let listed = run(py, async move { ckpt::tools::inspect::ls(&store).await })?;
+    serde_json::to_string(&listed).map_err(|e| CkptError::new_err(format!("listing as JSON: {e}")))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -1214,6 +1229,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HOLDING_SIZE", ckpt::copies::Holding::SIZE)?;
     m.add_function(wrap_pyfunction!(latest, m)?)?;
     m.add_function(wrap_pyfunction!(list_checkpoints, m)?)?;
+    m.add_function(wrap_pyfunction!(ls_json, m)?)?;
     m.add("CkptError", py.get_type::<CkptError>())?;
     m.add("CorruptionError", py.get_type::<CorruptionError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;

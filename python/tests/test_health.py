@@ -162,7 +162,13 @@ def test_a_checkpoint_written_before_health_lists_as_unknown_and_loads(root, tmp
     assert extra.step == 3 and extra.healthy is None and extra.skipped == []
     for name, tensor in _values(3).items():
         assert torch.equal(into[name], tensor), name
-    assert [e["step"] for e in list_checkpoints(root) if e["committed"]] == [1, 2, 3]
+    listed = [e for e in list_checkpoints(root, health=True) if e["committed"]]
+    assert [(e["step"], e["healthy"], e["resume"]) for e in listed] == [
+        (1, True, False),
+        (2, False, False),
+        (3, None, True),
+    ], listed
+    assert listed[1]["reasons"] == health(root, 2)["reasons"] != [], listed
 
 
 def test_replicas_on_an_hsdp_mesh_are_compared_natively_and_through_dcp(tmp_path):

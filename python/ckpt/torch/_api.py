@@ -615,8 +615,25 @@ def health(
 
 
 def list_checkpoints(
-    url: str | os.PathLike, *, store_options: StoreOptions | None = None
+    url: str | os.PathLike,
+    *,
+    health: bool = False,
+    store_options: StoreOptions | None = None,
 ) -> list[dict[str, Any]]:
     """Every checkpoint under ``url``, commits first in commit order (``step``,
-    ``dir``, ``status``, ``committed``, ``generation``, ``ranks_present``, ``bytes``)."""
-    return _native.list(_url(url), store_options)
+    ``dir``, ``status``, ``committed``, ``generation``, ``ranks_present``, ``bytes``).
+
+    With ``health`` (one manifest read per commit, as ``ckpt ls``), each entry also
+    has ``healthy`` (True, False, or None when unknown or not a valid commit),
+    ``reasons`` and ``resume`` (True for the checkpoint a load without a step takes).
+    """
+    url = _url(url)
+    entries = _native.list(url, store_options)
+    if health:
+        listed = {e["dir"]: e for e in json.loads(_native.ls_json(url, store_options))}
+        for entry in entries:
+            found = listed.get(entry["dir"], {})
+            entry["healthy"] = found.get("healthy")
+            entry["reasons"] = found.get("health_reasons", [])
+            entry["resume"] = bool(found.get("resume", False))
+    return entries
