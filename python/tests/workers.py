@@ -278,8 +278,8 @@ def hsdp_health(rank: int, world: int, port: int, roots: dict[str, str], referen
     """An FSDP2 model on an HSDP 2 x 2 mesh (2 replicas of 2 shards): replicas that
     agree commit healthy and load bitwise; one flipped bit in rank 3's copy (a
     replica rank 1 writes) marks the commit unhealthy naming rank 3 and the block,
-    or with replica_mismatch="fail" refuses it; the same through the DCP plugin,
-    whose planner keeps one copy of each replicated shard."""
+    or with replica_mismatch="fail" refuses it ("off" compares nothing); the same
+    through the DCP plugin, whose planner keeps one copy of each replicated shard."""
     from torch.distributed.tensor import Replicate, Shard
 
     from ckpt import CkptError
@@ -346,13 +346,19 @@ def hsdp_health(rank: int, world: int, port: int, roots: dict[str, str], referen
     try:
         handle.wait_committed()
     except CkptError as e:
-        assert "model.0.weight" in str(e) and "3" in str(e), e
+        assert "model.0.weight" in str(e) and "rank 3" in str(e), e
     else:
         raise AssertionError("a save whose replicas disagree committed with replica_mismatch=fail")
     dist.barrier()
     assert latest(roots["native"], healthy=False)["step"] == 2
     assert latest(roots["native"])["step"] == 1
     failing.close()
+    # replica_mismatch="off": nothing compared, so nothing seen.
+    blind = Checkpointer(roots["native"], replica_mismatch="off")
+    blind.save(4, sd).wait_committed()
+    verdict = health(roots["native"], 4)
+    assert verdict["healthy"] is True and verdict["replicas_compared"] == 0, verdict
+    blind.close()
     native.close()
 
     # Through DCP: its planner keeps one copy of each replicated shard, the writer
