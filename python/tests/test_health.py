@@ -41,9 +41,11 @@ def test_a_nan_marks_the_checkpoint_unhealthy_and_loads_pass_over_it(root):
         checkpointer.save(1, _values(1), health={"loss": torch.tensor(0.25)}).wait_committed()
         poisoned = _values(2)
         poisoned["b"][3] = float("nan")
-        checkpointer.save(2, poisoned, health={"loss": 0.5}).wait_committed()
+        handle = checkpointer.save(2, poisoned, health={"loss": 0.5})
+        seen_by_the_saver = handle.health()
 
     good, bad = health(root, 1), health(root, 2)
+    assert seen_by_the_saver == bad
     assert good["healthy"] is True and good["reasons"] == [], good
     assert good["metrics"] == {"loss": 0.25}, good
     assert bad["healthy"] is False, bad

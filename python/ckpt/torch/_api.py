@@ -69,9 +69,13 @@ class SaveHandle:
         keep_alive: list | None,
         bytes_copied: int,
         profile: dict[str, Any] | None = None,
+        url: str | None = None,
+        store_options: StoreOptions | None = None,
     ):
         self._native = native
         self._keep_alive = keep_alive
+        self._url = url
+        self._store_options = store_options
         # Tensor bytes copied besides the staging copy (non-contiguous tensors).
         self.bytes_copied = bytes_copied
         self.profile: dict[str, Any] = profile or {}
@@ -109,6 +113,16 @@ class SaveHandle:
         """Waits until the checkpoint is committed; raises if the save failed."""
         self._native.wait_committed()
         self._keep_alive = None
+
+    def health(self) -> dict[str, Any]:
+        """Waits until the checkpoint is committed (raises if the save failed, as
+        ``wait_committed``), then returns its health as :func:`health` reads it: one
+        manifest read. The commit judged it; this says what it found."""
+        if self._url is None:
+            raise _native.InvalidError("this save handle does not know its checkpoint's URL")
+        self._native.wait_committed()
+        self._keep_alive = None
+        return health(self._url, self.step, store_options=self._store_options)
 
     def done(self) -> bool:
         """True once the checkpoint is committed, False while the save runs; raises if
@@ -306,7 +320,14 @@ class Checkpointer:
             "library_stall_s": native.stall,
             "plan_reused": part.reused,
         }
-        return SaveHandle(native, part.keep_alive if overlapped else None, part.copied, profile)
+        return SaveHandle(
+            native,
+            part.keep_alive if overlapped else None,
+            part.copied,
+            profile,
+            self.url,
+            self.store_options,
+        )
 
     def load(
         self, state_dict: Mapping[str, Any], *, step: int | None = None, healthy: bool = True
