@@ -287,6 +287,7 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
         reference.as_deref(),
         scenario.steps,
     );
+    oracle::check_health(&store, &observed, &mut judgement);
     if python.is_some() {
         let (checked, problems) = oracle::check_cursors(&store, scenario.batch());
         judgement.cursors_checked = Some(checked);

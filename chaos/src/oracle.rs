@@ -12,7 +12,11 @@
 //!   commit the previous one left, one launch per change of world
 //!   ([`python_reference`]);
 //! - (the Python trainer) no sample was skipped or repeated: every committed step's
-//!   saved data cursors are step × batch ([`check_cursors`]).
+//!   saved data cursors are step × batch ([`check_cursors`]);
+//! - (`sdc` and `nan` faults) every poison is caught at the save that carries it: the
+//!   commit judged unhealthy, naming the poisoned rank, or never made; a NaN rolls
+//!   the world back; and no resume, whatever its cause, loads an unhealthy commit
+//!   ([`check_health`]).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -110,6 +114,13 @@ pub struct Judgement {
     /// Committed steps whose saved data cursors were checked (the Python trainer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cursors_checked: Option<usize>,
+    /// Poisons the trainer's failpoints put in (`sdc`, `nan`).
+    pub poisoned: usize,
+    /// Of those, how many the save that carried them caught (its commit unhealthy
+    /// and naming the rank, or refused).
+    pub caught: usize,
+    /// Resumes whose commit the oracle checked for health.
+    pub resumes_checked: usize,
     /// Everything wrong, in words.
     pub problems: Vec<String>,
 }
@@ -412,6 +423,97 @@ pub fn python_reference(
     }
     std::fs::write(&done, b"").map_err(|e| format!("{}: {e}", done.display()))?;
     Ok(dir)
+}
+
+/// The checks of a run's poisons and resumes: each poison (`observed.poisoned`,
+/// deduplicated) is caught by the first commit of its step that the job's first
+/// generation made (its run id ends in `-e1`; the trainer's failpoints fire in that
+/// generation only): judged unhealthy, naming the poisoned rank (a replica mismatch
+/// it wrote or disagreed in, for `sdc`; a tensor with non-finite elements in its
+/// boxes, for `nan`), or no such commit (the save was refused or never completed).
+/// A NaN is also followed by a rollback from its step, unless a recovery (a new
+/// generation) came first. And every commit a resume loaded (`resumed_dirs`) is of
+/// acceptable health. Adds what it checked to `j`, and what is wrong to its
+/// problems.
+pub fn check_health(store: &Store, observed: &crate::run::Observed, j: &mut Judgement) {
+    let runtime = runtime();
+    if observed.poisoned.is_empty() && observed.resumed_dirs.is_empty() {
+        return;
+    }
+    let commits = match runtime.block_on(ckpt::catalog::commits(store)) {
+        Ok(c) => c,
+        Err(e) => {
+            j.problems.push(format!("listing the commits: {e}"));
+            return;
+        }
+    };
+    let manifest = |commit: &ckpt::Commit| {
+        runtime
+            .block_on(ckpt::catalog::read_commit(store, commit))
+            .map_err(|e| format!("reading commit {}: {e}", commit.dir))
+    };
+    let mut poisons = observed.poisoned.clone();
+    poisons.dedup();
+    j.poisoned = poisons.len();
+    for poison in &poisons {
+        let (kind, rank, step) = (poison.kind.as_str(), poison.rank, poison.step);
+        let what = format!("{kind} on rank {rank} at step {step}");
+        let first = commits
+            .iter()
+            .find(|c| c.step == step && c.attempt().is_some_and(|a| a.run.ends_with("-e1")));
+        match first.map(manifest) {
+            // Refused, or the save never completed: nothing unhealthy to resume.
+            None => j.caught += 1,
+            Some(Err(e)) => j.problems.push(format!("{what}: {e}")),
+            Some(Ok(m)) => {
+                let named = m.health.as_ref().is_some_and(|h| {
+                    !h.healthy
+                        && match kind {
+                            "sdc" => h
+                                .replica_mismatches
+                                .iter()
+                                .any(|r| r.written_by == rank || r.disagree.contains(&rank)),
+                            _ => h.nonfinite.iter().any(|n| n.ranks.contains(&rank)),
+                        }
+                });
+                if named {
+                    j.caught += 1;
+                } else {
+                    j.problems.push(format!(
+                        "{what}: its commit {} is not judged unhealthy naming the rank ({}: {:?})",
+                        m.dir(),
+                        m.health_status().as_str(),
+                        m.health_status().reasons()
+                    ));
+                }
+            }
+        }
+        if kind == "nan"
+            && observed.recoveries.is_empty()
+            && !observed.rollbacks.iter().any(|&(from, _)| from == step)
+        {
+            j.problems.push(format!(
+                "{what}: no rollback from step {step} followed (rollbacks: {:?})",
+                observed.rollbacks
+            ));
+        }
+    }
+    for dir in &observed.resumed_dirs {
+        j.resumes_checked += 1;
+        let Some(commit) = commits.iter().find(|c| &c.dir == dir) else {
+            j.problems
+                .push(format!("a resume loaded {dir}, which is not a commit"));
+            continue;
+        };
+        match manifest(commit) {
+            Ok(m) if !m.health_status().acceptable() => j.problems.push(format!(
+                "a resume loaded the unhealthy commit {dir}: {:?}",
+                m.health_status().reasons()
+            )),
+            Ok(_) => {}
+            Err(e) => j.problems.push(e),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -123,6 +123,62 @@ pub struct Observed {
     /// Every line the launchers printed, prefixed with their node.
     #[serde(skip)]
     pub log: Vec<String>,
+    /// The commits resumes loaded (`ckpt-train`'s `resumed from step S of URL
+    /// (commit DIR; …)`), in order: the oracle checks that none was unhealthy.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub resumed_dirs: Vec<String>,
+    /// The rollbacks rank 0 reported: (the step left, the step of the commit
+    /// reached).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rollbacks: Vec<(u64, u64)>,
+    /// The poison the trainer's failpoints put in (`sdc` and `nan` faults), as the
+    /// poisoning rank reported it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub poisoned: Vec<Poison>,
+}
+
+/// A fault that poisoned a rank's state, as the rank reported it: `fault: rank R
+/// wrote a NaN into param/T after step K`, or `fault: rank R (replica …) flipped a
+/// bit of param/T before saving step K`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Poison {
+    /// `nan` or `sdc`.
+    pub kind: String,
+    /// The rank poisoned (its rank in the world it trained in).
+    pub rank: u32,
+    /// The step after which (nan), or before whose save (sdc), it happened.
+    pub step: u64,
+}
+
+/// The poison a rank reports, if `rest` (a line after its `[rank L] ` label) says so.
+fn parse_poison(rest: &str) -> Option<Poison> {
+    let rest = rest.strip_prefix("fault: rank ")?;
+    let (rank, what) = rest.split_once(' ')?;
+    let rank = rank.parse().ok()?;
+    let (kind, step) = if let Some((_, step)) = what
+        .strip_prefix("wrote a NaN into ")
+        .and_then(|w| w.split_once(" after step "))
+    {
+        ("nan", step)
+    } else {
+        let (_, step) = what.split_once(" before saving step ")?;
+        what.contains("flipped a bit of ").then_some(())?;
+        ("sdc", step)
+    };
+    Some(Poison {
+        kind: kind.into(),
+        rank,
+        step: step.trim().parse().ok()?,
+    })
+}
+
+/// `(from, to)` of rank 0's `rolled back from step B to step S: REASON`.
+fn parse_rollback(rest: &str) -> Option<(u64, u64)> {
+    let (from, rest) = rest
+        .strip_prefix("rolled back from step ")?
+        .split_once(" to step ")?;
+    let to = rest.split(':').next()?;
+    Some((from.parse().ok()?, to.parse().ok()?))
 }
 
 /// Where the binaries are and where the run writes.
@@ -266,6 +322,18 @@ pub fn train_args(scenario: &Scenario, ckpt_url: &str) -> Vec<String> {
     {
         let (step, rank) = (f.at_step.unwrap_or(1), f.rank.unwrap_or(0));
         args.extend(["--fault-device-error".into(), format!("{step}:{rank}")]);
+    }
+    if scenario.replicas > 1 {
+        args.extend(["--replicas".into(), scenario.replicas.to_string()]);
+    }
+    for (kind, flag) in [
+        (FaultKind::Sdc, "--fault-sdc"),
+        (FaultKind::Nan, "--fault-nan"),
+    ] {
+        if let Some(f) = scenario.faults.iter().find(|f| f.kind == kind) {
+            let (step, rank) = (f.at_step.unwrap_or(1), f.rank.unwrap_or(0));
+            args.extend([flag.into(), format!("{step}:{rank}")]);
+        }
     }
     if let Some(f) = scenario
         .faults
@@ -495,6 +563,11 @@ impl Watch {
             self.at_failpoint.push(label);
             return;
         }
+        // Any rank may be the one a failpoint poisons.
+        if let Some(poison) = parse_poison(rest) {
+            self.observed.poisoned.push(poison);
+            return;
+        }
         // Steps, starts, resumes and recoveries are printed by rank 0 of the running
         // generation, whichever launcher slot (the `[rank L]` label) that is.
         if let Some((step, loss)) = rest.strip_prefix("step ").and_then(|r| {
@@ -536,7 +609,7 @@ impl Watch {
         } else if let Some(world) = rest
             .strip_prefix("start: ")
             .and_then(|r| r.split(", world ").nth(1))
-            .and_then(|r| r.split(',').next())
+            .and_then(|r| r.split([',', ' ']).next())
             .and_then(|w| w.parse().ok())
         {
             // The reference trainer starts training in a generation: counted already
@@ -550,6 +623,15 @@ impl Watch {
             .and_then(|s| s.parse().ok())
         {
             self.observed.resumed_from.push(step);
+            if let Some(dir) = rest
+                .split(" (commit ")
+                .nth(1)
+                .and_then(|r| r.split(';').next())
+            {
+                self.observed.resumed_dirs.push(dir.to_string());
+            }
+        } else if let Some(rollback) = parse_rollback(rest) {
+            self.observed.rollbacks.push(rollback);
         } else if rest.starts_with("recovery: generation ")
             && let Some(mut r) = parse_recovery(rest)
         {
@@ -987,7 +1069,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
                     }
                 }
                 // Fired by the trainer itself at that step.
-                FaultKind::DeviceError => {}
+                FaultKind::DeviceError | FaultKind::Sdc | FaultKind::Nan => {}
                 FaultKind::KillCoordinator => {
                     if let Some((child, _)) = coordinator.as_mut() {
                         let _ = child.kill();
@@ -1365,6 +1447,53 @@ mod tests {
             (4, 10, 7, 1)
         );
         assert_eq!((r.noticed_unix_ms, r.back_ms), (1795491906789, 28));
+    }
+
+    #[test]
+    fn poisons_rollbacks_and_resumed_commits_are_parsed() {
+        assert_eq!(
+            parse_poison("fault: rank 2 wrote a NaN into param/layers.2.bias after step 15"),
+            Some(Poison {
+                kind: "nan".into(),
+                rank: 2,
+                step: 15
+            })
+        );
+        assert_eq!(
+            parse_poison(
+                "fault: rank 3 (replica 1 of shard 1) flipped a bit of param/layers.0.weight before saving step 10"
+            ),
+            Some(Poison {
+                kind: "sdc".into(),
+                rank: 3,
+                step: 10
+            })
+        );
+        assert_eq!(parse_poison("fault: rank 1 device error at step 12"), None);
+        assert_eq!(
+            parse_rollback(
+                "rolled back from step 15 to step 10: non-finite parameters entering step 16"
+            ),
+            Some((15, 10))
+        );
+        let mut watch = Watch::new();
+        for text in [
+            "[rank 0] start: preset tiny (1732 parameters), world 4 (2 replicas of 2 shards), step 0 of 30, deterministic mode",
+            "[rank 0] resumed from step 10 of file:///x (commit step-00000010/g00000001-job-e1; saved by 4 ranks, resharded onto 3)",
+            "[rank 3] fault: rank 3 wrote a NaN into param/layers.2.bias after step 15",
+        ] {
+            watch.take(&Line {
+                node: 0,
+                text: text.into(),
+            });
+        }
+        assert_eq!(watch.observed.worlds, [4]);
+        assert_eq!(watch.observed.resumed_from, [10]);
+        assert_eq!(
+            watch.observed.resumed_dirs,
+            ["step-00000010/g00000001-job-e1"]
+        );
+        assert_eq!(watch.observed.poisoned.len(), 1);
     }
 
     #[test]

@@ -82,6 +82,12 @@ pub struct Scenario {
     /// `corrupt` fault meets the loader.
     #[serde(default = "yes")]
     pub memory_copies: bool,
+    /// Data-parallel replicas of every shard (`ckpt-train --replicas`): the world is
+    /// `replicas` × its shards, and every save compares the replicas' copies (`sdc`
+    /// faults need 2 or more). A generation whose world it does not divide trains
+    /// without replicas.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub replicas: usize,
     /// The faults, in any order; each fires once.
     #[serde(default, rename = "fault")]
     pub faults: Vec<Fault>,
@@ -107,6 +113,9 @@ pub const DEFAULT_BATCH: u64 = 24;
 
 fn one() -> usize {
     1
+}
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 fn two() -> u64 {
     2
@@ -215,6 +224,18 @@ pub enum FaultKind {
     PartitionStore,
     /// Node `node` is cut off from etcd (`coordinator = "etcd"`) for `duration_ms`.
     PartitionEtcd,
+    /// Silent data corruption: rank `rank` flips one bit of one parameter element in
+    /// its memory right before the save of `at_step` (a multiple of `ckpt_every`),
+    /// and flips it back once the save has its copy (the trainer's `--fault-sdc`,
+    /// in the first generation). Needs `replicas` of 2 or more: the commit compares
+    /// the replicas' copies, and must be judged unhealthy naming that rank.
+    Sdc,
+    /// Rank `rank` writes a NaN into one of its parameters right after `at_step`
+    /// (the trainer's `--fault-nan`, once, in the first generation): the commit of
+    /// that step (when it saves) must be judged unhealthy naming the rank, the next
+    /// step must roll the world back to the newest healthy commit, and training must
+    /// end bitwise equal to the failure-free run.
+    Nan,
 }
 
 impl FaultKind {
@@ -233,6 +254,15 @@ impl FaultKind {
     /// Whether the fault needs `ckpt-fault-shim` preloaded into the run's processes.
     pub fn needs_shim(self) -> bool {
         matches!(self, FaultKind::IoError | FaultKind::NetDelay)
+    }
+
+    /// Whether the trainer sets the fault off itself, at a step of its first
+    /// generation (its failpoints), rather than the harness from outside.
+    pub fn set_off_by_the_trainer(self) -> bool {
+        matches!(
+            self,
+            FaultKind::DeviceError | FaultKind::KillInSave | FaultKind::Sdc | FaultKind::Nan
+        )
     }
 }
 
@@ -367,7 +397,11 @@ impl Fault {
                 self.rank.unwrap_or(0),
                 self.stage.as_deref().unwrap_or("?")
             ),
-            FaultKind::Kill | FaultKind::Stop | FaultKind::DeviceError => {
+            FaultKind::Kill
+            | FaultKind::Stop
+            | FaultKind::DeviceError
+            | FaultKind::Sdc
+            | FaultKind::Nan => {
                 format!("rank {}", self.rank.unwrap_or(0))
             }
         }
@@ -481,6 +515,12 @@ impl Scenario {
                 self.steps, self.ckpt_every
             ));
         }
+        if self.replicas == 0 || !world.is_multiple_of(self.replicas) {
+            return Err(format!(
+                "replicas {} must divide the world of {world} ranks",
+                self.replicas
+            ));
+        }
         if self.storage == StorageKind::Tmpfs && self.disk_mib.unwrap_or(0) == 0 {
             return Err("storage = \"tmpfs\" needs disk_mib".into());
         }
@@ -497,6 +537,12 @@ impl Scenario {
                     "preset {:?} is a ckpt-train preset: the Python trainer (script) has its own model",
                     self.preset
                 ));
+            }
+            if self.replicas > 1 {
+                return Err(
+                    "replicas is ckpt-train's --replicas, which the Python trainer's command line (script) does not take"
+                        .into(),
+                );
             }
             if !self.memory_copies {
                 return Err(
@@ -534,20 +580,17 @@ impl Scenario {
                     self.ckpt_every, self.steps
                 ));
             }
-            if fault.at_step.is_none()
-                && matches!(fault.kind, FaultKind::DeviceError | FaultKind::KillInSave)
-            {
+            if fault.at_step.is_none() && fault.kind.set_off_by_the_trainer() {
                 return at("is set off by the trainer at a step: needs at_step".into());
             }
-            if self.script.is_some()
-                && matches!(fault.kind, FaultKind::DeviceError | FaultKind::KillInSave)
-            {
+            if self.script.is_some() && fault.kind.set_off_by_the_trainer() {
                 return at(format!(
                     "needs the failpoints of ckpt-train ({}), which the Python trainer (script) does not have{}",
-                    if fault.kind == FaultKind::DeviceError {
-                        "--fault-device-error"
-                    } else {
-                        "--fault-save-stage"
+                    match fault.kind {
+                        FaultKind::DeviceError => "--fault-device-error",
+                        FaultKind::Sdc => "--fault-sdc",
+                        FaultKind::Nan => "--fault-nan",
+                        _ => "--fault-save-stage",
                     },
                     if fault.kind == FaultKind::KillInSave {
                         "; a kill fault with at_save kills a rank while a save is in flight"
@@ -563,6 +606,27 @@ impl Scenario {
                     Some(r) if r < world => {}
                     other => return at(format!("rank {other:?} must be below {world}")),
                 },
+                FaultKind::Sdc | FaultKind::Nan => {
+                    match fault.rank {
+                        Some(r) if r < world => {}
+                        other => return at(format!("rank {other:?} must be below {world}")),
+                    }
+                    if !once(fault.kind) {
+                        return at("one per scenario (the trainer has one such failpoint)".into());
+                    }
+                    let step = fault.at_step.unwrap_or(0);
+                    if fault.kind == FaultKind::Sdc {
+                        if self.replicas < 2 {
+                            return needs("replicas = 2 or more (the copies a commit compares)");
+                        }
+                        if !step.is_multiple_of(self.ckpt_every) {
+                            return at(format!(
+                                "at_step {step} must be a saved step: a multiple of ckpt_every {}",
+                                self.ckpt_every
+                            ));
+                        }
+                    }
+                }
                 FaultKind::KillInSave => {
                     match fault.rank {
                         Some(r) if r < world => {}
@@ -751,11 +815,45 @@ mod tests {
                 "standalone",
             ),
             ("min_ranks = 2", "min_ranks = 5", "min_ranks 5"),
+            ("kind = \"kill\"", "kind = \"sdc\"", "replicas = 2 or more"),
+            (
+                "kind = \"kill\"",
+                "kind = \"sdc\"\nat_save = 10",
+                "not several",
+            ),
+            ("min_ranks = 2", "min_ranks = 2\nreplicas = 3", "replicas 3"),
         ] {
             let s = Scenario::parse(&KILL.replace(from, to)).unwrap();
             let e = s.validate().unwrap_err();
             assert!(e.contains(why), "{e}");
         }
+    }
+
+    #[test]
+    fn poisons_parse_and_validate() {
+        let nan = Scenario::parse(&KILL.replace("kind = \"kill\"", "kind = \"nan\"")).unwrap();
+        nan.validate().unwrap();
+        assert!(nan.faults[0].kind.set_off_by_the_trainer());
+        assert_eq!(nan.faults[0].target(), "rank 2");
+        let sdc = KILL
+            .replace("min_ranks = 2", "min_ranks = 2\nreplicas = 2")
+            .replace("kind = \"kill\"", "kind = \"sdc\"")
+            .replace("at_step = 12", "at_step = 10");
+        let sdc = Scenario::parse(&sdc).unwrap();
+        sdc.validate().unwrap();
+        assert_eq!(sdc.replicas, 2);
+        assert_eq!(Scenario::parse(&sdc.to_toml()).unwrap(), sdc);
+        // One replica is the default, and left out of replay files.
+        assert!(!nan.to_toml().contains("replicas"));
+        let mut unsaved = sdc.clone();
+        unsaved.faults[0].at_step = Some(12);
+        let e = unsaved.validate().unwrap_err();
+        assert!(e.contains("a multiple of ckpt_every 5"), "{e}");
+        let mut twice = nan.clone();
+        twice.faults.push(Fault::at(FaultKind::Nan, 3));
+        twice.faults[1].rank = Some(1);
+        let e = twice.validate().unwrap_err();
+        assert!(e.contains("one per scenario"), "{e}");
     }
 
     #[test]

@@ -86,9 +86,17 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         }
         at_steps.push(at_step);
         let mut kinds = vec![FaultKind::Kill, FaultKind::Stop];
-        // Set off by the trainer in the first generation only: the first fault.
+        // Set off by the trainer in the first generation only: the first fault. A
+        // flipped bit needs replicas to be seen: an even world, two of each shard.
         if i == 0 {
-            kinds.extend([FaultKind::DeviceError, FaultKind::KillInSave]);
+            kinds.extend([
+                FaultKind::DeviceError,
+                FaultKind::KillInSave,
+                FaultKind::Nan,
+            ]);
+            if world.is_multiple_of(2) {
+                kinds.push(FaultKind::Sdc);
+            }
         }
         if nodes == 2 && !node_lost {
             kinds.push(FaultKind::KillNode);
@@ -275,25 +283,33 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
     }
     // Faults the trainer sets off come first, before any other changes the
     // generation: a device error just before the earliest other fault, a save-stage
-    // kill armed so that the save it stops (a multiple of 5) comes before it.
-    faults.sort_by_key(|f| {
-        (
-            !matches!(f.kind, FaultKind::DeviceError | FaultKind::KillInSave),
-            f.at_step,
-        )
-    });
+    // kill armed so that the save it stops (a multiple of 5) comes before it, a NaN
+    // three steps before it (its rollback has a step to be found in), a flipped bit
+    // in the last save before it.
+    faults.sort_by_key(|f| (!f.kind.set_off_by_the_trainer(), f.at_step));
     let earliest = faults
         .iter()
-        .filter(|f| !matches!(f.kind, FaultKind::DeviceError | FaultKind::KillInSave))
+        .filter(|f| !f.kind.set_off_by_the_trainer())
         .filter_map(|f| f.at_step)
         .min();
     if let Some(first) = faults.first_mut() {
         match (first.kind, earliest) {
             (FaultKind::DeviceError, Some(e)) => first.at_step = Some(e.saturating_sub(1).max(5)),
             (FaultKind::KillInSave, Some(e)) => first.at_step = Some(e.saturating_sub(5).max(1)),
+            (FaultKind::Nan, Some(e)) => first.at_step = Some(e.saturating_sub(3).max(2)),
             _ => {}
         }
+        if first.kind == FaultKind::Sdc {
+            // A saved step (a multiple of 5), before any other fault.
+            let before = earliest.unwrap_or(steps).min(steps) - 1;
+            first.at_step = Some((before / 5 * 5).max(5));
+        }
     }
+    let replicas = if faults.iter().any(|f| f.kind == FaultKind::Sdc) {
+        2
+    } else {
+        1
+    };
     // A node cut off from etcd trains on with the others until its lease ends: when
     // the job finishes first, nothing was lost (soak seed 2027 run 76). It may cost a
     // generation (the oracle allows it), but is not expected to.
@@ -325,6 +341,7 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         storage,
         disk_mib: (storage == StorageKind::Tmpfs).then_some(16),
         memory_copies,
+        replicas,
         expect: Expect {
             // Storage, corruption and control-plane faults alone change no generation.
             recoveries_at_least: recovers.then_some(1),
@@ -346,12 +363,17 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
 pub fn draw_for_script(seed: u64, run: u64, script: &str) -> Scenario {
     let mut scenario = draw(seed, run);
     scenario.script = Some(script.into());
+    scenario.replicas = 1;
     scenario.step_pause_ms = 0;
     scenario.memory_copies = true;
     let (every, steps) = (scenario.ckpt_every, scenario.steps);
     for fault in &mut scenario.faults {
         match fault.kind {
-            FaultKind::DeviceError => fault.kind = FaultKind::Kill,
+            // What ckpt-train's failpoints poison, the Python trainer cannot: a kill
+            // of that rank at that step instead.
+            FaultKind::DeviceError | FaultKind::Nan | FaultKind::Sdc => {
+                fault.kind = FaultKind::Kill
+            }
             FaultKind::KillInSave => {
                 let at = fault.at_step.unwrap_or(1);
                 let save = at.div_ceil(every) * every;
@@ -385,7 +407,7 @@ mod tests {
         }
         assert_eq!(
             kinds.len(),
-            20,
+            22,
             "every fault kind but a lost part is drawn: {kinds:?}"
         );
         assert_ne!(draw(42, 0), draw(43, 0));

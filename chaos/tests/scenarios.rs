@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use ckpt_chaos::run::proc_state;
-use ckpt_chaos::scenario::Scenario;
+use ckpt_chaos::run::{Observed, Poison, proc_state};
+use ckpt_chaos::scenario::{FaultKind, Scenario};
 use ckpt_chaos::{Options, oracle, run_scenario};
 use ckpt_testkit::{Capability, has_probed};
 
@@ -107,6 +107,7 @@ scenario_tests![
     kill_node,
     kill_one_rank,
     kill_rank_while_coordinator_down,
+    nan_then_rollback,
     net_delay_between_nodes,
     net_loss_between_nodes,
     no_member_for_a_moment_while_a_node_restarts,
@@ -128,6 +129,7 @@ scenario_tests![
     python_stop_one_rank,
     python_storage_s3_faults,
     read_only_checkpoints,
+    sdc_in_one_replica,
     stop_one_rank,
     storage_corrupt,
     storage_reset_fails_a_save,
@@ -315,9 +317,18 @@ fn the_scenario_passes(test: &str) {
         "{run:#}"
     );
     // The Python trainer's: every commit's data cursors were checked.
-    if Scenario::load(&file).unwrap().script.is_some() {
+    let scenario = Scenario::load(&file).unwrap();
+    if scenario.script.is_some() {
         assert_eq!(j["cursors_checked"], j["commits"], "{run:#}");
     }
+    // Every poison the trainer's failpoints put in was caught.
+    let poisons = scenario
+        .faults
+        .iter()
+        .filter(|f| matches!(f.kind, FaultKind::Sdc | FaultKind::Nan))
+        .count() as u64;
+    assert_eq!(j["poisoned"], poisons, "{run:#}");
+    assert_eq!(j["caught"], poisons, "{run:#}");
     assert!(output.status.success(), "{run:#}");
 }
 
@@ -375,6 +386,68 @@ fn a_corrupted_checkpoint_is_caught_by_the_oracle() {
         j.problems.iter().any(|p| p.contains("does not verify")),
         "{:?}",
         j.problems
+    );
+}
+
+/// The health checks fail a poison that no commit caught, a NaN that no rollback
+/// followed, and a resume that loaded an unhealthy commit: shown on a store one
+/// plain run wrote, with its run id as a job's first generation names it.
+#[test]
+fn an_uncaught_poison_and_an_unhealthy_resume_fail_the_oracle() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = oracle::file_url(dir.path());
+    let output = Command::new(trainer())
+        .args(["--preset", "tiny", "--steps", "15", "--ckpt", &url])
+        .args(["--ckpt-every", "5", "--fault-nan", "10:0"])
+        .env("CKPT_RUN_ID", "chaos-e1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    let store = ckpt::storage::Store::from_url(&url).unwrap();
+    let commits = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(ckpt::catalog::commits(&store))
+        .unwrap();
+    let steps: Vec<u64> = commits.iter().map(|c| c.step).collect();
+    // Step 10 twice: poisoned, then trained again after the rollback.
+    assert_eq!(steps, [5, 10, 10, 15], "{stdout}");
+    let poison = |kind: &str, step| Poison {
+        kind: kind.into(),
+        rank: 0,
+        step,
+    };
+    let judged = |observed: &Observed| {
+        let mut j = oracle::Judgement::default();
+        oracle::check_health(&store, observed, &mut j);
+        j
+    };
+    // As the run went: the NaN caught by step 10's commit, and rolled back from.
+    let mut observed = Observed {
+        poisoned: vec![poison("nan", 10)],
+        rollbacks: vec![(10, 5)],
+        resumed_dirs: vec![commits[0].dir.clone()],
+        ..Observed::default()
+    };
+    let j = judged(&observed);
+    assert_eq!((j.poisoned, j.caught, j.resumes_checked), (1, 1, 1));
+    assert!(j.problems.is_empty(), "{:?}", j.problems);
+    // A flipped bit that step 5's healthy commit did not see, no rollback after the
+    // NaN, and a resume from the poisoned commit.
+    observed.poisoned.push(poison("sdc", 5));
+    observed.rollbacks.clear();
+    observed.resumed_dirs.push(commits[1].dir.clone());
+    let j = judged(&observed);
+    assert_eq!((j.poisoned, j.caught, j.resumes_checked), (2, 1, 2));
+    let all = j.problems.join("\n");
+    assert_eq!(j.problems.len(), 3, "{all}");
+    assert!(all.contains("sdc on rank 0 at step 5: its commit"), "{all}");
+    assert!(all.contains("no rollback from step 10 followed"), "{all}");
+    assert!(
+        all.contains("a resume loaded the unhealthy commit"),
+        "{all}"
     );
 }
 

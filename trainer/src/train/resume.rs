@@ -246,8 +246,9 @@ pub(super) fn load(
     }
     if rank == 0 {
         say(format_args!(
-            "resumed from step {step} of {} (saved by {saved_world} ranks, resharded onto {world}{source})",
-            store.url()
+            "resumed from step {step} of {} (commit {}; saved by {saved_world} ranks, resharded onto {world}{source})",
+            store.url(),
+            committed_dir.as_deref().unwrap_or("?")
         ));
     }
     Ok(Some((shards, generation)))
