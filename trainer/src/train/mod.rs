@@ -18,6 +18,15 @@
 //!    (so that all ranks agree on the step at which a SIGTERM stops them);
 //! 5. Adam on the owned rows of parameters and moments.
 //!
+//! With `replicas` R > 1 (a world of R × S ranks), rank `r` holds shard `r % S` in
+//! replica group `r / S`: phase 1 gathers each shard from replica group 0, phase 3 is
+//! an all-reduce (every replica needs its shard's sum), and every save has group 0
+//! write and the others checksum their copies for the commit to compare.
+//!
+//! A step whose gathered parameters or agreed loss is not finite (or a spike, see
+//! [`TrainConfig::spike_factor`]) is not applied: the world rolls back, in the same
+//! processes, to the newest healthy commit (module `rollback`).
+//!
 //! Checkpoints hold the parameters and both Adam moments as dim-0 shards, and as
 //! global state the step, the data position, the generator description and the loss
 //! history. Nothing is per rank: the data of a step is a function of (seed, step,
