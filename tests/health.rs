@@ -439,3 +439,37 @@ fn a_policy_is_read_from_its_name_and_others_are_refused() {
     let err = "strict".parse::<ReplicaPolicy>().unwrap_err();
     assert!(err.contains("\"strict\""), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_of_unhealthy_commits_only_says_so_and_an_empty_one_does_not_speak_of_health() {
+    let (store, _dir) = local_store("verdict-empty");
+    let ranks = checkpointers(&store, |_| {});
+    let missing = ckpt::load_latest(&store, LoadRequest::everything)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        missing.contains("no committed checkpoint") && !missing.contains("health"),
+        "{missing}"
+    );
+    let mut poisoned = all_held(&Model::at(13));
+    poisoned[1].m[0] = f32::NAN;
+    save(&ranks, 13, &poisoned, |_, _| {}).await;
+    for err in [
+        ckpt::load_latest(&store, LoadRequest::everything)
+            .await
+            .unwrap_err(),
+        ckpt::CheckpointReader::open_selecting(&store, None, Select::Healthy)
+            .await
+            .unwrap_err(),
+    ] {
+        let text = err.to_string();
+        assert!(
+            matches!(err, ckpt::Error::NotFound(_))
+                && text.contains("no healthy checkpoint")
+                && text.contains("step 13")
+                && text.contains("non-finite"),
+            "{text}"
+        );
+    }
+}

@@ -166,12 +166,12 @@ def _saved_steps(root: str, count: int) -> list[int]:
 
 
 def _inspect(root: str, step: int) -> dict:
-    """``ckpt inspect --tensors`` of ``step``: written as version 3, with a rank
-    holding several boxes of one tensor."""
+    """``ckpt inspect --tensors`` of ``step``: written as version 4 (health), with
+    a rank holding several boxes of one tensor (version 3's)."""
     shown = run_cli("inspect", root, "--step", str(step), "--tensors", "--json")
     assert shown.returncode == 0, shown.stdout + shown.stderr
     view = json.loads(shown.stdout)
-    assert view["format_version"] == 3
+    assert view["format_version"] == 4
     return view
 
 

@@ -18,6 +18,7 @@ from conftest import spawn
 
 from ckpt.torch import (
     Checkpointer,
+    UnhealthyCheckpointWarning,
     UnhealthySkippedWarning,
     health,
     latest,
@@ -42,6 +43,9 @@ def test_a_nan_marks_the_checkpoint_unhealthy_and_loads_pass_over_it(root):
         poisoned = _values(2)
         poisoned["b"][3] = float("nan")
         handle = checkpointer.save(2, poisoned, health={"loss": 0.5})
+        # Rank 0 hears of it where it waits for the commit.
+        with pytest.warns(UnhealthyCheckpointWarning, match='step 2 committed unhealthy.*"b"'):
+            handle.wait_committed()
         seen_by_the_saver = handle.health()
 
     good, bad = health(root, 1), health(root, 2)

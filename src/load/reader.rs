@@ -34,24 +34,24 @@ impl CheckpointReader {
                 crate::catalog::read_manifest(store, step).await?,
             )),
             None => {
-                let (manifest, skipped) = crate::catalog::latest_selecting(store, select)
-                    .await?
-                    .ok_or_else(|| {
-                        Error::NotFound(format!(
-                            "no committed{} checkpoint in {}{}",
-                            if select == crate::catalog::Select::Healthy {
-                                " healthy"
-                            } else {
-                                ""
-                            },
-                            store.url(),
-                            if select == crate::catalog::Select::Healthy {
-                                " (unhealthy ones are passed over unless asked for)"
-                            } else {
-                                ""
+                let Some((manifest, skipped)) =
+                    crate::catalog::latest_selecting(store, select).await?
+                else {
+                    // Say "healthy" only when something unhealthy was passed over.
+                    return Err(Error::NotFound(
+                        match crate::catalog::latest(store).await? {
+                            Some(newest) if select == crate::catalog::Select::Healthy => {
+                                format!(
+                                    "no healthy checkpoint in {}: every commit is unhealthy, the newest (step {}) for: {}",
+                                    store.url(),
+                                    newest.step,
+                                    newest.health_status().reasons().join("; ")
+                                )
                             }
-                        ))
-                    })?;
+                            _ => format!("no committed checkpoint in {}", store.url()),
+                        },
+                    ));
+                };
                 let mut reader = Self::from_manifest(store, manifest);
                 reader.skipped = skipped;
                 Ok(reader)
@@ -331,6 +331,14 @@ pub async fn load_latest_selecting(
             Err(e) => return Err(e),
         }
     }
-    Err(last_error
-        .unwrap_or_else(|| Error::NotFound(format!("no committed checkpoint in {}", store.url()))))
+    Err(last_error.unwrap_or_else(|| {
+        Error::NotFound(match skipped.first() {
+            Some(newest) => format!(
+                "no healthy checkpoint in {}: passed over {} unhealthy, the newest {newest}",
+                store.url(),
+                skipped.len()
+            ),
+            None => format!("no committed checkpoint in {}", store.url()),
+        })
+    }))
 }

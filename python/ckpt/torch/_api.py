@@ -71,11 +71,14 @@ class SaveHandle:
         profile: dict[str, Any] | None = None,
         url: str | None = None,
         store_options: StoreOptions | None = None,
+        warn_unhealthy: bool = False,
     ):
         self._native = native
         self._keep_alive = keep_alive
         self._url = url
         self._store_options = store_options
+        # Rank 0 reads the verdict of its commit and warns when it is unhealthy.
+        self._warn_unhealthy = warn_unhealthy
         # Tensor bytes copied besides the staging copy (non-contiguous tensors).
         self.bytes_copied = bytes_copied
         self.profile: dict[str, Any] = profile or {}
@@ -110,9 +113,23 @@ class SaveHandle:
         self._keep_alive = None
 
     def wait_committed(self) -> None:
-        """Waits until the checkpoint is committed; raises if the save failed."""
+        """Waits until the checkpoint is committed; raises if the save failed. On
+        rank 0, a checkpoint the commit judged unhealthy (replicas that disagree, a
+        non-finite value or metric, a failed ``health_check``) is reported with an
+        :class:`UnhealthyCheckpointWarning` naming the reasons (one manifest read)."""
         self._native.wait_committed()
         self._keep_alive = None
+        if self._warn_unhealthy and self._url is not None:
+            self._warn_unhealthy = False
+            verdict = health(self._url, self.step, store_options=self._store_options)
+            if verdict.get("healthy") is False:
+                warnings.warn(
+                    UnhealthyCheckpointWarning(
+                        f"step {self.step} committed unhealthy: "
+                        + "; ".join(verdict.get("reasons") or [])
+                    ),
+                    stacklevel=2,
+                )
 
     def health(self) -> dict[str, Any]:
         """Waits until the checkpoint is committed (raises if the save failed, as
@@ -327,6 +344,7 @@ class Checkpointer:
             profile,
             self.url,
             self.store_options,
+            warn_unhealthy=self.rank == 0,
         )
 
     def load(
@@ -427,6 +445,11 @@ def _not_found(message: str) -> _native.NotFoundError:
 
 class UnhealthySkippedWarning(UserWarning):
     """A load without a step passed over a checkpoint judged unhealthy."""
+
+
+class UnhealthyCheckpointWarning(UserWarning):
+    """A save committed a checkpoint judged unhealthy (rank 0 says so at
+    ``wait_committed``)."""
 
 
 def _agreed_step(
