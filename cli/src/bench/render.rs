@@ -337,11 +337,15 @@ fn render_replicas(s: &mut String, r: &super::replicas::ReplicasReport) {
         ("stall (worst rank), ms", "stall"),
         ("time to durable, ms", "durable"),
         ("time to commit, ms", "commit"),
+        ("overlapped: stall, ms", "overlap_stall"),
+        ("overlapped: staged (copy), ms", "overlap_staged"),
+        ("overlapped: time to durable, ms", "overlap_durable"),
+        ("overlapped: time to commit, ms", "overlap_commit"),
     ] {
         let (with, without) = (f(&format!("{key}_ms")), f(&format!("{key}_off_ms")));
         let _ = writeln!(
             s,
-            "{name:<28} {with:>12.1} {without:>12.1} {:>9.3}",
+            "{name:<32} {with:>12.1} {without:>12.1} {:>9.3}",
             with / without
         );
     }

@@ -36,7 +36,9 @@ pub(crate) struct ReplicasReport {
     /// Bytes each rank holds (and a writer writes).
     pub bytes_per_rank: u64,
     /// Medians over the repetitions: `{stall,durable,commit}_ms` with agreement and
-    /// `..._off_ms` without, `durable_overhead` (with ÷ without − 1), and the
+    /// `..._off_ms` without, the same with `overlap_` for overlapped saves (and
+    /// `overlap_staged_ms`, the copy their tensors wait for),
+    /// `[overlap_]durable_overhead` (with ÷ without − 1), and the
     /// single-thread throughputs `crc_gbps_per_core`, `scan_gbps_per_core`,
     /// `replica_scan_gbps_per_core`.
     pub figures: BTreeMap<String, f64>,
@@ -87,44 +89,63 @@ pub(crate) fn run(
         step += 1;
     }
     for rep in 0..config.reps {
+        // Alternating which goes first, so drift falls on both.
         let order = if rep % 2 == 0 {
             [false, true]
         } else {
             [true, false]
         };
-        for no_agreement in order {
-            progress(&format!(
-                "replicas: rep {}/{}: save {} agreement",
-                rep + 1,
-                config.reps,
-                if no_agreement { "without" } else { "with" }
-            ));
-            let answers = ranks.all(&save(step, no_agreement))?;
-            let suffix = if no_agreement { "_off" } else { "" };
-            let start = answers.iter().map(|a| a.start_ns).min().unwrap_or(0);
-            let span = |end: u64| end.saturating_sub(start) as f64 / 1e6;
-            push(
-                &format!("stall{suffix}_ms"),
-                answers.iter().map(|a| a.stall_ms).fold(0.0, f64::max),
-            );
-            push(
-                &format!("durable{suffix}_ms"),
-                span(answers.iter().map(|a| a.durable_ns).max().unwrap_or(0)),
-            );
-            push(
-                &format!("commit{suffix}_ms"),
-                span(answers.iter().map(|a| a.end_ns).min().unwrap_or(0)),
-            );
-            if !no_agreement {
-                let manifest = rt.block_on(ckpt::read_manifest(store, step))?;
-                let compared = manifest.health.map_or(0, |h| {
-                    assert!(h.healthy, "replicas of the bench disagree: {:?}", h.reasons);
-                    h.replicas_compared
-                });
-                push("replicas_compared", compared as f64);
+        for overlapped in [false, true] {
+            for no_agreement in order {
+                progress(&format!(
+                    "replicas: rep {}/{}: {} save {} agreement",
+                    rep + 1,
+                    config.reps,
+                    if overlapped { "overlapped" } else { "blocking" },
+                    if no_agreement { "without" } else { "with" }
+                ));
+                let answers = ranks.all(&Order::Save {
+                    step,
+                    overlapped,
+                    no_agreement,
+                })?;
+                // Processes beyond the saving world (the resharded load's) answer
+                // skipped.
+                let answers: Vec<_> = answers.into_iter().filter(|a| !a.skipped).collect();
+                let prefix = if overlapped { "overlap_" } else { "" };
+                let suffix = if no_agreement { "_off" } else { "" };
+                let start = answers.iter().map(|a| a.start_ns).min().unwrap_or(0);
+                let span = |end: u64| end.saturating_sub(start) as f64 / 1e6;
+                push(
+                    &format!("{prefix}stall{suffix}_ms"),
+                    answers.iter().map(|a| a.stall_ms).fold(0.0, f64::max),
+                );
+                if overlapped {
+                    // The copy the caller's tensors wait for before they change.
+                    push(
+                        &format!("overlap_staged{suffix}_ms"),
+                        answers.iter().map(|a| a.staged_ms).fold(0.0, f64::max),
+                    );
+                }
+                push(
+                    &format!("{prefix}durable{suffix}_ms"),
+                    span(answers.iter().map(|a| a.durable_ns).max().unwrap_or(0)),
+                );
+                push(
+                    &format!("{prefix}commit{suffix}_ms"),
+                    span(answers.iter().map(|a| a.end_ns).min().unwrap_or(0)),
+                );
+                if !no_agreement {
+                    let manifest = rt.block_on(ckpt::read_manifest(store, step))?;
+                    let compared = manifest.health.map_or(0, |h| {
+                        assert!(h.healthy, "replicas of the bench disagree: {:?}", h.reasons);
+                        h.replicas_compared
+                    });
+                    push("replicas_compared", compared as f64);
+                }
+                rt.block_on(store.delete_prefix(&step_dir(step)))?;
+                step += 1;
             }
-            rt.block_on(store.delete_prefix(&step_dir(step)))?;
-            step += 1;
         }
     }
     drop(ranks);
@@ -132,10 +153,14 @@ pub(crate) fn run(
         .iter()
         .map(|(k, v)| (k.clone(), median(v)))
         .collect();
-    if let (Some(with), Some(without)) = (figures.get("durable_ms"), figures.get("durable_off_ms"))
-    {
-        let overhead = with / without - 1.0;
-        figures.insert("durable_overhead".into(), overhead);
+    for prefix in ["", "overlap_"] {
+        if let (Some(with), Some(without)) = (
+            figures.get(&format!("{prefix}durable_ms")),
+            figures.get(&format!("{prefix}durable_off_ms")),
+        ) {
+            let overhead = with / without - 1.0;
+            figures.insert(format!("{prefix}durable_overhead"), overhead);
+        }
     }
     Ok(ReplicasReport {
         ranks: config.ranks,
