@@ -158,6 +158,17 @@ impl Report {
                 None => "not compared",
             }
         );
+        if j.poisoned > 0 || !self.observed.rollbacks.is_empty() {
+            out += &format!(
+                "\n  poisoned by sdc or nan: {}; caught at their saves: {}; rollbacks: {}",
+                j.poisoned,
+                j.caught,
+                self.observed.rollbacks.len()
+            );
+        }
+        if j.resumes_checked > 0 {
+            out += &format!("\n  resumes checked for health: {}", j.resumes_checked);
+        }
         if let Some(n) = j.cursors_checked {
             out += &format!("\n  data cursors checked on {n} committed steps");
         }

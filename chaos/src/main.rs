@@ -398,6 +398,7 @@ fn totals(reports: &[serde_json::Value]) -> serde_json::Value {
     let (mut passed, mut failed, mut skipped) = (0u64, 0u64, 0u64);
     let (mut commits, mut verified, mut lost) = (0u64, 0u64, 0u64);
     let (mut corrupted, mut detected, mut superseded, mut undetected) = (0u64, 0u64, 0u64, 0u64);
+    let (mut poisoned, mut caught, mut rollbacks, mut resumes) = (0u64, 0u64, 0u64, 0u64);
     let (mut recovery_ms, mut back_ms, mut goodput) = (Vec::new(), Vec::new(), Vec::new());
     let u = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
     for run in reports {
@@ -432,6 +433,12 @@ fn totals(reports: &[serde_json::Value]) -> serde_json::Value {
         corrupted += u(&j["corrupted"]);
         detected += u(&j["detected"]);
         superseded += u(&j["superseded"]);
+        poisoned += u(&j["poisoned"]);
+        caught += u(&j["caught"]);
+        resumes += u(&j["resumes_checked"]);
+        rollbacks += observed["rollbacks"]
+            .as_array()
+            .map_or(0, |r| r.len() as u64);
         undetected += j["problems"]
             .as_array()
             .into_iter()
@@ -456,6 +463,10 @@ fn totals(reports: &[serde_json::Value]) -> serde_json::Value {
         "corruption_detected": detected,
         "corruption_superseded": superseded,
         "corruption_undetected": undetected,
+        "poisoned": poisoned,
+        "poison_caught": caught,
+        "rollbacks": rollbacks,
+        "resumes_checked": resumes,
         "goodput": spread(goodput),
     })
 }
@@ -480,7 +491,7 @@ fn describe_totals(t: &serde_json::Value) -> String {
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
     format!(
-        "runs: {} ({} passed, {} failed, {} skipped)\nfaults: {} ({})\nrecoveries: {}; fault to training again: {}; noticed to training again: {}\ncheckpoints: {} committed, {} verified, {} lost\ncorrupted on purpose: {}; found by verify {}, replaced by a later save {}, missed {}\ngoodput: {}",
+        "runs: {} ({} passed, {} failed, {} skipped)\nfaults: {} ({})\nrecoveries: {}; fault to training again: {}; noticed to training again: {}\ncheckpoints: {} committed, {} verified, {} lost\ncorrupted on purpose: {}; found by verify {}, replaced by a later save {}, missed {}\npoisoned by sdc or nan: {}; caught at their saves {}; rollbacks {}; resumes checked for health {}\ngoodput: {}",
         t["runs"],
         t["passed"],
         t["failed"],
@@ -497,6 +508,10 @@ fn describe_totals(t: &serde_json::Value) -> String {
         t["corruption_detected"],
         t["corruption_superseded"],
         t["corruption_undetected"],
+        t["poisoned"],
+        t["poison_caught"],
+        t["rollbacks"],
+        t["resumes_checked"],
         if t["goodput"].is_null() {
             "-".to_string()
         } else {
