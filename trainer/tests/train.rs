@@ -580,7 +580,8 @@ fn manifests(dir: &Path) -> Vec<ckpt::Manifest> {
 /// every save compares the replicas, which agree; one bit flipped in one replica's
 /// memory right before a save makes that commit unhealthy, naming the rank, the
 /// tensor, the box and the block; the replicated checkpoints resume on a world that
-/// the replicas do not divide, past the unhealthy commit.
+/// the replicas do not divide, past the unhealthy commit. With `--replica-mismatch
+/// fail` that commit is refused instead.
 #[test]
 fn replicas_agree_and_a_bit_flipped_in_one_is_named_by_the_commit_of_its_save() {
     let (reference, run) = (tempdir(), tempdir());
@@ -630,6 +631,30 @@ fn replicas_agree_and_a_bit_flipped_in_one_is_named_by_the_commit_of_its_save() 
     );
     assert_eq!(resumed_from(&out), 20);
     assert_identical(reference.path(), run.path());
+
+    // `--replica-mismatch fail`: the commit of step 10 is refused, a failed save
+    // that training survives.
+    let refused = tempdir();
+    let out = train(
+        4,
+        refused.path(),
+        20,
+        &[
+            "--replicas",
+            "2",
+            "--replica-mismatch",
+            "fail",
+            "--fault-sdc",
+            "10:3",
+        ],
+    );
+    assert!(
+        out.contains("checkpoint of step 10 failed")
+            && out.contains("replica_mismatch is \"fail\""),
+        "{out}"
+    );
+    let steps: Vec<u64> = manifests(refused.path()).iter().map(|m| m.step).collect();
+    assert_eq!(steps, [20], "{out}");
 }
 
 /// A NaN written into one rank's parameters after a saved step: that commit is
