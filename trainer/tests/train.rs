@@ -620,8 +620,10 @@ fn replicas_agree_and_a_bit_flipped_in_one_is_named_by_the_commit_of_its_save() 
     assert!(agreed.healthy, "{agreed:?}");
     // Every box of the second replica group compared: 6 tensors x 3 x 2 shards.
     assert_eq!(agreed.replicas_compared, 36, "{agreed:?}");
-    let loss = agreed.metrics.get("loss").expect("the loss recorded").0;
-    assert!(loss.is_finite() && loss > 0.0, "{loss}");
+    for metric in ["loss", "grad_norm"] {
+        let value = agreed.metrics.get(metric).expect("recorded").0;
+        assert!(value.is_finite() && value > 0.0, "{metric} {value}");
+    }
 
     // Three ranks: no replicas; the resume takes the newest healthy commit.
     let out = train(3, run.path(), 30, &["--resume", "--replicas", "2"]);

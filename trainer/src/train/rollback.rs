@@ -75,9 +75,13 @@ impl Rollbacks {
         }
         let max = ctx.config.max_rollbacks;
         if self.in_a_row > max {
-            return Err(TrainError::Diverged(format!(
-                "step {from} went bad again after {max} rollbacks in a row to step {to} ({reason}); stopping (--max-rollbacks {max})"
-            )));
+            return Err(TrainError::Diverged(if max == 0 {
+                format!("step {from} went bad ({reason}); stopping (--max-rollbacks 0)")
+            } else {
+                format!(
+                    "step {from} went bad again after {max} rollbacks in a row to step {to} ({reason}); stopping (--max-rollbacks {max})"
+                )
+            }));
         }
         if ctx.rank == 0 {
             say(format_args!(

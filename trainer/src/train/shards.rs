@@ -25,6 +25,9 @@ pub(super) struct Shards {
     pub(super) v: Vec<Vec<f32>>,
     pub(super) step: u64,
     pub(super) losses: Vec<f64>,
+    /// The global norm of the last step's summed gradient, when it was measured (at
+    /// the steps that save): a health metric, not saved state.
+    pub(super) grad_norm: Option<f64>,
 }
 
 /// What a model tensor's parameters and Adam moments are saved as: `PREFIX/NAME`, in
@@ -100,11 +103,13 @@ pub(super) fn init(config: &TrainConfig, specs: &[TensorSpec], place: Place) -> 
         v: zeros,
         step: 0,
         losses: Vec::new(),
+        grad_norm: None,
     }
 }
 
 /// What a rank saves: its rows of every parameter and both Adam moments, and the
-/// trainer's global state, with the loss of the step saved as a health metric. With
+/// trainer's global state, with the loss of the step saved (and its gradient's norm,
+/// when measured) as health metrics. With
 /// replicas, every holder of a shard adds it as a replica, replica group 0 the
 /// writer, so that the commit compares the copies.
 pub(super) fn state_of<'a>(
@@ -145,6 +150,9 @@ pub(super) fn state_of<'a>(
     }
     if let Some(loss) = st.losses.last() {
         state.health_metric("loss", *loss);
+    }
+    if let Some(norm) = st.grad_norm {
+        state.health_metric("grad_norm", norm);
     }
     let batch = config.preset.batch as u64;
     state.set_global_json("step", json!(st.step));
@@ -213,6 +221,7 @@ pub(super) fn shards_from_store(
         v: Vec::new(),
         step,
         losses,
+        grad_norm: None,
     };
     for _ in specs {
         let mut next = || tensors.next().expect("three tensors per spec");

@@ -162,6 +162,7 @@ fn run_round(
             failed_in_a_row,
         },
         started,
+        grad_sq: 0.0,
     }
     .run()
 }
@@ -413,6 +414,9 @@ struct Generation<'a> {
     grad_shard_i64: Vec<i64>,
     saves: Saves<'a>,
     started: Instant,
+    /// This rank's share of the squared norm of the step's summed gradient (its
+    /// rows; nothing on replicas past group 0, whose rows group 0 counts).
+    grad_sq: f64,
 }
 
 impl Generation<'_> {
@@ -436,11 +440,16 @@ impl Generation<'_> {
                 });
             }
             loss = agreed.loss;
+            let saving = self.save_due(agreed.ending);
+            if saving {
+                // Every rank, before any test fault can hold one: a collective.
+                self.st.grad_norm = Some(self.grad_norm()?);
+            }
             self.inject_device_error()?;
             let step = self.st.step;
             rollback::inject_nan(self.ctx, &names, &mut self.st.params, step);
             self.hold(true)?;
-            if self.save_due(agreed.ending) {
+            if saving {
                 let flipped = rollback::inject_sdc(self.ctx, &names, &mut self.st.params, step);
                 self.saves.save(&self.st, &self.layout.specs, self.stats)?;
                 if let Some(i) = flipped {
@@ -593,6 +602,8 @@ impl Generation<'_> {
         let Workspace {
             acc_i64, acc_f32, ..
         } = &mut *self.workspace;
+        let writes = self.ctx.place.writes();
+        self.grad_sq = 0.0;
         for (i, counts) in self.layout.counts.iter().enumerate() {
             let (start, mine) = self.layout.own[i];
             self.grad_shard.resize(mine, 0.0);
@@ -621,6 +632,13 @@ impl Generation<'_> {
                 comm.reduce_scatter_f32(&mut acc_f32[range], counts, &mut self.grad_shard)?;
             }
             self.stats.reduce += lap(clock);
+            if writes {
+                self.grad_sq += self
+                    .grad_shard
+                    .iter()
+                    .map(|g| f64::from(*g) * f64::from(*g))
+                    .sum::<f64>();
+            }
             // The optimizer step overwrites the rows an overlapped save may still be
             // copying: the only point where the copy must be over.
             if i == 0 && self.saves.wait_staged(self.stats)? {
@@ -638,6 +656,17 @@ impl Generation<'_> {
             self.stats.update += lap(clock);
         }
         Ok(())
+    }
+
+    /// The global norm of the step's summed gradient: every rank's share of its
+    /// square, summed in fixed point (one small all-reduce, at the steps that save),
+    /// so that every rank records the same value.
+    fn grad_norm(&self) -> Result<f64, TrainError> {
+        const SCALE: f64 = (1u64 << 24) as f64;
+        let cap = i64::MAX as f64 / (self.ctx.world as f64 + 1.0);
+        let mut sum = [(self.grad_sq * SCALE).min(cap) as i64];
+        self.ctx.comm.all_reduce_i64(&mut sum)?;
+        Ok((sum[0] as f64 / SCALE).sqrt())
     }
 
     /// Counts the step done and logs its loss (rank 0, every `log_every` steps and
