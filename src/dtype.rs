@@ -46,6 +46,20 @@ pub enum DType {
 }
 
 impl DType {
+    /// True for the floating-point types, whose elements can be NaN or infinite.
+    pub fn is_float(self) -> bool {
+        matches!(
+            self,
+            DType::F8_E4M3
+                | DType::F8_E5M2
+                | DType::F8_E8M0
+                | DType::F16
+                | DType::BF16
+                | DType::F32
+                | DType::F64
+        )
+    }
+
     /// Every element type, smallest first.
     pub const ALL: [DType; 16] = [
         DType::BOOL,

@@ -25,7 +25,7 @@ use crate::dtype::DType;
 use crate::format::RankPart;
 use crate::format::health::{
     ChunkNonFinite, Health, MAX_BLOCKS_LISTED, MAX_HEALTH_ENTRIES, MAX_REASONS, Metric, NonFinite,
-    ReplicaMismatch, ReplicaPolicy, count_nonfinite, is_float,
+    ReplicaMismatch, ReplicaPolicy, count_nonfinite,
 };
 
 /// The longest piece hashed and scanned at once: small enough to stay in a core's
@@ -54,7 +54,7 @@ impl ScanChunk {
             begin,
             end,
             dtype,
-            float: is_float(dtype),
+            float: dtype.is_float(),
             replicated,
         }
     }

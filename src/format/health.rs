@@ -483,20 +483,6 @@ fn count_bytes(bytes: &[u8], bad: impl Fn(u8) -> bool) -> u64 {
         .sum()
 }
 
-/// True for the dtypes whose elements can be NaN or infinite.
-pub fn is_float(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::F32
-            | DType::F64
-            | DType::F16
-            | DType::BF16
-            | DType::F8_E5M2
-            | DType::F8_E4M3
-            | DType::F8_E8M0
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

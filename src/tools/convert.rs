@@ -36,20 +36,6 @@ pub fn to_f64(dtype: DType, bytes: &[u8]) -> Vec<f64> {
         .collect()
 }
 
-/// True for floating-point dtypes.
-pub fn is_float(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::F8_E4M3
-            | DType::F8_E5M2
-            | DType::F8_E8M0
-            | DType::F16
-            | DType::BF16
-            | DType::F32
-            | DType::F64
-    )
-}
-
 /// bfloat16 bits to f32 (exact, every bit pattern kept). This is bf16's definition, the
 /// top half of an f32, and deliberately not `half::bf16::to_f32`, which sets the quiet
 /// bit of a signaling NaN: `diff` and `export` would not see it (widening to f64 quiets

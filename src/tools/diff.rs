@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::convert::{is_float, to_f64};
+use super::convert::to_f64;
 use super::{slab_rows, slabs};
 use crate::error::Result;
 use crate::load::{CheckpointReader, LoadRequest};
@@ -237,7 +237,7 @@ fn compare(
         result.max_rel = result
             .max_rel
             .max(if rel.is_nan() { f64::INFINITY } else { rel });
-        let close = if is_float(dtype) || options.atol > 0.0 || options.rtol > 0.0 {
+        let close = if dtype.is_float() || options.atol > 0.0 || options.rtol > 0.0 {
             abs <= options.atol + options.rtol * y.abs()
         } else {
             false

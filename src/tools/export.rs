@@ -12,7 +12,7 @@ use std::path::Path;
 use ckpt_storage::Store;
 use serde::Serialize;
 
-use super::convert::{convert_floats, is_float};
+use super::convert::convert_floats;
 use super::{glob_match, slab_rows, slabs};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -87,7 +87,7 @@ pub async fn export(
     }
     super::check_data_headers(source, reader, selected.iter().copied()).await?;
     let out_dtype = |dtype: DType| match options.dtype {
-        Some(to) if is_float(dtype) => to,
+        Some(to) if dtype.is_float() => to,
         _ => dtype,
     };
     let entries: Vec<_> = selected
