@@ -153,7 +153,7 @@ struct TrainArgs {
     /// it. Needs a build with the `ckpt/failpoints` feature.
     #[arg(long, hide = true)]
     fault_save_stage: Option<String>,
-    /// Fault injection for tests: STEP:RANK[:persistent] writes a NaN into one
+    /// Fault injection for tests: `STEP:RANK[:persistent]` writes a NaN into one
     /// parameter element of that rank right after that step (before its save): once
     /// per process (in an elastic job, in its first generation only), or every time
     /// the rank reaches the step with `:persistent`.
