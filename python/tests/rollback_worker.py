@@ -56,7 +56,9 @@ def train(ctx: ckpt.elastic.Context, args: argparse.Namespace) -> None:
     step = extra.step if extra is not None else 0
     if ctx.rank == 0:
         print(f"gen {ctx.generation}: start at step {step}", flush=True)
-    checkpointer = ctx.checkpointer(args.ckpt)
+    # The parameters are plain tensors that data parallelism keeps the same on
+    # every rank: ask for their copies to be compared.
+    checkpointer = ctx.checkpointer(args.ckpt, compare_plain_tensors=True)
     while step < args.steps:
         x, y = samples(state["data"]["cursor"], BATCH)
         loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])

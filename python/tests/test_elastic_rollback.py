@@ -40,7 +40,9 @@ def launch(url: str, out: Path, steps: int = 12, **env: str) -> subprocess.Compl
     command += ["--steps", str(steps)]
     return subprocess.run(
         command,
-        env={**os.environ, "PYTHONPATH": str(REPO / "python"), **env},
+        # The ranks import ckpt as this process does (the installed package, or the
+        # PYTHONPATH the suite runs under).
+        env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -213,3 +213,33 @@ def test_the_dcp_writer_records_metrics_and_its_reader_passes_over_unhealthy_ste
         warnings.simplefilter("ignore")
         dcp.load(into, storage_reader=StorageReader(root, healthy=False))
     assert torch.equal(into["w"], _values(2)["w"])
+
+
+def test_plain_tensors_are_compared_only_when_asked(root):
+    """A plain tensor is taken to be the same on every rank and written by rank 0;
+    it may differ on purpose (BatchNorm's statistics under DDP), so the other ranks'
+    copies are compared with it only with ``compare_plain_tensors=True``."""
+    held = [{"bn.running_mean": torch.zeros(4)}, {"bn.running_mean": torch.ones(4)}]
+    for step, compare in ((1, False), (2, True)):
+        ranks = [
+            Checkpointer(
+                root, rank=r, world_size=2, run_id=f"plain{step}", compare_plain_tensors=compare
+            )
+            for r in range(2)
+        ]
+        handles = [c.save(step, held[r]) for r, c in enumerate(ranks)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnhealthyCheckpointWarning)
+            for handle in handles:
+                handle.wait_committed()
+        for c in ranks:
+            c.close()
+    trusted, compared = health(root, 1), health(root, 2)
+    assert trusted["healthy"] is True and trusted["replicas_compared"] == 0, trusted
+    assert compared["healthy"] is False, compared
+    [mismatch] = compared["replica_mismatches"]
+    assert (mismatch["tensor"], mismatch["written_by"], mismatch["disagree"]) == (
+        "bn.running_mean",
+        0,
+        [1],
+    ), mismatch

@@ -50,7 +50,8 @@ class FencedCheckpointer(_api.Checkpointer):
         self._config = {
             k: v
             for k, v in kwargs.items()
-            if k not in ("rank", "world_size", "store_options", "health_check")
+            if k
+            not in ("rank", "world_size", "store_options", "health_check", "compare_plain_tensors")
         }
         self._run_id: str | None = kwargs.get("run_id") or os.environ.get("CKPT_RUN_ID")
 

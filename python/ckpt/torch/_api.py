@@ -233,8 +233,10 @@ class Checkpointer:
     of several ranks without a process group) ``"0"``.
 
     Health: ``replica_mismatch`` says what a save does when the ranks holding the
-    same replicated box (a ``Replicate()`` placement, an HSDP replica dimension, a
-    plain tensor every rank has) hold different bytes: ``"warn"`` (the default:
+    same replicated box (a ``Replicate()`` placement, an HSDP replica dimension; a
+    plain tensor every rank has only with ``compare_plain_tensors=True``, since a
+    plain tensor may differ between ranks on purpose, as BatchNorm's statistics do
+    under DDP) hold different bytes: ``"warn"`` (the default:
     commit it marked unhealthy), ``"fail"`` (refuse the commit: ``wait_committed``
     raises and the previous checkpoint stays the newest) or ``"off"`` (do not
     compare). ``health_check`` is called at each save with its metrics (the
@@ -252,6 +254,7 @@ class Checkpointer:
         store_options: StoreOptions | None = None,
         replica_mismatch: str = "warn",
         health_check: Callable[[dict[str, float]], bool | str | None] | None = None,
+        compare_plain_tensors: bool = False,
         **config: Any,
     ):
         if replica_mismatch not in REPLICA_POLICIES:
@@ -274,7 +277,8 @@ class Checkpointer:
         self._native = _native.Checkpointer(
             self.url, self.rank, self.world_size, config, store_options
         )
-        self._planner = _state.SavePlanner(self.rank)
+        self.compare_plain_tensors = compare_plain_tensors
+        self._planner = _state.SavePlanner(self.rank, compare_plain_tensors)
 
     def save(
         self,

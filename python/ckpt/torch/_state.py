@@ -12,7 +12,11 @@ Each tensor leaf becomes one box of a global tensor:
   holding the same replicated box, the one at coordinate 0 of every replicated mesh
   dimension writes it;
 - a plain tensor: the whole tensor, taken to be the same on every rank (as DCP takes
-  it), written by rank 0.
+  it), written by rank 0. The other ranks' copies are compared with it only when
+  asked (``compare_plain_tensors``): a plain tensor may differ between ranks on
+  purpose (BatchNorm's running statistics under DDP, updated by each rank's own
+  batch until the next forward broadcasts rank 0's), where a ``Replicate()``
+  placement or an HSDP replica dimension says the copies are the same.
 
 The box's memory is passed to the library by address: a contiguous CPU tensor is
 read (save) or written (load) where it lies. A non-contiguous one costs a copy,
@@ -132,6 +136,8 @@ class Box:
     lengths: list[int]
     local: torch.Tensor  # the box's data, row-major over `lengths`
     write: bool
+    # A plain tensor, taken to be the same on every rank rather than declared so.
+    assumed: bool = False
 
     def for_save(self) -> tuple:
         """The box for the native save: where it sits, its memory, and whether this
@@ -277,6 +283,7 @@ def box(fqn: str, value: torch.Tensor, rank: int) -> Box | None:
         lengths=[int(s) for s in shape],
         local=local,
         write=write,
+        assumed=not is_dtensor(value),
     )
 
 
@@ -326,8 +333,11 @@ class ToSave:
     reused: bool = False  # the plan of the previous save was handed over again
 
 
-def _add_boxes(out: ToSave, fqn: str, value: torch.Tensor, rank: int) -> None:
+def _add_boxes(out: ToSave, fqn: str, value: torch.Tensor, rank: int, compare_plain: bool) -> None:
     for b in boxes(fqn, value, rank):
+        if b.assumed and not b.write and not compare_plain:
+            # Another rank writes it, and nothing says the copies must agree.
+            continue
         if not b.local.is_contiguous():
             b.local = b.local.contiguous()
             out.copied += b.local.numel() * b.local.element_size()
@@ -378,8 +388,10 @@ class SavePlanner:
     to be contiguous (a new copy each save) or a ShardedTensor keeps no plan.
     """
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, compare_plain: bool = False):
         self.rank = rank
+        # Hand the library the plain tensors another rank writes, to compare.
+        self.compare_plain = compare_plain
         self._key: list | None = None
         self._plan: Any = None
         self._held: list = []  # the meshes named by id in the key
@@ -422,7 +434,7 @@ class SavePlanner:
             return ToSave(self._plan, values, keep_alive, 0, paths, reused=True)
         out = ToSave([], values, [], 0, paths)
         for fqn, value in tensors:
-            _add_boxes(out, fqn, value, self.rank)
+            _add_boxes(out, fqn, value, self.rank, self.compare_plain)
         if key is None:
             self._key, self._plan, self._held = None, None, []
             return out

@@ -147,6 +147,7 @@ class StorageWriter(_DcpWriter):
         store_options: StoreOptions | None = None,
         health: dict[str, Any] | None = None,
         health_check: Any = None,
+        compare_plain_tensors: bool = False,
         **config: Any,
     ):
         super().__init__()
@@ -154,6 +155,9 @@ class StorageWriter(_DcpWriter):
             raise TypeError(f"health_check must be callable, not {type(health_check).__name__}")
         self.health = health
         self.health_check = health_check
+        # Plain tensors (DCP's TENSOR items) another rank writes are compared only
+        # when asked: they may differ between ranks on purpose (BatchNorm under DDP).
+        self.compare_plain_tensors = compare_plain_tensors
         self.url = _url(url)
         self.step = step
         self.store_options = store_options
@@ -257,7 +261,12 @@ class StorageWriter(_DcpWriter):
         # The replicas DCP's planner gave another rank: checksummed, not written.
         replicas = []
         if self._config.get("replica_mismatch", "warn") != "off":
-            replicas = [item for item in self._local_items if item.index not in written]
+            replicas = [
+                item
+                for item in self._local_items
+                if item.index not in written
+                and (item.type == WriteItemType.SHARD or self.compare_plain_tensors)
+            ]
         self._local_items = []
         for item in [*plan.items, *replicas]:
             data = planner.resolve_data(item)
@@ -358,7 +367,7 @@ class StorageWriter(_DcpWriter):
         self._rank = rank
         checkpointer = self._native_checkpointer(target)
         if self._planner is None or self._planner.rank != rank:
-            self._planner = _state.SavePlanner(rank)
+            self._planner = _state.SavePlanner(rank, self.compare_plain_tensors)
         part = self._planner.prepare(state_dict, _torch_saved)
         # Staged before DCP plans: the object paths are ckpt's flattening's, which
         # is DCP's own.
