@@ -483,12 +483,10 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
             .output()
             .unwrap()
     };
-    // Three runs in two sittings: runs 0 and 1, then run 2.
+    // Two runs in two sittings: run 0, then run 1 (each run also makes its
+    // failure-free reference, so every run counts twice in this test's time).
     let mut fired = 0;
-    for (runs, numbers) in [
-        (["--first", "0"], [0, 1].as_slice()),
-        (["--first", "2"], &[2]),
-    ] {
+    for (runs, numbers) in [(["--first", "0"], [0].as_slice()), (["--first", "1"], &[1])] {
         let output = soak(
             &trainer(),
             &[runs[0], runs[1], "--runs", &numbers.len().to_string()],
@@ -517,14 +515,14 @@ fn a_seeded_soak_reports_every_run_and_replays_failures() {
     let totals = Command::new(CHAOS)
         .args(["totals", "--json"])
         .arg(out.path().join("report-0.json"))
-        .arg(out.path().join("report-2.json"))
+        .arg(out.path().join("report-1.json"))
         .output()
         .unwrap();
     assert!(totals.status.success(), "{totals:?}");
     let totals: serde_json::Value = serde_json::from_slice(&totals.stdout).unwrap();
     assert_eq!(
         (totals["runs"].as_u64(), totals["passed"].as_u64()),
-        (Some(3), Some(3))
+        (Some(2), Some(2))
     );
     assert_eq!(totals["faults"].as_u64(), Some(fired as u64), "{totals:#}");
     // A run that cannot pass (here: no trainer at all) fails, says why, and leaves a
