@@ -25,7 +25,7 @@ use crate::dtype::DType;
 use crate::format::RankPart;
 use crate::format::health::{
     ChunkNonFinite, Health, MAX_BLOCKS_LISTED, MAX_HEALTH_ENTRIES, MAX_REASONS, Metric, NonFinite,
-    ReplicaMismatch, ReplicaPolicy, count_nonfinite,
+    ReplicaMismatch, ReplicaPolicy, count_nonfinite, ranks_text,
 };
 
 /// The longest piece hashed and scanned at once: small enough to stay in a core's
@@ -415,22 +415,6 @@ pub fn judge(parts: &[&RankPart], global_rank: Option<u32>) -> Verdict {
         }),
         refuse,
     }
-}
-
-/// "rank 3" or "ranks 1, 4, 5" (at most 8 listed).
-fn ranks_text(ranks: &[u32]) -> String {
-    let shown: Vec<String> = ranks.iter().take(8).map(u32::to_string).collect();
-    let more = ranks.len().saturating_sub(8);
-    format!(
-        "rank{} {}{}",
-        if ranks.len() == 1 { "" } else { "s" },
-        shown.join(", "),
-        if more > 0 {
-            format!(" and {more} more")
-        } else {
-            String::new()
-        }
-    )
 }
 
 #[cfg(test)]

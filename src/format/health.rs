@@ -272,16 +272,7 @@ impl fmt::Display for ReplicaMismatch {
                 .map(u64::to_string)
                 .collect::<Vec<_>>()
                 .join(", "),
-            match self.disagree.as_slice() {
-                [one] => format!("rank {one}"),
-                many => format!(
-                    "ranks {}",
-                    many.iter()
-                        .map(u32::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            },
+            ranks_text(&self.disagree),
             if self.disagree.len() == 1 {
                 "differs"
             } else {
@@ -293,16 +284,7 @@ impl fmt::Display for ReplicaMismatch {
             write!(
                 f,
                 " ({} {} with it)",
-                match self.agree.as_slice() {
-                    [one] => format!("rank {one}"),
-                    many => format!(
-                        "ranks {}",
-                        many.iter()
-                            .map(u32::to_string)
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                },
+                ranks_text(&self.agree),
                 if self.agree.len() == 1 {
                     "agrees"
                 } else {
@@ -312,6 +294,23 @@ impl fmt::Display for ReplicaMismatch {
         }
         Ok(())
     }
+}
+
+/// "rank 3" or "ranks 1, 4, 5": at most 8 listed, then how many more, so that a
+/// reason stays one short line in a world of any size.
+pub fn ranks_text(ranks: &[u32]) -> String {
+    let shown: Vec<String> = ranks.iter().take(8).map(u32::to_string).collect();
+    let more = ranks.len().saturating_sub(8);
+    format!(
+        "rank{} {}{}",
+        if ranks.len() == 1 { "" } else { "s" },
+        shown.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        }
+    )
 }
 
 /// A checkpoint's health, judged by the committer from every rank's part (manifest,
