@@ -186,6 +186,9 @@ impl CheckpointReader {
             stats.bytes_copied += tally.copied;
             stats.timings.add(&tally.timings);
         }
+        // On its own a load reads exactly the blocks it needs, once.
+        stats.bytes_read_from_store = stats.bytes_read;
+        stats.unique_bytes = stats.bytes_read;
         Ok(stats)
     }
 }

@@ -39,6 +39,7 @@ use ckpt_storage::Store;
 
 use crate::format::{Assignments, Manifest, RankPart};
 
+mod cooperative;
 mod execute;
 mod memory;
 mod plan;
@@ -47,6 +48,7 @@ mod reader;
 mod request;
 mod scatter;
 
+pub use cooperative::Cooperative;
 pub(crate) use execute::{in_this_poll, on_threads};
 pub use memory::zeroed_huge;
 pub(crate) use read::{FileRead, read_batch, verify_and_copy};

@@ -59,6 +59,13 @@ impl CheckpointReader {
         }
     }
 
+    /// Requests sent through this reader's store handle (and its clones) since it
+    /// was opened, by kind: the listing and manifest of the opening included when
+    /// the handle was opened for it (see `ckpt_storage::Store::with_own_counter`).
+    pub fn store_requests(&self) -> ckpt_storage::RequestCounts {
+        self.store.request_counts()
+    }
+
     /// The unhealthy commits passed over to find this one (newest first).
     pub fn skipped(&self) -> &[crate::catalog::Skipped] {
         &self.skipped
@@ -119,13 +126,28 @@ impl CheckpointReader {
         if let Some(part) = self.parts.lock().await.get(&rank) {
             return Ok(part.clone());
         }
+        let (key, bytes) = self.fetch_part_bytes(rank).await?;
+        let part = Arc::new(self.accept_part(rank, &key, &bytes)?);
+        self.parts.lock().await.insert(rank, part.clone());
+        Ok(part)
+    }
+
+    /// The object key of `rank`'s part.
+    pub(super) fn part_key(&self, rank: u32) -> Result<String> {
         let entry = self.manifest.ranks.get(rank as usize).ok_or_else(|| {
             Error::NotFound(format!(
                 "rank {rank} is not part of step {} (world size {})",
                 self.manifest.step, self.manifest.world_size
             ))
         })?;
-        let key = format!("{}/{}", self.manifest.dir(), entry.part);
+        Ok(format!("{}/{}", self.manifest.dir(), entry.part))
+    }
+
+    /// `rank`'s part as stored, checked against the manifest's size (before it is
+    /// read) and CRC32; read again from a remote store when the checksum fails.
+    pub(super) async fn fetch_part_bytes(&self, rank: u32) -> Result<(String, bytes::Bytes)> {
+        let key = self.part_key(rank)?;
+        let entry = &self.manifest.ranks[rank as usize];
         let missing = |e: ckpt_storage::Error| {
             if e.is_not_found() {
                 Error::from(FormatError::new(
@@ -147,36 +169,69 @@ impl CheckpointReader {
             .into());
         }
         let mut reads = 0;
-        let bytes = loop {
+        loop {
             let bytes = self
                 .store
                 .get_range(&key, 0..entry.part_bytes)
                 .await
                 .map_err(missing)?;
             reads += 1;
-            let crc = crc32fast::hash(&bytes);
-            if crc == entry.part_crc32 {
-                break bytes;
+            match self.check_part_bytes(rank, &key, &bytes) {
+                Ok(()) => return Ok((key, bytes)),
+                Err(e) if reads >= reads_on_mismatch(&self.store) => {
+                    return Err(read_again(e, reads));
+                }
+                Err(e) => {
+                    warn!(object = %key, error = %e, "a rank part failed its checksum as read from a remote store; reading it again (damaged in flight?)");
+                }
             }
-            let e = Error::from(FormatError::new(
-                &key,
+        }
+    }
+
+    /// Checks `bytes` against the size and CRC32 the manifest records for `rank`'s
+    /// part.
+    pub(super) fn check_part_bytes(&self, rank: u32, key: &str, bytes: &[u8]) -> Result<()> {
+        let entry = self.manifest.ranks.get(rank as usize).ok_or_else(|| {
+            Error::from(FormatError::new(
+                key,
+                None,
+                format!("rank {rank} is not in the manifest"),
+            ))
+        })?;
+        if bytes.len() as u64 != entry.part_bytes {
+            return Err(FormatError::new(
+                key,
+                Some((bytes.len() as u64).min(entry.part_bytes)),
+                format!(
+                    "{} bytes, the manifest says {}",
+                    bytes.len(),
+                    entry.part_bytes
+                ),
+            )
+            .into());
+        }
+        let crc = crc32fast::hash(bytes);
+        if crc != entry.part_crc32 {
+            return Err(FormatError::new(
+                key,
                 Some(0),
                 format!(
                     "crc32 {crc:08x}, the manifest says {:08x}",
                     entry.part_crc32
                 ),
-            ));
-            if reads >= reads_on_mismatch(&self.store) {
-                return Err(read_again(e, reads));
-            }
-            warn!(object = %key, error = %e, "a rank part failed its checksum as read from a remote store; reading it again (damaged in flight?)");
-        };
-        let part = RankPart::parse(&bytes, &key)?;
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Parses `rank`'s part (its bytes checked by [`Self::check_part_bytes`]) and
+    /// checks that it describes what the manifest says about the rank.
+    pub(super) fn accept_part(&self, rank: u32, key: &str, bytes: &[u8]) -> Result<RankPart> {
+        let part = RankPart::parse(bytes, key)?;
         self.assignments
             .get_or_init(|| Assignments::new(&self.manifest))
-            .check_part(&self.manifest, rank, &part, &key)?;
-        let part = Arc::new(part);
-        self.parts.lock().await.insert(rank, part.clone());
+            .check_part(&self.manifest, rank, &part, key)?;
         Ok(part)
     }
 
@@ -218,10 +273,12 @@ impl CheckpointReader {
     /// run to their end within one poll), and nothing is returned.
     pub async fn load(&self, request: &LoadRequest) -> Result<Loaded> {
         let started = Instant::now();
+        let before = self.store.request_counts();
         let plan = self.plan(request).await?;
         let planned = started.elapsed();
         let mut loaded = self.execute(request, plan).await?;
         loaded.stats.timings.plan = planned;
+        loaded.stats.store_requests = self.store.request_counts().since(&before);
         Ok(loaded)
     }
 
@@ -258,10 +315,12 @@ impl CheckpointReader {
     ) -> Result<LoadStats> {
         self.check_outputs_of(request, outputs)?;
         let started = Instant::now();
+        let before = self.store.request_counts();
         let plan = self.plan(request).await?;
         let planned = started.elapsed();
         let mut stats = self.execute_into(request, plan, outputs).await?;
         stats.timings.plan = planned;
+        stats.store_requests = self.store.request_counts().since(&before);
         Ok(stats)
     }
 

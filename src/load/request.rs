@@ -115,6 +115,20 @@ pub struct LoadStats {
     /// get's body, a decompressed frame, scratch); the rest of the requested bytes
     /// were read straight into the outputs (plain files on local disk).
     pub bytes_copied: u64,
+    /// Bytes this rank fetched from the store's data files (as stored), re-reads
+    /// included: equal to `bytes_read` (a cooperative load reads for its peers too).
+    pub bytes_read_from_store: u64,
+    /// Raw bytes other ranks sent this rank in a cooperative load.
+    pub bytes_received_from_peers: u64,
+    /// Blocks peers sent that failed their CRC32 and were read from the store.
+    pub peer_blocks_rejected: u64,
+    /// Stored bytes of the blocks the whole job needed, each counted once: in a
+    /// cooperative load the sum over the ranks of what each read as owner, so the
+    /// same on every rank once the caller adds it up (the Python layer does); in a
+    /// load on its own, this rank's blocks.
+    pub unique_bytes: u64,
+    /// Requests this load sent to the store, by kind.
+    pub store_requests: ckpt_storage::RequestCounts,
     /// Where the time went.
     pub timings: LoadTimings,
 }

@@ -68,4 +68,4 @@ mod store;
 pub use config::{MIN_PART_SIZE, RetrySettings, StoreConfig};
 pub use error::{Error, ErrorKind, Result, io_error_kind};
 pub use open::Backend;
-pub use store::{LOCAL_READ_PAUSES, Listing, ObjectInfo, Store, Upload};
+pub use store::{LOCAL_READ_PAUSES, Listing, ObjectInfo, RequestCounts, Store, Upload};

@@ -54,11 +54,63 @@ pub struct Store {
     backend: Backend,
     url: Arc<str>,
     config: Arc<StoreConfig>,
-    /// Operations issued through this handle and its clones (see [`Store::requests`]).
-    requests: Arc<AtomicU64>,
+    /// Operations issued through this handle and its clones, by kind (see
+    /// [`Store::requests`]).
+    requests: Arc<RequestCounters>,
     /// Writes are checked against the ETag the server answers (S3, until a read-back
     /// shows that this bucket's ETags are not MD5s; see `sent.rs`).
     check_e_tags: Arc<AtomicBool>,
+}
+
+/// Requests sent, by kind (see [`Store::request_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestCounts {
+    /// Listings (each page counts once).
+    pub list: u64,
+    /// Reads: whole objects and ranges (a coalesced range counting once).
+    pub get: u64,
+    /// Metadata requests (size, existence).
+    pub head: u64,
+    /// Writes: single puts, and a multipart upload's parts and completion.
+    pub put: u64,
+    /// Deletes.
+    pub delete: u64,
+}
+
+impl RequestCounts {
+    /// Every request.
+    pub fn total(&self) -> u64 {
+        self.list + self.get + self.head + self.put + self.delete
+    }
+
+    /// The requests of `self` since `before` (counts of the same handle).
+    pub fn since(&self, before: &RequestCounts) -> RequestCounts {
+        RequestCounts {
+            list: self.list.saturating_sub(before.list),
+            get: self.get.saturating_sub(before.get),
+            head: self.head.saturating_sub(before.head),
+            put: self.put.saturating_sub(before.put),
+            delete: self.delete.saturating_sub(before.delete),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct RequestCounters {
+    list: AtomicU64,
+    get: AtomicU64,
+    head: AtomicU64,
+    put: AtomicU64,
+    delete: AtomicU64,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    List,
+    Get,
+    Head,
+    Put,
+    Delete,
 }
 
 /// What a write left at its key, as far as its ETag tells.
@@ -97,7 +149,7 @@ impl Store {
             backend: opened.backend,
             url: opened.url.into(),
             config: Arc::new(config),
-            requests: Arc::new(AtomicU64::new(0)),
+            requests: Arc::default(),
             check_e_tags: Arc::new(AtomicBool::new(opened.backend == Backend::S3)),
         })
     }
@@ -107,20 +159,41 @@ impl Store {
     /// upload once per part plus its completion. Retries inside the client are not
     /// counted. For measuring how many requests a protocol costs.
     pub fn requests(&self) -> u64 {
-        self.requests.load(Ordering::Relaxed)
+        self.request_counts().total()
+    }
+
+    /// [`Store::requests`] by kind: LIST, GET (whole and ranged), HEAD, PUT (a
+    /// multipart upload's parts and completion included) and DELETE.
+    pub fn request_counts(&self) -> RequestCounts {
+        let c = &self.requests;
+        RequestCounts {
+            list: c.list.load(Ordering::Relaxed),
+            get: c.get.load(Ordering::Relaxed),
+            head: c.head.load(Ordering::Relaxed),
+            put: c.put.load(Ordering::Relaxed),
+            delete: c.delete.load(Ordering::Relaxed),
+        }
     }
 
     /// A clone that shares connections but counts its requests on its own (to count
     /// one simulated rank's requests among many).
     pub fn with_own_counter(&self) -> Store {
         Store {
-            requests: Arc::new(AtomicU64::new(0)),
+            requests: Arc::default(),
             ..self.clone()
         }
     }
 
-    fn count(&self, n: u64) {
-        self.requests.fetch_add(n, Ordering::Relaxed);
+    fn count(&self, kind: Kind, n: u64) {
+        let c = &self.requests;
+        match kind {
+            Kind::List => &c.list,
+            Kind::Get => &c.get,
+            Kind::Head => &c.head,
+            Kind::Put => &c.put,
+            Kind::Delete => &c.delete,
+        }
+        .fetch_add(n, Ordering::Relaxed);
     }
 
     /// The canonical URL of the store's root.
@@ -189,7 +262,7 @@ impl Store {
         let sent = [data.into()];
         let mut why = String::new();
         for _ in 0..sent::ATTEMPTS {
-            self.count(1);
+            self.count(Kind::Put, 1);
             let result = self
                 .inner
                 .put(&path, sent.iter().cloned().collect())
@@ -284,7 +357,7 @@ impl Store {
         let sent = [data.into()];
         let mut why = String::new();
         for _ in 0..sent::ATTEMPTS {
-            self.count(1);
+            self.count(Kind::Put, 1);
             let options = PutOptions::from(PutMode::Create);
             let result = self
                 .inner
@@ -298,7 +371,7 @@ impl Store {
                 Stored::Same => return Ok(()),
                 Stored::Differs(what) => why = what,
             }
-            self.count(1);
+            self.count(Kind::Delete, 1);
             self.inner
                 .delete(&path)
                 .await
@@ -342,7 +415,7 @@ impl Store {
     /// One request for the whole object at `key` (`path`): its size, and its body
     /// still to be read.
     async fn get_whole(&self, key: &str, path: &Path) -> Result<object_store::GetResult> {
-        self.count(1);
+        self.count(Kind::Get, 1);
         self.inner
             .get(path)
             .await
@@ -478,7 +551,7 @@ impl Store {
     pub async fn head(&self, key: &str) -> Result<ObjectInfo> {
         let path = self.path("head", key)?;
         self.reading("head", key, || async {
-            self.count(1);
+            self.count(Kind::Head, 1);
             let meta = self
                 .inner
                 .head(&path)
@@ -494,7 +567,7 @@ impl Store {
     pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
         let path = self.prefix_path("list", prefix)?;
         self.reading("list", prefix, || async {
-            self.count(1);
+            self.count(Kind::List, 1);
             let mut objects: Vec<ObjectInfo> = self
                 .inner
                 .list(path.as_ref())
@@ -516,7 +589,7 @@ impl Store {
         let path = self.prefix_path("list", prefix)?;
         let offset = self.path("list", after)?;
         self.reading("list", prefix, || async {
-            self.count(1);
+            self.count(Kind::List, 1);
             let mut objects: Vec<ObjectInfo> = self
                 .inner
                 .list_with_offset(path.as_ref(), &offset)
@@ -546,7 +619,7 @@ impl Store {
         let offset = self.path("list", after)?;
         let ordered = matches!(self.backend(), Backend::S3 | Backend::Gcs | Backend::Azure);
         self.reading("list", prefix, || async {
-            self.count(1);
+            self.count(Kind::List, 1);
             let mut listing = self.inner.list_with_offset(path.as_ref(), &offset);
             let mut objects = Vec::new();
             while let Some(meta) = listing.next().await {
@@ -571,7 +644,7 @@ impl Store {
         let path = self.prefix_path("list", prefix)?;
         let result = self
             .reading("list", prefix, || async {
-                self.count(1);
+                self.count(Kind::List, 1);
                 self.inner
                     .list_with_delimiter(path.as_ref())
                     .await
@@ -592,7 +665,7 @@ impl Store {
     /// Deletes the object at `key`. Deleting a missing object succeeds, on every
     /// backend, so that cleanup can be retried.
     pub async fn delete(&self, key: &str) -> Result<()> {
-        self.count(1);
+        self.count(Kind::Delete, 1);
         let path = self.path("delete", key)?;
         match self.inner.delete(&path).await {
             Ok(()) => Ok(()),
@@ -740,7 +813,7 @@ impl Store {
         if range.is_empty() {
             return Ok(Bytes::new());
         }
-        self.count(1);
+        self.count(Kind::Get, 1);
         let options = GetOptions {
             range: Some(GetRange::Bounded(range.clone())),
             ..GetOptions::default()
@@ -1028,7 +1101,7 @@ impl Upload {
         match self.writer.take() {
             // Start, every part, completion.
             Some(writer) => {
-                self.store.count(parts + 2);
+                self.store.count(Kind::Put, parts + 2);
                 let result = writer
                     .finish()
                     .await
@@ -1052,7 +1125,7 @@ impl Upload {
                 let sent = std::mem::take(&mut self.pending);
                 let mut why = String::new();
                 for _ in 0..sent::ATTEMPTS {
-                    self.store.count(1);
+                    self.store.count(Kind::Put, 1);
                     let result = self
                         .store
                         .inner
@@ -1114,7 +1187,7 @@ async fn check_parts(
         let stored = store.read_range(key, path, start..end).await?;
         if sent::md5_of(&[stored]) != *digest {
             tracing::warn!(store = %store.url, key = %key, part = index + 1, offset = start, "the server stored other bytes than those sent (damaged in flight?); the upload is deleted");
-            store.count(1);
+            store.count(Kind::Delete, 1);
             store
                 .inner
                 .delete(path)
