@@ -52,7 +52,12 @@ async fn cooperative_load(
         let asked: Vec<&[u8]> = (0..world)
             .map(|from| asks[from][owner].as_slice())
             .collect();
-        sent.push(job.serve(&asked).await.unwrap());
+        let sizes = job.serve(&asked).await.unwrap();
+        let buffers: Vec<Vec<u8>> = (0..world).map(|to| job.sent(to).unwrap()).collect();
+        for (to, b) in buffers.iter().enumerate() {
+            assert_eq!(b.len() as u64, sizes[to], "{owner} -> {to}");
+        }
+        sent.push(buffers);
     }
     if let Some((from, to)) = faults.flip {
         let buffer = &mut sent[from][to];

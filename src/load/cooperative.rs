@@ -25,9 +25,9 @@
 //!    ([`CheckpointReader::plan`]) and asks each owner for the whole CRC blocks its
 //!    runs touch ([`Cooperative::asks`]); the requests travel in one all-to-all.
 //! 3. **Serve, exchange, verify.** Each owner reads the union of what it was asked,
-//!    verified and decompressed ([`Cooperative::serve`]), and returns one buffer per
-//!    asking rank; the caller sends them (one message per pair of ranks, however
-//!    many tensors). The receiver checks every block a peer sent against the save's
+//!    verified and decompressed ([`Cooperative::serve`]), and fills one buffer per
+//!    asking rank ([`Cooperative::write_sent`]); the caller sends them (one
+//!    message per pair of ranks, however many tensors). The receiver checks every block a peer sent against the save's
 //!    CRC32s before a byte of it reaches an output ([`Cooperative::finish`]):
 //!    nothing is trusted because a peer sent it. A block that fails is read from
 //!    the store instead, and the peer is named in a warning and counted.
@@ -199,6 +199,7 @@ impl CheckpointReader {
             parts,
             asks,
             held: BTreeMap::new(),
+            served: Vec::new(),
             stats: LoadStats::default(),
             unique_bytes_served: 0,
             dir: self.manifest.dir(),
@@ -240,6 +241,9 @@ pub struct Cooperative {
     /// What this rank read as owner, verified, raw: by saved rank, batches keyed by
     /// their first block.
     held: BTreeMap<u32, BTreeMap<u64, (Range<u64>, Vec<u8>)>>,
+    /// What each rank asked of this one, by rank (this one's own entry is its own
+    /// needs), once served.
+    served: Vec<Vec<(u32, Range<u64>)>>,
     stats: LoadStats,
     unique_bytes_served: u64,
     /// The checkpoint's directory.
@@ -300,10 +304,11 @@ impl Cooperative {
     /// Reads from the store what the ranks asked of this one (`asked[r]`: rank
     /// `r`'s request, as its [`Cooperative::asks`] made it; this rank's own entry
     /// is ignored, its own needs are known) — the union once, each block verified
-    /// (and decompressed) — and returns the buffer to send to each rank, by rank:
-    /// the raw bytes of its request's blocks back to back, empty for a rank that
-    /// asked nothing and for this one.
-    pub async fn serve(&mut self, asked: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+    /// (and decompressed) — and returns how many bytes go to each rank, by rank
+    /// (none to a rank that asked nothing, nor to this one). The bytes themselves
+    /// are written by [`Cooperative::write_sent`] (or returned by
+    /// [`Cooperative::sent`]).
+    pub async fn serve(&mut self, asked: &[&[u8]]) -> Result<Vec<u64>> {
         if asked.len() != self.world {
             return Err(Error::invalid(format!(
                 "cooperative load: {} requests for a world of {}",
@@ -375,32 +380,74 @@ impl Cooperative {
                 .or_default()
                 .insert(blocks.start, (blocks, raw));
         }
-        requests
+        let sizes = requests
             .iter()
             .enumerate()
             .map(|(to, request)| {
                 if to == self.rank {
-                    return Ok(Vec::new());
+                    return 0;
                 }
-                let len: u64 = request
+                request
                     .iter()
                     .map(|(saved, blocks)| raw_bytes(&self.parts[*saved as usize], blocks))
-                    .sum();
-                let mut out = Vec::with_capacity(len as usize);
-                for (saved, blocks) in request {
-                    self.copy_held(*saved, blocks, &mut out)?;
-                }
-                Ok(out)
+                    .sum()
             })
-            .collect()
+            .collect();
+        self.served = requests;
+        Ok(sizes)
     }
 
-    /// Appends the held raw bytes of `blocks` of `saved`'s file to `out`.
-    fn copy_held(&self, saved: u32, blocks: &Range<u64>, out: &mut Vec<u8>) -> Result<()> {
-        for (_, bytes) in self.held_pieces(saved, blocks)? {
-            out.extend_from_slice(bytes);
+    /// Writes the bytes for rank `to` (after [`Cooperative::serve`]) into `out`,
+    /// which must be exactly the size `serve` gave: the raw bytes of the blocks it
+    /// asked for, back to back, in the order it asked.
+    pub fn write_sent(&self, to: usize, out: &mut [u8]) -> Result<()> {
+        let request = self.served.get(to).ok_or_else(|| {
+            Error::invalid(format!(
+                "cooperative load: rank {to} asked nothing of this one (or serve has not run)"
+            ))
+        })?;
+        let mut at = 0usize;
+        let capacity = out.len();
+        for (saved, blocks) in request {
+            for (_, bytes) in self.held_pieces(*saved, blocks)? {
+                let end = at + bytes.len();
+                out.get_mut(at..end)
+                    .ok_or_else(|| {
+                        Error::invalid(format!(
+                            "cooperative load: a buffer of {capacity} bytes for rank {to}, too short"
+                        ))
+                    })?
+                    .copy_from_slice(bytes);
+                at = end;
+            }
+        }
+        if at != out.len() {
+            return Err(Error::invalid(format!(
+                "cooperative load: a buffer of {} bytes for rank {to}, which gets {at}",
+                out.len()
+            )));
         }
         Ok(())
+    }
+
+    /// The bytes for rank `to`, as [`Cooperative::write_sent`] writes them.
+    pub fn sent(&self, to: usize) -> Result<Vec<u8>> {
+        if to == self.rank {
+            return Ok(Vec::new());
+        }
+        let len: u64 = self
+            .served
+            .get(to)
+            .map(|request| {
+                request
+                    .iter()
+                    .map(|(saved, blocks)| raw_bytes(&self.parts[*saved as usize], blocks))
+                    .sum()
+            })
+            .unwrap_or(0);
+        let mut out = vec![0u8; len as usize];
+        self.write_sent(to, &mut out)?;
+        Ok(out)
     }
 
     /// The held raw bytes of `blocks` of `saved`'s file, as slices of the batches
