@@ -316,6 +316,56 @@ impl Cooperative {
                 self.world
             )));
         }
+        let (requests, batches, unique) = self.union_of(asked)?;
+        self.unique_bytes_served = unique;
+        let store = &self.store;
+        let parts = &self.parts;
+        let dir = self.dir.as_str();
+        let in_flight = (self.config.file_concurrency * self.config.batches_in_flight).max(2);
+        let read: Vec<(u32, Range<u64>, Vec<u8>, u64)> = futures::stream::iter(batches)
+            .map(move |(saved, blocks)| async move {
+                let part = &parts[saved as usize];
+                let object = part_object(dir, part);
+                let (raw, stored) = fetch_raw(store, &object, part, &blocks).await?;
+                Ok::<_, Error>((saved, blocks, raw, stored))
+            })
+            .buffer_unordered(in_flight)
+            .try_collect()
+            .await?;
+        for (saved, blocks, raw, stored) in read {
+            self.stats.bytes_read += stored;
+            self.stats.bytes_read_from_store += stored;
+            self.stats.bytes_verified += raw.len() as u64;
+            self.held
+                .entry(saved)
+                .or_default()
+                .insert(blocks.start, (blocks, raw));
+        }
+        let sizes = requests
+            .iter()
+            .enumerate()
+            .map(|(to, request)| {
+                if to == self.rank {
+                    return 0;
+                }
+                request
+                    .iter()
+                    .map(|(saved, blocks)| raw_bytes(&self.parts[*saved as usize], blocks))
+                    .sum()
+            })
+            .collect();
+        self.served = requests;
+        Ok(sizes)
+    }
+
+    /// The requests of `asked` decoded (this rank's own entry replaced by its own
+    /// needs), the batches of blocks that read their union from the store, and the
+    /// union's stored bytes.
+    #[allow(clippy::type_complexity)]
+    fn union_of(
+        &self,
+        asked: &[&[u8]],
+    ) -> Result<(Vec<Vec<(u32, Range<u64>)>>, Vec<(u32, Range<u64>)>, u64)> {
         let mut requests: Vec<Vec<(u32, Range<u64>)>> = Vec::with_capacity(self.world);
         for (from, bytes) in asked.iter().enumerate() {
             requests.push(if from == self.rank {
@@ -356,45 +406,22 @@ impl Cooperative {
                 }
             }
         }
-        self.unique_bytes_served = unique;
-        let store = &self.store;
-        let parts = &self.parts;
-        let dir = self.dir.as_str();
-        let in_flight = (self.config.file_concurrency * self.config.batches_in_flight).max(2);
-        let read: Vec<(u32, Range<u64>, Vec<u8>, u64)> = futures::stream::iter(batches)
-            .map(move |(saved, blocks)| async move {
-                let part = &parts[saved as usize];
-                let object = part_object(dir, part);
-                let (raw, stored) = fetch_raw(store, &object, part, &blocks).await?;
-                Ok::<_, Error>((saved, blocks, raw, stored))
-            })
-            .buffer_unordered(in_flight)
-            .try_collect()
-            .await?;
-        for (saved, blocks, raw, stored) in read {
-            self.stats.bytes_read += stored;
-            self.stats.bytes_read_from_store += stored;
-            self.stats.bytes_verified += raw.len() as u64;
-            self.held
-                .entry(saved)
-                .or_default()
-                .insert(blocks.start, (blocks, raw));
+        Ok((requests, batches, unique))
+    }
+
+    /// What [`Cooperative::serve`] would read for `asked`, without reading: the
+    /// ranged GETs it sends and the stored bytes they fetch (for planning figures at
+    /// scale; the simulated ranks' data files need not exist).
+    pub fn planned_reads(&self, asked: &[&[u8]]) -> Result<(u64, u64)> {
+        if asked.len() != self.world {
+            return Err(Error::invalid(format!(
+                "cooperative load: {} requests for a world of {}",
+                asked.len(),
+                self.world
+            )));
         }
-        let sizes = requests
-            .iter()
-            .enumerate()
-            .map(|(to, request)| {
-                if to == self.rank {
-                    return 0;
-                }
-                request
-                    .iter()
-                    .map(|(saved, blocks)| raw_bytes(&self.parts[*saved as usize], blocks))
-                    .sum()
-            })
-            .collect();
-        self.served = requests;
-        Ok(sizes)
+        let (_, batches, unique) = self.union_of(asked)?;
+        Ok((batches.len() as u64, unique))
     }
 
     /// Writes the bytes for rank `to` (after [`Cooperative::serve`]) into `out`,
