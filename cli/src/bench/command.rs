@@ -95,6 +95,20 @@ pub(crate) struct BenchArgs {
     /// writer (the same objects), N ranks at a time, and does not wait for the outcome.
     #[arg(long, default_value_t = 0)]
     commit_writers: usize,
+    /// Simulate this many ranks resuming from a synthetic checkpoint (parts and
+    /// manifest in a memory store, no data files), each on its own and
+    /// cooperatively, counting the store requests of the job by kind; as FSDP (one
+    /// shard per rank), HSDP (--coop-replicas) and DDP (the whole model per rank).
+    /// 0 skips it; runs after the metadata part, also with --metadata-only.
+    #[arg(long, default_value_t = 0)]
+    coop_ranks: usize,
+    /// Tensors of the --coop-ranks checkpoint.
+    #[arg(long, default_value_t = 1000)]
+    coop_tensors: usize,
+    /// Replicas of every shard in the --coop-ranks HSDP layout (must divide the
+    /// ranks; 1 skips that layout).
+    #[arg(long, default_value_t = 8)]
+    coop_replicas: usize,
     /// Record host RSS over this many consecutive saves (0 skips it).
     #[arg(long, default_value_t = 0)]
     rss_saves: usize,
@@ -304,6 +318,9 @@ pub(crate) fn run_bench(runtime: &tokio::runtime::Runtime, args: BenchArgs) -> E
         metadata_only: args.metadata_only,
         commit_ranks: args.commit_ranks,
         commit_writers: args.commit_writers,
+        coop_ranks: args.coop_ranks,
+        coop_tensors: args.coop_tensors,
+        coop_replicas: args.coop_replicas,
         rss_saves: args.rss_saves,
         codec_sample_bytes: args.codec_sample_mib << 20,
         threads: args.ranks_as != RanksAs::Processes,

@@ -134,7 +134,9 @@ pub(super) fn load_once(
                 .unwrap_or_else(|p| p.into_inner())
                 .get_or_insert_with(minor_faults);
             let started = Instant::now();
-            let (stats, request, loaded) = rt.block_on(async {
+            // A handle of its own, so that its requests are this rank's alone.
+            let store = &store.with_own_counter();
+            let (mut stats, request, loaded) = rt.block_on(async {
                 let reader = CheckpointReader::open(store, Some(step)).await?;
                 let opened = started.elapsed();
                 let request = LoadRequest::dim0_shards(reader.manifest(), rank, world);
@@ -154,6 +156,8 @@ pub(super) fn load_once(
                 Ok::<_, Error>((stats, request, loaded))
             })?;
             let finished = Instant::now();
+            // The requests of opening the checkpoint too.
+            stats.store_requests = store.request_counts();
             if verify {
                 let boxes: Vec<(&str, &Region, &[u8])> = match &loaded {
                     Some(loaded) => loaded
@@ -197,6 +201,10 @@ pub(super) fn load_once(
         b.copy_ms += ms(t.copy);
         b.bytes_copied += stats.bytes_copied as f64;
         b.prefault_ms = b.prefault_ms.max(prefault_ms);
+        b.bytes_read_from_store += stats.bytes_read_from_store;
+        b.bytes_received_from_peers += stats.bytes_received_from_peers;
+        b.store_requests += stats.store_requests.into();
+        b.unique_bytes += stats.unique_bytes;
     }
     b.io_wait_ms = (b.read_ms - b.read_cpu_ms).max(0.0);
     b.minor_faults = faults as f64;
@@ -227,6 +235,14 @@ pub(super) fn median_breakdown(all: &[LoadBreakdown]) -> LoadBreakdown {
         bytes_copied: m(|b| b.bytes_copied),
         minor_faults: m(|b| b.minor_faults),
         prefault_ms: m(|b| b.prefault_ms),
+        bytes_read_from_store: m(|b| b.bytes_read_from_store as f64) as u64,
+        bytes_received_from_peers: m(|b| b.bytes_received_from_peers as f64) as u64,
+        store_requests: super::cooperative::Requests {
+            list: m(|b| b.store_requests.list as f64) as u64,
+            get: m(|b| b.store_requests.get as f64) as u64,
+            head: m(|b| b.store_requests.head as f64) as u64,
+        },
+        unique_bytes: m(|b| b.unique_bytes as f64) as u64,
     }
 }
 

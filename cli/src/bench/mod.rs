@@ -41,6 +41,7 @@ use serde::{Deserialize, Serialize};
 mod codec_samples;
 pub(crate) mod command;
 pub(crate) mod control_plane;
+mod cooperative;
 #[cfg(feature = "cuda")]
 pub(crate) mod device;
 mod measure;
@@ -115,6 +116,15 @@ pub(crate) struct BenchConfig {
     /// `Checkpointer`; the others write their data file and part with
     /// `RankFileWriter`, this many at a time, and do not wait.
     pub commit_writers: usize,
+    /// Simulated loading ranks of the cooperative-scale part (0 skips it).
+    #[serde(default)]
+    pub coop_ranks: usize,
+    /// Tensors of the cooperative-scale part's synthetic checkpoint.
+    #[serde(default)]
+    pub coop_tensors: usize,
+    /// Replicas of every shard in the cooperative-scale part's HSDP layout.
+    #[serde(default)]
+    pub coop_replicas: usize,
     /// Consecutive saves whose RSS is recorded; 0 skips it.
     pub rss_saves: usize,
     /// Bytes of rank 0's data compressed block by block in the codec comparison.
@@ -159,6 +169,9 @@ impl Default for BenchConfig {
             metadata_only: false,
             commit_ranks: 0,
             commit_writers: 0,
+            coop_ranks: 0,
+            coop_tensors: 1000,
+            coop_replicas: 8,
             rss_saves: 0,
             codec_sample_bytes: 64 << 20,
             threads: true,
@@ -195,6 +208,9 @@ impl BenchConfig {
                 "raw baseline of {} bytes is below 1 MiB",
                 self.raw_bytes
             )));
+        }
+        if self.coop_ranks > 0 && self.coop_tensors == 0 {
+            return Err(invalid("coop tensors must be at least 1, got 0"));
         }
         if self.meta_tensors > 0 && self.meta_ranks == 0 {
             return Err(invalid("meta ranks must be at least 1, got 0"));
@@ -443,6 +459,8 @@ pub(crate) struct BenchReport {
     pub metadata: Option<MetadataReport>,
     /// The commit-scale part.
     pub commit_scale: Option<CommitScaleReport>,
+    /// The cooperative-scale part: one report per layout.
+    pub cooperative_scale: Vec<cooperative::CoopScaleReport>,
     /// RSS over consecutive saves.
     pub rss: Option<RssReport>,
     /// The core figures again with one process per rank (`BenchConfig::processes`).
@@ -502,6 +520,18 @@ pub(crate) struct LoadBreakdown {
     /// Allocating and touching the output buffers before the load (in place only;
     /// not part of `wall_ms`), slowest rank, ms.
     pub prefault_ms: f64,
+    /// Bytes of data files the ranks read from the store (as stored).
+    pub bytes_read_from_store: u64,
+    /// Bytes the ranks received from each other (0: these loads are not
+    /// cooperative).
+    pub bytes_received_from_peers: u64,
+    /// Requests the ranks sent to the store, by kind, opening the checkpoint
+    /// included (each rank on a store handle of its own). A local store's data
+    /// files are read by positioned reads, not requests.
+    pub store_requests: cooperative::Requests,
+    /// The checkpoint's bytes the loads needed, as the ranks report them (each
+    /// rank's own blocks, summed: a byte two ranks need counts twice).
+    pub unique_bytes: u64,
 }
 
 /// Runs the benchmark against `store` on runtime `rt`; `progress` receives one line
@@ -528,6 +558,20 @@ pub(crate) fn run(
             config.commit_ranks,
             config.commit_writers,
         ))?);
+    }
+    if config.coop_ranks > 0 {
+        for (layout, replicas) in cooperative::layouts(config.coop_ranks, config.coop_replicas) {
+            report
+                .cooperative_scale
+                .push(rt.block_on(cooperative::coop_scale(
+                    config.coop_ranks,
+                    layout,
+                    replicas,
+                    config.coop_tensors,
+                    config.block_size,
+                    progress,
+                ))?);
+        }
     }
     if config.metadata_only {
         report.targets = targets(&report);
@@ -817,6 +861,7 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         codec_samples: Vec::new(),
         metadata: None,
         commit_scale: None,
+        cooperative_scale: Vec::new(),
         rss: None,
         processes: None,
         replicas: None,

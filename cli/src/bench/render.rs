@@ -299,6 +299,67 @@ pub(crate) fn render(r: &BenchReport) -> String {
             m.reshard_plan_bytes_read as f64 / (1 << 20) as f64
         );
     }
+    if !r.cooperative_scale.is_empty() {
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "cooperative scale (store requests of the whole job; plan per rank, median/max):"
+        );
+        let _ = writeln!(
+            s,
+            "{:>6} {:<8} {:>6} | {:>5} {:>9} {:>9} {:>10} {:>13} | {:>5} {:>7} {:>7} {:>10} {:>13} | {:>10}",
+            "ranks",
+            "layout",
+            "saved",
+            "LIST",
+            "GET",
+            "HEAD",
+            "data GiB",
+            "plan ms",
+            "LIST",
+            "GET",
+            "HEAD",
+            "data GiB",
+            "plan ms",
+            "unique GiB"
+        );
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        for c in &r.cooperative_scale {
+            let (p, q) = (&c.plain, &c.cooperative);
+            let _ = writeln!(
+                s,
+                "{:>6} {:<8} {:>6} | {:>5} {:>9} {:>9} {:>10.1} {:>6.2}/{:<6.2} | {:>5} {:>7} {:>7} {:>10.1} {:>6.2}/{:<6.2} | {:>10.1}",
+                c.ranks,
+                c.layout.name(),
+                c.saved_ranks,
+                p.store_requests.list,
+                p.store_requests.get,
+                p.store_requests.head,
+                gib(p.data_bytes),
+                p.plan_ms_median,
+                p.plan_ms_max,
+                q.store_requests.list,
+                q.store_requests.get,
+                q.store_requests.head,
+                gib(q.data_bytes),
+                q.plan_ms_median,
+                q.plan_ms_max,
+                gib(c.unique_bytes)
+            );
+            let _ = writeln!(
+                s,
+                "{:>23} open {} LIST {} GET {} HEAD; rank 0 open + share {:.0} ms ({:.1} MiB shared), open from shared {:.0} ms, {} peer requests",
+                "",
+                c.open_requests.list,
+                c.open_requests.get,
+                c.open_requests.head,
+                c.share_ms,
+                c.shared_bytes as f64 / (1 << 20) as f64,
+                c.open_shared_ms,
+                c.peer_messages
+            );
+        }
+    }
     let _ = writeln!(s);
     let _ = writeln!(s, "{:<36} {:>10} {:>10}  met", "target", "value", "bound");
     for t in &r.targets {

@@ -6,29 +6,48 @@ use futures::{StreamExt, TryStreamExt};
 
 use super::*;
 
-/// Builds a synthetic checkpoint description in a private memory store (parts and
-/// manifest, no data files) and times what a committing rank and a loading rank do.
-pub(super) async fn metadata_scale(
-    config: &BenchConfig,
-    progress: &dyn Fn(&str),
-) -> Result<MetadataReport> {
-    let (tensors, world) = (config.meta_tensors, config.meta_ranks);
+/// A synthetic checkpoint written to a store: parts and manifest, no data files.
+pub(super) struct Synthetic {
+    /// Its step.
+    pub step: u64,
+    /// Its directory.
+    pub dir: String,
+    /// Building the manifest from every part, ms.
+    pub build_ms: f64,
+    /// Bytes of `manifest.json`.
+    pub manifest_bytes: u64,
+    /// Bytes of rank 0's part.
+    pub part_bytes: u64,
+}
+
+/// A fresh private memory store.
+pub(super) fn private_memory_store(what: &str) -> Result<Store> {
     let name = format!(
-        "memory://ckpt-bench-metadata-{}-{}",
+        "memory://ckpt-bench-{what}-{}-{}",
         std::process::id(),
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     );
-    let store = Store::from_url(&name)?;
+    Ok(Store::from_url(&name)?)
+}
+
+/// Writes to `store` (committed, step 1) the parts and manifest of a checkpoint of
+/// `tensors` fp32 tensors, each sharded on dim 0 over `world` saving ranks, without
+/// data files. Each tensor is 4096 x 1024 (16 MiB) when the world allows, else a row
+/// per rank.
+pub(super) async fn write_synthetic(
+    store: &Store,
+    tensors: usize,
+    world: usize,
+    block: u64,
+) -> Result<Synthetic> {
     let step = 1u64;
     let attempt = ckpt::Attempt::new(step, 0, "bench")?;
     let dir = attempt.dir();
-    // Each tensor 4096 x 1024 fp32 (16 MiB) when the world allows, else a row per rank.
     let rows = (world as u64).max(4096);
     let cols = 1024u64;
     let shape = [rows, cols];
-    let block = config.block_size;
     let mut parts = Vec::with_capacity(world);
     for rank in 0..world {
         let region = Region::dim0_shard(&shape, rank, world);
@@ -77,7 +96,6 @@ pub(super) async fn metadata_scale(
         let bytes = part.to_bytes();
         parts.push((bytes, part));
     }
-    progress("metadata scale: building the manifest");
     let started = Instant::now();
     let refs: Vec<&(Vec<u8>, RankPart)> = parts.iter().collect();
     let manifest = ckpt::testing::build_manifest(&attempt, world as u32, &refs)?;
@@ -93,13 +111,38 @@ pub(super) async fn metadata_scale(
             .await?;
     }
     ckpt::testing::append(
-        &store,
+        store,
         &ckpt::testing::CommitRecord::new(&attempt, world as u32),
     )
     .await?;
     store
         .put(&format!("{dir}/{MANIFEST}"), manifest_bytes)
         .await?;
+    Ok(Synthetic {
+        step,
+        dir,
+        build_ms,
+        manifest_bytes: manifest_len,
+        part_bytes,
+    })
+}
+
+/// Builds a synthetic checkpoint description in a private memory store (parts and
+/// manifest, no data files) and times what a committing rank and a loading rank do.
+pub(super) async fn metadata_scale(
+    config: &BenchConfig,
+    progress: &dyn Fn(&str),
+) -> Result<MetadataReport> {
+    let (tensors, world) = (config.meta_tensors, config.meta_ranks);
+    let store = private_memory_store("metadata")?;
+    progress("metadata scale: building the manifest");
+    let Synthetic {
+        step,
+        dir,
+        build_ms,
+        manifest_bytes: manifest_len,
+        part_bytes,
+    } = write_synthetic(&store, tensors, world, config.block_size).await?;
 
     progress("metadata scale: open and plan");
     let plan_for = |load_world: usize| {
