@@ -97,6 +97,13 @@ struct TrainArgs {
     /// --memory-copies=false: recoveries read the store.
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
     memory_copies: bool,
+    /// A world of more than one rank resumes cooperatively: rank 0 alone reads the
+    /// commit and shares it, and each byte of the checkpoint is read from the store by
+    /// one rank and passed to the others over the collective, verified by its CRC32
+    /// where it lands. --cooperative-load=false: every rank reads what it needs from
+    /// the store on its own.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    cooperative_load: bool,
     /// How a save copies the rank's state into its staging buffer: `overlapped`
     /// returns at once and copies while the next step gathers and computes (the rank
     /// waits for the copy only before its optimizer step); `blocking` copies inside
@@ -644,6 +651,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
         deterministic: args.deterministic,
         ckpt_every: args.ckpt_every,
         keep: args.keep,
+        cooperative_load: args.cooperative_load,
         max_failed_saves: args.max_failed_saves,
         retention_grace: std::time::Duration::from_secs(args.keep_grace_secs),
         resume: args.resume,

@@ -43,6 +43,8 @@
 //!   periodic save may fail, the last one of a generation may not);
 //! - `shards`: a rank's state and its saved form, written and read in one place;
 //! - `resume`: the world's one decision on the checkpoint to resume from;
+//! - `cooperative`: a resume that reads every byte from the store once per world,
+//!   the ranks passing the rest over the collective;
 //! - `rollback`: the judgement of a step (non-finite, a spike) and the count of
 //!   rollbacks in a row;
 //! - `copies`: the trainer's side of in-memory copies ([`ckpt::copies`]).
@@ -57,6 +59,7 @@ use crate::collective::{Collective, CollectiveError};
 use crate::model::Preset;
 
 mod checkpointing;
+mod cooperative;
 mod copies;
 mod resume;
 mod rollback;
@@ -85,6 +88,11 @@ pub struct TrainConfig {
     pub ckpt_every: u64,
     /// Keep this many newest checkpoints.
     pub keep: usize,
+    /// A world of more than one rank resumes cooperatively: rank 0 alone reads the
+    /// commit and shares it, each byte is read from the store by one rank and passed
+    /// to the others over the collective (module `cooperative`). False: every rank
+    /// reads what it needs from the store on its own.
+    pub cooperative_load: bool,
     /// Saves in a row that may fail (a storage outage, a full disk) while training
     /// goes on; one more stops the rank with the error. The final save must commit.
     pub max_failed_saves: u32,

@@ -157,6 +157,7 @@ mod tests {
             deterministic: true,
             ckpt_every: 0,
             keep: 1,
+            cooperative_load: true,
             max_failed_saves: 0,
             retention_grace: Duration::ZERO,
             resume: false,
