@@ -719,3 +719,159 @@ fn a_nan_rolls_back_to_the_newest_healthy_commit_and_a_persistent_one_stops_the_
     );
     assert_eq!(latest_step(poisoned.path()), Some(10));
 }
+
+/// The figures of the resume line's load, summed over the world.
+#[derive(Debug)]
+struct LoadFigures {
+    /// Loaded cooperatively (rather than rank by rank).
+    cooperative: bool,
+    /// Bytes read from the store's data files.
+    from_store: u64,
+    /// The checkpoint's bytes the world needed, each counted once (cooperative).
+    unique: Option<u64>,
+    /// Bytes passed between ranks (cooperative).
+    from_peers: Option<u64>,
+    list: u64,
+    get: u64,
+    /// Which ranks listed: `rank 0 only`, `ranks 0, 1, 2`.
+    listed_by: String,
+}
+
+fn load_figures(output: &str) -> LoadFigures {
+    let line = output
+        .lines()
+        .find(|l| l.contains("resumed from step "))
+        .unwrap_or_else(|| panic!("no resume line in:\n{output}"));
+    let number = |text: &str, after: &str| -> Option<u64> {
+        text.split(after)
+            .nth(1)?
+            .split([' ', ')', ','])
+            .next()?
+            .parse()
+            .ok()
+    };
+    let (cooperative, load) = match line.split_once("; cooperative load: ") {
+        Some((_, load)) => (true, load),
+        None => (false, line.split_once("; load: ").expect(line).1),
+    };
+    let count = |kind: &str| -> u64 {
+        let before = load.split(&format!(" {kind}")).next().expect(line);
+        before.rsplit(' ').next().unwrap().parse().expect(line)
+    };
+    LoadFigures {
+        cooperative,
+        from_store: load
+            .split(" ")
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect(line),
+        unique: number(load, "from the store (").filter(|_| cooperative),
+        from_peers: load
+            .split(" bytes from peers")
+            .next()
+            .and_then(|t| t.rsplit(' ').next()?.parse().ok())
+            .filter(|_| cooperative),
+        list: count("LIST"),
+        get: count("GET"),
+        listed_by: load
+            .split("(by ")
+            .nth(1)
+            .and_then(|t| t.split(')').next())
+            .expect(line)
+            .to_string(),
+    }
+}
+
+/// A world of two replicas of two shards resumes on the same world, on three ranks
+/// and on three shards of two replicas: cooperatively, rank 0 alone lists and reads
+/// the commit, and the world reads from the store exactly the unique bytes it needs
+/// (the replicas' and neighbours' shares pass between the ranks); rank by rank
+/// (`--cooperative-load=false`) every rank lists and each replica reads its shard
+/// again. Both end bitwise equal to a run that never stopped. A data file gone from
+/// the commit is found by the rank that owns its blocks, and the whole world falls
+/// back to the commit before it with a line naming that rank.
+#[test]
+fn replicas_resume_cooperatively_reading_each_byte_from_the_store_once() {
+    let reference = tempdir();
+    train(4, reference.path(), 40, &["--replicas", "2"]);
+    for after in [4, 3, 6] {
+        let mut store_bytes = Vec::new();
+        for cooperative in [true, false] {
+            let run = tempdir();
+            train(4, run.path(), 20, &["--replicas", "2"]);
+            let flag = format!("--cooperative-load={cooperative}");
+            let out = train(
+                after,
+                run.path(),
+                40,
+                &["--resume", "--replicas", "2", &flag],
+            );
+            assert_eq!(resumed_from(&out), 20, "{out}");
+            let load = load_figures(&out);
+            assert_eq!(load.cooperative, cooperative, "{load:?}");
+            assert!(load.get > 0, "{load:?}");
+            if cooperative {
+                assert_eq!(
+                    Some(load.from_store),
+                    load.unique,
+                    "{after} ranks: {load:?}"
+                );
+                assert!(load.from_peers > Some(0), "{after} ranks: {load:?}");
+                assert_eq!(
+                    (load.list, load.listed_by.as_str()),
+                    (1, "rank 0 only"),
+                    "{load:?}"
+                );
+            } else {
+                let everyone = (0..after).map(|r| r.to_string()).collect::<Vec<_>>();
+                assert_eq!(load.listed_by, format!("ranks {}", everyone.join(", ")));
+                assert!(load.list >= after as u64, "{load:?}");
+            }
+            store_bytes.push(load.from_store);
+            assert_identical(reference.path(), run.path());
+        }
+        let [together, alone] = store_bytes[..] else {
+            unreachable!()
+        };
+        // Rank by rank, each replica reads its shard again, and a new shard that
+        // straddles two saved ones reads both of their blocks: at least twice.
+        assert!(
+            alone >= 2 * together,
+            "{after} ranks: {alone} vs {together}"
+        );
+        if after == 4 {
+            assert_eq!(alone, 2 * together);
+        }
+    }
+
+    // Rank 1's data file of step 20 removed: its owner's read fails, every rank
+    // falls back to step 10 together.
+    let run = tempdir();
+    train(4, run.path(), 20, &["--replicas", "2"]);
+    let attempt = std::fs::read_dir(run.path().join("step-00000020"))
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_type().unwrap().is_dir())
+        .expect("step 20's attempt directory")
+        .path();
+    let data = std::fs::read_dir(&attempt)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name.starts_with("rank-00001-") && name.ends_with(".safetensors")
+        })
+        .expect("rank 1's data file");
+    std::fs::remove_file(&data).unwrap();
+    let out = train(4, run.path(), 40, &["--resume", "--replicas", "2"]);
+    assert!(
+        out.contains(
+            "checkpoint step 20 does not load (reading its blocks from the store failed on rank "
+        ) && out.contains("rank-00001-")
+            && out.contains("falling back to the commit before it"),
+        "{out}"
+    );
+    assert_eq!(resumed_from(&out), 10, "{out}");
+    assert_identical(reference.path(), run.path());
+}
