@@ -22,6 +22,7 @@
 //!   rank's exception with `gather_object`, and a class pickle cannot find kills the
 //!   failing rank while the others wait for the gather.
 
+mod cooperative;
 mod copies;
 mod elastic;
 
@@ -1026,13 +1027,83 @@ impl Reader {
             let device_stats = self.load_device(py, &device)?;
             add_counters(&mut stats, &device_stats);
         }
-        out.set_item("bytes_requested", stats.bytes_requested)?;
-        out.set_item("bytes_read", stats.bytes_read)?;
-        out.set_item("bytes_verified", stats.bytes_verified)?;
-        out.set_item("bytes_copied", stats.bytes_copied)?;
-        out.set_item("parts_read", stats.parts_read)?;
+        stats.store_requests = self.inner.store_requests();
+        put_stats(&out, &stats)?;
         Ok(out)
     }
+
+    /// Fetches every rank part and returns the bytes that let the other ranks of
+    /// the job open this checkpoint with `Reader.from_shared`, without a request to
+    /// the store.
+    fn share<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let reader = self.inner.clone();
+        let shared = run(py, async move { reader.share().await })?;
+        Ok(PyBytes::new(py, &shared))
+    }
+
+    /// Opens the checkpoint that another rank's `share()` describes (checked as if
+    /// read from the store: the manifest validated, every part against its CRC32).
+    #[staticmethod]
+    #[pyo3(signature = (url, shared, store_options=None))]
+    fn from_shared(
+        url: &str,
+        shared: &[u8],
+        store_options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            inner: Arc::new(cooperative::from_shared(url, shared, store_options)?),
+            url: url.to_string(),
+        })
+    }
+
+    /// Requests this reader's store handle sent since it was opened, by kind:
+    /// `{"LIST": n, "GET": n, "HEAD": n}` (the opening's included).
+    #[getter]
+    fn store_requests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        requests_dict(py, &self.inner.store_requests())
+    }
+
+    /// Starts this rank's part of a cooperative load of `wants` (host memory, as
+    /// `load_into` takes them) by `world` ranks: see `Cooperation`.
+    fn cooperate(
+        &self,
+        py: Python<'_>,
+        wants: Vec<WantTuple>,
+        rank: usize,
+        world: usize,
+    ) -> PyResult<cooperative::Cooperation> {
+        cooperative::cooperate(py, &self.inner, wants, rank, world)
+    }
+}
+
+/// A store's requests by kind, as `{"LIST": n, "GET": n, "HEAD": n}`.
+fn requests_dict<'py>(
+    py: Python<'py>,
+    counts: &ckpt::storage::RequestCounts,
+) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("LIST", counts.list)?;
+    out.set_item("GET", counts.get)?;
+    out.set_item("HEAD", counts.head)?;
+    Ok(out)
+}
+
+/// A load's counters into `out`.
+fn put_stats(out: &Bound<'_, PyDict>, stats: &ckpt::load::LoadStats) -> PyResult<()> {
+    out.set_item("bytes_requested", stats.bytes_requested)?;
+    out.set_item("bytes_read", stats.bytes_read)?;
+    out.set_item("bytes_verified", stats.bytes_verified)?;
+    out.set_item("bytes_copied", stats.bytes_copied)?;
+    out.set_item("parts_read", stats.parts_read)?;
+    out.set_item("bytes_read_from_store", stats.bytes_read_from_store)?;
+    out.set_item("bytes_received_from_peers", stats.bytes_received_from_peers)?;
+    out.set_item("peer_blocks_rejected", stats.peer_blocks_rejected)?;
+    out.set_item("unique_bytes", stats.unique_bytes)?;
+    out.set_item(
+        "store_requests",
+        requests_dict(out.py(), &stats.store_requests)?,
+    )?;
+    Ok(())
 }
 
 impl Reader {
@@ -1224,6 +1295,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveHandle>()?;
     m.add_class::<SavePlan>()?;
     m.add_class::<Reader>()?;
+    m.add_class::<cooperative::Cooperation>()?;
     m.add_class::<elastic::Agent>()?;
     m.add_class::<copies::Copies>()?;
     m.add("HOLDING_SIZE", ckpt::copies::Holding::SIZE)?;

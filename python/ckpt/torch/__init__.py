@@ -35,10 +35,12 @@ from ckpt.torch._api import (
     list_checkpoints,
     load,
 )
+from ckpt.torch._cooperative import PeerLostError
 
 __all__ = [
     "Checkpointer",
     "ExtraState",
+    "PeerLostError",
     "SaveHandle",
     "UnhealthyCheckpointWarning",
     "UnhealthySkippedWarning",

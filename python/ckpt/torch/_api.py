@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ckpt import _native
-from ckpt.torch import _state
+from ckpt.torch import _cooperative, _state
 
 # What a checkpoint written through DCP says in its manifest's metadata: its
 # non-tensor values are torch-pickled bytes (DCP's way), not JSON.
@@ -352,11 +352,19 @@ class Checkpointer:
         )
 
     def load(
-        self, state_dict: Mapping[str, Any], *, step: int | None = None, healthy: bool = True
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        healthy: bool = True,
+        cooperative: bool = False,
+        group: Any = None,
     ) -> ExtraState:
         """Loads checkpoint ``step`` (default: the newest committed one that is not
         unhealthy, agreed by every rank when ``torch.distributed`` is initialised)
-        into ``state_dict`` in place; see :func:`load`."""
+        into ``state_dict`` in place; with ``cooperative=True`` every rank of
+        ``group`` loads together, each byte read from the store once; see
+        :func:`load`."""
         return load(
             self.url,
             state_dict,
@@ -364,6 +372,8 @@ class Checkpointer:
             rank=self.rank,
             store_options=self.store_options,
             healthy=healthy,
+            cooperative=cooperative,
+            group=group,
         )
 
     def close(self) -> None:
@@ -501,6 +511,8 @@ def load(
     copies: Any = None,
     store_options: StoreOptions | None = None,
     healthy: bool = True,
+    cooperative: bool = False,
+    group: Any = None,
 ) -> ExtraState:
     """Loads checkpoint ``step`` under ``url`` (default: the newest committed one
     that is not judged unhealthy) into ``state_dict`` in place, resharded from
@@ -522,9 +534,29 @@ def load(
     A corrupt block raises ``CorruptionError`` naming the object and offset; the
     tensors are then partly written and must be loaded again before use.
     ``store_options``: the store's settings, as for :class:`Checkpointer`.
+
+    With ``cooperative=True`` and an initialised process group (``group``, default
+    the world) of more than one rank, every rank of the group must call ``load``
+    together: the job lists and reads the metadata once (rank 0), every byte it
+    needs is read from the store by one rank, and the ranks send each other the rest
+    over the group, each block checked against the save's CRC32 by the rank that
+    receives it (one that fails is read from the store instead). A peer that dies
+    during the exchange raises ``PeerLostError`` naming it. Without a process
+    group the load is the plain one.
+
+    ``ExtraState.stats`` counts the load: ``bytes_read_from_store`` (this rank's
+    data bytes, as stored), ``bytes_received_from_peers``, ``store_requests``
+    (``{"LIST", "GET", "HEAD"}`` this rank sent, the opening included),
+    ``unique_bytes`` (the stored bytes the whole job needed, counted once; without
+    cooperation, this rank's own), ``peer_blocks_rejected`` and the byte counters.
     """
     url = _url(url)
     rank, _ = _world(rank, None)
+    together = _cooperative.group_world(group) if cooperative and copies is None else None
+    if together is not None:
+        return _load_cooperatively(
+            url, state_dict, step, store_options, healthy, group, rank, together
+        )
     agreed, skipped = _agreed_step(url, step, store_options, healthy)
     try:
         reader = _native.Reader(url, agreed, store_options, healthy and agreed is None)
@@ -536,6 +568,24 @@ def load(
     if agreed is None:
         skipped = _skipped(reader.skipped)
     _warn_skipped(url, skipped, reader.step)
+    wants, fixups, keep_alive = _wants(state_dict, rank, host_only=False)
+    if copies is None:
+        stats = reader.load_into(wants)
+    else:
+        # (holder, table of every rank's holding): ckpt.elastic's in-memory copies.
+        holder, table = copies
+        stats = reader.load_into(wants, holder, table, rank)
+    _apply_fixups(fixups, stats)
+    del keep_alive
+    return _extra_state(reader, state_dict, rank, stats, skipped)
+
+
+def _wants(
+    state_dict: Mapping[str, Any], rank: int, host_only: bool
+) -> tuple[list[tuple], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """The library's wants for every tensor box of ``state_dict`` this rank holds:
+    its own memory where that is contiguous (and, with ``host_only``, on the CPU),
+    else a temporary to copy from afterwards (the fixups)."""
     wants, fixups, keep_alive = [], [], []
     for leaf in _state.leaves(state_dict):
         if not isinstance(leaf.value, torch.Tensor):
@@ -544,22 +594,60 @@ def load(
             if b.local.numel() == 0:
                 continue
             into = b.local
-            if not into.is_contiguous():
-                into = torch.empty(b.lengths, dtype=b.local.dtype, device=b.local.device)
+            on_host = into.device.type == "cpu"
+            if not into.is_contiguous() or (host_only and not on_host):
+                into = torch.empty(
+                    b.lengths,
+                    dtype=b.local.dtype,
+                    device="cpu" if host_only else b.local.device,
+                    pin_memory=host_only and not on_host and torch.cuda.is_available(),
+                )
                 fixups.append((b.local, into))
             keep_alive.append(into)
             wants.append(b.for_load(into))
-    if copies is None:
-        stats = reader.load_into(wants)
-    else:
-        # (holder, table of every rank's holding): ckpt.elastic's in-memory copies.
-        holder, table = copies
-        stats = reader.load_into(wants, holder, table, rank)
+    return wants, fixups, keep_alive
+
+
+def _apply_fixups(fixups: list[tuple[torch.Tensor, torch.Tensor]], stats: dict[str, Any]) -> None:
     with torch.no_grad():
         for dest, loaded in fixups:
             dest.copy_(loaded)
             stats["bytes_copied"] += loaded.numel() * loaded.element_size()
+
+
+def _load_cooperatively(
+    url: str,
+    state_dict: Mapping[str, Any],
+    step: int | None,
+    store_options: StoreOptions | None,
+    healthy: bool,
+    group: Any,
+    rank: int,
+    together: tuple[int, int],
+) -> ExtraState:
+    """:func:`load` with ``cooperative=True`` over ``group`` (``rank``: this
+    process's global rank, which places its boxes; ``together``: its rank in the
+    group and the group's size): see there."""
+    member, world = together
+    reader = _cooperative.open_shared(url, step, store_options, healthy, group, member)
+    skipped = _skipped(reader.skipped) if step is None else []
+    _warn_skipped(url, skipped, reader.step)
+    wants, fixups, keep_alive = _wants(state_dict, rank, host_only=True)
+    stats = _cooperative.load(reader, wants, group, member, world)
+    _apply_fixups(fixups, stats)
     del keep_alive
+    return _extra_state(reader, state_dict, rank, stats, skipped)
+
+
+def _extra_state(
+    reader: _native.Reader,
+    state_dict: Mapping[str, Any],
+    rank: int,
+    stats: dict[str, Any],
+    skipped: list[dict[str, Any]],
+) -> ExtraState:
+    """The non-tensor state of ``reader``'s checkpoint put into ``state_dict`` (this
+    rank's values), and everything a load returns."""
     metadata = json.loads(reader.metadata)
     decode = _decoder(metadata)
     for key in _state.RESERVED_METADATA:

@@ -49,10 +49,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import inspect
 import io
 import json
 import os
 import secrets
+import sys
 import time
 import warnings
 from typing import Any
@@ -81,7 +83,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt import _native
-from ckpt.torch import _state
+from ckpt.torch import _cooperative, _state
 from ckpt.torch._api import (
     DCP_MARK,
     StoreOptions,
@@ -532,12 +534,49 @@ def _planner_data(metadata: dict[str, Any], state: dict[str, Any]) -> Any:
     return {name: paths.get(name, (name,)) for name in state}
 
 
+def _dcp_group() -> tuple[Any, int, int] | None:
+    """(process group, rank in it, its size) of the ``dcp.load`` that is calling
+    the reader, when it runs with collectives over more than one rank; None
+    otherwise (``no_dist=True``, one rank, or a caller other than ``dcp.load``).
+    DCP passes storage readers no group, so this looks for its ``_DistWrapper`` in
+    the calling frames."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(8):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            wrapper = frame.f_locals.get("distW")
+            if wrapper is not None and hasattr(wrapper, "use_dist"):
+                if not wrapper.use_dist:
+                    return None
+                group = wrapper.group
+                together = _cooperative.group_world(group)
+                return None if together is None else (group, *together)
+        return None
+    finally:
+        del frame
+
+
 class StorageReader(_DcpReader):
     """DCP's ``StorageReader`` over a ckpt checkpoint root: the newest commit not
     judged unhealthy (with ``healthy=False`` the newest whatever its health), or
     ``step`` whatever its health; ``store_options`` are the store's settings, as
     ``ckpt.torch.Checkpointer`` takes them. Each unhealthy commit passed over is an
-    ``UnhealthySkippedWarning`` and an entry of ``skipped``."""
+    ``UnhealthySkippedWarning`` and an entry of ``skipped``.
+
+    Under ``dcp.load`` with a process group of more than one rank (its
+    ``process_group``, default the world) the load is cooperative, as
+    ``ckpt.torch.load(..., cooperative=True)``: rank 0 alone lists and reads the
+    metadata, every byte is read from the store by one rank and sent to the others
+    over the group, verified by whoever receives it. ``cooperative=False`` makes
+    every rank read for itself. The reader learns the group from ``dcp.load``'s
+    own frame (DCP does not hand it to storage readers); called any other way, or
+    with ``no_dist=True``, it loads on its own. A peer that dies during the
+    exchange is named on stderr and in ``error`` (``dcp.load`` raises its own
+    collective's failure after it). ``stats`` also holds
+    ``bytes_read_from_store``, ``bytes_received_from_peers``, ``store_requests``
+    and ``unique_bytes`` (the whole job's)."""
 
     def __init__(
         self,
@@ -546,12 +585,19 @@ class StorageReader(_DcpReader):
         step: int | None = None,
         store_options: StoreOptions | None = None,
         healthy: bool = True,
+        cooperative: bool = True,
     ):
         super().__init__()
         self.url = _url(url)
         self.step = step
         self.store_options = store_options
         self.healthy = healthy
+        self.cooperative = cooperative
+        self.error: Exception | None = None
+        """The ``PeerLostError`` of a cooperative load whose peer died (``dcp.load``
+        itself then raises its own collective's failure)."""
+        # (group, rank in it, its size) while a cooperative dcp.load runs.
+        self._together: tuple[Any, int, int] | None = None
         self.skipped: list[dict[str, Any]] = []
         self._reader: _native.Reader | None = None
         self._rank = 0
@@ -572,15 +618,26 @@ class StorageReader(_DcpReader):
         self._reader = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._together = _dcp_group() if self.cooperative else None
+        if self._together is not None:
+            # Every rank of dcp.load's group is here: rank 0 opens for all.
+            group, member, _ = self._together
+            reader = _cooperative.open_shared(
+                self.url, self.step, self.store_options, self.healthy, group, member
+            )
+            return self._open(self.step, reader)
         # No collective here (DCP may load without one): each rank opens the newest
         # commit, and the coordinator's choice travels in the plans (read_data
         # reopens at it should a commit have landed in between).
         return self._open(self.step)
 
-    def _open(self, step: int | None) -> Metadata:
-        """Opens checkpoint ``step`` (or the newest healthy one) and returns DCP's view
-        of it."""
-        reader = _native.Reader(self.url, step, self.store_options, self.healthy and step is None)
+    def _open(self, step: int | None, reader: _native.Reader | None = None) -> Metadata:
+        """Opens checkpoint ``step`` (or the newest healthy one), unless ``reader``
+        is given open, and returns DCP's view of it."""
+        if reader is None:
+            reader = _native.Reader(
+                self.url, step, self.store_options, self.healthy and step is None
+            )
         self._reader = reader
         if step is None:
             self.skipped = _skipped(reader.skipped)
@@ -649,8 +706,18 @@ class StorageReader(_DcpReader):
                 for c, o in zip(item.storage_index.offset or (), item.storage_offsets, strict=True)
             ]
             lengths = [int(n) for n in item.lengths]
-            direct = target.is_contiguous() and target.dtype == meta[0]
-            into = target if direct else torch.empty(lengths, dtype=meta[0], device=target.device)
+            # A cooperative load writes host memory: a GPU target is staged.
+            host = self._together is not None
+            direct = (
+                target.is_contiguous()
+                and target.dtype == meta[0]
+                and not (host and target.device.type != "cpu")
+            )
+            into = (
+                target
+                if direct
+                else torch.empty(lengths, dtype=meta[0], device="cpu" if host else target.device)
+            )
             keep_alive.append(into)
             wants.append(
                 (
@@ -666,7 +733,18 @@ class StorageReader(_DcpReader):
             )
             pending.append((item, target, into, direct))
         reading = time.perf_counter()
-        self.stats = self._reader.load_into(wants) if wants else {}
+        if self._together is not None:
+            group, member, world = self._together
+            try:
+                self.stats = _cooperative.load(self._reader, wants, group, member, world)
+            except _cooperative.PeerLostError as e:
+                # dcp.load catches this and then fails in its own collective over
+                # the broken group, with the transport's words: say who died here.
+                self.error = e
+                print(f"ckpt.torch.dcp.StorageReader: {e}", file=sys.stderr, flush=True)
+                raise
+        else:
+            self.stats = self._reader.load_into(wants) if wants else {}
         read = time.perf_counter()
         for item, target, into, direct in pending:
             if not direct:
