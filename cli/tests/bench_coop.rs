@@ -76,3 +76,34 @@ fn sixteen_cooperative_ranks_list_once_and_read_each_byte_once() {
         );
     }
 }
+
+#[test]
+fn every_load_of_the_bench_reports_its_store_bytes_and_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", dir.path().display());
+    let output = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["bench", "--url", &url, "--json", "--ranks", "2"])
+        .args(["--reshard-ranks", "3", "--tensors", "2", "--rows", "256"])
+        .args(["--cols", "64", "--reps", "1", "--raw-mib", "1", "--no-zstd"])
+        .args(["--meta-tensors", "0", "--no-direct"])
+        .args(["--ranks-as", "threads"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "ckpt bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    for (load, ranks) in [("same_size", 2), ("resharded", 3), ("allocating", 2)] {
+        let b = &report["load_breakdown"][load];
+        let read = u(&b["bytes_read_from_store"]);
+        assert!(read > 0, "{load}: {b}");
+        assert_eq!(u(&b["bytes_received_from_peers"]), 0, "{load}: {b}");
+        assert_eq!(u(&b["unique_bytes"]), read, "{load}: {b}");
+        // Each rank lists the commit log once and reads the manifest.
+        assert_eq!(u(&b["store_requests"]["LIST"]), ranks, "{load}: {b}");
+        assert!(u(&b["store_requests"]["GET"]) >= ranks, "{load}: {b}");
+        assert!(b["store_requests"]["HEAD"].is_u64(), "{load}: {b}");
+    }
+}
