@@ -1,5 +1,7 @@
 //! `ckpt-chaos`: run fault scenarios against the reference trainer.
 
+use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -7,6 +9,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 use ckpt_chaos::scenario::Scenario;
+use ckpt_chaos::storage_proxy::StorageProxy;
 use ckpt_chaos::{Options, default_cache, run::find_trainer, run_scenario};
 
 /// Fault scenarios against the reference trainer, judged by a bitwise oracle.
@@ -94,6 +97,22 @@ enum Commands {
         #[command(flatten)]
         common: Common,
     },
+    /// Runs the storage proxy alone, with no fault queued, in front of an S3-compatible
+    /// server: prints `listening on http://ADDR`, relays until SIGTERM, SIGINT or the
+    /// end of its standard input, then prints its counters (requests by kind, body
+    /// bytes each way) as one line of JSON.
+    Proxy {
+        /// The server, `http://host:port`.
+        #[arg(long)]
+        upstream: String,
+        /// Where to listen (port 0: one the system picks).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+        /// Cap on the body bytes relayed, all connections together, in MiB/s
+        /// (none when absent).
+        #[arg(long, value_name = "MIB_PER_S")]
+        rate_mib_per_s: Option<f64>,
+    },
     /// Adds up the JSON reports of soaks (`soak --json`), as one soak of all their
     /// runs: faults by kind, recoveries, checkpoints, corruption, goodput.
     Totals {
@@ -111,11 +130,19 @@ fn main() -> ExitCode {
     if let Commands::Totals { reports, json } = &command {
         return add_up(reports, *json);
     }
+    if let Commands::Proxy {
+        upstream,
+        listen,
+        rate_mib_per_s,
+    } = &command
+    {
+        return proxy(upstream, *listen, *rate_mib_per_s);
+    }
     let common = match &command {
         Commands::Run { common, .. }
         | Commands::Soak { common, .. }
         | Commands::Demo { common, .. } => common,
-        Commands::Totals { .. } => unreachable!("answered above"),
+        Commands::Totals { .. } | Commands::Proxy { .. } => unreachable!("answered above"),
     };
     let options = match options(common) {
         Ok(o) => o,
@@ -150,8 +177,62 @@ fn main() -> ExitCode {
             options,
         ),
         Commands::Demo { plot, .. } => demo(plot, options),
-        Commands::Totals { .. } => unreachable!("answered above"),
+        Commands::Totals { .. } | Commands::Proxy { .. } => unreachable!("answered above"),
     }
+}
+
+/// `ckpt-chaos proxy`: a proxy of its own until a signal or the end of stdin.
+fn proxy(upstream: &str, listen: SocketAddr, rate_mib_per_s: Option<f64>) -> ExitCode {
+    // SIGTERM and SIGINT are blocked before any thread starts, so that every
+    // thread inherits the mask and the one waiting in sigwait takes them.
+    // SAFETY: plain libc calls on a set this function owns.
+    let signals = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let proxy = match StorageProxy::start_at(upstream, listen) {
+        Ok(proxy) => proxy,
+        Err(e) => {
+            eprintln!("error: proxy on {listen} in front of {upstream}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(mib) = rate_mib_per_s {
+        if !(mib > 0.0) {
+            eprintln!("error: --rate-mib-per-s must be positive, not {mib}");
+            return ExitCode::from(2);
+        }
+        proxy.limit_rate(Some((mib * (1u64 << 20) as f64) as u64));
+    }
+    println!("listening on {}", proxy.endpoint());
+    let _ = std::io::stdout().flush();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let on_eof = stop.clone();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+        let _ = on_eof.send(());
+    });
+    std::thread::spawn(move || {
+        let mut signal = 0;
+        // SAFETY: `signals` is an initialised set; sigwait writes one int.
+        unsafe { libc::sigwait(&signals, &mut signal) };
+        let _ = stop.send(());
+    });
+    let _ = stopped.recv();
+    let stats = proxy.stats();
+    drop(proxy);
+    match serde_json::to_string(&stats) {
+        Ok(line) => println!("{line}"),
+        Err(e) => {
+            eprintln!("error: proxy statistics: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// `ckpt-chaos totals`: the runs of every report, added up.

@@ -613,3 +613,66 @@ async fn object_store_put_is_sent_with_content_length() {
     assert!(lower.contains("\r\ncontent-length: 10\r\n"), "{seen}");
     assert!(!lower.contains("transfer-encoding"), "{seen}");
 }
+
+/// A fake upstream answering each of `connections` connections' one request
+/// with a body of `len` bytes (after reading the request head).
+fn bulk_upstream(connections: usize, len: usize) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake upstream");
+    let addr = listener.local_addr().expect("fake upstream address");
+    std::thread::spawn(move || {
+        for _ in 0..connections {
+            let Ok((mut stream, _)) = listener.accept() else {
+                return;
+            };
+            std::thread::spawn(move || {
+                let mut request = Vec::new();
+                read_until(&mut stream, &mut request, b"\r\n\r\n");
+                let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\n\r\n");
+                let _ = stream.write_all(head.as_bytes());
+                let _ = stream.write_all(&vec![7u8; len]);
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// Two GETs at once through a proxy capped at 4 MiB/s share the cap: their
+/// 2 MiB take at least the time the cap allows for all but one burst (64 KiB),
+/// and the counters have both requests and every body byte.
+#[test]
+fn a_rate_cap_paces_all_connections_together_and_bytes_are_counted() {
+    const RATE: usize = 4 * MIB;
+    const EACH: usize = MIB;
+    let proxy = StorageProxy::start(&bulk_upstream(2, EACH)).expect("start proxy");
+    proxy.limit_rate(Some(RATE as u64));
+    let started = Instant::now();
+    let readers: Vec<_> = (0..2)
+        .map(|i| {
+            let mut stream = connect(&proxy);
+            std::thread::spawn(move || {
+                let request = format!("GET /b/object-{i} HTTP/1.1\r\nHost: x\r\n\r\n");
+                stream.write_all(request.as_bytes()).expect("send GET");
+                let mut head = Vec::new();
+                read_until(&mut stream, &mut head, b"\r\n\r\n");
+                let mut body = vec![0u8; EACH];
+                stream.read_exact(&mut body).expect("read body");
+                assert!(body.iter().all(|&b| b == 7), "body damaged");
+            })
+        })
+        .collect();
+    for reader in readers {
+        reader.join().expect("reader");
+    }
+    let elapsed = started.elapsed();
+    let least = Duration::from_secs_f64((2 * EACH - 64 * 1024) as f64 / RATE as f64);
+    assert!(
+        elapsed >= least,
+        "2 MiB at 4 MiB/s took {elapsed:?}, less than {least:?}"
+    );
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    let stats = proxy.stats();
+    assert_eq!(stats.body_bytes_down, 2 * EACH as u64);
+    assert_eq!(stats.body_bytes_up, 0);
+    assert_eq!(stats.requests_by_kind.get("GET"), Some(&2));
+    assert_eq!(stats.rate_bytes_per_second, RATE as u64);
+}

@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::http::{Parsed, malformed};
+use super::rate::Meter;
 
 /// Largest request or response head accepted, in bytes.
 pub(super) const MAX_HEAD: usize = 64 * 1024;
@@ -116,12 +117,13 @@ impl Conn {
         }
     }
 
-    /// Copies exactly `n` bytes to `dst`, or discards them when `dst` is
-    /// `None`.
+    /// Copies exactly `n` bytes to `dst` (each run through `meter` first), or
+    /// discards them when `dst` is `None`.
     pub(super) async fn copy_exact(
         &mut self,
         mut dst: Option<&mut TcpStream>,
         mut n: u64,
+        meter: Meter<'_>,
     ) -> io::Result<()> {
         while n > 0 {
             if self.fill().await? == 0 {
@@ -130,6 +132,7 @@ impl Conn {
             let avail = self.buffered();
             let take = avail.len().min(usize::try_from(n).unwrap_or(usize::MAX));
             if let Some(dst) = dst.as_deref_mut() {
+                meter.pass(take).await;
                 dst.write_all(&avail[..take]).await?;
             }
             self.consume(take);
@@ -145,18 +148,20 @@ impl Conn {
         mut dst: Option<&mut TcpStream>,
         n: u64,
         at: u64,
+        meter: Meter<'_>,
     ) -> io::Result<()> {
         debug_assert!(at < n);
-        self.copy_exact(dst.as_deref_mut(), at).await?;
+        self.copy_exact(dst.as_deref_mut(), at, meter).await?;
         if self.fill().await? == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
         let flipped = !self.buffered()[0];
         if let Some(dst) = dst.as_deref_mut() {
+            meter.pass(1).await;
             dst.write_all(&[flipped]).await?;
         }
         self.consume(1);
-        self.copy_exact(dst, n - at - 1).await
+        self.copy_exact(dst, n - at - 1, meter).await
     }
 
     /// Whether a pooled connection still looks open: nothing unexpected
@@ -234,7 +239,7 @@ mod tests {
         };
         assert!(second.upstream_head().starts_with(b"PUT /b HTTP/1.1\r\n"));
         assert_eq!(conn.read_line().await.unwrap(), b"6\r\n");
-        conn.copy_exact(None, 6).await.unwrap();
+        conn.copy_exact(None, 6, Meter::OFF).await.unwrap();
         assert_eq!(conn.read_line().await.unwrap(), b"\r\n");
         assert_eq!(conn.read_line().await.unwrap(), b"0\r\n");
         assert_eq!(conn.read_line().await.unwrap(), b"\r\n");

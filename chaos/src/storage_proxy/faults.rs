@@ -6,10 +6,12 @@
 //! was), and they are easiest to state and test on plain data, with no
 //! socket in sight.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
 
 use super::http::Request;
+use super::rate::TokenBucket;
 
 /// A fault applied to the next matching requests.
 ///
@@ -114,6 +116,24 @@ pub struct ProxyStats {
     /// Bodies relayed with one byte inverted.
     #[serde(default)]
     pub corrupted: u64,
+    /// Requests by kind: the HTTP method, except that a GET listing a bucket
+    /// (ListObjects) counts as `LIST`.
+    pub requests_by_kind: BTreeMap<String, u64>,
+    /// Request body bytes relayed upstream (PUTs, upload parts).
+    pub body_bytes_up: u64,
+    /// Response body bytes relayed to clients (GETs).
+    pub body_bytes_down: u64,
+    /// The bandwidth cap on bodies, in bytes per second (0: none).
+    pub rate_bytes_per_second: u64,
+}
+
+/// Which way a relayed body goes, for the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Way {
+    /// A request body, to the upstream.
+    Up,
+    /// A response body, to the client.
+    Down,
 }
 
 /// A queued fault with the number of requests it may still claim.
@@ -131,6 +151,7 @@ struct Shared {
     queue: VecDeque<Pending>,
     next_id: u64,
     stats: ProxyStats,
+    rate: Option<TokenBucket>,
 }
 
 /// The fault queue and the counters, behind one lock.
@@ -153,7 +174,29 @@ impl SharedState {
 
     /// The counters so far.
     pub(super) fn stats(&self) -> ProxyStats {
-        self.lock().stats.clone()
+        let state = self.lock();
+        let mut stats = state.stats.clone();
+        stats.rate_bytes_per_second = state.rate.as_ref().map_or(0, TokenBucket::bytes_per_second);
+        stats
+    }
+
+    /// Caps relayed bodies at `bytes_per_second` in all (`None`: no cap).
+    pub(super) fn limit_rate(&self, bytes_per_second: Option<u64>) {
+        self.lock().rate = bytes_per_second.map(TokenBucket::new);
+    }
+
+    /// Counts `n` body bytes relayed `way` and books them against the cap;
+    /// returns when they may go, or `None` when at once.
+    pub(super) fn pass(&self, n: usize, way: Way) -> Option<Instant> {
+        let n = n as u64;
+        let mut state = self.lock();
+        match way {
+            Way::Up => state.stats.body_bytes_up += n,
+            Way::Down => state.stats.body_bytes_down += n,
+        }
+        let now = Instant::now();
+        let due = state.rate.as_mut()?.reserve(n, now);
+        (due > now).then_some(due)
     }
 
     /// Queues `fault` behind those already queued; a fault that may claim no
@@ -177,6 +220,11 @@ impl SharedState {
     pub(super) fn claim(&self, req: &Request) -> Action {
         let mut state = self.lock();
         state.stats.requests += 1;
+        *state
+            .stats
+            .requests_by_kind
+            .entry(req.kind().to_owned())
+            .or_default() += 1;
         let chosen = state.queue.iter().enumerate().find_map(|(index, pending)| {
             let action = match pending.fault {
                 StorageFault::Errors { status, .. } => Some(Action::Error(status)),

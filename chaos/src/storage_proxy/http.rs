@@ -208,6 +208,21 @@ impl Request {
         self.method == "HEAD"
     }
 
+    /// The request's kind for the counters: its method, or `LIST` for a GET
+    /// that lists a bucket (ListObjects: a `list-type`, `prefix` or `delimiter`
+    /// parameter, which no GetObject carries).
+    pub(super) fn kind(&self) -> &str {
+        if self.method != "GET" {
+            return &self.method;
+        }
+        let query = self.target.split_once('?').map_or("", |(_, q)| q);
+        let lists = query.split('&').any(|pair| {
+            let key = pair.split_once('=').map_or(pair, |(k, _)| k);
+            matches!(key, "list-type" | "prefix" | "delimiter")
+        });
+        if lists { "LIST" } else { "GET" }
+    }
+
     /// A GET of part of an object (a `Range` header): how data blocks are read.
     pub(super) fn is_ranged_get(&self) -> bool {
         self.method == "GET" && self.head.values("range").next().is_some()
@@ -333,6 +348,21 @@ pub(super) mod tests {
             Ok(None) => panic!("incomplete head: {raw:?}"),
             Err(e) => panic!("parse failed: {e}"),
         }
+    }
+
+    #[test]
+    fn lists_are_told_from_object_reads() {
+        let kind = |line: &str| {
+            request(&format!("{line} HTTP/1.1\r\n\r\n"))
+                .kind()
+                .to_owned()
+        };
+        assert_eq!(kind("GET /b?list-type=2&prefix=run%2F"), "LIST");
+        assert_eq!(kind("GET /b/?delimiter=%2F"), "LIST");
+        assert_eq!(kind("GET /b/run/manifest"), "GET");
+        assert_eq!(kind("GET /b/run/data?versionId=1"), "GET");
+        assert_eq!(kind("HEAD /b/run/data"), "HEAD");
+        assert_eq!(kind("PUT /b/k?partNumber=1&uploadId=u"), "PUT");
     }
 
     #[test]

@@ -57,6 +57,25 @@
 //!   the block CRC32 and read again; a PUT must never leave a part stored whose
 //!   bytes differ from what was checksummed.
 //!
+//! # Bandwidth cap
+//!
+//! [`StorageProxy::limit_rate`] caps the bodies relayed (response bodies to
+//! clients and request bodies upstream) at a number of bytes per second shared
+//! by all connections: a token bucket (`rate`) that lets one relay buffer go at
+//! once and then holds each run of bytes until the rate has paid for it. It
+//! stands for a store slower than the network in front of it, so that loads
+//! which read each byte once can be told from loads that read it per replica by
+//! their wall time, not only their request counts. Heads are not paced: a
+//! request costs a round trip, not bandwidth.
+//!
+//! # Statistics
+//!
+//! [`ProxyStats`] counts requests (all, and by kind: the method, with bucket
+//! listings as `LIST`), the faults applied, and the body bytes relayed each way,
+//! so that any client's traffic (ckpt's `object_store`, s3fs under DCP) is
+//! counted alike. `ckpt-chaos proxy` runs a proxy on its own and prints these
+//! counters as JSON when it stops.
+//!
 //! # HTTP handling
 //!
 //! Each client connection is served in a loop (keep-alive) and relayed over
@@ -77,12 +96,14 @@
 //! This file holds the handle and the runtime it starts. The parts below it:
 //! `faults` (the queue and which fault claims a request), `http` (heads,
 //! framing, hop-by-hop fields), `conn` (a buffered socket that can be reset),
-//! `replies` (the S3-style responses the proxy makes up) and `relay` (one
-//! client connection, where faults meet bytes).
+//! `replies` (the S3-style responses the proxy makes up), `rate` (the
+//! bandwidth cap) and `relay` (one client connection, where faults meet
+//! bytes).
 
 mod conn;
 mod faults;
 mod http;
+mod rate;
 mod relay;
 mod replies;
 
@@ -124,8 +145,14 @@ impl StorageProxy {
     /// in network namespaces, which loopback would not reach), in front of
     /// `upstream`.
     pub fn start_on(upstream: &str, ip: std::net::IpAddr) -> io::Result<StorageProxy> {
+        StorageProxy::start_at(upstream, SocketAddr::new(ip, 0))
+    }
+
+    /// Starts listening on `listen` (port 0: one the system picks) in front of
+    /// `upstream`.
+    pub fn start_at(upstream: &str, listen: SocketAddr) -> io::Result<StorageProxy> {
         let upstream = resolve_upstream(upstream)?;
-        let std_listener = StdTcpListener::bind((ip, 0))?;
+        let std_listener = StdTcpListener::bind(listen)?;
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -176,6 +203,13 @@ impl StorageProxy {
     /// does nothing.
     pub fn inject(&self, fault: StorageFault) {
         self.shared.push(fault);
+    }
+
+    /// Caps the body bytes relayed, both ways and all connections together, at
+    /// `bytes_per_second`; `None` lifts the cap. Bytes already booked keep their
+    /// slots; a new cap starts from an idle bucket.
+    pub fn limit_rate(&self, bytes_per_second: Option<u64>) {
+        self.shared.limit_rate(bytes_per_second);
     }
 
     /// Counters so far.

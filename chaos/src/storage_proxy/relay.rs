@@ -17,8 +17,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use super::conn::{Conn, MAX_HEAD, without_line_ending};
-use super::faults::{Action, Claim, SharedState};
+use super::faults::{Action, Claim, SharedState, Way};
 use super::http::{Framing, Request, Response, chunk_size, malformed};
+use super::rate::Meter;
 use super::replies::{CONTINUE, lost_part_ack, s3_error_response, synthetic_response};
 
 /// Pause between sending the first half of a body and resetting the
@@ -145,7 +146,7 @@ async fn discard_body(client: &mut Conn, req: &Request) -> io::Result<()> {
     if req.expect_continue {
         client.stream.write_all(CONTINUE).await?;
     }
-    relay_body(client, None, req.framing, Damage::None).await?;
+    relay_body(client, None, req.framing, Damage::None, Meter::OFF).await?;
     Ok(())
 }
 
@@ -220,7 +221,15 @@ async fn relay(
         if req.expect_continue {
             client.stream.write_all(CONTINUE).await?;
         }
-        if relay_body(client, Some(&mut up.stream), req.framing, request_damage).await?
+        let meter = Meter::new(shared, Way::Up);
+        if relay_body(
+            client,
+            Some(&mut up.stream),
+            req.framing,
+            request_damage,
+            meter,
+        )
+        .await?
             == BodyEnd::Cut
         {
             shared.bump(|s| s.resets += 1);
@@ -275,7 +284,8 @@ async fn relay(
     if damage == Damage::Flip {
         shared.bump(|s| s.corrupted += 1);
     }
-    let end = relay_body(&mut up, Some(&mut client.stream), framing, damage).await?;
+    let meter = Meter::new(shared, Way::Down);
+    let end = relay_body(&mut up, Some(&mut client.stream), framing, damage, meter).await?;
     if end == BodyEnd::Cut {
         shared.bump(|s| s.resets += 1);
         up.reset();
@@ -301,23 +311,25 @@ async fn relay_body(
     mut dst: Option<&mut TcpStream>,
     framing: Framing,
     damage: Damage,
+    meter: Meter<'_>,
 ) -> io::Result<BodyEnd> {
     let cut = damage == Damage::Cut;
     let flip = damage == Damage::Flip;
     let end = match framing {
         Framing::Length(n) => {
             if flip && n > 0 {
-                src.copy_flipping(dst.as_deref_mut(), n, n / 2).await?;
+                src.copy_flipping(dst.as_deref_mut(), n, n / 2, meter)
+                    .await?;
                 BodyEnd::Complete
             } else if cut {
-                src.copy_exact(dst.as_deref_mut(), n / 2).await?;
+                src.copy_exact(dst.as_deref_mut(), n / 2, meter).await?;
                 BodyEnd::Cut
             } else {
-                src.copy_exact(dst.as_deref_mut(), n).await?;
+                src.copy_exact(dst.as_deref_mut(), n, meter).await?;
                 BodyEnd::Complete
             }
         }
-        Framing::Chunked => relay_chunked(src, dst.as_deref_mut(), damage).await?,
+        Framing::Chunked => relay_chunked(src, dst.as_deref_mut(), damage, meter).await?,
         Framing::UntilClose => {
             let mut flip = flip;
             loop {
@@ -326,13 +338,14 @@ async fn relay_body(
                     break BodyEnd::Complete;
                 }
                 if flip {
-                    src.copy_flipping(dst.as_deref_mut(), n as u64, n as u64 / 2)
+                    src.copy_flipping(dst.as_deref_mut(), n as u64, n as u64 / 2, meter)
                         .await?;
                     flip = false;
                     continue;
                 }
                 let take = if cut { n / 2 } else { n };
                 if let Some(dst) = dst.as_deref_mut() {
+                    meter.pass(take).await;
                     dst.write_all(&src.buffered()[..take]).await?;
                 }
                 src.consume(take);
@@ -359,6 +372,7 @@ async fn relay_chunked(
     src: &mut Conn,
     mut dst: Option<&mut TcpStream>,
     damage: Damage,
+    meter: Meter<'_>,
 ) -> io::Result<BodyEnd> {
     let cut = damage == Damage::Cut;
     let mut flip = damage == Damage::Flip;
@@ -391,15 +405,15 @@ async fn relay_chunked(
             dst.write_all(format!("{size:x}\r\n").as_bytes()).await?;
         }
         if cut {
-            src.copy_exact(dst.as_deref_mut(), size / 2).await?;
+            src.copy_exact(dst.as_deref_mut(), size / 2, meter).await?;
             return Ok(BodyEnd::Cut);
         }
         if flip {
-            src.copy_flipping(dst.as_deref_mut(), size, size / 2)
+            src.copy_flipping(dst.as_deref_mut(), size, size / 2, meter)
                 .await?;
             flip = false;
         } else {
-            src.copy_exact(dst.as_deref_mut(), size).await?;
+            src.copy_exact(dst.as_deref_mut(), size, meter).await?;
         }
         if !without_line_ending(&src.read_line().await?).is_empty() {
             return Err(malformed("chunk data not followed by CRLF"));
