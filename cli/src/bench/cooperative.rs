@@ -194,13 +194,10 @@ pub(super) async fn coop_scale(
         Layout::Ddp => LoadRequest::everything(manifest),
         _ => LoadRequest::dim0_shards(manifest, shard, shards),
     };
-    let timed: Vec<bool> = (0..shards)
-        .map(|s| s % shards.div_ceil(TIMED_RANKS).max(1) == 0)
-        .collect();
+    let every = shards.div_ceil(TIMED_RANKS).max(1);
+    let timed = |shard: usize| shard.is_multiple_of(every);
 
-    // Plain: every rank lists, reads the manifest, fetches the parts its boxes
-    // touch and reads its blocks.
-    progress(&format!("cooperative scale: {label}: plain loads"));
+    // What opening the checkpoint costs a rank (the same on every rank).
     let opener = store.with_own_counter();
     let t = Instant::now();
     let reader = CheckpointReader::open(&opener, Some(synthetic.step)).await?;
@@ -216,7 +213,9 @@ pub(super) async fn coop_scale(
     drop(reader);
 
     // Rank 0 of the cooperative load: open and share, on a handle of its own.
-    progress(&format!("cooperative scale: {label}: rank 0 shares"));
+    progress(&format!(
+        "cooperative scale: {label}: rank 0 opens and shares"
+    ));
     let sharer = store.with_own_counter();
     let t = Instant::now();
     let shared = CheckpointReader::open(&sharer, Some(synthetic.step))
@@ -230,6 +229,9 @@ pub(super) async fn coop_scale(
     let open_shared_ms = ms(t.elapsed());
     let parts_bytes: u64 = manifest.ranks.iter().map(|r| r.part_bytes).sum();
 
+    // Plain: every rank lists, reads the manifest, fetches the parts its boxes
+    // touch and reads its blocks.
+    progress(&format!("cooperative scale: {label}: plain loads"));
     let mut plain = JobLoad {
         store_requests: open_requests.times(ranks as u64),
         metadata_bytes: synthetic.manifest_bytes * ranks as u64,
@@ -241,7 +243,7 @@ pub(super) async fn coop_scale(
         let alone = CheckpointReader::from_manifest(&own, manifest.clone());
         let t = Instant::now();
         let plan = alone.plan(&request_of(&manifest, shard)).await?;
-        if timed[shard] {
+        if timed(shard) {
             plain_ms.push(open_ms + ms(t.elapsed()));
         }
         let metadata = plan.parts_read() as u64 * parts_bytes / saved_ranks as u64;
@@ -272,7 +274,7 @@ pub(super) async fn coop_scale(
         let plan = together.plan(&request_of(&manifest, shard)).await?;
         let coop = together.cooperate(plan, shard, ranks)?;
         let asks = coop.asks();
-        if timed[shard] {
+        if timed(shard) {
             coop_ms.push(ms(t.elapsed()));
         }
         drop(coop);
