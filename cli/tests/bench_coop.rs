@@ -86,7 +86,7 @@ fn every_load_of_the_bench_reports_its_store_bytes_and_requests() {
         .args(["--reshard-ranks", "3", "--tensors", "2", "--rows", "256"])
         .args(["--cols", "64", "--reps", "1", "--raw-mib", "1", "--no-zstd"])
         .args(["--meta-tensors", "0", "--no-direct"])
-        .args(["--ranks-as", "threads"])
+        .args(["--ranks-as", "both"])
         .output()
         .unwrap();
     assert!(
@@ -95,8 +95,14 @@ fn every_load_of_the_bench_reports_its_store_bytes_and_requests() {
         String::from_utf8_lossy(&output.stderr)
     );
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    for (load, ranks) in [("same_size", 2), ("resharded", 3), ("allocating", 2)] {
-        let b = &report["load_breakdown"][load];
+    let (threads, processes) = (&report["load_breakdown"], &report["processes"]);
+    for (b, load, ranks) in [
+        (&threads["same_size"], "same_size", 2),
+        (&threads["resharded"], "resharded", 3),
+        (&threads["allocating"], "allocating", 2),
+        (&processes["load"], "processes: load", 2),
+        (&processes["reshard_load"], "processes: reshard_load", 3),
+    ] {
         let read = u(&b["bytes_read_from_store"]);
         assert!(read > 0, "{load}: {b}");
         assert_eq!(u(&b["bytes_received_from_peers"]), 0, "{load}: {b}");

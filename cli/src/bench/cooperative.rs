@@ -49,7 +49,7 @@ impl Layout {
 }
 
 /// Store requests by kind, as the JSON reports spell them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Requests {
     #[serde(rename = "LIST")]
     pub list: u64,
@@ -84,6 +84,29 @@ impl Requests {
             get: self.get * n,
             head: self.head * n,
         }
+    }
+}
+
+/// A load's store counters, summed over its ranks (the keys of a load in the JSON
+/// report).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub(crate) struct LoadCounters {
+    /// Bytes of data files read from the store (as stored).
+    pub bytes_read_from_store: u64,
+    /// Bytes received from other ranks.
+    pub bytes_received_from_peers: u64,
+    /// Requests sent to the store, by kind, opening the checkpoint included.
+    pub store_requests: Requests,
+    /// The checkpoint's bytes needed, as the ranks report them.
+    pub unique_bytes: u64,
+}
+
+impl AddAssign for LoadCounters {
+    fn add_assign(&mut self, other: Self) {
+        self.bytes_read_from_store += other.bytes_read_from_store;
+        self.bytes_received_from_peers += other.bytes_received_from_peers;
+        self.store_requests += other.store_requests;
+        self.unique_bytes += other.unique_bytes;
     }
 }
 

@@ -39,6 +39,11 @@ pub(crate) struct ProcessesReport {
     /// The figures (their keys at this object's level in JSON).
     #[serde(flatten)]
     pub core: CoreFigures,
+    /// The same-size load's store counters, every rank's summed (the last
+    /// repetition's; a local store's data files are read without requests).
+    pub load: super::cooperative::LoadCounters,
+    /// The same for the load onto `reshard_ranks` processes.
+    pub reshard_load: super::cooperative::LoadCounters,
     /// Every repetition's figures.
     pub samples: std::collections::BTreeMap<String, Vec<f64>>,
 }
@@ -84,6 +89,8 @@ pub(super) struct Answer {
     pub(super) read: u64,
     pub(super) file_bytes: u64,
     pub(super) skipped: bool,
+    #[serde(default)]
+    pub(super) load: super::cooperative::LoadCounters,
 }
 
 /// Nanoseconds on the monotonic clock that every process of the machine shares
@@ -347,6 +354,8 @@ fn obey_load(
         let bytes = shard.volume().unwrap_or(0) as usize * 4;
         (0..config.tensors).map(|_| vec![1u8; bytes]).collect()
     });
+    // A handle of its own, so that its requests are this load's alone.
+    let store = &store.with_own_counter();
     let start_ns = now_ns();
     let stats = rt.block_on(async {
         let reader = CheckpointReader::open(store, Some(step)).await?;
@@ -369,6 +378,13 @@ fn obey_load(
         end_ns,
         requested: stats.bytes_requested,
         read: stats.bytes_read,
+        load: super::cooperative::LoadCounters {
+            bytes_read_from_store: stats.bytes_read_from_store,
+            bytes_received_from_peers: stats.bytes_received_from_peers,
+            // The requests of opening the checkpoint too.
+            store_requests: store.request_counts().into(),
+            unique_bytes: stats.unique_bytes,
+        },
         ..Answer::default()
     })
 }
@@ -588,6 +604,7 @@ pub(crate) fn run(
             verify: rep == 0,
         })?;
         push("load_ms", span_ms(&loaded));
+        report.load = summed(&loaded);
         progress(&format!(
             "{tag}: ckpt load onto {} processes",
             config.reshard_ranks
@@ -599,6 +616,7 @@ pub(crate) fn run(
             verify: false,
         })?;
         push("reshard_load_ms", span_ms(&resharded));
+        report.reshard_load = summed(&resharded);
     }
     drop(ranks);
     rt.block_on(store.delete_prefix(&step_dir(step)))?;
@@ -607,4 +625,13 @@ pub(crate) fn run(
     report.core = CoreFigures::from_samples(&samples, file_bytes, config.total_bytes());
     report.samples = samples;
     Ok(report)
+}
+
+/// The load counters of every rank that loaded, summed.
+fn summed(answers: &[Answer]) -> super::cooperative::LoadCounters {
+    let mut sum = super::cooperative::LoadCounters::default();
+    for answer in answers.iter().filter(|a| !a.skipped) {
+        sum += answer.load;
+    }
+    sum
 }
