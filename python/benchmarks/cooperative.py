@@ -436,11 +436,11 @@ def render(report: dict[str, Any]) -> str:
         ]
         for path, f in paths.items():
             wall = f["wall_s"]
-            ckpt_bytes = (
-                f"{_gb(f['ckpt_bytes_read_from_store'])} / {_gb(f['ckpt_bytes_received_from_peers'])}"
-                if "ckpt_bytes_read_from_store" in f
-                else "–"
-            )
+            ckpt_bytes = "–"
+            if "ckpt_bytes_read_from_store" in f:
+                from_store = _gb(f["ckpt_bytes_read_from_store"])
+                ckpt_bytes = f"{from_store} / {_gb(f['ckpt_bytes_received_from_peers'])}"
+
             lines.append(
                 f"| {NAMES[path]} | {wall['median']:.2f} [{wall['min']:.2f}–{wall['max']:.2f}] "
                 f"| {dcp_wall / wall['median']:.2f}x | {_gb(f['store_bytes'])} "
