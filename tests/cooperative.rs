@@ -262,3 +262,50 @@ async fn shared_bytes_that_were_tampered_with_are_refused() {
     let fresh = CheckpointReader::open(&store, None).await.unwrap();
     assert!(fresh.cooperate(plan, 0, 2).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_shared_bytes_and_requests_are_errors_not_panics() {
+    let (store, _dir) = local_store("coop-hostile");
+    let tensors = model(3, 32);
+    save_world(&store, 3, 2, &tensors, |c| c.block_size = 4096).await;
+    let reader = CheckpointReader::open(&store, None).await.unwrap();
+    let shared = reader.share().await.unwrap();
+    // Every single-byte change and every cut: an error or the same checkpoint.
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    for round in 0..400 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let mut bytes = shared.clone();
+        if round % 2 == 0 {
+            let at = (seed as usize) % bytes.len();
+            bytes[at] ^= 1 << (seed % 8);
+        } else {
+            bytes.truncate((seed as usize) % bytes.len());
+        }
+        if let Ok(opened) = CheckpointReader::from_shared(&store, &bytes) {
+            assert_eq!(opened.manifest(), reader.manifest(), "round {round}");
+        }
+    }
+    // Requests naming a saved rank or blocks that do not exist.
+    let plan = reader
+        .plan(&LoadRequest::everything(reader.manifest()))
+        .await
+        .unwrap();
+    let mut coop = reader.cooperate(plan, 0, 2).unwrap();
+    let entry = |saved: u32, start: u64, end: u64| {
+        let mut e = saved.to_le_bytes().to_vec();
+        e.extend_from_slice(&start.to_le_bytes());
+        e.extend_from_slice(&end.to_le_bytes());
+        e
+    };
+    for (bad, says) in [
+        (entry(7, 0, 1), "names saved rank 7"),
+        (entry(0, 0, u64::MAX), "asks blocks 0.."),
+        (entry(0, 3, 3), "asks blocks 3..3"),
+        (vec![1, 2, 3], "not whole entries"),
+    ] {
+        let e = coop.serve(&[&[], &bad]).await.unwrap_err().to_string();
+        assert!(e.contains("rank 1's request") && e.contains(says), "{e}");
+    }
+}

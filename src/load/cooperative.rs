@@ -226,6 +226,10 @@ impl CheckpointReader {
     }
 }
 
+/// The batches of one saved rank's file an owner read, verified and raw, keyed by
+/// their first block.
+type HeldBatches = BTreeMap<u64, (Range<u64>, Vec<u8>)>;
+
 /// One rank's side of a cooperative load, between the collectives that carry its
 /// bytes: [`Cooperative::asks`] go to every rank (all-to-all), each rank
 /// [`serve`](Cooperative::serve)s what it was asked and the buffers go back
@@ -240,7 +244,7 @@ pub struct Cooperative {
     asks: Vec<Vec<(u32, Range<u64>)>>,
     /// What this rank read as owner, verified, raw: by saved rank, batches keyed by
     /// their first block.
-    held: BTreeMap<u32, BTreeMap<u64, (Range<u64>, Vec<u8>)>>,
+    held: BTreeMap<u32, HeldBatches>,
     /// What each rank asked of this one, by rank (this one's own entry is its own
     /// needs), once served.
     served: Vec<Vec<(u32, Range<u64>)>>,
@@ -830,7 +834,7 @@ fn decode_asks(
     let bad = |message: String| {
         Error::invalid(format!("cooperative load: rank {from}'s request {message}"))
     };
-    if bytes.len() % ASK_BYTES != 0 {
+    if !bytes.len().is_multiple_of(ASK_BYTES) {
         return Err(bad(format!("is {} bytes, not whole entries", bytes.len())));
     }
     bytes

@@ -8,6 +8,7 @@ does not import it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckpt import _native
-from ckpt.elastic._ending import PeerFailure, say
+from ckpt.elastic._ending import PeerFailure, cooperative_sources, say
 from ckpt.elastic._rollback import Rollbacks, bad_loss
 
 if TYPE_CHECKING:
@@ -379,7 +380,13 @@ class Context:
             state_dict = state_dict()
         # Reading is not being hung: it counts as a wait, as a collective does.
         self._agent.collective_started()
-        copies = (self._copies, self._table) if self._copies is not None else None
+        # The in-memory copies where some rank holds one (a recovery in the same
+        # processes); else every byte read from the store once by the job and
+        # passed between the ranks (a fresh start, or copies off).
+        held = self._table is not None and any(
+            json.loads(record.decode().strip() or "{}").get("held") for record in self._table
+        )
+        copies = (self._copies, self._table) if self._copies is not None and held else None
         try:
             extra = _api.load(
                 url,
@@ -388,11 +395,14 @@ class Context:
                 rank=self.rank,
                 copies=copies,
                 store_options=store_options,
+                cooperative=copies is None,
             )
         finally:
             self._agent.collective_done()
         extra.skipped = skipped
         self._loaded = extra.stats
+        if self.rank == 0 and extra.stats.get("bytes_received_from_peers"):
+            say(f"loaded step {extra.step}: {cooperative_sources(extra.stats)}")
         self.restored = extra
         return extra
 

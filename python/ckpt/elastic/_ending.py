@@ -9,7 +9,7 @@ with an error, and with which exit code (``ckpt launch`` reads them).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckpt import _native
@@ -58,7 +58,9 @@ def looks_like_a_peer(error: BaseException) -> bool:
     a communicator error) rather than a bug in the script."""
     import torch.distributed as dist
 
-    if isinstance(error, (PeerFailure, dist.DistError)):
+    from ckpt.torch._cooperative import PeerLostError
+
+    if isinstance(error, (PeerFailure, PeerLostError, dist.DistError)):
         return True
     text = str(error)
     return any(
@@ -96,3 +98,15 @@ def left(agent: Any, member: str) -> bool:
         err(f"member {member}: shutdown: {directive.get('reason')}")
         return True
     return False
+
+
+def cooperative_sources(stats: Mapping[str, Any]) -> str:
+    """Where a cooperative load's bytes came from, as rank 0 saw them."""
+    requests = stats.get("store_requests", {})
+    counts = " ".join(f"{kind} {requests.get(kind, 0)}" for kind in ("LIST", "GET", "HEAD"))
+    return (
+        f"cooperative: the job read {stats['unique_bytes'] / 1e6:.1f} MB from the store once, "
+        f"rank 0 {stats['bytes_read_from_store'] / 1e6:.1f} MB of it and "
+        f"{stats['bytes_received_from_peers'] / 1e6:.1f} MB from peers; rank 0's requests "
+        f"{counts}"
+    )

@@ -22,6 +22,7 @@ from ckpt.elastic._context import Context, NoAgent, Stop, WorldChanged
 from ckpt.elastic._ending import (
     EXIT_STOPPED,
     brief,
+    cooperative_sources,
     err,
     left,
     looks_like_a_peer,
@@ -309,6 +310,8 @@ def _holdings(ctx: Context, copies: Any) -> list[bytes]:
 
 def _sources(stats: Mapping[str, Any]) -> str:
     """Where a load's bytes came from, for the recovery line."""
+    if stats.get("bytes_received_from_peers"):
+        return f" ({cooperative_sources(stats)})"
     if "own_bytes" not in stats:
         return ""
     store = f", {stats['bytes_read'] / 1e6:.1f} MB from the store" if stats["bytes_read"] else ""

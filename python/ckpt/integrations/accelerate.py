@@ -172,7 +172,7 @@ class CkptAccelerator(Accelerator):
                 log.info("no committed checkpoint under %s: nothing loaded", url)
                 return None
         target = self._tensors()
-        extra = ckpt.torch.load(url, target, step=step)
+        extra = ckpt.torch.load(url, target, step=step, cooperative=True)
         rank = self.process_index
         _common.fill_values(target, extra.ranks, rank)
         for i, model in enumerate(self._models):

@@ -233,7 +233,7 @@ class _CkptStrategy:
                 )
                 for i, o in enumerate(self.optimizers)
             }
-        extra = ckpt.torch.load(url, target, step=step)
+        extra = ckpt.torch.load(url, target, step=step, cooperative=True)
         _common.fill_values(target, extra.ranks, self.global_rank)
         set_model_state_dict(self.lightning_module, target[_MODEL], options=_options())
         for i, optimizer in enumerate(self.optimizers if fitting else []):

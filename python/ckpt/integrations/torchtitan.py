@@ -303,10 +303,10 @@ class CkptCheckpointManager(BaseCheckpointManager):
             model_only = True  # a seed checkpoint
         # The manifest first: whether it holds the model only, and every rank's
         # non-tensor state (the dataloader's is keyed by data-parallel rank).
-        saved = ckpt.torch.load(url, {}, step=step)
+        saved = ckpt.torch.load(url, {}, step=step, cooperative=True)
         model_only = model_only or bool(saved.metadata.get(_MODEL_ONLY))
         target = self._target(model_only)
-        ckpt.torch.load(url, target, step=step)
+        ckpt.torch.load(url, target, step=step, cooperative=True)
         self._put_back(target, saved.ranks)
         log.info("loaded step %d from %s%s", step, url, " (model only)" if model_only else "")
         return True
@@ -319,7 +319,7 @@ class CkptCheckpointManager(BaseCheckpointManager):
         def target() -> dict[str, Any]:
             # Called once ctx.resume chose the commit; nothing commits while every
             # rank of the job resumes, so the newest one is that commit.
-            chosen["saved"] = saved = ckpt.torch.load(self.url, {})
+            chosen["saved"] = saved = ckpt.torch.load(self.url, {}, cooperative=True)
             # Step 0 is a seed checkpoint; a last save may hold the model only.
             model_only = saved.step == 0 or bool(saved.metadata.get(_MODEL_ONLY))
             chosen["target"] = self._target(model_only)

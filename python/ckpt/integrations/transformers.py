@@ -124,7 +124,7 @@ class CkptTrainer(Trainer):
                 # The non-tensor state first (the tensors are loaded once the model
                 # and optimizer are prepared): the Trainer reads its TrainerState
                 # from a local file before any hook runs, so it gets one.
-                extra = ckpt.torch.load(url, {}, step=step)
+                extra = ckpt.torch.load(url, {}, step=step, cooperative=True)
                 self._ckpt_resume = (url, step, extra)
                 placeholder = tempfile.mkdtemp(prefix="ckpt-resume-")
                 mine = _common.rank_values(extra, self.args.process_index)
@@ -176,7 +176,7 @@ class CkptTrainer(Trainer):
         optimizer = _inner(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, optimizer)
         target = {_MODEL: model_sd, _OPTIM: optim_sd}
-        extra = ckpt.torch.load(url, target, step=step)
+        extra = ckpt.torch.load(url, target, step=step, cooperative=True)
         _common.fill_values(target, extra.ranks, self.args.process_index)
         set_state_dict(
             self.model, optimizer, model_state_dict=target[_MODEL], optim_state_dict=target[_OPTIM]
