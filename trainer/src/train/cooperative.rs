@@ -58,7 +58,7 @@ const FAILED: u64 = 3;
 
 /// Rank 0's look at the store.
 enum Opened {
-    Shared(CheckpointReader, Vec<u8>),
+    Shared(Box<CheckpointReader>, Vec<u8>),
     Unhealthy(String),
 }
 
@@ -96,7 +96,7 @@ pub(super) fn try_commit(
             }
             let reader = CheckpointReader::from_manifest(store, manifest);
             let shared = reader.share().await?;
-            Ok::<_, ckpt::Error>(Opened::Shared(reader, shared))
+            Ok::<_, ckpt::Error>(Opened::Shared(Box::new(reader), shared))
         })?;
         let kind = match opened {
             Ok(Opened::Shared(reader, shared)) => {
@@ -144,7 +144,7 @@ pub(super) fn try_commit(
         }
     }
     let opened = match opener {
-        Some(reader) => Ok(reader),
+        Some(reader) => Ok(*reader),
         None => CheckpointReader::from_shared(store, &payload),
     };
     drop(payload);
@@ -175,7 +175,7 @@ pub(super) fn try_commit(
                 ),
             )?;
             match agree(comm, "loading from in-memory copies", got)? {
-                Ok(got) => (got.store.clone(), Some(got)),
+                Ok(got) => (got.store, Some(got)),
                 Err(tried) => return Ok(tried),
             }
         }
@@ -243,7 +243,7 @@ pub(super) fn try_commit(
         Err(tried) => return Ok(tried),
     };
     Ok(Tried::Loaded(
-        Found {
+        Box::new(Found {
             step: reader.step(),
             saved_world: reader.manifest().world_size,
             dir: reader.manifest().dir(),
@@ -251,7 +251,7 @@ pub(super) fn try_commit(
             global,
             from_copies,
             stats,
-        },
+        }),
         generation,
     ))
 }
@@ -499,7 +499,9 @@ mod tests {
     fn a_step_failed_on_one_rank_ends_the_try_on_every_rank_naming_it() {
         // The store failing on rank 2 ends the resume; damage on rank 1 alone falls
         // back; both at once: the failure wins.
-        let cases: [(&[(usize, bool)], bool, &str); 3] = [
+        // (rank, damaged rather than failed) for each faulty rank; the verdict.
+        type Faults = &'static [(usize, bool)];
+        let cases: [(Faults, bool, &str); 3] = [
             (
                 &[(2, false)],
                 false,

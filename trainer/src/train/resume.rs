@@ -203,7 +203,7 @@ pub(super) fn load(
         global,
         from_copies,
         stats,
-    } = found;
+    } = *found;
     // Ranks whose every byte came from memory, bytes from own copies, from peers'
     // and from the store.
     let rebuilt = from_copies.as_ref().map_or([0; 4], |got| {
@@ -362,14 +362,14 @@ fn try_alone(
                     supervisor,
                 )
                 .await?;
-                (got.store.clone(), Some(got))
+                (got.store, Some(got))
             }
             _ => (reader.load_into(&request, &mut outputs).await?, None),
         };
         drop(outputs);
         let global = reader.global_state().await?;
         Ok::<_, ckpt::Error>(Tried::Loaded(
-            Found {
+            Box::new(Found {
                 step: reader.step(),
                 saved_world: reader.manifest().world_size,
                 dir: commit.dir.clone(),
@@ -377,7 +377,7 @@ fn try_alone(
                 global,
                 from_copies,
                 stats,
-            },
+            }),
             generation,
         ))
     })?;
@@ -395,7 +395,7 @@ fn try_alone(
 /// What a rank's try of a proposed commit gave.
 pub(super) enum Tried {
     /// Its rows and global state, and the commit's generation.
-    Loaded(Found, u64),
+    Loaded(Box<Found>, u64),
     /// Nothing: the commit is unhealthy, for this reason.
     Unhealthy(String),
     /// Nothing: the checkpoint is damaged (or missing) where this rank (or, loaded
