@@ -155,11 +155,11 @@ impl Cooperation {
         let coop = guard
             .as_ref()
             .ok_or_else(|| invalid("this cooperative load has finished"))?;
-        // SAFETY: the caller owns `nbytes` writable bytes at `ptr` for this call
-        // (a contiguous uint8 tensor), and nothing else touches them meanwhile.
         let out: &mut [u8] = if nbytes == 0 {
             &mut []
         } else {
+            // SAFETY: the caller owns `nbytes` writable bytes at `ptr` for this call
+            // (a contiguous uint8 tensor), and nothing else touches them meanwhile.
             unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, nbytes) }
         };
         py.detach(|| coop.write_sent(to, out))
@@ -193,6 +193,8 @@ impl Cooperation {
                 if n == 0 {
                     &[][..]
                 } else {
+                    // SAFETY: see above: a received buffer the caller keeps alive
+                    // and leaves alone until this call returns.
                     unsafe { std::slice::from_raw_parts(ptr as *const u8, n) }
                 }
             })
@@ -204,6 +206,8 @@ impl Cooperation {
                 if n == 0 {
                     &mut [][..]
                 } else {
+                    // SAFETY: see above: a destination the caller keeps alive, checked
+                    // not to overlap another, written by this load alone.
                     unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, n) }
                 }
             })
