@@ -202,7 +202,7 @@ fn proxy(upstream: &str, listen: SocketAddr, rate_mib_per_s: Option<f64>) -> Exi
         }
     };
     if let Some(mib) = rate_mib_per_s {
-        if !(mib > 0.0) {
+        if mib.is_nan() || mib <= 0.0 {
             eprintln!("error: --rate-mib-per-s must be positive, not {mib}");
             return ExitCode::from(2);
         }
