@@ -660,17 +660,17 @@ def test_a_peer_lost_during_a_cooperative_resume_re_forms_and_loads_again(urls, 
     Rank 2 dies between reading its share and sending it: the survivors name it,
     re-form on two ranks and load again, cooperatively, and train on."""
     url, _ = urls
-    first = Launch(url, 3, steps=20)
+    first = Launch(url, 3, steps=EVERY)
     assert first.finish() == 0, first.text()
     monkeypatch.setenv("CKPT_TEST_COOPERATIVE_EXIT", "2")
-    job = Launch(url, 3, "--min-ranks", "2", steps=30)
+    job = Launch(url, 3, "--min-ranks", "2", steps=2 * EVERY)
     assert job.finish() == 0, job.text()
     text = job.text()
     assert "rank 2 died or stopped answering during the exchange" in text, text
     assert re.search(r"generation \d+ formed with world 2", text), text
-    loaded = re.findall(r"loaded step 20: cooperative: the job read ([\d.]+) MB", text)
+    loaded = re.findall(rf"loaded step {EVERY}: cooperative: the job read ([\d.]+) MB", text)
     assert loaded, text
-    assert "done: member" in text and "finished at step 30" in text, text
+    assert f"finished at step {2 * EVERY}" in text, text
     verify = subprocess.run(
         [_binary(), "verify", "--all", url], capture_output=True, text=True, timeout=300
     )
