@@ -15,7 +15,7 @@ use ckpt::{CheckpointReader, LoadRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::{TensorView, WantTuple, check_disjoint, invalid, open_store, run};
+use super::{Place, TensorView, WantTuple, check_disjoint, invalid, open_store, run};
 
 /// One rank's cooperative load: `asks` to every rank, `serve` what was asked of
 /// this one, fill the buffers to send (`write_sent`), receive, then `finish`.
@@ -50,7 +50,13 @@ pub(crate) fn cooperate(
             },
         )
         .collect::<PyResult<Vec<_>>>()?;
-    views.iter().try_for_each(TensorView::check_host)?;
+    // The Python layer stages device tensors in host memory for the exchange.
+    if let Some(view) = views.iter().find(|v| v.place != Place::Host) {
+        return Err(invalid(format!(
+            "cooperative load: tensor {:?} is in device memory; stage it on the host",
+            view.name
+        )));
+    }
     check_disjoint(&views)?;
     let request = super::request_of(&views);
     let outputs = views.iter().map(|v| (v.ptr, v.nbytes)).collect();
