@@ -15,7 +15,7 @@ use ckpt::{CheckpointReader, LoadRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::{Place, TensorView, WantTuple, check_disjoint, invalid, open_store, run};
+use super::{Place, WantTuple, check_disjoint, invalid, open_store, run};
 
 /// One rank's cooperative load: `asks` to every rank, `serve` what was asked of
 /// this one, fill the buffers to send (`write_sent`), receive, then `finish`.
@@ -40,16 +40,7 @@ pub(crate) fn cooperate(
     rank: usize,
     world: usize,
 ) -> PyResult<Cooperation> {
-    let views = wants
-        .into_iter()
-        .map(
-            |(name, dtype, shape, offsets, lengths, ptr, nbytes, device, stream)| {
-                TensorView::from_tuple((
-                    name, dtype, shape, offsets, lengths, ptr, nbytes, true, device, stream,
-                ))
-            },
-        )
-        .collect::<PyResult<Vec<_>>>()?;
+    let views = super::load_views(wants)?;
     // The Python layer stages device tensors in host memory for the exchange.
     if let Some(view) = views.iter().find(|v| v.place != Place::Host) {
         return Err(invalid(format!(

@@ -961,16 +961,7 @@ impl Reader {
         table: Option<Vec<Vec<u8>>>,
         rank: usize,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let views = wants
-            .into_iter()
-            .map(
-                |(name, dtype, shape, offsets, lengths, ptr, nbytes, device, stream)| {
-                    TensorView::from_tuple((
-                        name, dtype, shape, offsets, lengths, ptr, nbytes, true, device, stream,
-                    ))
-                },
-            )
-            .collect::<PyResult<Vec<_>>>()?;
+        let views = load_views(wants)?;
         // Without the GPU path a device destination is refused before any I/O.
         #[cfg(not(feature = "cuda"))]
         views.iter().try_for_each(TensorView::check_host)?;
@@ -1164,6 +1155,21 @@ fn add_counters(total: &mut ckpt::load::LoadStats, other: &ckpt::load::LoadStats
     total.bytes_verified += other.bytes_verified;
     total.bytes_copied += other.bytes_copied;
     total.parts_read = total.parts_read.max(other.parts_read);
+}
+
+/// The destinations of a load, as Python describes them (`Reader.load_into`'s
+/// tuples), writable.
+fn load_views(wants: Vec<WantTuple>) -> PyResult<Vec<TensorView>> {
+    wants
+        .into_iter()
+        .map(
+            |(name, dtype, shape, offsets, lengths, ptr, nbytes, device, stream)| {
+                TensorView::from_tuple((
+                    name, dtype, shape, offsets, lengths, ptr, nbytes, true, device, stream,
+                ))
+            },
+        )
+        .collect()
 }
 
 /// The load request for `views`, in order.
