@@ -120,7 +120,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for len in [0usize, 1, 4095, 4096, 4097, 3 * CHUNK + 123] {
             let mut buffer = StagingBuffer::new();
-            buffer.reset(len);
+            buffer.reset(len).unwrap();
             let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
             buffer.fill(len).copy_from_slice(&data);
             let path = dir.path().join(format!("step/rank-{len}.safetensors"));
@@ -148,7 +148,7 @@ mod tests {
         let path = dir.path().join("f");
         std::fs::write(&path, vec![9u8; 100_000]).unwrap();
         let mut buffer = StagingBuffer::new();
-        buffer.reset(10);
+        buffer.reset(10).unwrap();
         buffer.fill(10).copy_from_slice(b"0123456789");
         write_file(&path, &buffer, false, || {}).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"0123456789");

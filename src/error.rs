@@ -44,6 +44,12 @@ pub enum Error {
     /// environment changes.
     #[error("{0}")]
     Device(String),
+    /// Holding this would pass the host memory budget
+    /// ([`CheckpointConfig::host_memory_budget`](crate::CheckpointConfig::host_memory_budget)),
+    /// even after letting go of every copy that may be dropped. The message says
+    /// what is held, by kind.
+    #[error("{0}")]
+    OverBudget(String),
 }
 
 impl Error {
@@ -85,6 +91,7 @@ impl Error {
             Error::Fenced(m) => Error::Fenced(m.clone()),
             Error::Mutated(m) => Error::Mutated(m.clone()),
             Error::Device(m) => Error::Device(m.clone()),
+            Error::OverBudget(m) => Error::OverBudget(m.clone()),
         }
     }
 }

@@ -119,6 +119,7 @@ pub use ckpt_storage as storage;
 #[doc(hidden)]
 pub mod attempt;
 mod blocks;
+pub mod budget;
 pub mod catalog;
 pub mod codec;
 #[doc(hidden)]
@@ -150,6 +151,7 @@ mod upload;
 pub mod writer;
 
 pub use attempt::{Attempt, RunId};
+pub use budget::{HostBudget, HostBytesHeld};
 pub use catalog::{
     CheckpointInfo, Commit, Select, latest, latest_selecting, list_checkpoints, read_manifest,
 };

@@ -26,13 +26,18 @@ use std::ops::Deref;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::budget::{HeldKind, HostBudget, Reservation};
 use crate::direct::ALIGN;
+use crate::error::{Error, Result};
 
 /// A byte buffer aligned to [`ALIGN`] whose capacity is kept across uses.
 pub(crate) struct StagingBuffer {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
+    /// The budget the mapping is counted in, and the reservation of its capacity.
+    budget: Option<Arc<HostBudget>>,
+    reserved: Option<Reservation>,
     /// The page-locked allocation `ptr` points into, instead of a mapping.
     #[cfg(feature = "cuda")]
     pinned: Option<crate::cuda::device::PinnedAlloc>,
@@ -49,10 +54,17 @@ unsafe impl Sync for StagingBuffer {}
 impl StagingBuffer {
     /// An empty buffer that owns no memory yet.
     pub(crate) fn new() -> Self {
+        Self::counted_in(None)
+    }
+
+    /// An empty buffer whose memory, once mapped, is counted in `budget`.
+    pub(crate) fn counted_in(budget: Option<Arc<HostBudget>>) -> Self {
         Self {
             ptr: NonNull::dangling(),
             len: 0,
             cap: 0,
+            budget,
+            reserved: None,
             #[cfg(feature = "cuda")]
             pinned: None,
         }
@@ -71,8 +83,10 @@ impl StagingBuffer {
             return Ok(());
         }
         let cap = total.div_ceil(ALIGN).max(1) * ALIGN;
-        let alloc = crate::cuda::device::PinnedAlloc::new(ctx, cap, ALIGN)?;
         self.release();
+        let reserved = self.reserve(cap)?;
+        let alloc = crate::cuda::device::PinnedAlloc::new(ctx, cap, ALIGN)?;
+        self.reserved = reserved;
         self.ptr = NonNull::new(alloc.ptr()).expect("cuMemHostAlloc returned null");
         self.cap = alloc.capacity();
         self.pinned = Some(alloc);
@@ -91,16 +105,41 @@ impl StagingBuffer {
     }
 
     /// Empties the buffer and makes room for `total` bytes, reusing the mapping
-    /// when it is large enough (the contents are not kept).
-    pub(crate) fn reset(&mut self, total: usize) {
+    /// when it is large enough (the contents are not kept). A larger mapping is
+    /// reserved from the budget first (the old one given back); when it does not
+    /// fit even after the holders let go of what they may, the buffer is left
+    /// empty and the error says by how much.
+    pub(crate) fn reset(&mut self, total: usize) -> Result<()> {
         self.len = 0;
         if total <= self.cap {
-            return;
+            return Ok(());
         }
         self.release();
         let cap = total.div_ceil(ALIGN).max(1) * ALIGN;
+        self.reserved = self.reserve(cap)?;
         self.ptr = map(cap);
         self.cap = cap;
+        Ok(())
+    }
+
+    /// Reserves `cap` bytes of staging from the budget, if the buffer has one.
+    fn reserve(&self, cap: usize) -> Result<Option<Reservation>> {
+        let Some(budget) = &self.budget else {
+            return Ok(None);
+        };
+        Reservation::new(budget, HeldKind::Staging, cap as u64)
+            .map(Some)
+            .ok_or_else(|| {
+                let held = budget.held();
+                Error::OverBudget(format!(
+                    "a staging buffer of {cap} bytes does not fit the host memory budget: {held}"
+                ))
+            })
+    }
+
+    /// The budget the buffer is counted in.
+    pub(crate) fn budget(&self) -> Option<&Arc<HostBudget>> {
+        self.budget.as_ref()
     }
 
     /// Faults every page of the buffer in now, so that the copy into it does not.
@@ -147,6 +186,7 @@ impl StagingBuffer {
     }
 
     fn release(&mut self) {
+        self.reserved = None;
         #[cfg(feature = "cuda")]
         if let Some(pinned) = self.pinned.take() {
             drop(pinned);
@@ -228,6 +268,8 @@ pub(crate) struct Pooled {
     pool: Weak<Pool>,
     /// Bytes that are the file: the buffer derefs to these.
     file_len: usize,
+    /// What the buffer is counted as while on loan ([`HeldKind`], as its index).
+    kind: std::sync::atomic::AtomicU8,
 }
 
 impl Pooled {
@@ -238,6 +280,7 @@ impl Pooled {
             buffer,
             pool: Arc::downgrade(pool),
             file_len,
+            kind: HeldKind::Staging.as_index().into(),
         }
     }
 
@@ -248,6 +291,19 @@ impl Pooled {
             buffer,
             pool: Weak::new(),
             file_len,
+            kind: HeldKind::Staging.as_index().into(),
+        }
+    }
+
+    /// Counts the buffer as held for `kind` (an own copy, a snapshot) until it goes
+    /// back to the pool.
+    pub(crate) fn lend_as(&self, kind: HeldKind) {
+        let was = HeldKind::from_index(
+            self.kind
+                .swap(kind.as_index(), std::sync::atomic::Ordering::Relaxed),
+        );
+        if let Some(budget) = self.buffer.budget() {
+            budget.transfer(was, kind, self.buffer.capacity() as u64);
         }
     }
 
@@ -267,6 +323,7 @@ impl Deref for Pooled {
 
 impl Drop for Pooled {
     fn drop(&mut self) {
+        self.lend_as(HeldKind::Staging);
         if let Some(pool) = self.pool.upgrade() {
             let buffer = std::mem::replace(&mut self.buffer, StagingBuffer::new());
             if buffer.capacity() > 0 {

@@ -11,21 +11,29 @@ use tokio::sync::Semaphore;
 use super::config::CheckpointConfig;
 use super::stage_thread::StageThread;
 use super::{Checkpointer, SaveHandle};
+use crate::budget::{Dropper, HostBudget, HostBytesHeld};
 use crate::error::{Error, Result};
-use crate::staging::StagingBuffer;
+use crate::staging::{Pool, StagingBuffer};
 
 impl Checkpointer {
     /// A checkpointer for one rank, writing under `store`'s root.
     pub fn new(store: Store, config: CheckpointConfig) -> Result<Self> {
         config.validate()?;
         let slots = Arc::new(Semaphore::new(config.max_in_flight));
+        let budget = HostBudget::new(config.host_memory_budget);
+        let pool: Arc<Pool> = Arc::new(Mutex::new(Vec::new()));
+        let trimmer: Arc<dyn Dropper> = Arc::new(PoolTrimmer(Arc::downgrade(&pool)));
+        budget.register(Arc::downgrade(&trimmer));
         Ok(Self {
             store,
             config: Arc::new(config),
-            pool: Arc::new(Mutex::new(Vec::new())),
+            pool,
             slots,
             tasks: Mutex::new(Vec::new()),
             stage_thread: StageThread::default(),
+            budget,
+            _trimmer: trimmer,
+            snapshot_slots: Arc::new(Semaphore::new(1)),
             #[cfg(feature = "cuda")]
             side: Mutex::new(Default::default()),
         })
@@ -41,6 +49,53 @@ impl Checkpointer {
         &self.config
     }
 
+    /// The rank's host-memory budget ([`CheckpointConfig::host_memory_budget`]):
+    /// give it to the rank's [`Copies`](crate::copies::Copies) holder
+    /// ([`CopyConfig::budget`](crate::copies::CopyConfig::budget)) so that staging,
+    /// copies, replicas and snapshots share one bound.
+    pub fn host_budget(&self) -> &Arc<HostBudget> {
+        &self.budget
+    }
+
+    /// Host memory held now by this rank's checkpointing, by kind, with the peak.
+    pub fn host_bytes_held(&self) -> HostBytesHeld {
+        self.budget.held()
+    }
+
+    /// A staging buffer of at least `total` bytes, inside the budget: an idle one
+    /// of the pool that is large enough, else a new mapping; when that does not fit,
+    /// the holders let go of their oldest droppable copies (whose buffers come back
+    /// to the pool) and idle buffers too small are unmapped, until one fits.
+    /// [`Error::OverBudget`] when nothing is left to let go.
+    pub(super) fn take_buffer(&self, total: usize) -> Result<StagingBuffer> {
+        loop {
+            let popped = {
+                let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+                // Over a budget that shrank: idle buffers go first.
+                while self.budget.available() == 0 && pool.len() > 1 {
+                    pool.pop();
+                }
+                match pool.iter().position(|b| b.capacity() >= total) {
+                    Some(at) => Some(pool.swap_remove(at)),
+                    None => pool.pop(),
+                }
+            };
+            let from_pool = popped.is_some();
+            let mut buffer =
+                popped.unwrap_or_else(|| StagingBuffer::counted_in(Some(self.budget.clone())));
+            match buffer.reset(total) {
+                Ok(()) => return Ok(buffer),
+                // A pooled buffer too small was unmapped: try the next, or a new one.
+                Err(_) if from_pool => continue,
+                Err(e) => {
+                    if !self.budget.drop_one() {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
     /// Saves this rank's `state` as part of checkpoint `step`, copying it before
     /// returning (a *blocking* save).
     ///
@@ -53,7 +108,7 @@ impl Checkpointer {
     /// [`Checkpointer::save_overlapped`](crate::Checkpointer::save_overlapped) returns before the copy instead, so that it
     /// runs while the caller computes.
     pub async fn save(&self, step: u64, state: &crate::State<'_>) -> Result<SaveHandle> {
-        let handle = self.start(step, state, false, true).await?;
+        let handle = self.start(step, state, false, true, None).await?;
         Ok(handle.expect("a save that may wait always starts"))
     }
 
@@ -65,7 +120,7 @@ impl Checkpointer {
         step: u64,
         state: &crate::State<'_>,
     ) -> Result<Option<SaveHandle>> {
-        self.start(step, state, false, false).await
+        self.start(step, state, false, false, None).await
     }
 
     /// Waits for every save this checkpointer started to end — its part written,
@@ -123,7 +178,7 @@ impl Checkpointer {
         step: u64,
         state: &crate::State<'_>,
     ) -> Result<SaveHandle> {
-        let handle = self.start(step, state, true, true).await?;
+        let handle = self.start(step, state, true, true, None).await?;
         Ok(handle.expect("a save that may wait always starts"))
     }
 
@@ -138,7 +193,7 @@ impl Checkpointer {
         step: u64,
         state: &crate::State<'_>,
     ) -> Result<Option<SaveHandle>> {
-        self.start(step, state, true, false).await
+        self.start(step, state, true, false, None).await
     }
 
     /// Allocates the staging pool for saves of `state`'s size (its shape, not its
@@ -158,7 +213,7 @@ impl Checkpointer {
         // needed rather than faulted in here for every job.
         let wanted = self.config.max_in_flight + usize::from(self.config.keep_copy);
         while pool.len() < wanted {
-            pool.push(StagingBuffer::new());
+            pool.push(StagingBuffer::counted_in(Some(self.budget.clone())));
         }
         #[cfg(feature = "cuda")]
         if let Some(first) = state.device.first() {
@@ -170,10 +225,41 @@ impl Checkpointer {
         }
         for buffer in pool.iter_mut() {
             if buffer.capacity() < total {
-                buffer.reset(total);
+                // Within the budget: buffers that do not fit are left for the
+                // saves to map (or stage in pieces).
+                if buffer.reset(total).is_err() {
+                    break;
+                }
                 buffer.prefault();
             }
         }
+        pool.retain(|b| b.capacity() > 0);
         Ok(started.elapsed())
+    }
+}
+
+/// Lets the budget unmap one idle staging buffer of the pool (the smallest).
+#[derive(Debug)]
+struct PoolTrimmer(std::sync::Weak<Pool>);
+
+impl Dropper for PoolTrimmer {
+    fn drop_oldest(&self) -> bool {
+        let Some(pool) = self.0.upgrade() else {
+            return false;
+        };
+        let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
+        let smallest = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() > 0)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        match smallest {
+            Some(at) => {
+                drop(pool.swap_remove(at));
+                true
+            }
+            None => false,
+        }
     }
 }

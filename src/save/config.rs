@@ -76,6 +76,16 @@ pub struct CheckpointConfig {
     /// [`Checkpointer::warm_up`](crate::Checkpointer::warm_up) prepared it. `crate::copies` keeps, replicates and
     /// recovers from these copies. Default false.
     pub keep_copy: bool,
+    /// Most bytes of host memory this rank's checkpointing may hold at once:
+    /// staging buffers (pinned or not, idle in the pool or in use), own copies,
+    /// replicas of peers' copies and snapshots, together ([`crate::budget`]). Never
+    /// exceeded: when a buffer, a replica or a snapshot would pass it, the oldest
+    /// copy that may be dropped is let go (never the newest committed snapshot or
+    /// checkpoint before its successor commits); a snapshot that still does not fit
+    /// is not taken, and a save whose staging buffer does not fit stages and uploads
+    /// its file in pieces (a longer stall, said in a warning). Default `None`: no
+    /// bound (memory is still counted, [`Checkpointer::host_bytes_held`](crate::Checkpointer::host_bytes_held)).
+    pub host_memory_budget: Option<u64>,
     /// What a save does when the ranks that hold one replicated box (a
     /// [`State::add_replica`](crate::State::add_replica) box, a scalar of
     /// [`State::add_dim0_shard`](crate::State::add_dim0_shard)) hold different bytes:
@@ -110,6 +120,7 @@ impl CheckpointConfig {
             copy_threads: (encode_threads()).clamp(1, 4),
             check_staging: cfg!(debug_assertions),
             keep_copy: false,
+            host_memory_budget: None,
             replica_mismatch: ReplicaPolicy::default(),
             health_check: None,
             run_id: std::env::var("CKPT_RUN_ID").unwrap_or_else(|_| {

@@ -39,6 +39,12 @@ impl SaveHandle {
         self.stall
     }
 
+    /// Host memory held by the rank's checkpointing now (staging, copies,
+    /// replicas, snapshots), by kind, with the peak and the budget.
+    pub fn host_bytes_held(&self) -> crate::HostBytesHeld {
+        self.budget.held()
+    }
+
     /// Waits until the caller's tensors have been copied into the staging buffer:
     /// from then on the caller may change or free them. For a blocking
     /// [`Checkpointer::save`](crate::Checkpointer::save) this is ready at once.

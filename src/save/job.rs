@@ -55,7 +55,7 @@ pub(super) async fn run_job(
                 Err(e) => {
                     drop(permit);
                     warn!(step, error = %e, "checkpoint save failed while staging");
-                    give_up(&job.store, &job.config, &job.attempt, e, &status).await;
+                    abandon(&mut job, e, &status).await;
                     return;
                 }
             }
@@ -66,13 +66,18 @@ pub(super) async fn run_job(
         drop(buffer);
         drop(permit);
         warn!(step, error = %e, "checkpoint save failed while staging device tensors");
-        give_up(&job.store, &job.config, &job.attempt, e, &status).await;
+        abandon(&mut job, e, &status).await;
         return;
     }
     job.buffer = Arc::new(Pooled::new(buffer, &pool, job.file_len));
+
     // The host replicas are the first shadow boxes, in order.
     for (shadow, crcs) in job.shadow.iter_mut().zip(replica_crcs) {
         shadow.crcs = Some(crcs);
+    }
+    if let Some(snapshot) = job.snapshot.take() {
+        super::snapshot::finish(job, snapshot, permit, status).await;
+        return;
     }
     if let Some(copy) = job.copy.take() {
         let key = CopyKey {
@@ -121,6 +126,19 @@ pub(super) async fn run_job(
             let _ = status.send(Status::Failed(Arc::new(e)));
         }
     }
+}
+
+/// The save (or snapshot) `job` failed before its file was written: a snapshot
+/// reports it to its handle (nothing of it is in the store); a save records it in
+/// its attempt's slot ([`give_up`]).
+async fn abandon(job: &mut Job, error: Error, status: &watch::Sender<Status>) {
+    if let Some(snapshot) = job.snapshot.take() {
+        let error = Arc::new(error);
+        let _ = status.send(Status::Failed(error.clone()));
+        snapshot.send_replace(Some(Err(error)));
+        return;
+    }
+    give_up(&job.store, &job.config, &job.attempt, error, status).await;
 }
 
 /// This rank cannot write its part of `attempt`, which therefore can never commit:

@@ -41,6 +41,7 @@ use ckpt_storage::Store;
 use tokio::sync::{Semaphore, watch};
 
 use crate::attempt::Attempt;
+use crate::budget::{Dropper, HostBudget};
 use crate::copies::RankCopy;
 use crate::error::{Error, Result};
 use crate::format::Chunk;
@@ -52,11 +53,13 @@ mod config;
 mod handle;
 mod job;
 mod plan;
+mod snapshot;
 mod stage;
 mod stage_thread;
 mod write;
 
 pub use config::{CheckpointConfig, HealthCheck};
+pub use snapshot::{Snapshot, SnapshotHandle};
 
 #[derive(Debug, Clone)]
 enum Status {
@@ -96,6 +99,8 @@ pub struct SaveHandle {
     world_size: usize,
     commit_timeout: Duration,
     stall: Duration,
+    /// The rank's host-memory budget, for [`SaveHandle::host_bytes_held`].
+    budget: Arc<HostBudget>,
     /// Recorded after the device-to-host copies of the save's device tensors.
     #[cfg(feature = "cuda")]
     device: Option<Arc<cudarc::driver::CudaEvent>>,
@@ -127,6 +132,12 @@ pub struct Checkpointer {
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// The thread that makes overlapped saves' copies (see [`StageThread`]).
     stage_thread: StageThread,
+    /// The rank's host-memory budget, shared with its copies holder.
+    budget: Arc<HostBudget>,
+    /// Lets the budget unmap idle staging buffers (registered with it).
+    _trimmer: Arc<dyn Dropper>,
+    /// Snapshots being made at once (one).
+    snapshot_slots: Arc<Semaphore>,
     /// Side streams for the device-to-host copies of device tensors.
     #[cfg(feature = "cuda")]
     side: Mutex<crate::cuda::device::SideStreams>,
@@ -165,6 +176,9 @@ struct Job {
     /// Waits for copies into the staging buffer that the host does not make (the
     /// device-to-host copies of device tensors); `None` when there are none.
     pending_copies: Option<PendingCopies>,
+    /// Where a snapshot is handed over once checksummed (`None` for a save to the
+    /// store).
+    snapshot: Option<snapshot::SnapshotSender>,
 }
 
 /// A replica this rank holds but another writes: hashed during staging (host

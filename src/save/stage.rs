@@ -12,6 +12,7 @@ use tracing::{Instrument, debug, info_span};
 
 use super::job::run_job;
 use super::plan::{Filled, StagePlan, check_staged, fill, hash_replicas};
+use super::snapshot::SnapshotSender;
 use super::{Checkpointer, Job, PendingCopies, Role, SaveHandle, Staging, Status};
 use crate::attempt::Attempt;
 use crate::error::{Error, Result};
@@ -25,6 +26,7 @@ impl Checkpointer {
         state: &crate::State<'_>,
         overlapped: bool,
         wait: bool,
+        snapshot: Option<SnapshotSender>,
     ) -> Result<Option<SaveHandle>> {
         let closed = || {
             Error::Failed(format!(
@@ -32,14 +34,15 @@ impl Checkpointer {
                 self.config.rank
             ))
         };
+        // Snapshots have a slot of their own: they never wait for a store upload.
+        let slots = match snapshot {
+            Some(_) => &self.snapshot_slots,
+            None => &self.slots,
+        };
         let permit = if wait {
-            self.slots
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| closed())?
+            slots.clone().acquire_owned().await.map_err(|_| closed())?
         } else {
-            match self.slots.clone().try_acquire_owned() {
+            match slots.clone().try_acquire_owned() {
                 Ok(permit) => permit,
                 Err(tokio::sync::TryAcquireError::Closed) => return Err(closed()),
                 Err(tokio::sync::TryAcquireError::NoPermits) => {
@@ -52,7 +55,11 @@ impl Checkpointer {
         // Everything that can fail comes before the copy starts: once an overlapped
         // copy runs, this call must not return an error (the caller would take it
         // that nothing reads its tensors any more).
-        let attempt = Attempt::new(step, self.config.generation, self.config.run_id.clone())?;
+        let run = match snapshot {
+            Some(_) => super::snapshot::run_id_of_snapshots(&self.config.run_id),
+            None => self.config.run_id.clone(),
+        };
+        let attempt = Attempt::new(step, self.config.generation, run)?;
         let mut plan = self.plan(step, state)?;
         check_header(&plan.header, self.config.rank as u32, plan.chunks.len())?;
         let chunks = std::mem::take(&mut plan.chunks);
@@ -60,16 +67,20 @@ impl Checkpointer {
         let shadow = std::mem::take(&mut plan.shadow);
         let file_len = plan.file_len;
         let health = self.part_health(state);
-        let mut buffer = self
-            .pool
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_else(StagingBuffer::new);
+        #[cfg(not(feature = "cuda"))]
+        let mut buffer = self.take_buffer(plan.total)?;
+        #[cfg(feature = "cuda")]
+        let mut buffer = match plan.device.is_empty() {
+            true => self.take_buffer(plan.total)?,
+            false => self
+                .pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop()
+                .unwrap_or_else(|| StagingBuffer::counted_in(Some(self.budget.clone()))),
+        };
         #[cfg(not(feature = "cuda"))]
         let pending_copies: Option<PendingCopies> = None;
-        #[cfg(not(feature = "cuda"))]
-        buffer.reset(plan.total);
         #[cfg(feature = "cuda")]
         let (pending_copies, device_event) = match self.stage_device(&mut buffer, &plan) {
             Ok(copies) => copies,
@@ -183,9 +194,13 @@ impl Checkpointer {
             rank_state: state.rank.clone(),
             metadata: state.metadata.clone(),
             pending_copies,
+            snapshot,
         };
         let pool = self.pool.clone();
-        let span = info_span!("ckpt_save", step, rank);
+        let span = match job.snapshot {
+            Some(_) => info_span!("ckpt_snapshot", step, rank),
+            None => info_span!("ckpt_save", step, rank),
+        };
         let task = tokio::spawn(run_job(job, filled, pool, permit, tx).instrument(span));
         {
             let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
@@ -202,6 +217,7 @@ impl Checkpointer {
             world_size: self.config.world_size,
             commit_timeout: self.config.commit_timeout,
             stall,
+            budget: self.budget.clone(),
             #[cfg(feature = "cuda")]
             device: device_event,
         }))
@@ -245,7 +261,6 @@ impl Checkpointer {
         Option<Arc<cudarc::driver::CudaEvent>>,
     )> {
         let Some((first, _)) = plan.device.first() else {
-            buffer.reset(plan.total);
             return Ok((None, None));
         };
         buffer.reset_pinned(plan.total, first.context())?;

@@ -55,6 +55,35 @@ pub(super) async fn write_rank(job: &Job) -> Result<()> {
     debug!(bytes = stored_bytes, elapsed = ?encoded, "data file written");
     crate::failpoint::hit("after-data-upload");
 
+    let part = describe(
+        job,
+        file_name,
+        stored_bytes,
+        scan,
+        config.codec,
+        frames.as_deref(),
+    );
+    put_part(
+        &job.store,
+        &format!("{dir}/{}", rank_part_name(rank)),
+        part.to_bytes(),
+    )
+    .await
+}
+
+/// The rank's manifest part of the save `job` staged: its data file `file_name`
+/// (`stored_bytes` as stored, encoded with `codec`, `frames` with zstd) with the block CRC32s and health
+/// that `scan` found. Warns when the scan found non-finite values.
+pub(super) fn describe(
+    job: &Job,
+    file_name: String,
+    stored_bytes: u64,
+    scan: Scanned,
+    codec: Codec,
+    frames: Option<&[Bytes]>,
+) -> RankPart {
+    let config = &job.config;
+    let rank = config.rank as u32;
     let Scanned {
         crcs,
         nonfinite,
@@ -76,7 +105,7 @@ pub(super) async fn write_rank(job: &Job) -> Result<()> {
             "saving non-finite values"
         );
     }
-    let part = RankPart {
+    RankPart {
         // The lowest version that describes the part: at least 4, which carries
         // health; 3 in the data file's header when this rank holds several boxes of
         // one tensor.
@@ -89,14 +118,13 @@ pub(super) async fn write_rank(job: &Job) -> Result<()> {
         world_size: config.world_size as u32,
         generation: config.generation,
         block_size: config.block_size,
-        codec: config.codec,
+        codec,
         file: FileEntry {
             name: file_name,
             raw_bytes: job.buffer.len() as u64,
             stored_bytes,
             block_crc32: crcs,
             frame_bytes: frames
-                .as_ref()
                 .map(|f| f.iter().map(|b| b.len() as u64).collect())
                 .unwrap_or_default(),
         },
@@ -109,13 +137,7 @@ pub(super) async fn write_rank(job: &Job) -> Result<()> {
             BTreeMap::new()
         },
         health: Some(health),
-    };
-    put_part(
-        &job.store,
-        &format!("{dir}/{}", rank_part_name(rank)),
-        part.to_bytes(),
-    )
-    .await
+    }
 }
 
 /// Writes the staging buffer as the rank's plain data file: on local disk with
@@ -149,7 +171,7 @@ async fn write_plain(job: &Job, file_key: &str) -> Result<u64> {
 }
 
 /// What the encode threads found: the file's block CRCs and the part's health scan.
-struct Scanned {
+pub(super) struct Scanned {
     crcs: Vec<u32>,
     nonfinite: Vec<crate::format::ChunkNonFinite>,
     replicas: Vec<ReplicaCrcs>,
@@ -166,7 +188,11 @@ struct Scanned {
 /// niced without lowering the priority of the shared pool's threads for good (an
 /// unprivileged thread cannot raise its priority back), and the pool's I/O stays at
 /// normal priority.
-async fn encode(job: &Job, block: usize, codec: Codec) -> Result<(Scanned, Option<Vec<Bytes>>)> {
+pub(super) async fn encode(
+    job: &Job,
+    block: usize,
+    codec: Codec,
+) -> Result<(Scanned, Option<Vec<Bytes>>)> {
     let buffer = &job.buffer;
     let blocks = buffer.len().div_ceil(block);
     // The replicas staged after the file (device memory), in slices: (replica,

@@ -1,0 +1,256 @@
+//! Snapshots: a save that stops at host memory.
+//!
+//! A store save costs the store's bandwidth and money, so jobs make them every few
+//! hundred steps and lose half that interval of every rank's work at each failure.
+//! A snapshot ([`Checkpointer::snapshot`]) is staged exactly as a save is — the same
+//! plan, the same overlapped copy into a pooled staging buffer, so the same stall —
+//! and checksummed by the same encode threads (block CRC32s of the raw file and the
+//! health scan), but nothing is uploaded: the staged file and its rank part (the
+//! JSON a store save would write, block CRC32s included) are handed to the caller as
+//! a [`Snapshot`], to keep in its [`Copies`](crate::copies::Copies) holder, replicate
+//! to a ring peer and commit in the control plane ([`crate::snapshot`] says how).
+//!
+//! A snapshot's attempt has a run id of its own (`snap-` and the run's), so its
+//! directory, and with it every [`CopyKey`] of its files, never equals a store
+//! save's of the same step and generation. Its part records no codec: a snapshot is
+//! raw in memory whatever the checkpointer's codec. Snapshots have a slot of their
+//! own (one at a time): a snapshot never waits for a store upload, nor a save for a
+//! snapshot's checksums. Their staging buffers come from the same pool, within the
+//! same [host memory budget](crate::budget); the buffer is lent to the snapshot and
+//! comes back to the pool when the last holder lets it go.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, watch};
+use tracing::warn;
+
+use super::write::{describe, encode};
+use super::{Checkpointer, Job, SaveHandle, Status};
+use crate::attempt::Attempt;
+use crate::attempt::MAX_RUN_ID_LEN;
+use crate::budget::{HeldKind, HostBytesHeld};
+use crate::copies::{CopyKey, RankCopy};
+use crate::error::{Error, Result};
+use crate::format::{Codec, RankPart};
+
+/// Where a snapshot's background task hands the snapshot over.
+pub(super) type SnapshotSender = watch::Sender<Option<std::result::Result<Snapshot, Arc<Error>>>>;
+
+/// The run id of a run's snapshots: `snap-` and the run's id, shortened to fit.
+pub(super) fn run_id_of_snapshots(run: &str) -> String {
+    let mut id = format!("snap-{run}");
+    id.truncate(MAX_RUN_ID_LEN);
+    id
+}
+
+/// One rank's snapshot: its staged data file, in memory, and the rank part that
+/// describes it (block CRC32s, chunks, non-tensor state). Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Snapshot {
+    copy: RankCopy,
+    part: Arc<Vec<u8>>,
+    part_crc32: u32,
+    step: u64,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("key", self.copy.key())
+            .field("bytes", &self.copy.len())
+            .field("part_crc32", &format_args!("{:08x}", self.part_crc32))
+            .finish()
+    }
+}
+
+impl Snapshot {
+    /// A snapshot made of a file's bytes and its part's (a replica, or a test's).
+    pub fn new(copy: RankCopy, part: Vec<u8>) -> Result<Self> {
+        let parsed = RankPart::parse(&part, &copy.key().to_string())?;
+        Ok(Self {
+            part_crc32: crc32fast::hash(&part),
+            step: parsed.step,
+            copy,
+            part: Arc::new(part),
+        })
+    }
+
+    /// The step.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Which file this is (the snapshot's attempt directory, world size and rank).
+    pub fn key(&self) -> &CopyKey {
+        self.copy.key()
+    }
+
+    /// The staged data file.
+    pub fn copy(&self) -> &RankCopy {
+        &self.copy
+    }
+
+    /// The rank part's bytes (JSON, as a store save would write it).
+    pub fn part(&self) -> &[u8] {
+        &self.part
+    }
+
+    /// CRC32 of [`Snapshot::part`]: what the commit records for this rank.
+    pub fn part_crc32(&self) -> u32 {
+        self.part_crc32
+    }
+
+    /// The shared part bytes.
+    pub(crate) fn part_shared(&self) -> Arc<Vec<u8>> {
+        self.part.clone()
+    }
+}
+
+/// Follows one rank's snapshot while it is staged and checksummed.
+#[derive(Debug)]
+pub struct SnapshotHandle {
+    save: SaveHandle,
+    ready: watch::Receiver<Option<std::result::Result<Snapshot, Arc<Error>>>>,
+}
+
+impl SnapshotHandle {
+    /// The step.
+    pub fn step(&self) -> u64 {
+        self.save.step()
+    }
+
+    /// The snapshot's attempt (its directory names the snapshot's files).
+    pub fn attempt(&self) -> &Attempt {
+        self.save.attempt()
+    }
+
+    /// How long `snapshot` blocked the caller.
+    pub fn stall(&self) -> Duration {
+        self.save.stall()
+    }
+
+    /// Waits until the caller's tensors are copied (as [`SaveHandle::staged`]).
+    pub async fn staged(&self) -> Result<Duration> {
+        self.save.staged().await
+    }
+
+    /// [`SnapshotHandle::staged`] for synchronous code.
+    pub fn wait_staged(&self) -> Result<Duration> {
+        self.save.wait_staged()
+    }
+
+    /// Host memory held by the rank's checkpointing now, by kind.
+    pub fn host_bytes_held(&self) -> HostBytesHeld {
+        self.save.host_bytes_held()
+    }
+
+    /// Waits for the snapshot: staged and checksummed. Errors: the staging error
+    /// ([`Error::Mutated`] and the like).
+    pub async fn ready(&self) -> Result<Snapshot> {
+        let mut ready = self.ready.clone();
+        loop {
+            if let Some(done) = ready.borrow_and_update().clone() {
+                return done.map_err(|e| e.duplicate());
+            }
+            if ready.changed().await.is_err() {
+                if let Some(done) = ready.borrow().clone() {
+                    return done.map_err(|e| e.duplicate());
+                }
+                self.save.staged().await?;
+                return Err(Error::Failed(format!(
+                    "snapshot of step {} ended without a result",
+                    self.step()
+                )));
+            }
+        }
+    }
+
+    /// [`SnapshotHandle::ready`] for synchronous code (not on a runtime's worker).
+    pub fn wait_ready(&self) -> Result<Snapshot> {
+        futures::executor::block_on(self.ready())
+    }
+}
+
+impl Checkpointer {
+    /// Snapshots this rank's `state` at `step` into host memory: staged as
+    /// [`Checkpointer::save`] stages (blocking while it copies), checksummed in the
+    /// background, uploaded nowhere ([module docs](self)). Waits while the previous
+    /// snapshot is still being checksummed. [`Error::OverBudget`] when its staging
+    /// buffer does not fit the host memory budget even after the oldest droppable
+    /// copies are let go: the snapshot is not taken.
+    pub async fn snapshot(&self, step: u64, state: &crate::State<'_>) -> Result<SnapshotHandle> {
+        self.start_snapshot(step, state, false).await
+    }
+
+    /// [`Checkpointer::snapshot`] that returns before the copy, as
+    /// [`Checkpointer::save_overlapped`] does.
+    ///
+    /// # Safety
+    /// As for [`Checkpointer::save_overlapped`].
+    pub async unsafe fn snapshot_overlapped(
+        &self,
+        step: u64,
+        state: &crate::State<'_>,
+    ) -> Result<SnapshotHandle> {
+        self.start_snapshot(step, state, true).await
+    }
+
+    async fn start_snapshot(
+        &self,
+        step: u64,
+        state: &crate::State<'_>,
+        overlapped: bool,
+    ) -> Result<SnapshotHandle> {
+        let (tx, ready) = watch::channel(None);
+        let save = self
+            .start(step, state, overlapped, true, Some(tx))
+            .await?
+            .expect("a snapshot that may wait always starts");
+        Ok(SnapshotHandle { save, ready })
+    }
+}
+
+/// The background end of a snapshot: checksum and scan the staged file as a save
+/// does, describe it in a rank part, lend the buffer to the snapshot and hand both
+/// over. The permit (the snapshot slot) is held until then.
+pub(super) async fn finish(
+    job: Job,
+    snapshot: SnapshotSender,
+    permit: OwnedSemaphorePermit,
+    status: watch::Sender<Status>,
+) {
+    let step = job.attempt.step;
+    let block = job.config.block_size as usize;
+    let result = match encode(&job, block, Codec::None).await {
+        Ok((scan, _)) => {
+            let rank = job.config.rank as u32;
+            let name = crate::attempt::data_file_name(rank, false, &crate::attempt::nonce());
+            let raw = job.buffer.len() as u64;
+            let part = describe(&job, name, raw, scan, Codec::None, None).to_bytes();
+            job.buffer.lend_as(HeldKind::Snapshot);
+            let key = CopyKey {
+                dir: job.attempt.dir(),
+                world: job.config.world_size as u32,
+                rank,
+            };
+            Ok(Snapshot {
+                part_crc32: crc32fast::hash(&part),
+                step,
+                copy: RankCopy::staged(key, job.buffer.clone()),
+                part: Arc::new(part),
+            })
+        }
+        Err(e) => {
+            warn!(step, error = %e, "snapshot failed while checksumming");
+            Err(Arc::new(e))
+        }
+    };
+    drop(job);
+    drop(permit);
+    let _ = status.send(match &result {
+        Ok(_) => Status::Durable,
+        Err(e) => Status::Failed(e.clone()),
+    });
+    snapshot.send_replace(Some(result));
+}
