@@ -120,8 +120,9 @@ impl std::fmt::Display for HostBytesHeld {
 
 /// A holder of copies that can let go of one to make room.
 pub(crate) trait Dropper: Send + Sync + std::fmt::Debug {
-    /// Lets go of the oldest copy it may drop; false when there is none.
-    fn drop_oldest(&self) -> bool;
+    /// Lets go of the oldest copy it may drop of a step before `before`; false
+    /// when there is none.
+    fn drop_oldest(&self, before: u64) -> bool;
 }
 
 /// One rank's host-memory budget, shared by its checkpointer and its copies holder.
@@ -170,7 +171,7 @@ impl HostBudget {
         self.limit
             .store(limit.unwrap_or(u64::MAX), Ordering::Relaxed);
         while self.total.load(Ordering::Relaxed) > self.limit.load(Ordering::Relaxed) {
-            if !self.drop_one() {
+            if !self.drop_one(u64::MAX) {
                 break;
             }
         }
@@ -220,14 +221,16 @@ impl HostBudget {
         }
     }
 
-    /// Reserves `bytes` of `kind`, asking the holders to let go of their oldest
-    /// droppable copies until they fit; false when they do not fit even then.
-    pub(crate) fn reserve_dropping(&self, kind: HeldKind, bytes: u64) -> bool {
+    /// Reserves `bytes` of `kind` for a copy of step `step`, asking the holders to
+    /// let go of their oldest droppable copies of earlier steps until they fit
+    /// (a copy never pushes out one as new as itself); false when they do not fit
+    /// even then.
+    pub(crate) fn reserve_dropping(&self, kind: HeldKind, bytes: u64, step: u64) -> bool {
         loop {
             if self.try_reserve(kind, bytes) {
                 return true;
             }
-            if !self.drop_one() {
+            if !self.drop_one(step) {
                 return false;
             }
         }
@@ -254,8 +257,10 @@ impl HostBudget {
         droppers.push(dropper);
     }
 
-    /// Asks the registered holders, in turn, to let go of one copy; true when one did.
-    pub(crate) fn drop_one(&self) -> bool {
+    /// Asks the registered holders, in turn, to let go of one copy of a step
+    /// before `before` (idle staging buffers count as before anything); true when
+    /// one did.
+    pub(crate) fn drop_one(&self, before: u64) -> bool {
         let droppers: Vec<Arc<dyn Dropper>> = self
             .droppers
             .lock()
@@ -263,7 +268,7 @@ impl HostBudget {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
-        droppers.iter().any(|d| d.drop_oldest())
+        droppers.iter().any(|d| d.drop_oldest(before))
     }
 }
 
@@ -276,20 +281,35 @@ pub(crate) struct Reservation {
 }
 
 impl Reservation {
-    /// Reserves `bytes` of `kind`, dropping the holders' oldest copies if needed;
-    /// `None` when they do not fit.
+    /// Reserves `bytes` of `kind`, dropping the holders' oldest droppable copies
+    /// if needed; `None` when they do not fit.
     pub(crate) fn new(budget: &Arc<HostBudget>, kind: HeldKind, bytes: u64) -> Option<Self> {
-        budget.reserve_dropping(kind, bytes).then(|| Self {
+        Self::for_step(budget, kind, bytes, u64::MAX)
+    }
+
+    /// Reserves `bytes` of `kind` without letting anything go; `None` when they do
+    /// not fit.
+    pub(crate) fn try_new(budget: &Arc<HostBudget>, kind: HeldKind, bytes: u64) -> Option<Self> {
+        budget.try_reserve(kind, bytes).then(|| Self {
             budget: budget.clone(),
             kind,
             bytes,
         })
     }
 
-    /// Counts the reservation as held for `kind` from now on.
-    pub(crate) fn set_kind(&mut self, kind: HeldKind) {
-        self.budget.transfer(self.kind, kind, self.bytes);
-        self.kind = kind;
+    /// Reserves `bytes` of `kind` for a copy of step `step`, dropping the holders'
+    /// oldest copies of earlier steps if needed; `None` when they do not fit.
+    pub(crate) fn for_step(
+        budget: &Arc<HostBudget>,
+        kind: HeldKind,
+        bytes: u64,
+        step: u64,
+    ) -> Option<Self> {
+        budget.reserve_dropping(kind, bytes, step).then(|| Self {
+            budget: budget.clone(),
+            kind,
+            bytes,
+        })
     }
 }
 
@@ -307,7 +327,7 @@ mod tests {
     struct Holder(Mutex<Vec<Reservation>>);
 
     impl Dropper for Holder {
-        fn drop_oldest(&self) -> bool {
+        fn drop_oldest(&self, _before: u64) -> bool {
             let mut held = self.0.lock().unwrap();
             if held.is_empty() {
                 return false;
@@ -329,15 +349,16 @@ mod tests {
         }
         assert_eq!(budget.held().replicas, 90);
         // 40 more: the oldest replica goes.
-        let mut staging = Reservation::new(&budget, HeldKind::Staging, 40).unwrap();
+        let staging = Reservation::new(&budget, HeldKind::Staging, 40).unwrap();
         assert_eq!(holder.0.lock().unwrap().len(), 2);
         assert_eq!(budget.held().total, 100);
-        staging.set_kind(HeldKind::Snapshot);
+        budget.transfer(HeldKind::Staging, HeldKind::Snapshot, 40);
         assert_eq!((budget.held().staging, budget.held().snapshots), (0, 40));
         // Larger than the bound: everything droppable goes, and it still fails.
         assert!(Reservation::new(&budget, HeldKind::Staging, 101).is_none());
         assert!(holder.0.lock().unwrap().is_empty());
         assert_eq!(budget.held().total, 40);
+        budget.transfer(HeldKind::Snapshot, HeldKind::Staging, 40);
         drop(staging);
         let held = budget.held();
         assert_eq!((held.total, held.peak, held.budget), (0, 100, Some(100)));

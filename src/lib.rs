@@ -141,6 +141,7 @@ mod rank_file;
 pub mod region;
 pub mod retention;
 pub mod save;
+pub mod snapshot;
 mod staging;
 pub mod state;
 #[cfg(feature = "testing")]
@@ -162,6 +163,7 @@ pub use format::{Codec, Health, HealthStatus, Manifest, ReplicaPolicy, StateValu
 pub use load::{CheckpointReader, LoadRequest, Loaded, LoadedTensor, load_latest};
 pub use region::Region;
 pub use save::{CheckpointConfig, Checkpointer, HealthCheck, SaveHandle};
+pub use save::{Snapshot, SnapshotHandle};
 pub use state::{Element, State, as_bytes, as_bytes_mut};
 
 /// The README's examples, compiled as doctests so they cannot go stale.

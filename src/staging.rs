@@ -127,7 +127,7 @@ impl StagingBuffer {
         let Some(budget) = &self.budget else {
             return Ok(None);
         };
-        Reservation::new(budget, HeldKind::Staging, cap as u64)
+        Reservation::try_new(budget, HeldKind::Staging, cap as u64)
             .map(Some)
             .ok_or_else(|| {
                 let held = budget.held();
@@ -440,15 +440,15 @@ mod tests {
     fn buffers_are_aligned_and_reused() {
         let mut buffer = StagingBuffer::new();
         assert!(buffer.is_empty());
-        buffer.reset(10_000);
+        buffer.reset(10_000).unwrap();
         assert_eq!(buffer.ptr.as_ptr() as usize % ALIGN, 0);
         buffer.fill(4).copy_from_slice(&[1, 2, 3, 4]);
         assert_eq!(&buffer[..], &[1, 2, 3, 4]);
         let before = buffer.ptr;
-        buffer.reset(5_000);
+        buffer.reset(5_000).unwrap();
         assert_eq!(buffer.ptr, before, "a smaller reset keeps the mapping");
         assert!(buffer.is_empty());
-        buffer.reset(5 << 20);
+        buffer.reset(5 << 20).unwrap();
         assert_eq!(buffer.ptr.as_ptr() as usize % ALIGN, 0);
         assert!(buffer.capacity() >= 5 << 20);
         buffer.prefault();
@@ -459,7 +459,7 @@ mod tests {
     #[should_panic(expected = "staging buffer overflow")]
     fn writing_past_the_reserved_room_panics_instead_of_corrupting() {
         let mut buffer = StagingBuffer::new();
-        buffer.reset(4096);
+        buffer.reset(4096).unwrap();
         buffer.fill(4097);
     }
 

@@ -10,7 +10,9 @@ use tokio::sync::watch;
 
 use super::net::{Pull, Server, pull_replicas};
 use super::{CopyKey, RankCopy};
+use crate::budget::{Dropper, HostBudget};
 use crate::error::{Error, Result};
+use crate::save::Snapshot;
 
 /// What [`Copies::keep`] needs of a save: its step, its checkpoint's directory, and
 /// where its staged file is published once staged (`None` when the save keeps no
@@ -50,6 +52,12 @@ pub struct CopyConfig {
     /// of a job must hold the same one. Default `None`: no handshake, any peer that
     /// connects is answered.
     pub secret: Option<JobSecret>,
+    /// The rank's host-memory budget, shared with its checkpointer
+    /// ([`Checkpointer::host_budget`](crate::Checkpointer::host_budget)): replicas are
+    /// reserved from it before they are pulled, and the holder lets go of its oldest
+    /// droppable copy when a reservation does not fit ([`crate::budget`]). Default
+    /// `None`: replicas are bounded by `max_bytes` only.
+    pub budget: Option<Arc<HostBudget>>,
 }
 
 impl Default for CopyConfig {
@@ -60,21 +68,37 @@ impl Default for CopyConfig {
             pull_patience: Duration::from_secs(30),
             max_connections: 64,
             secret: None,
+            budget: None,
         }
     }
+}
+
+/// One copy held: a file of a save or of a snapshot, the rank's own or a replica.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub(crate) copy: RankCopy,
+    /// A replica of a peer's copy (not this rank's own).
+    pub(crate) replica: bool,
+    /// A snapshot's file: its rank part (the block CRC32s its checks need).
+    pub(crate) part: Option<Arc<Vec<u8>>>,
 }
 
 /// The copies one rank holds, shared with its copy server and replica puller.
 #[derive(Debug, Default)]
 pub(crate) struct Held {
-    /// Own copies and replicas (true for a replica).
-    copies: Vec<(RankCopy, bool)>,
+    /// Own copies and replicas, of saves and snapshots, oldest first.
+    copies: Vec<Entry>,
     /// Own copies of saves still staging: (attempt directory, where the copy comes).
     pending: Vec<(String, watch::Receiver<Option<RankCopy>>)>,
     /// The newest checkpoint this rank saved.
     newest: Option<String>,
     /// The newest checkpoint this rank knows to be committed.
     confirmed: Option<String>,
+    /// The newest snapshot this rank took (its attempt directory).
+    newest_snapshot: Option<String>,
+    /// The newest snapshot known to be committed, and the CRC32 of every rank's
+    /// part of it (in rank order) that its commit agreed on.
+    committed_snapshot: Option<(String, Arc<Vec<u32>>)>,
     max_bytes: u64,
     /// Replica pulls asked for, and ended (arrived or given up).
     pulls_asked: u64,
@@ -82,14 +106,27 @@ pub(crate) struct Held {
 }
 
 impl Held {
-    /// True when copies of the save in `dir` are kept.
+    /// True when copies of the save or snapshot in `dir` are kept.
     pub(crate) fn kept(&self, dir: &str) -> bool {
-        self.newest.as_deref() == Some(dir) || self.confirmed.as_deref() == Some(dir)
+        self.newest.as_deref() == Some(dir)
+            || self.confirmed.as_deref() == Some(dir)
+            || self.newest_snapshot.as_deref() == Some(dir)
+            || self.committed_snapshot_dir() == Some(dir)
+    }
+
+    fn committed_snapshot_dir(&self) -> Option<&str> {
+        self.committed_snapshot.as_ref().map(|(d, _)| d.as_str())
+    }
+
+    /// True when `dir`'s copies must not be dropped to make room: the newest
+    /// committed checkpoint's and snapshot's, until their successors commit.
+    fn protected(&self, dir: &str) -> bool {
+        self.confirmed.as_deref() == Some(dir) || self.committed_snapshot_dir() == Some(dir)
     }
 
     /// Bytes of the copies held.
     pub(crate) fn bytes(&self) -> u64 {
-        self.copies.iter().map(|(c, _)| c.len()).sum()
+        self.copies.iter().map(|e| e.copy.len()).sum()
     }
 
     /// Takes the own copies whose saves have staged since the last look; drops those
@@ -105,7 +142,7 @@ impl Held {
             copy.has_changed().is_ok()
         });
         for copy in staged {
-            if let Err(why) = self.put(copy, false) {
+            if let Err(why) = self.put(copy, false, None) {
                 tracing::info!("{why}");
             }
         }
@@ -114,31 +151,60 @@ impl Held {
     /// Lets go of every copy of a checkpoint that is neither the newest saved nor the
     /// newest committed.
     fn evict(&mut self) {
-        let (newest, confirmed) = (self.newest.take(), self.confirmed.take());
-        let kept = |dir: &str| newest.as_deref() == Some(dir) || confirmed.as_deref() == Some(dir);
-        self.copies.retain(|(c, _)| kept(&c.key.dir));
-        self.pending.retain(|(dir, _)| kept(dir));
-        (self.newest, self.confirmed) = (newest, confirmed);
+        let copies = std::mem::take(&mut self.copies);
+        self.copies = copies
+            .into_iter()
+            .filter(|e| self.kept(&e.copy.key.dir))
+            .collect();
+        let pending = std::mem::take(&mut self.pending);
+        self.pending = pending
+            .into_iter()
+            .filter(|(dir, _)| self.kept(dir))
+            .collect();
+    }
+
+    /// Lets go of the oldest copy of a step before `before` that is not protected
+    /// ([`Held::protected`]); false when there is none.
+    fn drop_oldest(&mut self, before: u64) -> bool {
+        let Some(at) = self
+            .copies
+            .iter()
+            .position(|e| step_of(&e.copy.key.dir) < before && !self.protected(&e.copy.key.dir))
+        else {
+            return false;
+        };
+        let gone = self.copies.remove(at);
+        tracing::info!(
+            copy = %gone.copy.key,
+            bytes = gone.copy.len(),
+            "in-memory copy let go to stay inside the host memory budget"
+        );
+        true
     }
 
     /// Holds `copy` (an own copy, or a `replica`), replacing one of the same key, if
     /// its checkpoint is kept and it fits the budget; says why not otherwise. Own
     /// copies come first: to fit one, replicas are let go (an own copy serves this
     /// rank's recovery and its successor's replica; a replica only a neighbour's).
-    pub(crate) fn put(&mut self, copy: RankCopy, replica: bool) -> std::result::Result<(), String> {
+    pub(crate) fn put(
+        &mut self,
+        copy: RankCopy,
+        replica: bool,
+        part: Option<Arc<Vec<u8>>>,
+    ) -> std::result::Result<(), String> {
         if !self.kept(&copy.key.dir) {
             return Err(format!(
-                "copy of {} not kept: neither the newest nor the committed checkpoint",
+                "copy of {} not kept: neither the newest nor the committed checkpoint or snapshot",
                 copy.key
             ));
         }
-        self.copies.retain(|(c, _)| c.key != copy.key);
+        self.copies.retain(|e| e.copy.key != copy.key);
         if !replica {
             while self.fits(copy.len()).is_err() {
-                let Some(at) = self.copies.iter().position(|(_, replica)| *replica) else {
+                let Some(at) = self.copies.iter().position(|e| e.replica) else {
                     break;
                 };
-                let (evicted, _) = self.copies.remove(at);
+                let evicted = self.copies.remove(at).copy;
                 tracing::info!(
                     "replica of {} let go to make room for this rank's own copy",
                     evicted.key
@@ -147,7 +213,11 @@ impl Held {
         }
         self.fits(copy.len())
             .map_err(|why| format!("copy of {} not kept: {why}", copy.key))?;
-        self.copies.push((copy, replica));
+        self.copies.push(Entry {
+            copy,
+            replica,
+            part,
+        });
         Ok(())
     }
 
@@ -165,11 +235,21 @@ impl Held {
 
     /// The copy named `key`, if held.
     pub(crate) fn get(&mut self, key: &CopyKey) -> Option<RankCopy> {
+        self.entry(key).map(|e| e.copy)
+    }
+
+    /// The entry of the copy named `key`, if held.
+    pub(crate) fn entry(&mut self, key: &CopyKey) -> Option<Entry> {
         self.settle();
-        self.copies
-            .iter()
-            .find(|(c, _)| &c.key == key)
-            .map(|(c, _)| c.clone())
+        self.copies.iter().find(|e| &e.copy.key == key).cloned()
+    }
+
+    /// The part CRC32s of the committed snapshot in `dir`, if it is the one held.
+    pub(crate) fn snapshot_table(&self, dir: &str) -> Option<Arc<Vec<u32>>> {
+        self.committed_snapshot
+            .as_ref()
+            .filter(|(d, _)| d == dir)
+            .map(|(_, t)| t.clone())
     }
 }
 
@@ -185,9 +265,14 @@ impl Shared {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Holds a replica that just arrived, and wakes whoever waits for it.
-    pub(crate) fn put_replica(&self, copy: RankCopy) -> std::result::Result<(), String> {
-        let result = self.lock().put(copy, true);
+    /// Holds a replica that just arrived (with its part, for a snapshot's), and
+    /// wakes whoever waits for it.
+    pub(crate) fn put_replica(
+        &self,
+        copy: RankCopy,
+        part: Option<Arc<Vec<u8>>>,
+    ) -> std::result::Result<(), String> {
+        let result = self.lock().put(copy, true, part);
         self.arrived.notify_all();
         result
     }
@@ -197,6 +282,20 @@ impl Shared {
         self.lock().pulls_ended += 1;
         self.arrived.notify_all();
     }
+}
+
+impl Dropper for Shared {
+    fn drop_oldest(&self, before: u64) -> bool {
+        self.lock().drop_oldest(before)
+    }
+}
+
+/// The step of an attempt directory (`step-N/…`); 0 for a name of another form.
+fn step_of(dir: &str) -> u64 {
+    dir.strip_prefix("step-")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// This rank's in-memory copies: its own copies of its saves, the replicas it pulled
@@ -220,6 +319,10 @@ impl Copies {
     pub fn new(config: CopyConfig) -> Self {
         let shared = Arc::new(Shared::default());
         shared.lock().max_bytes = config.max_bytes;
+        if let Some(budget) = &config.budget {
+            let dropper: Arc<dyn Dropper> = shared.clone();
+            budget.register(Arc::downgrade(&dropper));
+        }
         Self {
             config,
             shared,
@@ -297,7 +400,7 @@ impl Copies {
         held.newest = Some(copy.key.dir.clone());
         held.evict();
         held.settle();
-        let kept = held.put(copy, false);
+        let kept = held.put(copy, false, None);
         drop(held);
         self.shared.arrived.notify_all();
         match kept {
@@ -307,6 +410,69 @@ impl Copies {
                 false
             }
         }
+    }
+
+    /// Keeps `snapshot` (from [`SnapshotHandle::ready`](crate::SnapshotHandle::ready))
+    /// as this rank's newest snapshot, its part with it; snapshots neither newest nor
+    /// committed are let go. Returns false, with the reason logged, when it does not
+    /// fit [`CopyConfig::max_bytes`].
+    pub fn keep_snapshot(&self, snapshot: &Snapshot) -> bool {
+        let mut held = self.shared.lock();
+        held.newest_snapshot = Some(snapshot.key().dir.clone());
+        held.evict();
+        let kept = held.put(snapshot.copy().clone(), false, Some(snapshot.part_shared()));
+        drop(held);
+        self.shared.arrived.notify_all();
+        match kept {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::info!("{why}");
+                false
+            }
+        }
+    }
+
+    /// Starts pulling, in the background, a replica of the snapshot file `key` and
+    /// its part from the copy server at `from` (as [`Copies::replicate`]).
+    pub fn replicate_snapshot(&self, from: SocketAddr, key: CopyKey) {
+        if let Some(pulls) = &self.pulls {
+            let pulls = pulls.lock().unwrap_or_else(|p| p.into_inner());
+            self.shared.lock().pulls_asked += 1;
+            let pull = Pull {
+                from,
+                key,
+                snapshot: true,
+            };
+            if pulls.send(pull).is_err() {
+                self.shared.pull_ended();
+            }
+        }
+    }
+
+    /// Notes that the snapshot in `dir` is committed, with the CRC32 of every rank's
+    /// part of it in rank order (what its commit agreed on): it is kept until a newer
+    /// snapshot commits, and its table answers peers' `table` requests at a
+    /// recovery. Older snapshots are let go.
+    pub fn commit_snapshot(&self, dir: &str, part_crc32s: Vec<u32>) {
+        let mut held = self.shared.lock();
+        held.committed_snapshot = Some((dir.to_string(), Arc::new(part_crc32s)));
+        held.evict();
+    }
+
+    /// The newest snapshot this rank knows to be committed: its directory and the
+    /// CRC32 of every rank's part.
+    pub fn committed_snapshot(&self) -> Option<(String, Vec<u32>)> {
+        self.shared
+            .lock()
+            .committed_snapshot
+            .as_ref()
+            .map(|(d, t)| (d.clone(), t.to_vec()))
+    }
+
+    /// The part of the snapshot file `key`, if this rank holds the file (its own or
+    /// a replica).
+    pub fn snapshot_part(&self, key: &CopyKey) -> Option<Arc<Vec<u8>>> {
+        self.shared.lock().entry(key).and_then(|e| e.part)
     }
 
     /// Notes that the checkpoint saved in `dir` is committed: a failure resumes from
@@ -327,7 +493,14 @@ impl Copies {
         if let Some(pulls) = &self.pulls {
             let pulls = pulls.lock().unwrap_or_else(|p| p.into_inner());
             self.shared.lock().pulls_asked += 1;
-            if pulls.send(Pull { from, key }).is_err() {
+            if pulls
+                .send(Pull {
+                    from,
+                    key,
+                    snapshot: false,
+                })
+                .is_err()
+            {
                 self.shared.pull_ended();
             }
         }
@@ -386,7 +559,7 @@ impl Copies {
         held.settle();
         Holding {
             addr: self.addr(),
-            held: held.copies.iter().map(|(c, _)| c.key.clone()).collect(),
+            held: held.copies.iter().map(|e| e.copy.key.clone()).collect(),
         }
     }
 }
@@ -470,9 +643,12 @@ mod tests {
         assert_eq!(copies.holding().held, vec![key("c", 0)]);
         assert_eq!(copies.held_bytes(), 10);
         // A replica of a checkpoint that is not kept is refused.
-        let refused = copies.shared.put_replica(copy("b", 1, 10)).unwrap_err();
+        let refused = copies
+            .shared
+            .put_replica(copy("b", 1, 10), None)
+            .unwrap_err();
         assert!(refused.contains("neither the newest"), "{refused}");
-        copies.shared.put_replica(copy("c", 1, 10)).unwrap();
+        copies.shared.put_replica(copy("c", 1, 10), None).unwrap();
         assert_eq!(copies.holding().held, vec![key("c", 0), key("c", 1)]);
     }
 
@@ -483,8 +659,11 @@ mod tests {
             ..CopyConfig::default()
         });
         assert!(copies.keep_copy(copy("a", 0, 10)));
-        copies.shared.put_replica(copy("a", 1, 10)).unwrap();
-        let over = copies.shared.put_replica(copy("a", 1, 16)).unwrap_err();
+        copies.shared.put_replica(copy("a", 1, 10), None).unwrap();
+        let over = copies
+            .shared
+            .put_replica(copy("a", 1, 16), None)
+            .unwrap_err();
         assert!(over.contains("budget of 25 bytes"), "{over}");
         assert!(copies.held_bytes() <= 25);
         // A newer save lets the old copies go, and its own fits again.
@@ -493,7 +672,7 @@ mod tests {
         assert!(!copies.keep_copy(copy("b", 0, 26)), "alone over the budget");
         assert!(copies.held_bytes() <= 25);
         // An own copy that arrives after a replica takes its room.
-        copies.shared.put_replica(copy("b", 1, 20)).unwrap();
+        copies.shared.put_replica(copy("b", 1, 20), None).unwrap();
         assert!(copies.keep_copy(copy("b", 0, 10)));
         assert_eq!(copies.holding().held, vec![key("b", 0)]);
     }

@@ -118,6 +118,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::budget::Reservation;
 use crate::staging::Pooled;
 
 /// The job's secret that [`CopyConfig::secret`] holds (from `ckpt-auth`).
@@ -125,6 +126,15 @@ pub use ckpt_auth::JobSecret;
 pub use held::{Copies, CopyConfig, Holding, PendingCopy};
 pub use load::{Fallback, FallbackReason, FromCopies, Sources, load_into};
 pub use verify::{ReadBox, VerifiedBytes, file_header, read_verified};
+
+/// A connection to the copy server at `addr` (for [`crate::snapshot`]).
+pub(crate) fn connect(
+    addr: std::net::SocketAddr,
+    timeout: std::time::Duration,
+    secret: Option<&JobSecret>,
+) -> std::result::Result<net::Peer, net::Asked> {
+    net::Peer::connect(addr, timeout, secret)
+}
 
 /// Which copy: the save (its attempt directory) and the layout of the file.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -158,15 +168,30 @@ enum Bytes {
     /// A save's staging buffer, lent out (back to the pool when the last clone goes).
     Staged(Arc<Pooled>),
     /// Memory of the copy's own: a replica, or bytes given to [`RankCopy::new`].
-    Owned(Arc<Vec<u8>>),
+    Owned(Arc<OwnedBytes>),
+}
+
+/// A copy's own bytes, and their reservation in the host-memory budget (a replica
+/// pulled inside one), given back when the last clone goes.
+struct OwnedBytes {
+    bytes: Vec<u8>,
+    _reserved: Option<Reservation>,
 }
 
 impl RankCopy {
     /// A copy of `key`'s file made of `bytes` (a replica, or a file kept elsewhere).
     pub fn new(key: CopyKey, bytes: Vec<u8>) -> Self {
+        Self::reserved(key, bytes, None)
+    }
+
+    /// A copy of `key`'s file made of `bytes`, counted in a budget by `reserved`.
+    pub(crate) fn reserved(key: CopyKey, bytes: Vec<u8>, reserved: Option<Reservation>) -> Self {
         Self {
             key,
-            bytes: Bytes::Owned(Arc::new(bytes)),
+            bytes: Bytes::Owned(Arc::new(OwnedBytes {
+                bytes,
+                _reserved: reserved,
+            })),
         }
     }
 
@@ -187,7 +212,7 @@ impl RankCopy {
     pub fn bytes(&self) -> &[u8] {
         match &self.bytes {
             Bytes::Staged(buffer) => buffer,
-            Bytes::Owned(bytes) => bytes,
+            Bytes::Owned(owned) => &owned.bytes,
         }
     }
 

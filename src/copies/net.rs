@@ -11,6 +11,8 @@ use ckpt_auth::{Gatekeeper, JobSecret};
 
 use super::held::Shared;
 use super::{CopyConfig, CopyKey, RankCopy};
+use crate::budget::{HeldKind, Reservation};
+use crate::format::MAX_PART_BYTES;
 
 /// Longest request or answer line, newline included.
 const MAX_LINE: usize = 1024;
@@ -165,6 +167,10 @@ fn serve_peer(
                 out.write_all(format!("ok {}\n", end - start).as_bytes())?;
                 out.write_all(&copy.bytes()[start..end])?;
             }
+            Ok(Answer::Bytes(bytes)) => {
+                out.write_all(format!("ok {}\n", bytes.len()).as_bytes())?;
+                out.write_all(&bytes)?;
+            }
             Err(why) => out.write_all(format!("no {why}\n").as_bytes())?,
         }
     }
@@ -173,6 +179,8 @@ fn serve_peer(
 enum Answer {
     Len(u64),
     Raw(RankCopy, usize, usize),
+    /// A snapshot's part, or a committed snapshot's table of part CRC32s.
+    Bytes(Arc<Vec<u8>>),
 }
 
 /// What to answer `request` (one line, without its newline).
@@ -212,6 +220,24 @@ fn answer(request: &str, shared: &Shared) -> Result<Answer, String> {
                 ));
             }
             Ok(Answer::Raw(copy, start as usize, end as usize))
+        }
+        Some("part") if words.len() == 4 => {
+            let key = key()?;
+            match shared.lock().entry(&key) {
+                Some(entry) => entry
+                    .part
+                    .map(Answer::Bytes)
+                    .ok_or_else(|| format!("{key} is not a snapshot's file")),
+                None => Err(format!("not held: {key}")),
+            }
+        }
+        Some("table") if words.len() == 2 => {
+            let table = shared
+                .lock()
+                .snapshot_table(words[1])
+                .ok_or_else(|| format!("{} is not the committed snapshot held", words[1]))?;
+            let bytes = table.iter().flat_map(|c| c.to_le_bytes()).collect();
+            Ok(Answer::Bytes(Arc::new(bytes)))
         }
         _ => Err(bad()),
     }
@@ -307,6 +333,46 @@ impl Peer {
         self.ask(&format!("len {} {} {}", key.dir, key.world, key.rank))
     }
 
+    /// The rank part of the snapshot file `key` (at most the largest part a
+    /// checkpoint may have).
+    pub(crate) fn part(&mut self, key: &CopyKey) -> Result<Vec<u8>, Asked> {
+        let request = format!("part {} {} {}", key.dir, key.world, key.rank);
+        self.bytes(&request, MAX_PART_BYTES)
+    }
+
+    /// The CRC32s of every rank's part of the committed snapshot in `dir` (at most
+    /// `world` of them).
+    pub(crate) fn table(&mut self, dir: &str, world: u32) -> Result<Vec<u32>, Asked> {
+        let bytes = self.bytes(&format!("table {dir}"), u64::from(world) * 4)?;
+        if bytes.len() % 4 != 0 {
+            return Err(Asked::Failed(format!(
+                "{}: a table of part CRC32s of {} bytes",
+                self.addr,
+                bytes.len()
+            )));
+        }
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect())
+    }
+
+    /// The answer to `request`: bytes of a length the peer announces, at most `max`.
+    fn bytes(&mut self, request: &str, max: u64) -> Result<Vec<u8>, Asked> {
+        let n = self.ask(request)?;
+        if n > max {
+            return Err(Asked::Failed(format!(
+                "{}: announced {n} bytes for {request:?}, at most {max} expected",
+                self.addr
+            )));
+        }
+        let mut bytes = vec![0u8; n as usize];
+        self.reader
+            .read_exact(&mut bytes)
+            .map_err(|e| Asked::Failed(format!("{}: {e}", self.addr)))?;
+        Ok(bytes)
+    }
+
     /// Reads bytes `at..` of `key`'s copy into `pieces`, back to back.
     pub(crate) fn raw(
         &mut self,
@@ -342,6 +408,8 @@ impl Peer {
 pub(crate) struct Pull {
     pub(crate) from: SocketAddr,
     pub(crate) key: CopyKey,
+    /// A snapshot's file: its part is pulled with it.
+    pub(crate) snapshot: bool,
 }
 
 /// Pulls the replicas sent on `pulls`, one at a time, until the channel closes.
@@ -364,6 +432,15 @@ pub(crate) fn pull_replicas(pulls: mpsc::Receiver<Pull>, shared: &Shared, config
         }
         shared.pull_ended();
     }
+}
+
+/// The step of `key`'s save or snapshot (0 when its directory is not one's).
+fn step_of_key(key: &CopyKey) -> u64 {
+    key.dir
+        .strip_prefix("step-")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Pulls one whole copy, waiting (up to the patience) for its source to have staged
@@ -399,6 +476,21 @@ fn pull_one(pull: &Pull, shared: &Shared, config: &CopyConfig) -> Result<u64, St
         held.fits(len)?;
     }
     let size = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))?;
+    let kind = match pull.snapshot {
+        true => HeldKind::SnapshotReplica,
+        false => HeldKind::Replica,
+    };
+    let reserved = match &config.budget {
+        Some(budget) => Some(
+            Reservation::for_step(budget, kind, len, step_of_key(&pull.key)).ok_or_else(|| {
+                format!(
+                    "a replica of {len} bytes does not fit the host memory budget: {}",
+                    budget.held()
+                )
+            })?,
+        ),
+        None => None,
+    };
     // Huge pages: a replica is written once, off the training thread, and read at a
     // recovery; they make its page faults and, when the process dies, its unmapping
     // several times cheaper (which shortens how long survivors take to notice a
@@ -411,7 +503,11 @@ fn pull_one(pull: &Pull, shared: &Shared, config: &CopyConfig) -> Result<u64, St
             .map_err(|e| e.to_string())?;
         at = end;
     }
-    shared.put_replica(RankCopy::new(pull.key.clone(), bytes))?;
+    let part = match pull.snapshot {
+        true => Some(Arc::new(peer.part(&pull.key).map_err(|e| e.to_string())?)),
+        false => None,
+    };
+    shared.put_replica(RankCopy::reserved(pull.key.clone(), bytes, reserved), part)?;
     Ok(len)
 }
 

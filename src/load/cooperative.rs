@@ -60,6 +60,30 @@ const SHARED_MAGIC: &[u8; 8] = b"CKPTSHR1";
 /// block (u64 each), little-endian.
 const ASK_BYTES: usize = 20;
 
+/// The bytes [`CheckpointReader::from_shared`] reads: the magic, the sealed
+/// manifest, the commits passed over (JSON) and every part as stored, each with its
+/// rank and length.
+pub(crate) fn encode_shared(manifest: &[u8], skipped: &[u8], parts: &[(u32, &[u8])]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(
+        8 + 16
+            + manifest.len()
+            + skipped.len()
+            + parts.iter().map(|(_, b)| b.len() + 12).sum::<usize>(),
+    );
+    out.extend_from_slice(SHARED_MAGIC);
+    for blob in [manifest, skipped] {
+        out.extend_from_slice(&(blob.len() as u64).to_le_bytes());
+        out.extend_from_slice(blob);
+    }
+    out.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+    for (rank, bytes) in parts {
+        out.extend_from_slice(&rank.to_le_bytes());
+        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        out.extend_from_slice(bytes);
+    }
+    out
+}
+
 impl CheckpointReader {
     /// Fetches every rank part and returns what the other ranks of a job need to
     /// open this checkpoint without a request to the store: the sealed manifest,
@@ -92,23 +116,8 @@ impl CheckpointReader {
                 .collect::<Vec<_>>(),
         )
         .map_err(|e| Error::invalid(format!("encoding the commits passed over: {e}")))?;
-        let mut out = Vec::with_capacity(
-            8 + 16
-                + manifest.len()
-                + skipped.len()
-                + fetched.iter().map(|(_, _, b)| b.len() + 12).sum::<usize>(),
-        );
-        out.extend_from_slice(SHARED_MAGIC);
-        for blob in [&manifest[..], &skipped[..]] {
-            out.extend_from_slice(&(blob.len() as u64).to_le_bytes());
-            out.extend_from_slice(blob);
-        }
-        out.extend_from_slice(&(fetched.len() as u32).to_le_bytes());
-        for (rank, _, bytes) in &fetched {
-            out.extend_from_slice(&rank.to_le_bytes());
-            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-            out.extend_from_slice(bytes);
-        }
+        let parts: Vec<(u32, &[u8])> = fetched.iter().map(|(r, _, b)| (*r, &b[..])).collect();
+        let out = encode_shared(&manifest, &skipped, &parts);
         Ok(out)
     }
 

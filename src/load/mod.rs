@@ -49,6 +49,7 @@ mod request;
 mod scatter;
 
 pub use cooperative::Cooperative;
+pub(crate) use cooperative::encode_shared;
 pub(crate) use execute::{in_this_poll, on_threads};
 pub use memory::zeroed_huge;
 pub(crate) use read::{FileRead, read_batch, verify_and_copy};

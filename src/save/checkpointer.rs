@@ -68,6 +68,12 @@ impl Checkpointer {
     /// to the pool) and idle buffers too small are unmapped, until one fits.
     /// [`Error::OverBudget`] when nothing is left to let go.
     pub(super) fn take_buffer(&self, total: usize) -> Result<StagingBuffer> {
+        self.take_buffer_for(u64::MAX, total)
+    }
+
+    /// [`Checkpointer::take_buffer`] for a save or snapshot of `step`: only copies of
+    /// earlier steps are let go to make room for it.
+    pub(super) fn take_buffer_for(&self, step: u64, total: usize) -> Result<StagingBuffer> {
         loop {
             let popped = {
                 let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
@@ -88,7 +94,7 @@ impl Checkpointer {
                 // A pooled buffer too small was unmapped: try the next, or a new one.
                 Err(_) if from_pool => continue,
                 Err(e) => {
-                    if !self.budget.drop_one() {
+                    if !self.budget.drop_one(step) {
                         return Err(e);
                     }
                 }
@@ -243,7 +249,7 @@ impl Checkpointer {
 struct PoolTrimmer(std::sync::Weak<Pool>);
 
 impl Dropper for PoolTrimmer {
-    fn drop_oldest(&self) -> bool {
+    fn drop_oldest(&self, _before: u64) -> bool {
         let Some(pool) = self.0.upgrade() else {
             return false;
         };

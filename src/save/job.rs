@@ -85,6 +85,7 @@ pub(super) async fn run_job(
             world: job.config.world_size as u32,
             rank: job.config.rank as u32,
         };
+        job.buffer.lend_as(crate::budget::HeldKind::Copy);
         copy.send_replace(Some(RankCopy::staged(key, job.buffer.clone())));
     }
     let written = write_rank(&job).await;
@@ -100,11 +101,26 @@ pub(super) async fn run_job(
     // in-memory copy still holds it: it comes back when that is let go).
     drop(buffer);
     drop(permit);
+    after_write(written, &store, &config, &attempt, role, &status).await;
+}
+
+/// A save's end once its rank part is written (or could not be): reports it durable,
+/// then commits on a committer ([`commit_as`]); records the failure in the slot
+/// otherwise ([`give_up`]). The piecewise save (`pieces.rs`) ends here too.
+pub(super) async fn after_write(
+    written: Result<()>,
+    store: &Store,
+    config: &CheckpointConfig,
+    attempt: &Attempt,
+    role: Role,
+    status: &watch::Sender<Status>,
+) {
+    let step = attempt.step;
     let result = match (written, role) {
         (Ok(()), Role::Committer { index }) => {
             let _ = status.send(Status::Durable);
             crate::failpoint::hit("after-rank-part");
-            commit_as(&store, &config, &attempt, index).await
+            commit_as(store, config, attempt, index).await
         }
         (Ok(()), Role::Waiter) => {
             let _ = status.send(Status::Durable);
@@ -113,7 +129,7 @@ pub(super) async fn run_job(
         }
         (Err(e), _) => {
             warn!(step, error = %e, "checkpoint save failed");
-            give_up(&store, &config, &attempt, e, &status).await;
+            give_up(store, config, attempt, e, status).await;
             return;
         }
     };

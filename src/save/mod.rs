@@ -52,6 +52,7 @@ mod checkpointer;
 mod config;
 mod handle;
 mod job;
+mod pieces;
 mod plan;
 mod snapshot;
 mod stage;

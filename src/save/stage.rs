@@ -68,16 +68,35 @@ impl Checkpointer {
         let file_len = plan.file_len;
         let health = self.part_health(state);
         #[cfg(not(feature = "cuda"))]
-        let mut buffer = self.take_buffer(plan.total)?;
+        let taken = self.take_buffer(plan.total);
         #[cfg(feature = "cuda")]
-        let mut buffer = match plan.device.is_empty() {
-            true => self.take_buffer(plan.total)?,
-            false => self
+        let taken = match plan.device.is_empty() {
+            true => self.take_buffer(plan.total),
+            false => Ok(self
                 .pool
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .pop()
-                .unwrap_or_else(|| StagingBuffer::counted_in(Some(self.budget.clone()))),
+                .unwrap_or_else(|| StagingBuffer::counted_in(Some(self.budget.clone())))),
+        };
+        let mut buffer = match taken {
+            // Host tensors only (device ones never take a budgeted buffer here): a
+            // save to the store that does not fit stages in pieces (`pieces.rs`).
+            Err(over @ Error::OverBudget(_)) if snapshot.is_none() => {
+                let unstaged = super::pieces::Unstaged {
+                    step,
+                    attempt,
+                    plan,
+                    chunks,
+                    scan_chunks,
+                    shadow,
+                    health,
+                    permit,
+                    started,
+                };
+                return self.save_in_pieces(state, unstaged, over).await.map(Some);
+            }
+            taken => taken?,
         };
         #[cfg(not(feature = "cuda"))]
         let pending_copies: Option<PendingCopies> = None;
