@@ -117,7 +117,9 @@ impl SaveHandle {
                 }
                 self.staged().await?;
                 return Err(Error::Failed(format!(
-                    "step {}: the save ended before its staged file could be kept",
+                    "step {}: the save ended before its staged file could be kept (it failed, \
+                     or it was staged in pieces to fit the host memory budget, and no whole \
+                     file was ever held)",
                     self.attempt.step
                 )));
             }

@@ -82,6 +82,32 @@ pub(super) fn describe(
     codec: Codec,
     frames: Option<&[Bytes]>,
 ) -> RankPart {
+    let frame_bytes = frames
+        .map(|f| f.iter().map(|b| b.len() as u64).collect())
+        .unwrap_or_default();
+    let raw_bytes = job.buffer.len() as u64;
+    describe_file(
+        job,
+        file_name,
+        raw_bytes,
+        stored_bytes,
+        scan,
+        codec,
+        frame_bytes,
+    )
+}
+
+/// [`describe`] for a data file that was never staged whole (`pieces.rs`): its raw
+/// length and its frames' lengths are given rather than read from the buffer.
+pub(super) fn describe_file(
+    job: &Job,
+    file_name: String,
+    raw_bytes: u64,
+    stored_bytes: u64,
+    scan: Scanned,
+    codec: Codec,
+    frame_bytes: Vec<u64>,
+) -> RankPart {
     let config = &job.config;
     let rank = config.rank as u32;
     let Scanned {
@@ -121,12 +147,10 @@ pub(super) fn describe(
         codec,
         file: FileEntry {
             name: file_name,
-            raw_bytes: job.buffer.len() as u64,
+            raw_bytes,
             stored_bytes,
             block_crc32: crcs,
-            frame_bytes: frames
-                .map(|f| f.iter().map(|b| b.len() as u64).collect())
-                .unwrap_or_default(),
+            frame_bytes,
         },
         chunks: job.chunks.clone(),
         global_state: job.global.clone(),
@@ -175,6 +199,22 @@ pub(super) struct Scanned {
     crcs: Vec<u32>,
     nonfinite: Vec<crate::format::ChunkNonFinite>,
     replicas: Vec<ReplicaCrcs>,
+}
+
+impl Scanned {
+    /// What a scan found, put together by a caller that scanned on its own
+    /// (`pieces.rs`).
+    pub(super) fn new(
+        crcs: Vec<u32>,
+        nonfinite: Vec<crate::format::ChunkNonFinite>,
+        replicas: Vec<ReplicaCrcs>,
+    ) -> Self {
+        Self {
+            crcs,
+            nonfinite,
+            replicas,
+        }
+    }
 }
 
 /// Block checksums, the health scan (`crate::health`: non-finite counts, the slice
