@@ -197,6 +197,28 @@ fn check_frame(frame: &[u8], raw_len: usize, codec: Codec) {
 }
 
 /// Replaces the header JSON of a safetensors prefix and fixes its length prefix.
+/// A committed snapshot's record as the control plane holds it.
+const SNAPSHOT_RECORD: &[u8] = br#"{"step":40,"generation":3,"world":4,"dir":"step-00000040/g00000003-snap-run","table_crc32":305419896}"#;
+
+/// The `snapshot_record` fuzz target's property: a record accepted names a snapshot
+/// directory of its own step and generation and round-trips; a vote decodes or
+/// votes against.
+fn check_snapshot_record(bytes: &[u8]) {
+    use ckpt::snapshot::{SnapshotRecord, Vote};
+    if let Ok(text) = std::str::from_utf8(bytes)
+        && let Ok(record) = SnapshotRecord::parse(text)
+    {
+        let attempt = record.attempt().expect("an accepted record has an attempt");
+        assert_eq!((attempt.step, attempt.generation), (record.step, record.generation));
+        assert!(record.world > 0);
+        assert_eq!(SnapshotRecord::parse(&record.to_json()).ok(), Some(record));
+    }
+    let vote = Vote::decode(bytes);
+    if vote.ready {
+        assert_eq!(Vote::decode(&vote.encode()), vote);
+    }
+}
+
 fn with_header_json(json: &[u8]) -> Vec<u8> {
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(json);
@@ -253,6 +275,8 @@ fn mutate(bytes: &[u8], mutations: &[Mutation]) -> Vec<u8> {
 
 #[test]
 fn fixtures_are_valid_to_begin_with() {
+    let record = std::str::from_utf8(SNAPSHOT_RECORD).unwrap();
+    assert_eq!(ckpt::snapshot::SnapshotRecord::parse(record).unwrap().step, 40);
     let f = fixtures();
     let manifest = Manifest::parse(&f.manifest, MANIFEST).unwrap();
     assert_eq!((manifest.world_size, manifest.tensors.len()), (2, 3));
@@ -385,6 +409,7 @@ proptest! {
         check_header(&bytes, bytes.len() as u64);
         check_header(&with_header_json(&bytes), u64::MAX);
         check_frame(&bytes, raw_len, Codec::Zstd { level: 1, shuffle: width });
+        check_snapshot_record(&bytes);
         prop_assert!(Manifest::parse(&bytes, MANIFEST).is_err());
     }
 
@@ -401,6 +426,7 @@ proptest! {
         check_header(&with_header_json(&mutate(&f.header[8..], &mutations)), f.file_size + extra);
         check_frame(&mutate(&f.frame, &mutations), f.frame_raw_len, f.frame_codec);
         check_frame(&mutate(&f.frame, &mutations), extra as usize, f.frame_codec);
+        check_snapshot_record(&mutate(SNAPSHOT_RECORD, &mutations));
     }
 }
 
