@@ -157,13 +157,14 @@ pub use catalog::{
     CheckpointInfo, Commit, Select, latest, latest_selecting, list_checkpoints, read_manifest,
 };
 pub use commit::Outcome;
+pub use copies::Snapshot;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use format::{Codec, Health, HealthStatus, Manifest, ReplicaPolicy, StateValue};
 pub use load::{CheckpointReader, LoadRequest, Loaded, LoadedTensor, load_latest};
 pub use region::Region;
+pub use save::SnapshotHandle;
 pub use save::{CheckpointConfig, Checkpointer, HealthCheck, SaveHandle};
-pub use save::{Snapshot, SnapshotHandle};
 pub use state::{Element, State, as_bytes, as_bytes_mut};
 
 /// The README's examples, compiled as doctests so they cannot go stale.

@@ -55,11 +55,12 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::attempt::Attempt;
+pub use crate::copies::Snapshot;
 use crate::copies::{Copies, CopyKey, Holding};
 use crate::error::{Error, Result};
 use crate::format::{FormatError, RankPart};
 use crate::load::CheckpointReader;
-pub use crate::save::{Snapshot, SnapshotHandle};
+pub use crate::save::SnapshotHandle;
 use ckpt_storage::Store;
 
 /// A committed snapshot, as recorded in the control plane ([module docs](self)).

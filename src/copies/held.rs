@@ -9,10 +9,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::net::{Pull, Server, pull_replicas};
-use super::{CopyKey, RankCopy};
+use super::{CopyKey, RankCopy, Snapshot};
 use crate::budget::{Dropper, HostBudget};
 use crate::error::{Error, Result};
-use crate::save::Snapshot;
 
 /// What [`Copies::keep`] needs of a save: its step, its checkpoint's directory, and
 /// where its staged file is published once staged (`None` when the save keeps no

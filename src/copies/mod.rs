@@ -247,3 +247,76 @@ impl std::fmt::Debug for RankCopy {
             .finish()
     }
 }
+
+/// One rank's snapshot ([`Checkpointer::snapshot`](crate::Checkpointer::snapshot)):
+/// its staged data file, in memory, and the rank part that describes it (block CRC32s, chunks, non-tensor state). Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Snapshot {
+    copy: RankCopy,
+    part: Arc<Vec<u8>>,
+    part_crc32: u32,
+    step: u64,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("key", self.copy.key())
+            .field("bytes", &self.copy.len())
+            .field("part_crc32", &format_args!("{:08x}", self.part_crc32))
+            .finish()
+    }
+}
+
+impl Snapshot {
+    /// A snapshot made of a file's bytes and its part's (a replica, or a test's).
+    pub fn new(copy: RankCopy, part: Vec<u8>) -> crate::Result<Self> {
+        let parsed = crate::format::RankPart::parse(&part, &copy.key().to_string())?;
+        Ok(Self {
+            part_crc32: crc32fast::hash(&part),
+            step: parsed.step,
+            copy,
+            part: Arc::new(part),
+        })
+    }
+
+    /// The step.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Which file this is (the snapshot's attempt directory, world size and rank).
+    pub fn key(&self) -> &CopyKey {
+        self.copy.key()
+    }
+
+    /// The staged data file.
+    pub fn copy(&self) -> &RankCopy {
+        &self.copy
+    }
+
+    /// The rank part's bytes (JSON, as a store save would write it).
+    pub fn part(&self) -> &[u8] {
+        &self.part
+    }
+
+    /// CRC32 of [`Snapshot::part`]: what the commit records for this rank.
+    pub fn part_crc32(&self) -> u32 {
+        self.part_crc32
+    }
+
+    /// The shared part bytes.
+    pub(crate) fn part_shared(&self) -> Arc<Vec<u8>> {
+        self.part.clone()
+    }
+
+    /// A snapshot just staged (its part written by this library, not parsed again).
+    pub(crate) fn staged(copy: RankCopy, part: Vec<u8>, step: u64) -> Self {
+        Self {
+            part_crc32: crc32fast::hash(&part),
+            step,
+            copy,
+            part: Arc::new(part),
+        }
+    }
+}

@@ -60,7 +60,7 @@ mod stage_thread;
 mod write;
 
 pub use config::{CheckpointConfig, HealthCheck};
-pub use snapshot::{Snapshot, SnapshotHandle};
+pub use snapshot::SnapshotHandle;
 
 #[derive(Debug, Clone)]
 enum Status {

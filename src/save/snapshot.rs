@@ -30,9 +30,9 @@ use super::{Checkpointer, Job, SaveHandle, Status};
 use crate::attempt::Attempt;
 use crate::attempt::MAX_RUN_ID_LEN;
 use crate::budget::{HeldKind, HostBytesHeld};
-use crate::copies::{CopyKey, RankCopy};
+use crate::copies::{CopyKey, RankCopy, Snapshot};
 use crate::error::{Error, Result};
-use crate::format::{Codec, RankPart};
+use crate::format::Codec;
 
 /// Where a snapshot's background task hands the snapshot over.
 pub(super) type SnapshotSender = watch::Sender<Option<std::result::Result<Snapshot, Arc<Error>>>>;
@@ -42,69 +42,6 @@ pub(super) fn run_id_of_snapshots(run: &str) -> String {
     let mut id = format!("snap-{run}");
     id.truncate(MAX_RUN_ID_LEN);
     id
-}
-
-/// One rank's snapshot: its staged data file, in memory, and the rank part that
-/// describes it (block CRC32s, chunks, non-tensor state). Cheap to clone (shared).
-#[derive(Clone)]
-pub struct Snapshot {
-    copy: RankCopy,
-    part: Arc<Vec<u8>>,
-    part_crc32: u32,
-    step: u64,
-}
-
-impl std::fmt::Debug for Snapshot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Snapshot")
-            .field("key", self.copy.key())
-            .field("bytes", &self.copy.len())
-            .field("part_crc32", &format_args!("{:08x}", self.part_crc32))
-            .finish()
-    }
-}
-
-impl Snapshot {
-    /// A snapshot made of a file's bytes and its part's (a replica, or a test's).
-    pub fn new(copy: RankCopy, part: Vec<u8>) -> Result<Self> {
-        let parsed = RankPart::parse(&part, &copy.key().to_string())?;
-        Ok(Self {
-            part_crc32: crc32fast::hash(&part),
-            step: parsed.step,
-            copy,
-            part: Arc::new(part),
-        })
-    }
-
-    /// The step.
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// Which file this is (the snapshot's attempt directory, world size and rank).
-    pub fn key(&self) -> &CopyKey {
-        self.copy.key()
-    }
-
-    /// The staged data file.
-    pub fn copy(&self) -> &RankCopy {
-        &self.copy
-    }
-
-    /// The rank part's bytes (JSON, as a store save would write it).
-    pub fn part(&self) -> &[u8] {
-        &self.part
-    }
-
-    /// CRC32 of [`Snapshot::part`]: what the commit records for this rank.
-    pub fn part_crc32(&self) -> u32 {
-        self.part_crc32
-    }
-
-    /// The shared part bytes.
-    pub(crate) fn part_shared(&self) -> Arc<Vec<u8>> {
-        self.part.clone()
-    }
 }
 
 /// Follows one rank's snapshot while it is staged and checksummed.
@@ -234,12 +171,11 @@ pub(super) async fn finish(
                 world: job.config.world_size as u32,
                 rank,
             };
-            Ok(Snapshot {
-                part_crc32: crc32fast::hash(&part),
+            Ok(Snapshot::staged(
+                RankCopy::staged(key, job.buffer.clone()),
+                part,
                 step,
-                copy: RankCopy::staged(key, job.buffer.clone()),
-                part: Arc::new(part),
-            })
+            ))
         }
         Err(e) => {
             warn!(step, error = %e, "snapshot failed while checksumming");
