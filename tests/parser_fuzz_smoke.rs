@@ -209,7 +209,10 @@ fn check_snapshot_record(bytes: &[u8]) {
         && let Ok(record) = SnapshotRecord::parse(text)
     {
         let attempt = record.attempt().expect("an accepted record has an attempt");
-        assert_eq!((attempt.step, attempt.generation), (record.step, record.generation));
+        assert_eq!(
+            (attempt.step, attempt.generation),
+            (record.step, record.generation)
+        );
         assert!(record.world > 0);
         assert_eq!(SnapshotRecord::parse(&record.to_json()).ok(), Some(record));
     }
@@ -276,7 +279,10 @@ fn mutate(bytes: &[u8], mutations: &[Mutation]) -> Vec<u8> {
 #[test]
 fn fixtures_are_valid_to_begin_with() {
     let record = std::str::from_utf8(SNAPSHOT_RECORD).unwrap();
-    assert_eq!(ckpt::snapshot::SnapshotRecord::parse(record).unwrap().step, 40);
+    assert_eq!(
+        ckpt::snapshot::SnapshotRecord::parse(record).unwrap().step,
+        40
+    );
     let f = fixtures();
     let manifest = Manifest::parse(&f.manifest, MANIFEST).unwrap();
     assert_eq!((manifest.world_size, manifest.tensors.len()), (2, 3));
