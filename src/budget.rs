@@ -18,8 +18,8 @@
 //! [`Copies`](crate::copies::Copies) holder (replicas it allocates; own copies and
 //! snapshots are staging buffers lent out, so they move between kinds without being
 //! counted twice). Every allocation is reserved before it is made
-//! ([`HostBudget::try_reserve`]); a reservation that does not fit asks the holders
-//! that registered a [`Dropper`] to let go of the oldest copy they may drop (never
+//! (`HostBudget::try_reserve`); a reservation that does not fit asks the holders
+//! that registered a `Dropper` to let go of the oldest copy they may drop (never
 //! the newest committed snapshot or checkpoint before its successor commits), and
 //! fails only when nothing is left to drop. The caller then does without: a replica
 //! is not pulled, a snapshot is not taken (a warning says so), and a save that does

@@ -46,6 +46,15 @@
 //! held to the same block checksums as the store, falling back to the store for
 //! whatever they cannot deliver ([`copies`]).
 //!
+//! **The memory tier.** [`Checkpointer::snapshot`] stages like a save and stops
+//! there: the file and its rank part stay in host memory, a ring peer pulls a
+//! replica, and every rank's vote commits the snapshot in the control plane
+//! ([`snapshot`]); after a failure the survivors resume from the newest committed
+//! snapshot they cover, resharded and checked block by block, losing at most the
+//! snapshot interval, while the store's saves stay the durability guarantee. One
+//! [`HostBudget`] per rank ([`CheckpointConfig::host_memory_budget`]) bounds the
+//! staging buffers, copies, replicas and snapshots together ([`budget`]).
+//!
 //! **Offline.** [`tools`] has what the `ckpt` command runs: inspect, verify, diff,
 //! export, import, convert, reshard, gc. [`probe`] checks that a store supports what
 //! ckpt needs.

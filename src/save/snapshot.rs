@@ -112,7 +112,7 @@ impl SnapshotHandle {
 impl Checkpointer {
     /// Snapshots this rank's `state` at `step` into host memory: staged as
     /// [`Checkpointer::save`] stages (blocking while it copies), checksummed in the
-    /// background, uploaded nowhere ([module docs](self)). Waits while the previous
+    /// background, uploaded nowhere ([the memory tier](crate::snapshot)). Waits while the previous
     /// snapshot is still being checksummed. [`Error::OverBudget`] when its staging
     /// buffer does not fit the host memory budget even after the oldest droppable
     /// copies are let go: the snapshot is not taken.
