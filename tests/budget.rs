@@ -221,6 +221,27 @@ async fn a_piecewise_save_keeps_no_copy_and_says_why() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlapped_save_over_the_budget_returns_staged_once_its_file_is_stored() {
+    let (store, _dir) = local_store("budget-overlapped");
+    let tensors = tensors(3, 1);
+    let checkpointer =
+        Checkpointer::new(store.clone(), config(0, 1, Some(MIB), Codec::None)).unwrap();
+    let state = state(&tensors, 0, 1);
+    // SAFETY: the tensors outlive the handle and are not written.
+    let handle = unsafe { checkpointer.save_overlapped(1, &state) }
+        .await
+        .unwrap();
+    assert!(
+        handle.is_staged(),
+        "the pieces were read before it returned"
+    );
+    assert!(handle.stall() >= handle.staged().await.unwrap());
+    handle.committed().await.unwrap();
+    assert!(checkpointer.host_bytes_held().peak <= MIB);
+    assert_loads_bitwise(&store, &tensors).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_budget_below_one_block_refuses_the_save() {
     let (store, _dir) = local_store("budget-block");
     let tensors = tensors(1, 1);

@@ -179,6 +179,10 @@ impl Checkpointer {
     /// the handle has been dropped (dropping it waits for the copy). The borrow
     /// checker cannot see this: `state`'s borrows end when this call returns, while
     /// the copy reads the memory after that.
+    ///
+    /// A save that does not fit [`CheckpointConfig::host_memory_budget`](crate::CheckpointConfig::host_memory_budget) is staged
+    /// and uploaded in pieces before this returns, as a blocking save: its handle is
+    /// staged at once.
     pub async unsafe fn save_overlapped(
         &self,
         step: u64,

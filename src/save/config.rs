@@ -85,6 +85,17 @@ pub struct CheckpointConfig {
     /// is not taken, and a save whose staging buffer does not fit stages and uploads
     /// its file in pieces (a longer stall, said in a warning). Default `None`: no
     /// bound (memory is still counted, [`Checkpointer::host_bytes_held`](crate::Checkpointer::host_bytes_held)).
+    ///
+    /// A save in pieces (host tensors only) takes the largest buffer that fits,
+    /// a whole number of [`block_size`](Self::block_size) blocks (with zstd, about
+    /// half the room: the rest is kept for its frames), and fills, checksums and uploads
+    /// the file through it one window after the other, as parts of one multipart
+    /// upload: the caller's tensors are read until the file is stored, so `save`
+    /// (and [`save_overlapped`](crate::Checkpointer::save_overlapped), which then
+    /// returns with its tensors free) blocks for the whole upload, not one copy. Its
+    /// part and its commit are those of a whole-file save; it keeps no
+    /// [`keep_copy`](Self::keep_copy) copy. A budget that does not hold one block
+    /// fails the save with [`Error::OverBudget`](crate::Error::OverBudget).
     pub host_memory_budget: Option<u64>,
     /// What a save does when the ranks that hold one replicated box (a
     /// [`State::add_replica`](crate::State::add_replica) box, a scalar of

@@ -571,6 +571,9 @@ unsafe fn fill_window(
     unsafe { crate::staging::copy_sources(&mut dst[data_at..], &within, threads) };
 }
 
+/// Each block's CRC32 and (zstd) frame.
+type Encoded = Vec<(u32, Vec<u8>)>;
+
 /// The block CRC32s of one window (a whole number of blocks, but the file's last),
 /// and with zstd its frames, on `threads` threads.
 fn encode_window(
@@ -581,7 +584,7 @@ fn encode_window(
 ) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
     let blocks: Vec<&[u8]> = window.chunks(block).collect();
     let per = blocks.len().div_ceil(threads.max(1)).max(1);
-    let encode = |group: &[&[u8]]| -> std::io::Result<Vec<(u32, Vec<u8>)>> {
+    let encode = |group: &[&[u8]]| -> std::io::Result<Encoded> {
         group
             .iter()
             .map(|raw| {
@@ -593,7 +596,7 @@ fn encode_window(
             })
             .collect()
     };
-    let groups: Vec<std::io::Result<Vec<(u32, Vec<u8>)>>> = std::thread::scope(|scope| {
+    let groups: Vec<std::io::Result<Encoded>> = std::thread::scope(|scope| {
         let handles: Vec<_> = blocks
             .chunks(per)
             .map(|group| scope.spawn(move || encode(group)))
