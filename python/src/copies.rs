@@ -12,12 +12,15 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
+use ckpt::HostBudget;
 use ckpt::copies::{CopyConfig, CopyKey, Holding};
+use ckpt::snapshot::{SnapshotRecord, Vote};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
-use super::{InvalidError, SaveHandle};
+use super::{Checkpointer, InvalidError, SaveHandle, Snapshot, held_dict, to_py};
 
 /// This process's holder of in-memory copies, served to peers on `ip`.
 #[pyclass(module = "ckpt._native", frozen)]
@@ -49,8 +52,14 @@ impl Copies {
     /// environment (`CKPT_JOB_SECRET` or `CKPT_JOB_SECRET_FILE`) the server admits
     /// only peers that prove it, and this holder proves it to its peers; a bad
     /// secret there raises `InvalidError`.
+    ///
+    /// The holder counts what it holds in a host-memory budget: `checkpointer`'s
+    /// (`host_memory_budget`), so that its staging, copies, replicas and snapshots
+    /// share one bound, else one of its own, unbounded until
+    /// `set_host_memory_budget`.
     #[new]
-    fn new(ip: &str) -> PyResult<Copies> {
+    #[pyo3(signature = (ip, checkpointer=None))]
+    fn new(ip: &str, checkpointer: Option<&Checkpointer>) -> PyResult<Copies> {
         let ip: IpAddr = ip
             .parse()
             .map_err(|e| InvalidError::new_err(format!("{ip:?} is not an IP address: {e}")))?;
@@ -59,8 +68,13 @@ impl Copies {
         let secret = ckpt_auth::JobSecret::from_env().map_err(|e| {
             InvalidError::new_err(format!("in-memory copies need a valid job secret: {e}"))
         })?;
+        let budget = match checkpointer {
+            Some(c) => c.inner.host_budget().clone(),
+            None => HostBudget::new(None),
+        };
         let config = CopyConfig {
             secret,
+            budget: Some(budget),
             ..CopyConfig::default()
         };
         let inner = ckpt::copies::Copies::serve(ip, config)
@@ -119,4 +133,151 @@ impl Copies {
     fn held_bytes(&self) -> u64 {
         self.inner.held_bytes()
     }
+
+    /// Host memory held in this holder's budget, by kind (as
+    /// `Checkpointer.host_bytes_held`).
+    fn host_bytes_held<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let held = self
+            .inner
+            .config()
+            .budget
+            .as_ref()
+            .map(|b| b.held())
+            .unwrap_or_default();
+        held_dict(py, &held)
+    }
+
+    /// Bounds this holder's budget at `limit` bytes (None: unbounded); copies it
+    /// may drop are let go at once to fit.
+    #[pyo3(signature = (limit))]
+    fn set_host_memory_budget(&self, limit: Option<u64>) {
+        if let Some(budget) = &self.inner.config().budget {
+            budget.set_limit(limit);
+        }
+    }
+
+    /// Keeps `snapshot` (`SnapshotHandle.wait_ready()`) as this rank's newest
+    /// snapshot; False (with the reason logged) when it does not fit.
+    fn keep_snapshot(&self, snapshot: &Snapshot) -> bool {
+        self.inner.keep_snapshot(&snapshot.inner)
+    }
+
+    /// Pulls, in the background, a replica of the ring predecessor's file of the
+    /// same snapshot (and its part) from the server `table` names.
+    fn replicate_snapshot(
+        &self,
+        snapshot: &Snapshot,
+        table: Vec<Vec<u8>>,
+        rank: usize,
+    ) -> PyResult<()> {
+        let table = decode_table(&table)?;
+        let Some(key) = predecessor_key(snapshot) else {
+            return Ok(());
+        };
+        if let Some(from) = table.get(key.rank as usize).and_then(|h| h.addr)
+            && rank < table.len()
+        {
+            self.inner.replicate_snapshot(from, key);
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` seconds (GIL released) until every replica asked for
+    /// so far has arrived or been given up; True once they have.
+    fn wait_for_pulls(&self, py: Python<'_>, timeout: f64) -> bool {
+        let inner = self.inner.clone();
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        py.detach(move || inner.wait_for_pulls(timeout))
+    }
+
+    /// This rank's vote on committing `snapshot` (`VOTE_SIZE` bytes): ready when it
+    /// holds its own file and its replica of its ring predecessor's.
+    fn vote<'py>(&self, py: Python<'py>, snapshot: &Snapshot) -> Bound<'py, PyBytes> {
+        let key = predecessor_key(snapshot);
+        let vote = Vote::cast(&self.inner, &snapshot.inner, key.as_ref());
+        PyBytes::new(py, &vote.encode())
+    }
+
+    /// Notes that the snapshot in `dir` is committed, with every rank's part CRC32
+    /// (rank order, what `tally` returned): kept until a newer one commits.
+    fn commit_snapshot(&self, dir: &str, part_crc32s: Vec<u32>) {
+        self.inner.commit_snapshot(dir, part_crc32s);
+    }
+
+    /// The newest snapshot this rank knows to be committed: `(dir, part CRC32s)`.
+    fn committed_snapshot(&self) -> Option<(String, Vec<u32>)> {
+        self.inner.committed_snapshot()
+    }
+}
+
+/// The key of the ring predecessor's file of `snapshot` (None in a world of one).
+fn predecessor_key(snapshot: &Snapshot) -> Option<CopyKey> {
+    let key = snapshot.inner.key();
+    (key.world >= 2).then(|| CopyKey {
+        dir: key.dir.clone(),
+        world: key.world,
+        rank: (key.rank + key.world - 1) % key.world,
+    })
+}
+
+/// A vote against committing the snapshot of `step` (a rank that took none).
+#[pyfunction]
+pub(crate) fn vote_against(py: Python<'_>, step: u64) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, &Vote::against(step).encode())
+}
+
+/// The outcome of every rank's vote (rank order) on the snapshot of `step`:
+/// `(True, part CRC32s)` when every rank voted ready on it, else `(False, the
+/// ranks that did not)`.
+#[pyfunction]
+pub(crate) fn tally(votes: Vec<Vec<u8>>, step: u64) -> (bool, Vec<u64>) {
+    let votes: Vec<Vote> = votes.iter().map(|v| Vote::decode(v)).collect();
+    match ckpt::snapshot::tally(&votes, step) {
+        Ok(table) => (true, table.into_iter().map(u64::from).collect()),
+        Err(against) => (false, against.into_iter().map(|r| r as u64).collect()),
+    }
+}
+
+/// The control plane's record (JSON) of `snapshot` committed by its world with
+/// the part CRC32s `part_crc32s` (what `tally` returned).
+#[pyfunction]
+pub(crate) fn snapshot_record(snapshot: &Snapshot, part_crc32s: Vec<u32>) -> String {
+    SnapshotRecord::new(&snapshot.attempt, snapshot.inner.key().world, &part_crc32s).to_json()
+}
+
+fn parse_record(py: Python<'_>, record: &str) -> PyResult<SnapshotRecord> {
+    SnapshotRecord::parse(record).map_err(|e| to_py(py, e))
+}
+
+/// The ranks of the snapshot `record`'s world whose file no holding of `table`
+/// (every rank's, `Copies.holding()`) holds: empty when the survivors cover it.
+#[pyfunction]
+pub(crate) fn record_uncovered(
+    py: Python<'_>,
+    record: &str,
+    table: Vec<Vec<u8>>,
+) -> PyResult<Vec<u32>> {
+    let record = parse_record(py, record)?;
+    Ok(record.uncovered(&decode_table(&table)?))
+}
+
+/// Gathers what every rank needs to open the committed snapshot `record`: the
+/// table of part CRC32s and every part, from `copies` or the holders `table`
+/// names (this rank is `rank`), checked against the record. Returns the bytes
+/// `Reader.from_snapshot` opens. Blocking (TCP to the peers), GIL released.
+#[pyfunction]
+pub(crate) fn share_snapshot<'py>(
+    py: Python<'py>,
+    record: &str,
+    copies: &Copies,
+    table: Vec<Vec<u8>>,
+    rank: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let record = parse_record(py, record)?;
+    let table = decode_table(&table)?;
+    let own = copies.inner.clone();
+    let shared = py
+        .detach(move || ckpt::snapshot::share(&record, &own, &table, rank))
+        .map_err(|e| to_py(py, e))?;
+    Ok(PyBytes::new(py, &shared))
 }

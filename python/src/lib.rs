@@ -101,6 +101,12 @@ create_exception!(
 create_exception!(ckpt, DeviceError, CkptError, "The GPU path failed.");
 create_exception!(
     ckpt,
+    OverBudgetError,
+    CkptError,
+    "Holding this would pass the host memory budget (`host_memory_budget`), even after letting go of every copy that may be dropped."
+);
+create_exception!(
+    ckpt,
     ElasticError,
     CkptError,
     "A call to the elastic control plane failed (`kind`: cancelled, timeout, rejected, unreachable, protocol, shutdown)."
@@ -138,6 +144,7 @@ fn to_py(py: Python<'_>, error: ckpt::Error) -> PyErr {
         ckpt::Error::Fenced(_) => (FencedError::new_err(message), "fenced"),
         ckpt::Error::Mutated(_) => (MutatedError::new_err(message), "mutated"),
         ckpt::Error::Device(_) => (DeviceError::new_err(message), "device"),
+        ckpt::Error::OverBudget(_) => (OverBudgetError::new_err(message), "over_budget"),
     };
     let value = err.value(py);
     // Setting attributes on a fresh exception instance cannot fail.
@@ -460,6 +467,7 @@ fn config(
             "copy_threads" => config.copy_threads = value.extract()?,
             "check_staging" => config.check_staging = value.extract()?,
             "keep_copy" => config.keep_copy = value.extract()?,
+            "host_memory_budget" => config.host_memory_budget = value.extract()?,
             "replica_mismatch" => {
                 let text: String = value.extract()?;
                 config.replica_mismatch = text
@@ -471,7 +479,7 @@ fn config(
                     "unknown setting {other:?}; the settings are generation, run_id, block_size, \
                      codec, max_in_flight, keep_last, commit_timeout, commit_takeover, \
                      retention_grace, direct_io, copy_threads, check_staging, keep_copy, \
-                     replica_mismatch"
+                     replica_mismatch, host_memory_budget"
                 )));
             }
         }
@@ -581,10 +589,88 @@ fn register<T: Send + 'static>(
     }
 }
 
+/// The library's state of one save or snapshot, built with the GIL held so that a
+/// bad box is an error before anything starts; and whether it has device tensors.
+fn build_state(
+    py: Python<'_>,
+    tensors: &Bound<'_, PyAny>,
+    rank_state: &Bound<'_, PyDict>,
+    global_state: &Bound<'_, PyDict>,
+    metadata: &str,
+) -> PyResult<(ckpt::State<'static>, bool)> {
+    let views = save_views(tensors)?;
+    let metadata: BTreeMap<String, serde_json::Value> = serde_json::from_str(metadata)
+        .map_err(|e| invalid(format!("metadata is not a JSON object: {e}")))?;
+    let mut state = ckpt::State::new();
+    let mut on_device = false;
+    for view in views.iter() {
+        if view.place != Place::Host {
+            on_device = true;
+            #[cfg(feature = "cuda")]
+            {
+                // SAFETY: the Python layer keeps the tensor alive and waits for
+                // the handle's device release before the tensor is written.
+                let buffer = unsafe { view.device_buffer(py)? };
+                state
+                    .add_device(
+                        &view.name,
+                        view.dtype,
+                        &view.shape,
+                        view.region.clone(),
+                        buffer,
+                        view.write,
+                    )
+                    .map_err(|e| to_py(py, e))?;
+                continue;
+            }
+            #[cfg(not(feature = "cuda"))]
+            view.check_host()?;
+        }
+        // SAFETY: the Python layer keeps every tensor alive and unwritten until
+        // this save is staged (`SaveHandle._tensors`), and a save without
+        // `overlapped` returns only after staging.
+        let data = unsafe { view.bytes() };
+        state
+            .add_replica(
+                &view.name,
+                view.dtype,
+                &view.shape,
+                view.region.clone(),
+                data,
+                view.write,
+            )
+            .map_err(|e| to_py(py, e))?;
+    }
+    add_values(&mut state, Scope::Rank, rank_state)?;
+    add_values(&mut state, Scope::Global, global_state)?;
+    for (key, value) in metadata {
+        state.set_metadata(key, value);
+    }
+    Ok((state, on_device))
+}
+
+/// `HostBytesHeld` as a dict of its fields.
+pub(crate) fn held_dict<'py>(
+    py: Python<'py>,
+    held: &ckpt::HostBytesHeld,
+) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("budget", held.budget)?;
+    out.set_item("total", held.total)?;
+    out.set_item("peak", held.peak)?;
+    out.set_item("staging", held.staging)?;
+    out.set_item("copies", held.copies)?;
+    out.set_item("replicas", held.replicas)?;
+    out.set_item("snapshots", held.snapshots)?;
+    out.set_item("snapshot_replicas", held.snapshot_replicas)?;
+    out.set_item("summary", held.to_string())?;
+    Ok(out)
+}
+
 /// One rank's checkpointer (`ckpt::Checkpointer`).
 #[pyclass(frozen, module = "ckpt._native")]
-struct Checkpointer {
-    inner: Arc<ckpt::Checkpointer>,
+pub(crate) struct Checkpointer {
+    pub(crate) inner: Arc<ckpt::Checkpointer>,
     url: String,
 }
 
@@ -648,56 +734,7 @@ impl Checkpointer {
         health: Option<BTreeMap<String, f64>>,
         unhealthy: Option<Vec<String>>,
     ) -> PyResult<SaveHandle> {
-        let views = save_views(tensors)?;
-        let metadata: BTreeMap<String, serde_json::Value> = serde_json::from_str(metadata)
-            .map_err(|e| invalid(format!("metadata is not a JSON object: {e}")))?;
-        // The state is built here, with the GIL held, so that a bad box is an error
-        // before anything starts.
-        let mut state = ckpt::State::new();
-        let mut on_device = false;
-        for view in views.iter() {
-            if view.place != Place::Host {
-                on_device = true;
-                #[cfg(feature = "cuda")]
-                {
-                    // SAFETY: the Python layer keeps the tensor alive and waits for
-                    // the handle's device release before the tensor is written.
-                    let buffer = unsafe { view.device_buffer(py)? };
-                    state
-                        .add_device(
-                            &view.name,
-                            view.dtype,
-                            &view.shape,
-                            view.region.clone(),
-                            buffer,
-                            view.write,
-                        )
-                        .map_err(|e| to_py(py, e))?;
-                    continue;
-                }
-                #[cfg(not(feature = "cuda"))]
-                view.check_host()?;
-            }
-            // SAFETY: the Python layer keeps every tensor alive and unwritten until
-            // this save is staged (`SaveHandle._tensors`), and `save` without
-            // `overlapped` returns only after staging.
-            let data = unsafe { view.bytes() };
-            state
-                .add_replica(
-                    &view.name,
-                    view.dtype,
-                    &view.shape,
-                    view.region.clone(),
-                    data,
-                    view.write,
-                )
-                .map_err(|e| to_py(py, e))?;
-        }
-        add_values(&mut state, Scope::Rank, rank_state)?;
-        add_values(&mut state, Scope::Global, global_state)?;
-        for (key, value) in metadata {
-            state.set_metadata(key, value);
-        }
+        let (mut state, on_device) = build_state(py, tensors, rank_state, global_state, metadata)?;
         for (name, value) in health.into_iter().flatten() {
             state.health_metric(name, value);
         }
@@ -719,6 +756,57 @@ impl Checkpointer {
             step,
             on_device,
         })
+    }
+
+    /// Snapshots `tensors` and non-tensor state (as `save` takes them) at `step`
+    /// into host memory (`ckpt::Checkpointer::snapshot`): staged as a save stages,
+    /// checksummed in the background, written nowhere. Blocks until the tensors are
+    /// staged, or with `overlapped` only until the snapshot is registered (then the
+    /// caller keeps the tensors alive and unwritten until `wait_staged`). Raises
+    /// `OverBudgetError` when it does not fit the host memory budget: the snapshot
+    /// is not taken.
+    #[pyo3(signature = (step, tensors, rank_state, global_state, metadata, overlapped))]
+    // One argument per part of a snapshot, as the Python layer passes them.
+    #[allow(clippy::too_many_arguments)]
+    fn snapshot(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        tensors: &Bound<'_, PyAny>,
+        rank_state: &Bound<'_, PyDict>,
+        global_state: &Bound<'_, PyDict>,
+        metadata: &str,
+        overlapped: bool,
+    ) -> PyResult<SnapshotHandle> {
+        let (state, on_device) = build_state(py, tensors, rank_state, global_state, metadata)?;
+        if on_device {
+            // A snapshot's handle has no device release to wait for (a save's
+            // `wait_device_released`): its device tensors would be readable by the
+            // copy after `wait_staged` returned.
+            return Err(invalid(
+                "snapshot: device tensors are not supported yet; snapshot a host copy",
+            ));
+        }
+        let checkpointer = self.inner.clone();
+        let handle = register(py, async move {
+            if overlapped {
+                // SAFETY: the Python layer keeps the tensors alive and unwritten
+                // until the handle's `wait_staged` returns or the handle is dropped.
+                unsafe { checkpointer.snapshot_overlapped(step, &state) }.await
+            } else {
+                checkpointer.snapshot(step, &state).await
+            }
+        })?;
+        Ok(SnapshotHandle {
+            inner: Arc::new(handle),
+        })
+    }
+
+    /// Host memory held by this rank's checkpointing now, by kind (`budget`,
+    /// `total`, `peak`, `staging`, `copies`, `replicas`, `snapshots`,
+    /// `snapshot_replicas`; `budget` None when unbounded).
+    fn host_bytes_held<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        held_dict(py, &self.inner.host_bytes_held())
     }
 
     /// Waits for every save's background work, then refuses further saves.
@@ -791,6 +879,12 @@ impl SaveHandle {
         run(py, async move { handle.committed().await })
     }
 
+    /// Host memory held by the rank's checkpointing now, by kind (as
+    /// `Checkpointer.host_bytes_held`).
+    fn host_bytes_held<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        held_dict(py, &self.inner.host_bytes_held())
+    }
+
     /// Whether the checkpoint is committed yet (non-blocking): False while the save
     /// runs, True once committed; a failed save raises.
     fn done(&self, py: Python<'_>) -> PyResult<bool> {
@@ -800,6 +894,98 @@ impl SaveHandle {
             Some(Ok(())) => Ok(true),
             Some(Err(e)) => Err(to_py(py, e)),
         }
+    }
+}
+
+/// Follows one rank's snapshot while it is staged and checksummed
+/// (`ckpt::SnapshotHandle`).
+#[pyclass(frozen, module = "ckpt._native")]
+pub(crate) struct SnapshotHandle {
+    inner: Arc<ckpt::SnapshotHandle>,
+}
+
+#[pymethods]
+impl SnapshotHandle {
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step()
+    }
+
+    /// Seconds the caller was blocked by the snapshot.
+    #[getter]
+    fn stall(&self) -> f64 {
+        self.inner.stall().as_secs_f64()
+    }
+
+    /// Waits until the tensors are staged; returns the seconds the copy took.
+    fn wait_staged(&self, py: Python<'_>) -> PyResult<f64> {
+        let handle = self.inner.clone();
+        run(py, async move { Ok(handle.staged().await?.as_secs_f64()) })
+    }
+
+    /// Waits until the snapshot is staged and checksummed, and returns it.
+    fn wait_ready(&self, py: Python<'_>) -> PyResult<Snapshot> {
+        let handle = self.inner.clone();
+        let snapshot = run(py, async move { handle.ready().await })?;
+        Ok(Snapshot {
+            inner: snapshot,
+            attempt: self.inner.attempt().clone(),
+        })
+    }
+
+    /// Host memory held by the rank's checkpointing now, by kind.
+    fn host_bytes_held<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        held_dict(py, &self.inner.host_bytes_held())
+    }
+}
+
+/// One rank's snapshot, staged and checksummed (`ckpt::Snapshot`): what
+/// `Copies.keep_snapshot` keeps and a vote is cast on.
+#[pyclass(frozen, module = "ckpt._native")]
+pub(crate) struct Snapshot {
+    pub(crate) inner: ckpt::Snapshot,
+    pub(crate) attempt: ckpt::Attempt,
+}
+
+#[pymethods]
+impl Snapshot {
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step()
+    }
+
+    /// The snapshot's directory (`step-N/gG-snap-RUN`), the same on every rank of
+    /// the world that took it.
+    #[getter]
+    fn dir(&self) -> String {
+        self.inner.key().dir.clone()
+    }
+
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.attempt.generation
+    }
+
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.inner.key().world
+    }
+
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.inner.key().rank
+    }
+
+    /// CRC32 of this rank's part (what its vote carries).
+    #[getter]
+    fn part_crc32(&self) -> u32 {
+        self.inner.part_crc32()
+    }
+
+    /// Bytes of the rank's file held.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.inner.copy().len()
     }
 }
 
@@ -1044,6 +1230,20 @@ impl Reader {
         Ok(Self {
             inner: Arc::new(cooperative::from_shared(url, shared, store_options)?),
             url: url.to_string(),
+        })
+    }
+
+    /// Opens the committed snapshot that `copies.share_snapshot` describes: a reader
+    /// whose manifest and parts are in memory, for `load_into` with `copies` and
+    /// `table` (its files are read from the in-memory copies, each block checked;
+    /// no store holds them, so a file no copy delivers fails the load).
+    #[staticmethod]
+    fn from_snapshot(py: Python<'_>, shared: &[u8]) -> PyResult<Self> {
+        let _entered = runtime().enter();
+        let reader = ckpt::snapshot::open_shared(shared).map_err(|e| to_py(py, e))?;
+        Ok(Self {
+            inner: Arc::new(reader),
+            url: "memory://".to_string(),
         })
     }
 
@@ -1299,13 +1499,21 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Checkpointer>()?;
     m.add_class::<SaveHandle>()?;
+    m.add_class::<SnapshotHandle>()?;
+    m.add_class::<Snapshot>()?;
     m.add_class::<SavePlan>()?;
     m.add_class::<Reader>()?;
     m.add_class::<cooperative::Cooperation>()?;
     m.add_class::<elastic::Agent>()?;
     m.add_class::<copies::Copies>()?;
     m.add("HOLDING_SIZE", ckpt::copies::Holding::SIZE)?;
+    m.add("VOTE_SIZE", ckpt::snapshot::Vote::SIZE)?;
     m.add_function(wrap_pyfunction!(latest, m)?)?;
+    m.add_function(wrap_pyfunction!(copies::tally, m)?)?;
+    m.add_function(wrap_pyfunction!(copies::vote_against, m)?)?;
+    m.add_function(wrap_pyfunction!(copies::snapshot_record, m)?)?;
+    m.add_function(wrap_pyfunction!(copies::record_uncovered, m)?)?;
+    m.add_function(wrap_pyfunction!(copies::share_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(list_checkpoints, m)?)?;
     m.add_function(wrap_pyfunction!(ls_json, m)?)?;
     m.add("CkptError", py.get_type::<CkptError>())?;
@@ -1319,6 +1527,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FencedError", py.get_type::<FencedError>())?;
     m.add("MutatedError", py.get_type::<MutatedError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("OverBudgetError", py.get_type::<OverBudgetError>())?;
     m.add("ElasticError", py.get_type::<ElasticError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether device tensors are staged through the library (cargo feature `cuda`).

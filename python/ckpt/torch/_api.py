@@ -156,6 +156,50 @@ class SaveHandle:
         self._keep_alive = None
 
 
+class SnapshotHandle:
+    """Follows one rank's snapshot (:meth:`Checkpointer.snapshot`). Holds the
+    snapshotted tensors until they are staged."""
+
+    def __init__(self, native: _native.SnapshotHandle, keep_alive: list | None):
+        self._native = native
+        self._keep_alive = keep_alive
+
+    @property
+    def step(self) -> int:
+        return self._native.step
+
+    @property
+    def stall(self) -> float:
+        """Seconds the caller was blocked by ``snapshot``."""
+        return self._native.stall
+
+    def wait_staged(self) -> float:
+        """Waits until the tensors are copied (they may be written again after this);
+        returns the seconds the copy took."""
+        secs = self._native.wait_staged()
+        self._keep_alive = None
+        return secs
+
+    def wait_ready(self) -> _native.Snapshot:
+        """Waits until the snapshot is staged and checksummed; returns it (``step``,
+        ``dir``, ``part_crc32``, ``nbytes``), what ``ckpt.elastic`` keeps, replicates
+        and votes on."""
+        snapshot = self._native.wait_ready()
+        self._keep_alive = None
+        return snapshot
+
+    def host_bytes_held(self) -> dict[str, Any]:
+        """Host memory held by this rank's checkpointing now, by kind (see
+        :meth:`Checkpointer.host_bytes_held`)."""
+        return self._native.host_bytes_held()
+
+    def __del__(self):
+        # Dropping the native handle waits for the copy: release it before the
+        # tensors it reads.
+        self._native = None
+        self._keep_alive = None
+
+
 @dataclass
 class ExtraState:
     """What a load returns besides the tensors: the step and the non-tensor state.
@@ -224,7 +268,11 @@ class Checkpointer:
     ``generation``, ``run_id``, ``block_size``, ``codec`` (``"none"``, ``"zstd"``,
     ``"zstd:LEVEL"``), ``max_in_flight``, ``keep_last``, ``commit_timeout``,
     ``commit_takeover``, ``retention_grace`` (seconds), ``direct_io``,
-    ``copy_threads``, ``check_staging``. ``store_options`` are the store's settings
+    ``copy_threads``, ``check_staging``. ``host_memory_budget`` (bytes) bounds the host
+    memory this rank's checkpointing holds (staging buffers, in-memory copies,
+    replicas, snapshots): a snapshot that does not fit is not taken
+    (``OverBudgetError``), a save that does not fit stages its file in pieces;
+    :meth:`host_bytes_held` says what is held. ``store_options`` are the store's settings
     (see docs/PYTHON.md; a key or value the store refuses raises ``ValueError``).
     Every rank of a world must use the same
     ``run_id``, different for every run that saves under the same URL with the same
@@ -255,8 +303,11 @@ class Checkpointer:
         replica_mismatch: str = "warn",
         health_check: Callable[[dict[str, float]], bool | str | None] | None = None,
         compare_plain_tensors: bool = False,
+        host_memory_budget: int | None = None,
         **config: Any,
     ):
+        if host_memory_budget is not None:
+            config["host_memory_budget"] = int(host_memory_budget)
         if replica_mismatch not in REPLICA_POLICIES:
             raise ValueError(
                 f"replica_mismatch must be one of {', '.join(map(repr, REPLICA_POLICIES))}, "
@@ -350,6 +401,42 @@ class Checkpointer:
             self.store_options,
             warn_unhealthy=self.rank == 0,
         )
+
+    def snapshot(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        *,
+        overlapped: bool = True,
+        global_state: Mapping[str, Any] | None = None,
+    ) -> SnapshotHandle:
+        """Snapshots this rank's part of ``state_dict`` at ``step`` into host memory:
+        staged exactly as :meth:`save` stages (the same overlapped copy, so the same
+        stall), checksummed in the background, written to no store. ``ckpt.elastic``
+        keeps it, replicates it to the ring successor and commits it in the control
+        plane (``ctx.snapshot``); on its own it is this rank's copy in memory.
+
+        Raises ``OverBudgetError`` when it does not fit ``host_memory_budget`` even
+        after the oldest droppable copies are let go: the snapshot is not taken.
+        With ``overlapped`` (the default) this returns before the tensors are
+        copied: do not write them until ``wait_staged()`` returns. Host tensors
+        only."""
+        part = self._planner.prepare(state_dict, _state.encode_value)
+        global_values = {k: _state.encode_value(k, v) for k, v in (global_state or {}).items()}
+        meta: dict[str, Any] = {}
+        if self.rank == 0:
+            meta[_state.PATHS_KEY] = part.paths
+        native = self._native.snapshot(
+            step, part.tensors, part.values, global_values, json.dumps(meta), overlapped
+        )
+        return SnapshotHandle(native, part.keep_alive if overlapped else None)
+
+    def host_bytes_held(self) -> dict[str, Any]:
+        """Host memory held by this rank's checkpointing now, in bytes by kind:
+        ``budget`` (None: unbounded), ``total``, ``peak`` (the most at once since the
+        checkpointer was made), ``staging``, ``copies``, ``replicas``, ``snapshots``,
+        ``snapshot_replicas``; and ``summary``, one line of it."""
+        return self._native.host_bytes_held()
 
     def load(
         self,
@@ -578,6 +665,27 @@ def load(
     _apply_fixups(fixups, stats)
     del keep_alive
     return _extra_state(reader, state_dict, rank, stats, skipped)
+
+
+def load_reader(
+    reader: _native.Reader,
+    state_dict: Mapping[str, Any],
+    rank: int,
+    copies: tuple[Any, list[bytes]] | None = None,
+) -> ExtraState:
+    """Loads what ``reader`` opened (a snapshot shared by ``ckpt.elastic``:
+    ``Reader.from_snapshot``) into ``state_dict`` in place, as :func:`load` does,
+    with ``copies`` ``(holder, table of holdings)`` the in-memory copies its files
+    are read from."""
+    wants, fixups, keep_alive = _wants(state_dict, rank, host_only=False)
+    if copies is None:
+        stats = reader.load_into(wants)
+    else:
+        holder, table = copies
+        stats = reader.load_into(wants, holder, table, rank)
+    _apply_fixups(fixups, stats)
+    del keep_alive
+    return _extra_state(reader, state_dict, rank, stats, [])
 
 
 def _wants(
