@@ -37,7 +37,10 @@
 //! `compress_bound` of each block, so the window is about half as large). Outside it:
 //! the store's partial part, at most one part (`part_size`) of bytes copied from the
 //! window's tail (none when the window is a whole number of parts, the usual case)
-//! or of frames waiting for the next part. A piecewise save keeps no in-memory copy
+//! or of frames waiting for the next part, and the compressor's per-thread state.
+//! Measured on a 96 MiB file over a 32 MiB budget (16 MiB parts, local disk): the
+//! resident set grew by 36 MiB uncompressed, by 60 MiB with zstd (a 16 MiB window,
+//! its frames, a part waiting, the compressors). A piecewise save keeps no in-memory copy
 //! ([`CheckpointConfig::keep_copy`](crate::CheckpointConfig::keep_copy)): no whole
 //! file ever exists in memory.
 
@@ -296,10 +299,11 @@ struct WindowSize {
     frames: usize,
 }
 
-/// The largest window (a whole number of `block`s; uncompressed, of `part_size`s when
-/// it is at least one part and parts are whole blocks, so that the store never holds
-/// bytes of it after its parts are sent) that fits in `room` bytes with, for zstd, room for
-/// its frames; never longer than the file. `None` when not even one block fits.
+/// The largest window that fits in `room` bytes (with zstd, with room for its
+/// frames), never longer than the file: a whole number of `block`s, and when
+/// uncompressed and at least one part long, of `part_size`s (if parts are whole
+/// blocks), so that the store holds no byte of it once its parts are sent. `None`
+/// when not even one block fits.
 fn window_size(
     room: u64,
     block: usize,
@@ -317,15 +321,14 @@ fn window_size(
         let window = blocks * block;
         window.div_ceil(ALIGN) * ALIGN + blocks * frame_bound <= room
     };
-    let mut blocks = (room / ALIGN * ALIGN) / (block + frame_bound);
+    let needed = file_len.div_ceil(block).max(1);
+    let mut blocks = ((room / ALIGN * ALIGN) / (block + frame_bound)).min(needed);
     while blocks > 0 && !fits(blocks) {
         blocks -= 1;
     }
     if blocks == 0 {
         return None;
     }
-    let needed = file_len.div_ceil(block).max(1);
-    blocks = blocks.min(needed);
     if frame_bound == 0 && part_size.is_multiple_of(block) {
         let per_part = part_size / block;
         if blocks >= per_part && blocks < needed {
