@@ -32,7 +32,8 @@ use ckpt_elastic::{Agent, Assignment, Cancel, Directive, ElasticError, Report};
 
 use crate::collective::{Collective, TcpCollective, TcpConfig};
 use crate::train::{
-    Checkpointing, Outcome, Stats, Supervisor, TrainConfig, TrainError, run_supervised,
+    Checkpointing, Outcome, Stats, Supervisor, TrainConfig, TrainError, holder_budget,
+    run_supervised,
 };
 
 /// How long a rank that failed waits for the control plane to handle its report
@@ -127,6 +128,15 @@ impl Supervisor for AgentSupervisor<'_> {
     fn checkpoint_generation(&self, generation: u64) {
         self.agent.set_checkpoint_generation(generation);
     }
+    fn commit_snapshot(&self, record: &str) -> Result<bool, String> {
+        self.agent
+            .commit_snapshot(record)
+            .map(|()| true)
+            .map_err(|e| e.to_string())
+    }
+    fn committed_snapshot(&self) -> Result<Option<String>, String> {
+        self.agent.committed_snapshot().map_err(|e| e.to_string())
+    }
 }
 
 fn say(line: std::fmt::Arguments<'_>) {
@@ -214,10 +224,15 @@ pub fn run(
     stop: &AtomicBool,
 ) -> Exit {
     let mut checkpointing = Checkpointing::default();
-    if config.memory_copies && store.is_some() {
-        // The job's secret guards the copy servers as it does the ring.
+    if (config.memory_copies || config.snapshot_every > 0) && store.is_some() {
+        // The job's secret guards the copy servers as it does the ring. The holder
+        // outlives every generation's checkpointer, so it has a share of the
+        // budget of its own (`holder_budget`).
         let copy_config = CopyConfig {
             secret: tcp.secret.clone(),
+            budget: Some(ckpt::HostBudget::new(holder_budget(
+                config.host_memory_budget,
+            ))),
             ..CopyConfig::default()
         };
         match Copies::serve(ip, copy_config) {
@@ -340,6 +355,7 @@ pub fn run(
             generation_config.rot_copy = None;
             generation_config.save_stage = None;
             generation_config.sdc = None;
+            generation_config.snapshot_vote_against = None;
             generation_config.nan = config.nan.filter(|f| f.persistent);
         }
         generation_config.run_id = Some(run_id(job, generation));

@@ -10,6 +10,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use ckpt::HostBudget;
+use ckpt::copies::{Copies, CopyConfig};
 use ckpt::storage::Store;
 use ckpt_elastic::{Agent, AgentConfig, RankEnv, Rdzv};
 use ckpt_launch::{EXIT_STOPPED, LaunchArgs, signals};
@@ -17,8 +19,11 @@ use ckpt_trainer::bench;
 use ckpt_trainer::collective::{Collective, TcpCollective, TcpConfig};
 use ckpt_trainer::elastic::{self as elastic_rank, Exit};
 use ckpt_trainer::model::Preset;
-use ckpt_trainer::train::{self, Hold, NanFault, Outcome, Stats, TrainConfig};
+use ckpt_trainer::train::{
+    self, Checkpointing, Hold, NanFault, Outcome, Stats, TrainConfig, Unsupervised,
+};
 use clap::{ArgAction, Parser};
+use std::sync::Arc;
 
 const EXIT_FAILED: u8 = 1;
 const EXIT_USAGE: u8 = 2;
@@ -69,6 +74,20 @@ struct TrainArgs {
     /// Save every K steps (plus the final step); 0: only the final step.
     #[arg(long, default_value_t = 50)]
     ckpt_every: u64,
+    /// Snapshot into host memory every N steps (0: never), beside the store saves:
+    /// each rank keeps its snapshot and a replica of its ring predecessor's, and the
+    /// world commits it by a vote at the next step. In an elastic job the commit is
+    /// recorded in the control plane, and survivors of a lost rank resume from the
+    /// newest committed snapshot when they hold all of it and it is newer than the
+    /// store's newest commit (at most N + 1 steps lost). A fixed world keeps the
+    /// commit in memory only: a restarted job resumes from the store.
+    #[arg(long, default_value_t = 0)]
+    snapshot_every: u64,
+    /// Bytes of host memory each rank's checkpointing may hold (staging buffers,
+    /// in-memory copies, replicas, snapshots); a snapshot that does not fit is
+    /// skipped, a save that does not fit is staged in pieces. Default: unbounded.
+    #[arg(long)]
+    host_memory_budget: Option<u64>,
     /// Resume from the newest committed checkpoint under --ckpt (any world size);
     /// starts fresh when there is none.
     #[arg(long)]
@@ -171,6 +190,10 @@ struct TrainArgs {
     /// has its copy (with --replicas 2 or more, the commit names that rank).
     #[arg(long, hide = true)]
     fault_sdc: Option<String>,
+    /// Fault injection for tests: STEP:RANK makes that rank vote against the snapshot
+    /// of that step, as a rank that never finished it would (it is not committed).
+    #[arg(long, hide = true)]
+    fault_snapshot_vote: Option<String>,
 }
 
 /// Measure the TCP backend: all-reduce and all-gather bus bandwidth against one raw
@@ -329,6 +352,29 @@ fn connect(world: &World, timeout_secs: f64) -> Result<TcpCollective, String> {
         None => TcpCollective::bootstrap(world.rank, world.world, world.rendezvous, config),
     }
     .map_err(|e| format!("rank {}: {e}", world.rank))
+}
+
+/// A fixed world's copy server for snapshots, bound on the address this host uses
+/// toward the rendezvous (a UDP socket's connect sends nothing), with the job's
+/// secret; `None` (logged) when it cannot serve.
+fn fixed_world_copies(world: &World, config: &TrainConfig) -> Option<Arc<Copies>> {
+    let ip = std::net::UdpSocket::bind((IpAddr::from([0, 0, 0, 0]), 0))
+        .and_then(|s| s.connect(world.rendezvous).and_then(|()| s.local_addr()))
+        .map_or(world.rendezvous.ip(), |a| a.ip());
+    let copy_config = CopyConfig {
+        secret: ckpt_auth::JobSecret::from_env().ok().flatten(),
+        budget: Some(HostBudget::new(train::holder_budget(
+            config.host_memory_budget,
+        ))),
+        ..CopyConfig::default()
+    };
+    match Copies::serve(ip, copy_config) {
+        Ok(copies) => Some(Arc::new(copies)),
+        Err(e) => {
+            tracing::warn!(%ip, error = %e, "no copy server: no snapshots");
+            None
+        }
+    }
 }
 
 fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
@@ -611,6 +657,15 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(d) => d,
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    let snapshot_vote_against = match args
+        .fault_snapshot_vote
+        .as_deref()
+        .map(|f| parse_pair(f, "--fault-snapshot-vote"))
+        .transpose()
+    {
+        Ok(d) => d,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
     if let Some(f) = args.spike_factor
         && !(f.is_finite() && f > 0.0)
     {
@@ -650,6 +705,9 @@ fn run_train(args: TrainArgs) -> ExitCode {
         steps: args.steps,
         deterministic: args.deterministic,
         ckpt_every: args.ckpt_every,
+        snapshot_every: args.snapshot_every,
+        host_memory_budget: args.host_memory_budget,
+        snapshot_vote_against,
         keep: args.keep,
         cooperative_load: args.cooperative_load,
         max_failed_saves: args.max_failed_saves,
@@ -685,13 +743,25 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Err(e) => return fail(EXIT_FAILED, e),
     };
     let mut stats = Stats::default();
-    let outcome = train::run_generation(
+    // A fixed world never recovers in its processes: copies of store saves would
+    // serve no one (snapshots are committed, in memory, all the same).
+    let config = TrainConfig {
+        memory_copies: false,
+        ..config
+    };
+    let mut checkpointing = Checkpointing::default();
+    if config.snapshot_every > 0 && store.is_some() {
+        checkpointing.copies = fixed_world_copies(&world, &config);
+    }
+    let outcome = train::run_supervised(
         &comm,
         runtime.handle(),
         store.as_ref(),
         &config,
         &signals::STOP,
         &mut stats,
+        &Unsupervised,
+        &mut checkpointing,
     );
     let rank = comm.rank();
     match outcome {

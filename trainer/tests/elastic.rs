@@ -943,6 +943,103 @@ fn an_in_memory_copy_that_rotted_is_caught_by_the_saves_checksums_and_the_store_
     assert_identical(reference_dir.path(), dir.path());
 }
 
+/// The memory tier: 4 ranks save to the store every 10 steps and snapshot every 2;
+/// rank 2 holds at step 15, after the world voted on the snapshot of step 14, and
+/// the test kills it and the ranks in `also_killed`. Returns the output of a run
+/// whose three checks always hold: the survivors finish, with the reference's
+/// weights, and rank 0 said whether the snapshot of step 14 committed
+/// (`snapshot_14`, "committed" or "not committed").
+fn snapshot_kill(extra: &[&str], also_killed: &[usize], snapshot_14: &str) -> String {
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 30);
+    let mut args: Vec<String> = [
+        "--steps",
+        "30",
+        "--ckpt",
+        &url(dir.path()),
+        "--ckpt-every",
+        "10",
+        "--snapshot-every",
+        "2",
+        "--log-every",
+        "1",
+        "--fault-hold",
+        "15:2:after-save",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut launch = Launch::start(&["--nproc", "4", "--min-ranks", "2"], &as_strs(&args));
+    let verdict = format!("[rank 0] snapshot step 14 {snapshot_14}");
+    launch.expect("where rank 2 holds", |l| l.contains("fault: rank 2 holds"));
+    if !launch.seen.contains(&verdict) {
+        launch.expect("the vote on the snapshot of step 14", |l| {
+            l.contains(&verdict)
+        });
+    }
+    for victim in std::iter::once(&2).chain(also_killed) {
+        signal(pid_of(&launch.seen, *victim), libc::SIGKILL);
+    }
+    let (status, output) = launch.finish();
+    assert!(status.success(), "the survivors must finish:\n{output}");
+    assert_identical(reference_dir.path(), dir.path());
+    output
+}
+
+#[test]
+fn a_rank_killed_between_store_saves_resumes_from_the_snapshot_one_interval_back() {
+    let _serial = one_at_a_time();
+    let output = snapshot_kill(&[], &[], "committed");
+    // Killed at step 15: the snapshot of step 14, not the store's commit of step 10.
+    let resumed = line_with(&output, "] resumed from");
+    assert!(
+        resumed.contains("resumed from snapshot step 14 in memory")
+            && resumed.contains("saved by 4 ranks, resharded onto 3")
+            && resumed.contains("rows rebuilt from memory on 3 of 3 ranks"),
+        "{resumed}\n{output}"
+    );
+    assert!(
+        line_with(&output, "snapshot step 14 committed").contains("recorded in the control plane"),
+        "{output}"
+    );
+    let start = line_with(&output, "world 3, step 14 of 30");
+    assert!(start.contains("host_bytes_held {\"budget\""), "{start}");
+}
+
+#[test]
+fn two_ring_neighbours_killed_leave_a_snapshot_file_uncovered_and_the_store_commit_is_used() {
+    let _serial = one_at_a_time();
+    // Rank 2's snapshot lived on rank 2 and its successor, rank 3.
+    let output = snapshot_kill(&[], &[3], "committed");
+    assert!(
+        line_with(&output, "snapshot step 14 not resumed from")
+            .contains("no survivor holds the file of rank(s) 2 of its 4 ranks"),
+        "{output}"
+    );
+    let resumed = line_with(&output, "] resumed from");
+    assert!(
+        resumed.contains("resumed from step 10 of "),
+        "{resumed}\n{output}"
+    );
+}
+
+#[test]
+fn a_snapshot_one_rank_did_not_finish_is_not_committed_and_the_previous_one_is_used() {
+    let _serial = one_at_a_time();
+    let output = snapshot_kill(&["--fault-snapshot-vote", "14:1"], &[], "not committed");
+    assert!(
+        output.contains("fault: rank 1 votes against the snapshot of step 14")
+            && line_with(&output, "snapshot step 14 not committed").contains("rank(s) 1 did"),
+        "{output}"
+    );
+    let resumed = line_with(&output, "] resumed from");
+    assert!(
+        resumed.contains("resumed from snapshot step 12 in memory"),
+        "{resumed}\n{output}"
+    );
+}
+
 /// The recovery scenarios above, on etcd instead of a coordinator: same faults, same
 /// outcomes, the same bitwise oracle.
 #[cfg(feature = "etcd")]

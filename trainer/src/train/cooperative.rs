@@ -262,7 +262,7 @@ pub(super) fn try_commit(
 /// error: [`Tried::Failed`] when any rank failed other than by damage (the store is
 /// down, a bug), [`Tried::Damaged`] when the checkpoint is damaged where some rank
 /// read it.
-fn agree<T>(
+pub(super) fn agree<T>(
     comm: &dyn Collective,
     what: &str,
     mine: Result<T, ckpt::Error>,

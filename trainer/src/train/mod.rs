@@ -47,7 +47,9 @@
 //!   the ranks passing the rest over the collective;
 //! - `rollback`: the judgement of a step (non-finite, a spike) and the count of
 //!   rollbacks in a row;
-//! - `copies`: the trainer's side of in-memory copies ([`ckpt::copies`]).
+//! - `copies`: the trainer's side of in-memory copies ([`ckpt::copies`]);
+//! - `snapshots`: the memory tier ([`ckpt::snapshot`]): snapshots every few steps,
+//!   replicated, voted and committed, and a resume from the newest one.
 
 use std::io::Write;
 use std::sync::atomic::AtomicBool;
@@ -65,6 +67,7 @@ mod resume;
 mod rollback;
 mod saving;
 mod shards;
+mod snapshots;
 mod supervised;
 mod supervisor;
 
@@ -86,6 +89,18 @@ pub struct TrainConfig {
     pub deterministic: bool,
     /// Save every this many steps (0: only the final save).
     pub ckpt_every: u64,
+    /// Snapshot into host memory every this many steps (0: never): kept, replicated
+    /// to the ring successor and committed by a vote (module `snapshots`), so that a
+    /// lost rank costs at most this many steps and one when the survivors hold every
+    /// file. Needs a copy server on every rank ([`Checkpointing::copies`]) and a store.
+    pub snapshot_every: u64,
+    /// Bytes of host memory this rank's checkpointing may hold: staging buffers,
+    /// copies, replicas and snapshots (`None`: unbounded, only counted). See
+    /// [`ckpt::CheckpointConfig::host_memory_budget`].
+    pub host_memory_budget: Option<u64>,
+    /// Fault injection for tests: (step, rank) votes against the snapshot of that
+    /// step, as a rank that never finished it would: it is not committed.
+    pub snapshot_vote_against: Option<(u64, usize)>,
     /// Keep this many newest checkpoints.
     pub keep: usize,
     /// A world of more than one rank resumes cooperatively: rank 0 alone reads the
@@ -278,6 +293,24 @@ impl Stats {
         }
         (n - 3) as f64 / (self.marks[n - 1] - self.marks[2]).as_secs_f64().max(1e-9)
     }
+}
+
+/// The share of [`TrainConfig::host_memory_budget`] that a rank's copy holder
+/// ([`Checkpointing::copies`]) gets for the replicas it pulls: a third; its
+/// checkpointer gets the rest, for staging, its own copies and its own snapshots.
+///
+/// The holder outlives every generation while each generation builds its own
+/// checkpointer, and a checkpointer cannot adopt a budget made before it: the two
+/// cannot share one, so the bound is split, and what the rank holds never exceeds
+/// the whole (its reports sum the two).
+pub fn holder_budget(budget: Option<u64>) -> Option<u64> {
+    budget.map(|b| b / 3)
+}
+
+/// The share of [`TrainConfig::host_memory_budget`] that each generation's
+/// checkpointer gets (see [`holder_budget`]).
+pub fn checkpointer_budget(budget: Option<u64>) -> Option<u64> {
+    budget.map(|b| b - b / 3)
 }
 
 /// Runs one generation on `comm`'s world. See the module docs.

@@ -18,6 +18,7 @@ use crate::model::TensorSpec;
 
 use super::copies::keep_copy;
 use super::shards::{Place, Shards, state_of};
+use super::snapshots::{self, held_json};
 use super::supervisor::or_cancelled;
 use super::{Context, Stats, TrainConfig, TrainError, say};
 
@@ -30,6 +31,9 @@ pub(super) struct Saves<'a> {
     pub(super) checkpointer: Option<Checkpointer>,
     /// The in-memory copies and every rank's holding, when the world keeps them.
     pub(super) copies: Option<(&'a Copies, &'a [Holding])>,
+    /// The rank's copy holder (whether or not it keeps copies of saves), whose
+    /// replicas count in what the rank holds.
+    pub(super) holder: Option<&'a Copies>,
     pub(super) pending: &'a mut Option<SaveHandle>,
     pub(super) failed_in_a_row: &'a mut u32,
 }
@@ -76,9 +80,10 @@ impl Saves<'_> {
         stats.saves += 1;
         if rank == 0 {
             say(format_args!(
-                "saving step {} (stall {:.1} ms)",
+                "saving step {} (stall {:.1} ms); host_bytes_held {}",
                 st.step,
                 handle.stall().as_secs_f64() * 1e3,
+                held_json(&self.host_bytes_held()),
             ));
         }
         *self.pending = Some(handle);
@@ -171,6 +176,12 @@ impl Saves<'_> {
         stats.ckpt_blocked += waited.elapsed();
         stats.staging_waits += 1;
         Ok(true)
+    }
+
+    /// What the rank's checkpointing holds in host memory now, by kind, with the
+    /// peak (module `snapshots` says how the holder's count joins in).
+    pub(super) fn host_bytes_held(&self) -> ckpt::HostBytesHeld {
+        snapshots::host_bytes_held(self.checkpointer.as_ref(), self.holder)
     }
 
     /// Closes the checkpointer: waits for the background work of every save this

@@ -25,6 +25,7 @@ use super::resume::load;
 use super::rollback::{self, Rollbacks};
 use super::saving::Saves;
 use super::shards::{Place, Shards, init, owned_rows, state_of};
+use super::snapshots::{self, Snapshots, held_json};
 use super::supervisor::Watched;
 use super::{Context, Outcome, Stats, Supervisor, TrainConfig, TrainError, say};
 
@@ -120,12 +121,28 @@ fn run_round(
     };
     let layout = Layout::new(&config.preset, ctx.place)?;
     let start = agree_on_start(ctx, checkpointing.copies.as_ref())?;
-    let copies = start
+    let holder = start
         .copies
         .as_ref()
-        .map(|(copies, table)| (copies.as_ref(), table.as_slice()));
-    let (shards, generation) =
-        starting_state(ctx, &layout.specs, copies, start.resume, checkpointing)?;
+        .map(|(copies, table)| (copies, table.as_slice()));
+    // The copies of store saves, when the job keeps them; the holder serves
+    // snapshots either way.
+    let copies = holder
+        .filter(|_| config.memory_copies)
+        .map(|(copies, table)| (copies.as_ref(), table));
+    // A rollback goes back to the newest healthy store commit: a snapshot may hold
+    // the very state that went bad.
+    let snapshot_source = holder
+        .filter(|_| rollbacks.pending.is_none())
+        .map(|(copies, table)| (copies.as_ref(), table));
+    let (shards, generation) = starting_state(
+        ctx,
+        &layout.specs,
+        copies,
+        snapshot_source,
+        start.resume,
+        checkpointing,
+    )?;
     rollbacks.generation = generation;
     rollbacks.arrived(ctx, shards.step)?;
     let Checkpointing {
@@ -141,7 +158,11 @@ fn run_round(
     let checkpointer = store
         .map(|store| checkpointer(ctx, store, generation, copies.is_some(), &layout.specs, &st))
         .transpose()?;
-    announce(ctx, st.step);
+    let held = snapshots::host_bytes_held(
+        checkpointer.as_ref(),
+        holder.map(|(copies, _)| copies.as_ref()),
+    );
+    announce(ctx, st.step, &held_json(&held));
     let teacher = Teacher::new(config.seed, &config.preset);
     workspace.prepare(layout.total(), config.deterministic);
     Generation {
@@ -158,9 +179,11 @@ fn run_round(
             ctx,
             checkpointer,
             copies,
+            holder: holder.map(|(copies, _)| copies.as_ref()),
             pending,
             failed_in_a_row,
         },
+        snapshots: Snapshots::new(ctx, holder),
         started,
         grad_sq: 0.0,
     }
@@ -285,6 +308,7 @@ fn starting_state(
     ctx: Context<'_>,
     specs: &[TensorSpec],
     copies: Option<(&Copies, &[Holding])>,
+    snapshot_source: Option<(&Copies, &[Holding])>,
     resume: bool,
     checkpointing: &mut Checkpointing,
 ) -> Result<(Shards, u64), TrainError> {
@@ -295,9 +319,25 @@ fn starting_state(
     }
     let config = ctx.config;
     let resumed = match (ctx.store, resume) {
-        (Some(store), true) => {
-            let spare = std::mem::take(&mut checkpointing.spare);
-            load(
+        (Some(store), true) => match snapshot_source
+            .map(|source| {
+                snapshots::resume(
+                    ctx.comm,
+                    ctx.runtime,
+                    store,
+                    config,
+                    specs,
+                    ctx.supervisor,
+                    source,
+                    ctx.place,
+                    &mut checkpointing.spare,
+                )
+            })
+            .transpose()?
+            .flatten()
+        {
+            Some(resumed) => Some(resumed),
+            None => load(
                 ctx.comm,
                 ctx.runtime,
                 store,
@@ -306,9 +346,9 @@ fn starting_state(
                 ctx.supervisor,
                 copies,
                 ctx.place,
-                spare,
-            )?
-        }
+                std::mem::take(&mut checkpointing.spare),
+            )?,
+        },
         _ => None,
     };
     // A resumed run saves in a newer generation than the checkpoint it resumed from:
@@ -344,19 +384,21 @@ fn checkpointer(
     c.check_staging = config.check_staging;
     c.keep_copy = keep_copies;
     c.replica_mismatch = config.replica_mismatch;
+    c.host_memory_budget = super::checkpointer_budget(config.host_memory_budget);
     let checkpointer = Checkpointer::new(store.clone(), c)?;
     checkpointer.warm_up(&state_of(config, specs, st, ctx.place)?)?;
     Ok(checkpointer)
 }
 
-/// Rank 0's line at the start of a generation.
-fn announce(ctx: Context<'_>, step: u64) {
+/// Rank 0's line at the start of a generation, with what the rank's checkpointing
+/// holds in host memory (`held`, JSON) right after its resume.
+fn announce(ctx: Context<'_>, step: u64, held: &str) {
     if ctx.rank != 0 {
         return;
     }
     let config = ctx.config;
     say(format_args!(
-        "start: preset {} ({} parameters), world {}{}, step {step} of {}, {} mode",
+        "start: preset {} ({} parameters), world {}{}, step {step} of {}, {} mode; host_bytes_held {held}",
         config.preset.name,
         config.preset.parameters(),
         ctx.world,
@@ -413,6 +455,7 @@ struct Generation<'a> {
     /// The same in fixed point (deterministic mode), as the reduce-scatter returns it.
     grad_shard_i64: Vec<i64>,
     saves: Saves<'a>,
+    snapshots: Snapshots<'a>,
     started: Instant,
     /// This rank's share of the squared norm of the step's summed gradient (its
     /// rows; nothing on replicas past group 0, whose rows group 0 counts).
@@ -458,6 +501,7 @@ impl Generation<'_> {
                     rollback::flip(&mut self.st.params[i]);
                 }
             }
+            self.snapshot(saving, agreed.ending.is_some())?;
             self.hold(false)?;
             self.stats.marks.push(self.started.elapsed());
             if !self.ctx.config.step_pause.is_zero() {
@@ -641,8 +685,12 @@ impl Generation<'_> {
             }
             // The optimizer step overwrites the rows an overlapped save may still be
             // copying: the only point where the copy must be over.
-            if i == 0 && self.saves.wait_staged(self.stats)? {
-                *clock = Instant::now();
+            if i == 0 {
+                let save_waited = self.saves.wait_staged(self.stats)?;
+                let snapshot_waited = self.snapshots.wait_staged()?;
+                if save_waited || snapshot_waited {
+                    *clock = Instant::now();
+                }
             }
             let st = &mut *self.st;
             model::adam(
@@ -692,6 +740,22 @@ impl Generation<'_> {
         (config.ckpt_every > 0 && step.is_multiple_of(config.ckpt_every))
             || step == config.steps
             || ending.is_some()
+    }
+
+    /// The memory tier at this step's boundary: the world votes on the snapshot taken
+    /// at the previous one, then takes this step's when one is due (not at a step
+    /// that saves to the store, nor at the generation's last).
+    fn snapshot(&mut self, saving: bool, ending: bool) -> Result<(), TrainError> {
+        self.snapshots.vote()?;
+        let step = self.st.step;
+        if saving || ending || step >= self.ctx.config.steps || !self.snapshots.due(step) {
+            return Ok(());
+        }
+        if let Some(checkpointer) = &self.saves.checkpointer {
+            self.snapshots
+                .take(checkpointer, &self.layout.specs, &self.st)?;
+        }
+        Ok(())
     }
 
     /// A test's fault ([`TrainConfig::device_error`]): this rank reports a device
@@ -756,6 +820,14 @@ impl Generation<'_> {
             say(format_args!("committed step {step}"));
         }
         self.stats.elapsed += self.started.elapsed();
+        // Every rank: what its checkpointing held at most (a harness checks it
+        // against the budget).
+        let held = self.saves.host_bytes_held();
+        say(format_args!(
+            "final host_bytes_held {} (rank {})",
+            held_json(&held),
+            self.ctx.rank
+        ));
         if fixed::clamped() > 0 {
             tracing::warn!(
                 clamped = fixed::clamped(),

@@ -42,6 +42,18 @@ pub trait Supervisor: Sync {
     /// The checkpoint generation this generation's saves use (fencing floor of later
     /// ones).
     fn checkpoint_generation(&self, generation: u64);
+    /// Rank 0 records a committed snapshot (a
+    /// [`SnapshotRecord`](ckpt::snapshot::SnapshotRecord)'s JSON) where it survives
+    /// the re-formation after a failure. `Ok(false)`: there is nowhere to record it
+    /// (a fixed world, whose commit lives in the ranks' memory only).
+    fn commit_snapshot(&self, record: &str) -> Result<bool, String> {
+        let _ = record;
+        Ok(false)
+    }
+    /// The newest committed snapshot's record, whichever generation committed it.
+    fn committed_snapshot(&self) -> Result<Option<String>, String> {
+        Ok(None)
+    }
 }
 
 /// The supervisor of a fixed world: nothing watches it and nothing cancels it.
