@@ -137,6 +137,14 @@ class Context:
         self._checkpointers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._done = 0
         self._good_loss: float | None = None
+        # Snapshots: the checkpointer that takes them (the newest ``checkpointer``),
+        # the one taken and not yet voted on, the newest committed step.
+        self._snapshotter: Any = None
+        self._pending: Any = None
+        self._pending_step: int | None = None
+        self._snapshot_committed: int | None = None
+        self._resumed_snapshot: str | None = None
+        self._warned_budget: int | None = None
         #: What the last ``resume`` or ``rollback_if`` loaded (its ``ExtraState``:
         #: ``step``, every saved rank's non-tensor state, ``skipped`` …), or None.
         self.restored: _api.ExtraState | None = None
@@ -172,6 +180,12 @@ class Context:
                 )
             raise WorldChanged(self.generation, "regroup at a committed checkpoint")
         self._check()
+        if self._pending_step is not None:
+            from ckpt.elastic import _snapshots
+
+            pending, voted = self._pending, self._pending_step
+            self._pending = self._pending_step = None
+            _snapshots.vote(self, pending, voted)
         import torch
         import torch.distributed as dist
 
@@ -202,7 +216,13 @@ class Context:
         """A ``ckpt.torch.Checkpointer`` for this rank, fenced by the generation (its
         run id and checkpoint generation), whose commits are reported to the control
         plane (which is how waiting ranks are let in at a checkpoint). ``config`` and
-        ``store_options`` as ``ckpt.torch.Checkpointer`` takes them."""
+        ``store_options`` as ``ckpt.torch.Checkpointer`` takes them;
+        ``host_memory_budget`` (bytes) bounds this rank's staging buffers, copies and
+        snapshots, and its in-memory copies holder's replicas alike. It is also the
+        checkpointer :meth:`snapshot` takes its snapshots with."""
+        budget = config.get("host_memory_budget")
+        if budget is not None and self._copies is not None:
+            self._copies.set_host_memory_budget(int(budget))
         if self._run_id is not None:
             config.setdefault("run_id", self._run_id)
         if self._copies is not None:
@@ -221,7 +241,52 @@ class Context:
             **config,
         )
         self._checkpointers.add(checkpointer)
+        self._snapshotter = checkpointer
         return checkpointer
+
+    def snapshot(self, step: int, state_dict: Mapping[str, Any]) -> bool:
+        """Snapshots this rank's ``state_dict`` at step ``step`` into host memory, for
+        a recovery that loses less than the store's interval: call it after
+        ``step(step)``, on every rank at the same steps, beside (or instead of) the
+        periodic save. It stages the state as a save does (blocking while it copies,
+        the same stall), keeps it in this rank's memory and replicates it to its ring
+        successor while the next step runs; the next ``step`` call commits it in the
+        control plane when every rank holds its own and its replica (one
+        all-gather). A failure the survivors' copies cover resumes from the newest
+        committed snapshot when it is newer than the newest store commit
+        (:meth:`resume`; rank 0 prints ``resumed from snapshot step S``); losing
+        two ring neighbours resumes from the store. Non-tensor leaves (the data
+        cursor) come with it.
+
+        Snapshots use the checkpointer :meth:`checkpointer` made last (its
+        ``host_memory_budget``): one that does not fit is not taken (its rank votes
+        against; training goes on). Returns whether it was taken. Does nothing
+        (False) without in-memory copies (a fixed world, ``memory_copies=False``)."""
+        from ckpt.elastic import _snapshots
+
+        if self._copies is None or self._table is None:
+            return False
+        if self._snapshotter is None:
+            raise RuntimeError(
+                "ckpt.elastic: ctx.snapshot needs ctx.checkpointer(url) first: its "
+                "checkpointer takes the snapshots"
+            )
+        if self._pending_step is not None:
+            # Two snapshots without a step between: vote on the older one first.
+            pending, voted = self._pending, self._pending_step
+            self._pending = self._pending_step = None
+            _snapshots.vote(self, pending, voted)
+        self._pending = _snapshots.take(self, step, state_dict)
+        self._pending_step = step
+        return self._pending is not None
+
+    def host_bytes_held(self) -> dict[str, Any]:
+        """Host memory this rank's checkpointing holds now, in bytes by kind
+        (``total``, ``peak``, ``staging``, ``copies``, ``replicas``, ``snapshots``,
+        ``snapshot_replicas``, ``budget``) and ``summary``, one line of it."""
+        from ckpt.elastic import _snapshots
+
+        return _snapshots.held(self)
 
     def resume(
         self,
@@ -249,13 +314,51 @@ class Context:
         self._resumed = (url, state_dict, store_options)
         try:
             choice = self._choose(url, store_options)
-            if choice is None:
-                return None
-            extra = self._load(url, state_dict, store_options, *choice)
+            resolved: list[Mapping[str, Any]] = []
+
+            def once() -> Mapping[str, Any]:
+                # The snapshot's load and, when it fails, the store's: the same state.
+                if not resolved:
+                    resolved.append(state_dict() if callable(state_dict) else state_dict)
+                return resolved[0]
+
+            extra = self._from_snapshot(once, None if choice is None else choice[0])
+            if extra is None:
+                if choice is None:
+                    return None
+                extra = self._load(url, once, store_options, *choice)
+                tier = f"step {extra.step} of {url}"
+            else:
+                tier = f"snapshot step {extra.step} ({self._resumed_snapshot})"
             self._done = extra.step
+            if self.rank == 0:
+                say(
+                    f"resumed from {tier}: saved by {extra.world_size} ranks, resharded "
+                    f"onto {self.world_size}; load {(time.monotonic() - started) * 1e3:.0f} "
+                    f"ms; host memory {self.host_bytes_held()['summary']}"
+                )
             return extra
         finally:
             self._timing["load"] = time.monotonic() - started
+
+    def _from_snapshot(
+        self, state_dict: Callable[[], Mapping[str, Any]], store_step: int | None
+    ) -> _api.ExtraState | None:
+        """Loads the newest committed snapshot when it is newer than ``store_step``
+        and the survivors hold it (every rank the same choice); None otherwise, or
+        when any rank failed to load it."""
+        from ckpt.elastic import _snapshots
+
+        record = _snapshots.choose(self, store_step)
+        if record is None:
+            return None
+        extra = _snapshots.load(self, record, state_dict())
+        if extra is None:
+            return None
+        self._resumed_snapshot = json.loads(record)["dir"]
+        self._loaded = extra.stats
+        self.restored = extra
+        return extra
 
     def bad_loss(
         self, loss: Any, spike: float | Callable[[float], bool | str | None] | None = None
