@@ -62,18 +62,13 @@ impl Checkpointer {
         self.budget.held()
     }
 
-    /// A staging buffer of at least `total` bytes, inside the budget: an idle one
-    /// of the pool that is large enough, else a new mapping; when that does not fit,
-    /// the holders let go of their oldest droppable copies (whose buffers come back
-    /// to the pool) and idle buffers too small are unmapped, until one fits.
-    /// [`Error::OverBudget`] when nothing is left to let go.
-    pub(super) fn take_buffer(&self, total: usize) -> Result<StagingBuffer> {
-        self.take_buffer_for(u64::MAX, total)
-    }
-
-    /// [`Checkpointer::take_buffer`] for a save or snapshot of `step`: only copies of
-    /// earlier steps are let go to make room for it.
-    pub(super) fn take_buffer_for(&self, step: u64, total: usize) -> Result<StagingBuffer> {
+    /// A staging buffer of at least `total` bytes for a save or snapshot of `step`,
+    /// inside the budget: an idle one of the pool that is large enough, else a new
+    /// mapping; when that does not fit, the holders let go of their oldest
+    /// droppable copies of earlier steps (whose buffers come back to the pool) and
+    /// idle buffers too small are unmapped, until one fits. [`Error::OverBudget`]
+    /// when nothing is left to let go.
+    pub(super) fn take_buffer(&self, step: u64, total: usize) -> Result<StagingBuffer> {
         loop {
             let popped = {
                 let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());

@@ -68,10 +68,10 @@ impl Checkpointer {
         let file_len = plan.file_len;
         let health = self.part_health(state);
         #[cfg(not(feature = "cuda"))]
-        let taken = self.take_buffer(plan.total);
+        let taken = self.take_buffer(step, plan.total);
         #[cfg(feature = "cuda")]
         let taken = match plan.device.is_empty() {
-            true => self.take_buffer(plan.total),
+            true => self.take_buffer(step, plan.total),
             false => Ok(self
                 .pool
                 .lock()
@@ -101,7 +101,7 @@ impl Checkpointer {
         #[cfg(not(feature = "cuda"))]
         let pending_copies: Option<PendingCopies> = None;
         #[cfg(feature = "cuda")]
-        let (pending_copies, device_event) = match self.stage_device(&mut buffer, &plan) {
+        let (pending_copies, device_event) = match self.stage_device(&mut buffer, &plan, step) {
             Ok(copies) => copies,
             Err(e) => {
                 self.pool
@@ -275,6 +275,7 @@ impl Checkpointer {
         &self,
         buffer: &mut StagingBuffer,
         plan: &StagePlan,
+        step: u64,
     ) -> Result<(
         Option<PendingCopies>,
         Option<Arc<cudarc::driver::CudaEvent>>,
@@ -282,7 +283,15 @@ impl Checkpointer {
         let Some((first, _)) = plan.device.first() else {
             return Ok((None, None));
         };
-        buffer.reset_pinned(plan.total, first.context())?;
+        // Page-locked memory counts in the budget like a mapping: what does not fit
+        // lets idle buffers and older copies go first.
+        loop {
+            match buffer.reset_pinned(plan.total, first.context()) {
+                Ok(()) => break,
+                Err(Error::OverBudget(_)) if self.budget.drop_one(step) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let dst = buffer.as_mut_ptr();
         let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the buffer is page-locked, holds `plan.total` bytes, and is not
