@@ -330,7 +330,8 @@ def train(ctx: Any, args: argparse.Namespace) -> None:
         metadata = {"loss": loss} if math.isfinite(loss) else {}
         pending = checkpointer.save(step, state(cursor), metadata=metadata)
         staged = False
-        log(f"step {step}: saving (stall {1e3 * (time.perf_counter() - t0):.1f} ms)")
+        stall = 1e3 * (time.perf_counter() - t0)
+        log(f"step {step}: saving (stall {stall:.1f} ms; {ctx.host_bytes_held()['summary']})")
 
     t_start = time.perf_counter()
     for step in range(start + 1, args.steps + 1):

@@ -339,5 +339,6 @@ def _recovery_line(
         f"rendezvous {rendezvous_s * 1e3:.0f} ms, process group {group_s * 1e3:.0f} ms, "
         f"load {load * 1e3:.0f} ms{_sources(ctx._loaded)}, "
         f"first step {max(first, 0) * 1e3:.0f} ms; "
-        f"back to training {(now - previous['noticed']) * 1e3:.0f} ms after the failure was noticed"
+        f"back to training {(now - previous['noticed']) * 1e3:.0f} ms after the failure was "
+        f"noticed; host memory {ctx.host_bytes_held()['summary']}"
     )
