@@ -220,8 +220,8 @@ def load(ctx: Context, record: str, state_dict: Mapping[str, Any]) -> Any:
 def held(ctx: Context) -> dict[str, Any]:
     """Host memory held by this rank's checkpointing: its newest checkpointer's
     (staging, own copies and snapshots) and its copies holder's (replicas: the
-    holder outlives the generation's checkpointer, so it counts in a budget of its
-    own, bounded alike) together. ``peak`` adds their peaks (a bound)."""
+    holder outlives the generation's checkpointer, so it counts in a share of the
+    budget of its own) together. ``peak`` and ``budget`` add the two (a bound)."""
     kinds = ("total", "peak", "staging", "copies", "replicas", "snapshots", "snapshot_replicas")
     out: dict[str, Any] = dict.fromkeys(kinds, 0)
     out["budget"] = None
@@ -234,7 +234,7 @@ def held(ctx: Context) -> dict[str, Any]:
         for kind in kinds:
             out[kind] += source[kind]
         if source["budget"] is not None:
-            out["budget"] = source["budget"]
+            out["budget"] = (out["budget"] or 0) + source["budget"]
     mib = 1 << 20
     out["summary"] = (
         f"{out['total'] / mib:.1f} MiB held (staging {out['staging'] / mib:.1f}, copies "
