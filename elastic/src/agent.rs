@@ -339,6 +339,23 @@ impl Agent {
         self.shared.plane.kv_get(generation, key, &cancel, timeout)
     }
 
+    /// Records `record` as the job's newest committed in-memory snapshot, on behalf
+    /// of the current generation ([`ControlPlane::commit_snapshot`]): refused once
+    /// that generation is over, so a member left behind by a re-formation can never
+    /// replace what the newer generation committed. Returns once the control plane
+    /// stored it.
+    pub fn commit_snapshot(&self, record: &str) -> Result<(), ElasticError> {
+        let generation = self.current()?;
+        self.shared.plane.commit_snapshot(generation, record)
+    }
+
+    /// The job's newest committed snapshot record, whichever generation committed
+    /// it (`None`: none yet): what a generation formed after a failure restores
+    /// from ([`ControlPlane::committed_snapshot`]).
+    pub fn committed_snapshot(&self) -> Result<Option<String>, ElasticError> {
+        self.shared.plane.committed_snapshot()
+    }
+
     /// The current generation, if the member has one.
     pub fn generation(&self) -> Option<u64> {
         self.shared.generation()
@@ -474,6 +491,14 @@ mod tests {
 
         fn kv_get(&self, _: u64, _: &str, _: &Cancel, _: Duration) -> Result<String, ElasticError> {
             Err(ElasticError::Timeout("fake".into()))
+        }
+
+        fn commit_snapshot(&self, _: u64, _: &str) -> Result<(), ElasticError> {
+            Ok(())
+        }
+
+        fn committed_snapshot(&self) -> Result<Option<String>, ElasticError> {
+            Ok(None)
         }
     }
 

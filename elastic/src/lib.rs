@@ -27,9 +27,10 @@
 //! One TCP connection per member carries newline-delimited JSON ([`protocol`]), each
 //! line at most [`protocol::MAX_LINE`] bytes. The member says `hello` (job, identity,
 //! the generation it is running, if any), then asks to `rendezvous` for a generation
-//! newer than the one it had, heartbeats with its [`Progress`], sends [`Report`]s and
-//! sets keys. The coordinator answers with assignments, directives, key-value updates
-//! and errors. A generation forms (by the rules of the [`policy`], which the etcd
+//! newer than the one it had, heartbeats with its [`Progress`], sends [`Report`]s,
+//! sets keys, and commits or reads the job's snapshot record
+//! ([`ControlPlane::commit_snapshot`]). The coordinator answers with assignments,
+//! directives, key-value updates, answers to snapshot requests and errors. A generation forms (by the rules of the [`policy`], which the etcd
 //! backend follows too) when:
 //!
 //! - no generation runs: at least `min_ranks` members wait and either `max_ranks`
@@ -404,6 +405,65 @@ pub trait ControlPlane: Send + Sync {
         cancel: &Cancel,
         timeout: Duration,
     ) -> Result<String, ElasticError>;
+    /// Records `record` (at most [`MAX_SNAPSHOT_RECORD`] bytes) as the job's newest
+    /// committed in-memory snapshot, on behalf of `generation`.
+    ///
+    /// # Guarantees
+    ///
+    /// - *Fenced*: accepted only while `generation` is the running generation and
+    ///   this member is in it; a member of an older generation gets
+    ///   [`ElasticError::Rejected`] naming its generation, and the record stays as
+    ///   it was. A record committed by a newer generation is never replaced.
+    /// - *Job-scoped*: unlike the key-value space, the record outlives the
+    ///   generation that wrote it, so that the next generation reads it back after
+    ///   a failure. Each commit replaces the one before; a new job starts with none.
+    /// - Returns once the control plane stored it (or refused it): `Ok` means a
+    ///   [`committed_snapshot`](ControlPlane::committed_snapshot) made afterwards,
+    ///   from any member, returns it or a newer one.
+    ///
+    /// The built-in coordinator keeps it in its memory: a restarted coordinator
+    /// knows no record until the next commit (readers then fall back to the
+    /// store). etcd keeps it in one key of the job.
+    fn commit_snapshot(&self, generation: u64, record: &str) -> Result<(), ElasticError>;
+    /// The newest record [`commit_snapshot`](ControlPlane::commit_snapshot) stored
+    /// for this job, whichever generation committed it; `None` when none was.
+    fn committed_snapshot(&self) -> Result<Option<String>, ElasticError>;
+}
+
+/// The longest record [`ControlPlane::commit_snapshot`] accepts (4 KiB): a
+/// snapshot's step and where its copies are, not the snapshot itself.
+pub const MAX_SNAPSHOT_RECORD: usize = 4 * 1024;
+
+/// Refuses a snapshot record over [`MAX_SNAPSHOT_RECORD`], the same words on every
+/// backend.
+pub(crate) fn check_snapshot_record(record: &str) -> Result<(), ElasticError> {
+    if record.len() > MAX_SNAPSHOT_RECORD {
+        return Err(ElasticError::Rejected(format!(
+            "snapshot record of {} bytes is over the {MAX_SNAPSHOT_RECORD}-byte bound; not committed",
+            record.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a snapshot commit from `generation` when the running generation is
+/// `running` (`None`: none runs), the same words on every backend.
+pub(crate) fn snapshot_not_running(generation: u64, running: Option<u64>) -> ElasticError {
+    let now = match running {
+        Some(g) => format!("generation {g} is running"),
+        None => "no generation is running".to_owned(),
+    };
+    ElasticError::Rejected(format!(
+        "generation {generation} is not running ({now}); its snapshot record is not committed"
+    ))
+}
+
+/// Refuses a snapshot commit from `generation` when generation `newer` already
+/// committed one.
+pub(crate) fn snapshot_superseded(generation: u64, newer: u64) -> ElasticError {
+    ElasticError::Rejected(format!(
+        "generation {generation} cannot replace the snapshot record committed by the newer generation {newer}"
+    ))
 }
 
 /// A control-plane call failed. Each variant says whether trying again can help.

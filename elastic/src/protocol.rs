@@ -12,6 +12,11 @@
 //! - A line longer than [`MAX_LINE`] is an error; the reader does not resynchronise
 //!   and the connection is closed after an error message. A line that is not valid
 //!   JSON of a known message is an error; the connection stays usable.
+//! - Most messages are one-way. Those that need an answer carry a `token` that the
+//!   answer echoes: `sync` (answered by `synced`), and `commit_snapshot` and
+//!   `read_snapshot` (answered by `snapshot_answer`). A coordinator that predates a
+//!   message answers it with a non-fatal `error` line instead, and the request
+//!   times out.
 
 use std::io::{self, BufRead, BufReader, Read};
 
@@ -89,6 +94,26 @@ pub enum ClientMessage {
         /// The value.
         value: String,
     },
+    /// Record `record` as the job's newest committed snapshot on behalf of
+    /// `generation` (see [`ControlPlane::commit_snapshot`]). Answered by
+    /// [`ServerMessage::SnapshotAnswer`] with the same `token`.
+    ///
+    /// [`ControlPlane::commit_snapshot`]: crate::ControlPlane::commit_snapshot
+    CommitSnapshot {
+        /// Echoed in the answer.
+        token: u64,
+        /// The generation that commits it: it must be running, with this member in it.
+        generation: u64,
+        /// The record, at most [`MAX_SNAPSHOT_RECORD`](crate::MAX_SNAPSHOT_RECORD)
+        /// bytes.
+        record: String,
+    },
+    /// Ask for the job's newest committed snapshot record. Answered by
+    /// [`ServerMessage::SnapshotAnswer`] with the same `token`.
+    ReadSnapshot {
+        /// Echoed in the answer.
+        token: u64,
+    },
     /// Answer with [`ServerMessage::Synced`] carrying `token` once every message sent
     /// before this one on the connection was handled: how a member knows that a
     /// report reached the control plane before it does what the report warns of
@@ -135,6 +160,23 @@ pub enum ServerMessage {
     Synced {
         /// The sync's token.
         token: u64,
+    },
+    /// The answer to a [`ClientMessage::CommitSnapshot`] or
+    /// [`ClientMessage::ReadSnapshot`] with this token.
+    SnapshotAnswer {
+        /// The request's token.
+        token: u64,
+        /// To a read: the job's newest record, if any. To a commit: absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        record: Option<String>,
+        /// Why the request failed, when it did (a commit from a generation that is
+        /// not running, an oversize record).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        refused: Option<String>,
+        /// The failure may pass (a node could not reach the control plane to pass
+        /// the request on): retrying later may help. Else retrying cannot.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        transient: bool,
     },
     /// The member's last message was refused.
     Error {

@@ -12,7 +12,7 @@
 //!
 //! [`Coordinator`]: super::Coordinator
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,7 +24,10 @@ use tracing::{debug, warn};
 
 use super::cancel::{Waker, wait_on};
 use super::protocol::{self, ClientMessage, LineReader, ServerMessage};
-use super::{Assignment, Cancel, ControlPlane, Directive, ElasticError, Member, Progress, Report};
+use super::{
+    Assignment, Cancel, ControlPlane, Directive, ElasticError, Member, Progress, Report,
+    check_snapshot_record,
+};
 
 /// Directives kept until watched; older ones are dropped first.
 const MAX_DIRECTIVES: usize = 64;
@@ -48,7 +51,8 @@ pub struct TcpSettings {
     /// bound is `connect_timeout` when that is shorter (a coordinator that went away
     /// before it joined is one it could not connect to).
     pub unreachable_timeout: Duration,
-    /// Bound on one write to the coordinator (5 s).
+    /// Bound on one write to the coordinator (5 s), and on the wait for its answer
+    /// to a request that has one (a snapshot commit or read).
     pub write_timeout: Duration,
     /// The job's secret, proved on every connection before the hello (`None`: the
     /// coordinator admits anyone, and no proof is offered).
@@ -112,6 +116,11 @@ struct State {
     /// Connections lost so far: a sync sent on a connection that broke is never
     /// answered.
     disconnects: u64,
+    /// The token of the newest snapshot request sent, the tokens of those still
+    /// waited for, and the answers to them not yet taken.
+    snapshot_asked: u64,
+    snapshot_awaited: HashSet<u64>,
+    snapshot_answers: HashMap<u64, Result<Option<String>, ElasticError>>,
 }
 
 impl State {
@@ -172,6 +181,22 @@ impl State {
                 }
             }
             ServerMessage::Synced { token } => self.synced = self.synced.max(token),
+            ServerMessage::SnapshotAnswer {
+                token,
+                record,
+                refused,
+                transient,
+            } => {
+                // An answer nobody waits for (its caller timed out) is dropped.
+                if self.snapshot_awaited.contains(&token) {
+                    let answer = match refused {
+                        None => Ok(record),
+                        Some(why) if transient => Err(ElasticError::Io(why)),
+                        Some(why) => Err(ElasticError::Rejected(why)),
+                    };
+                    self.snapshot_answers.insert(token, answer);
+                }
+            }
             ServerMessage::Error { message, fatal } => {
                 warn!(coordinator = %addr, fatal, "coordinator refused a message: {message}");
                 if fatal {
@@ -237,36 +262,48 @@ impl Inner {
         Ok(())
     }
 
+    /// Sends the message `message` builds around a token that `take` draws from the
+    /// state, holding the writer's lock throughout, so that tokens go out in order:
+    /// the token and the connection it went out on.
+    fn send_numbered(
+        &self,
+        take: impl FnOnce(&mut State) -> u64,
+        message: impl FnOnce(u64) -> ClientMessage,
+    ) -> Result<(u64, u64), ElasticError> {
+        let mut writer = self.lock_writer();
+        let Some(stream) = writer.as_mut() else {
+            return Err(ElasticError::Io(format!(
+                "not connected to the coordinator at {} (reconnecting)",
+                self.addr
+            )));
+        };
+        let (token, connection) = {
+            let mut state = self.lock();
+            (take(&mut state), state.disconnects)
+        };
+        let line =
+            protocol::encode(&message(token)).map_err(|e| ElasticError::Rejected(e.to_string()))?;
+        if let Err(e) = stream.write_all(line.as_bytes()) {
+            let _ = stream.shutdown(Shutdown::Both);
+            *writer = None;
+            return Err(ElasticError::Io(format!(
+                "cannot write to the coordinator at {}: {e}",
+                self.addr
+            )));
+        }
+        Ok((token, connection))
+    }
+
     /// Sends a [`ClientMessage::Sync`] and waits up to `timeout` for its answer: every
     /// message sent before it was handled.
     fn sync(self: &Arc<Self>, timeout: Duration) -> Result<(), ElasticError> {
-        let (token, connection) = {
-            // The token is taken under the writer's lock, so that tokens go out in
-            // order and an answer to a later one covers an earlier one.
-            let mut writer = self.lock_writer();
-            let Some(stream) = writer.as_mut() else {
-                return Err(ElasticError::Io(format!(
-                    "not connected to the coordinator at {} (reconnecting)",
-                    self.addr
-                )));
-            };
-            let (token, connection) = {
-                let mut state = self.lock();
+        let (token, connection) = self.send_numbered(
+            |state| {
                 state.sync_sent += 1;
-                (state.sync_sent, state.disconnects)
-            };
-            let line = protocol::encode(&ClientMessage::Sync { token })
-                .map_err(|e| ElasticError::Rejected(e.to_string()))?;
-            if let Err(e) = stream.write_all(line.as_bytes()) {
-                let _ = stream.shutdown(Shutdown::Both);
-                *writer = None;
-                return Err(ElasticError::Io(format!(
-                    "cannot write to the coordinator at {}: {e}",
-                    self.addr
-                )));
-            }
-            (token, connection)
-        };
+                state.sync_sent
+            },
+            |token| ClientMessage::Sync { token },
+        )?;
         let addr = self.addr;
         self.wait(
             None,
@@ -274,14 +311,8 @@ impl Inner {
             |state, _| {
                 if state.synced >= token {
                     Some(Ok(()))
-                } else if let Some(reason) = &state.rejected {
-                    Some(Err(ElasticError::Rejected(reason.clone())))
                 } else {
-                    (state.disconnects != connection).then(|| {
-                        Err(ElasticError::Io(format!(
-                            "the connection to the coordinator at {addr} broke before it answered"
-                        )))
-                    })
+                    Self::answer_lost(state, connection, addr).map(Err)
                 }
             },
             || {
@@ -291,6 +322,68 @@ impl Inner {
                 )))
             },
         )
+    }
+
+    /// Why the answer to a request sent on connection `connection` will never come,
+    /// if it will not: this member was refused for good, or that connection broke.
+    fn answer_lost(state: &State, connection: u64, addr: SocketAddr) -> Option<ElasticError> {
+        if let Some(reason) = &state.rejected {
+            Some(ElasticError::Rejected(reason.clone()))
+        } else {
+            (state.disconnects != connection).then(|| {
+                ElasticError::Io(format!(
+                    "the connection to the coordinator at {addr} broke before it answered"
+                ))
+            })
+        }
+    }
+
+    /// Sends the snapshot request `message` builds around a fresh token and waits
+    /// for its answer (up to the write timeout): the record read, if any.
+    fn ask_snapshot(
+        self: &Arc<Self>,
+        what: &str,
+        message: impl FnOnce(u64) -> ClientMessage,
+    ) -> Result<Option<String>, ElasticError> {
+        let mut drawn = None;
+        let sent = self.send_numbered(
+            |state| {
+                state.snapshot_asked += 1;
+                state.snapshot_awaited.insert(state.snapshot_asked);
+                drawn = Some(state.snapshot_asked);
+                state.snapshot_asked
+            },
+            message,
+        );
+        let (token, connection) = match sent {
+            Ok(sent) => sent,
+            Err(e) => {
+                if let Some(token) = drawn {
+                    self.lock().snapshot_awaited.remove(&token);
+                }
+                return Err(e);
+            }
+        };
+        let addr = self.addr;
+        let timeout = self.settings.write_timeout;
+        let answer = self.wait(
+            None,
+            Some(Instant::now() + timeout),
+            |state, _| match state.snapshot_answers.remove(&token) {
+                Some(answer) => Some(answer),
+                None => Self::answer_lost(state, connection, addr).map(Err),
+            },
+            || {
+                Err(ElasticError::Timeout(format!(
+                    "the coordinator at {addr} did not answer a {what} within {} ms",
+                    timeout.as_millis()
+                )))
+            },
+        );
+        let mut state = self.lock();
+        state.snapshot_awaited.remove(&token);
+        state.snapshot_answers.remove(&token);
+        answer
     }
 
     /// Says hello on a fresh connection (claiming the running generation, repeating
@@ -691,6 +784,24 @@ impl ControlPlane for TcpControlPlane {
             key: key.to_owned(),
             value: value.to_owned(),
         })
+    }
+
+    fn commit_snapshot(&self, generation: u64, record: &str) -> Result<(), ElasticError> {
+        check_snapshot_record(record)?;
+        self.inner
+            .ask_snapshot("snapshot commit", |token| ClientMessage::CommitSnapshot {
+                token,
+                generation,
+                record: record.to_owned(),
+            })
+            .map(|_| ())
+    }
+
+    fn committed_snapshot(&self) -> Result<Option<String>, ElasticError> {
+        self.inner
+            .ask_snapshot("snapshot read", |token| ClientMessage::ReadSnapshot {
+                token,
+            })
     }
 
     fn hold(&self, ranks: usize) -> Result<(), ElasticError> {

@@ -588,6 +588,60 @@ fn a_finished_job_sends_waiting_members_away<B: Backend>() {
     assert!(over.finished(), "{over}");
 }
 
+fn a_committed_snapshot_outlives_its_generation_and_a_stale_one_cannot_replace_it<B: Backend>() {
+    let (_job, ranks, g1) = B::first_generation("snapshot", 2, 2, 2);
+    assert_eq!(ranks[0].plane.committed_snapshot().unwrap(), None);
+    ranks[0].plane.commit_snapshot(g1, "step 10").unwrap();
+    assert_eq!(
+        ranks[1].plane.committed_snapshot().unwrap().as_deref(),
+        Some("step 10")
+    );
+    // A failure re-forms the world; the record is still there.
+    ranks[0]
+        .plane
+        .report(
+            g1,
+            &Report::CollectiveFailed {
+                peer: None,
+                reason: "test".into(),
+            },
+        )
+        .unwrap();
+    for rank in &ranks {
+        restart_cause(rank.directive(g1), g1);
+    }
+    let g2 = assert_one_generation(
+        &rendezvous_all(&ranks.iter().collect::<Vec<_>>(), g1),
+        &["m0", "m1"],
+    );
+    assert_eq!(
+        ranks[1].plane.committed_snapshot().unwrap().as_deref(),
+        Some("step 10")
+    );
+    // A member still speaking for the old generation is refused by name.
+    let stale = ranks[1].plane.commit_snapshot(g1, "step 11 (stale)");
+    assert!(
+        matches!(&stale, Err(ElasticError::Rejected(why)) if why.starts_with(&format!("generation {g1} is not running"))),
+        "{stale:?}"
+    );
+    let big = "x".repeat(ckpt_elastic::MAX_SNAPSHOT_RECORD + 1);
+    let oversize = ranks[0].plane.commit_snapshot(g2, &big);
+    assert!(
+        matches!(&oversize, Err(ElasticError::Rejected(why)) if why.contains("bound")),
+        "{oversize:?}"
+    );
+    assert_eq!(
+        ranks[0].plane.committed_snapshot().unwrap().as_deref(),
+        Some("step 10")
+    );
+    // The running generation replaces it.
+    ranks[1].plane.commit_snapshot(g2, "step 20").unwrap();
+    assert_eq!(
+        ranks[0].plane.committed_snapshot().unwrap().as_deref(),
+        Some("step 20")
+    );
+}
+
 /// One test per check for `$backend`, named after the check, in the module where it
 /// is invoked.
 macro_rules! checks {
@@ -619,6 +673,7 @@ macro_rules! every_check {
             a_member_holding_two_ranks_gets_a_block_and_grows_at_the_next_commit,
             too_few_members_for_the_rendezvous_timeout_shut_the_job_down,
             a_finished_job_sends_waiting_members_away,
+            a_committed_snapshot_outlives_its_generation_and_a_stale_one_cannot_replace_it,
         );
     };
 }

@@ -1,7 +1,8 @@
 //! The etcd control plane against the test command's 3-member etcd cluster
 //! (`CKPT_TEST_ETCD`): concurrent proposals converge on one generation, a member
 //! whose lease goes ends the generation for the others, bootstrap keys are scoped to
-//! their generation, and garbage in the job's keys is ignored, not obeyed.
+//! their generation, the snapshot record is one key of the job outside every
+//! generation, and garbage in the job's keys is ignored, not obeyed.
 
 #![cfg(feature = "etcd")]
 
@@ -156,23 +157,8 @@ fn garbage_in_the_jobs_keys_is_ignored_and_a_settingsless_job_is_refused() {
     let first = rendezvous_all(&planes, 0)[0].generation;
     let url = url();
     // A stranger writes nonsense over the generation record and a member key.
-    let job_root = url.root(&name).unwrap();
-    let etcdctl = std::env::var("CKPT_TEST_ETCDCTL_BIN").expect("set by scripts/test");
-    let endpoints = url.endpoints.join(",");
     for (key, value) in [("generation", "{not json"), ("members/m9", "[1,2,3]")] {
-        let status = std::process::Command::new(&etcdctl)
-            .env("ETCDCTL_API", "3")
-            .args([
-                "--endpoints",
-                &endpoints,
-                "put",
-                &format!("{job_root}{key}"),
-                value,
-            ])
-            .stdout(std::process::Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        etcdctl_put(&name, key, value);
     }
     // Neither is obeyed: no directive, the generation stays.
     assert_eq!(
@@ -402,4 +388,67 @@ fn members_on_a_shared_runtime_form_and_leave_no_task_behind() {
     drop(planes);
     gone(idle);
     drop(launcher);
+}
+
+/// Writes `value` at `key` under the job's root with etcdctl, as a stranger would.
+fn etcdctl_put(job: &str, key: &str, value: &str) {
+    let url = url();
+    let etcdctl = std::env::var("CKPT_TEST_ETCDCTL_BIN").expect("set by scripts/test");
+    let status = std::process::Command::new(&etcdctl)
+        .env("ETCDCTL_API", "3")
+        .args([
+            "--endpoints",
+            &url.endpoints.join(","),
+            "put",
+            &format!("{}{key}", url.root(job).unwrap()),
+            value,
+        ])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// The value at `key` under the job's root, read with etcdctl.
+fn etcdctl_get(job: &str, key: &str) -> String {
+    let url = url();
+    let etcdctl = std::env::var("CKPT_TEST_ETCDCTL_BIN").expect("set by scripts/test");
+    let output = std::process::Command::new(&etcdctl)
+        .env("ETCDCTL_API", "3")
+        .args([
+            "--endpoints",
+            &url.endpoints.join(","),
+            "get",
+            "--print-value-only",
+            &format!("{}{key}", url.root(job).unwrap()),
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    String::from_utf8(output.stdout).unwrap()
+}
+
+#[test]
+fn the_snapshot_record_is_one_job_key_that_names_its_generation_and_garbage_in_it_reads_as_none() {
+    if !has(Capability::Etcd) {
+        return;
+    }
+    let (_launcher, planes, job) = start("snapshot", 2, 2);
+    let g1 = rendezvous_all(&planes, 0)[0].generation;
+    planes[0].commit_snapshot(g1, "step 10").unwrap();
+    let stored: serde_json::Value = serde_json::from_str(etcdctl_get(&job, "snapshot").trim())
+        .expect("one JSON value at the job's snapshot key");
+    assert_eq!(
+        stored,
+        serde_json::json!({"generation": g1, "record": "step 10"})
+    );
+    // A stranger's nonsense is not obeyed: it reads as none, and the next commit
+    // replaces it.
+    etcdctl_put(&job, "snapshot", "{not json");
+    assert_eq!(planes[1].committed_snapshot().unwrap(), None);
+    planes[1].commit_snapshot(g1, "step 20").unwrap();
+    assert_eq!(
+        planes[0].committed_snapshot().unwrap().as_deref(),
+        Some("step 20")
+    );
 }

@@ -13,8 +13,8 @@ mod common;
 use common::{rendezvous_all, settings};
 
 use ckpt_elastic::{
-    Agent, AgentConfig, Coordinator, CoordinatorConfig, CoordinatorHandle, Directive, Event,
-    Member, NodeAgent, NodeConfig, Report, TcpControlPlane, Timeouts,
+    Agent, AgentConfig, ControlPlane, Coordinator, CoordinatorConfig, CoordinatorHandle, Directive,
+    ElasticError, Event, Member, NodeAgent, NodeConfig, Report, TcpControlPlane, Timeouts,
 };
 
 const JOB: &str = "node-test";
@@ -406,4 +406,60 @@ fn a_rank_that_connects_after_its_node_asked_is_counted_before_the_generation_fo
     let late = second.rendezvous().expect("the late rank joins");
     let early = asking.join().unwrap().expect("the first rank joins");
     assert_eq!((early.rank, late.rank, late.world_size), (0, 1, 2));
+}
+
+#[test]
+fn a_snapshot_record_committed_through_a_node_is_read_back_after_a_failure_and_fenced() {
+    let world = two_nodes_of_two();
+    let g1 = world.generation;
+    assert_eq!(world.rank(0).committed_snapshot().unwrap(), None);
+    world.rank(3).commit_snapshot("step 10").unwrap();
+    assert_eq!(
+        world.rank(0).committed_snapshot().unwrap().as_deref(),
+        Some("step 10"),
+        "committed on node n1, read on node n0"
+    );
+    world
+        .rank(0)
+        .report(Report::CollectiveFailed {
+            peer: None,
+            reason: "test".into(),
+        })
+        .unwrap();
+    for i in 0..4 {
+        restarted(world.rank(i));
+    }
+    let everyone: Vec<&Agent> = (0..4).map(|i| world.rank(i).as_ref()).collect();
+    let g2 = rendezvous_all(&everyone)[0].generation;
+    assert!(g2 > g1);
+    assert_eq!(
+        world.rank(2).committed_snapshot().unwrap().as_deref(),
+        Some("step 10"),
+        "the record outlives the generation that committed it"
+    );
+    let oversize = world
+        .rank(1)
+        .commit_snapshot(&"x".repeat(ckpt_elastic::MAX_SNAPSHOT_RECORD + 1));
+    assert!(
+        matches!(&oversize, Err(ElasticError::Rejected(why)) if why.contains("bound")),
+        "{oversize:?}"
+    );
+    world.rank(1).commit_snapshot("step 20").unwrap();
+    // A rank still speaking for the old generation is refused by its node, and
+    // changes nothing.
+    let late = TcpControlPlane::connect(
+        world.nodes[0].as_ref().unwrap().local_addr(),
+        common::member(JOB, 9),
+        settings(),
+    )
+    .expect("m9 connects");
+    let stale = late.commit_snapshot(g1, "step 11 (stale)");
+    assert!(
+        matches!(&stale, Err(ElasticError::Rejected(why)) if why.starts_with(&format!("generation {g1} is not running"))),
+        "{stale:?}"
+    );
+    assert_eq!(
+        world.rank(3).committed_snapshot().unwrap().as_deref(),
+        Some("step 20")
+    );
 }

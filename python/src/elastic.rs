@@ -310,6 +310,20 @@ impl Agent {
         py.detach(|| self.agent.kv_get(key, timeout)).map_err(to_py)
     }
 
+    /// Records `record` (at most 4 KiB) as the job's newest committed in-memory
+    /// snapshot for the current generation (GIL released); refused once that
+    /// generation is over.
+    fn commit_snapshot(&self, py: Python<'_>, record: &str) -> PyResult<()> {
+        py.detach(|| self.agent.commit_snapshot(record))
+            .map_err(to_py)
+    }
+
+    /// The job's newest committed snapshot record, whichever generation committed
+    /// it, or `None` (GIL released).
+    fn committed_snapshot(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        py.detach(|| self.agent.committed_snapshot()).map_err(to_py)
+    }
+
     /// The current generation, if this member has one.
     fn generation(&self) -> Option<u64> {
         self.agent.generation()

@@ -187,6 +187,14 @@ impl ControlPlane for Counted {
     ) -> Result<String, ElasticError> {
         self.inner.kv_get(generation, key, cancel, timeout)
     }
+    fn commit_snapshot(&self, generation: u64, record: &str) -> Result<(), ElasticError> {
+        self.count();
+        self.inner.commit_snapshot(generation, record)
+    }
+    fn committed_snapshot(&self) -> Result<Option<String>, ElasticError> {
+        self.count();
+        self.inner.committed_snapshot()
+    }
     fn hold(&self, ranks: usize) -> Result<(), ElasticError> {
         self.count();
         self.inner.hold(ranks)

@@ -1,8 +1,8 @@
 //! The coordinator's state and its entry points: [`Core`] holds each connection
 //! (and its outbox, which its writer task drains) and the state of the job: the
 //! phase (settling, gathering, running, rejoining), the members, the generation
-//! numbers and floors, the running generation's key-value space, and the events a
-//! launcher reads. Everything reaches it through three doors, a message
+//! numbers and floors, the running generation's key-value space, the job's
+//! committed snapshot record, and the events a launcher reads. Everything reaches it through three doors, a message
 //! ([`Core::handle`]), a tick of the clock ([`Core::tick`]) and a connection gone
 //! ([`Core::remove`]), all with an explicit clock, so that its rules can be tested
 //! without sockets or threads.
@@ -204,6 +204,9 @@ pub(super) struct Core {
     pub(super) floor: u64,
     /// The running generation's key-value space.
     pub(super) kv: HashMap<String, String>,
+    /// The job's newest committed snapshot record and the generation that
+    /// committed it: kept across generations, unlike `kv`.
+    pub(super) snapshot: Option<(u64, String)>,
     /// Why the next generation forms.
     pub(super) cause: String,
     /// The policy's windows between generations.
@@ -232,6 +235,7 @@ impl Core {
             finished: None,
             floor: 0,
             kv: HashMap::new(),
+            snapshot: None,
             cause: "initial".into(),
             timers: Timers::default(),
             members_seen: false,
@@ -330,10 +334,13 @@ impl Core {
                 vec![*seen, claim.as_ref().map_or(0, |a| a.generation)]
             }
             ClientMessage::Rendezvous { after } => vec![*after],
-            ClientMessage::Hold { .. } | ClientMessage::Sync { .. } => Vec::new(),
+            ClientMessage::Hold { .. }
+            | ClientMessage::Sync { .. }
+            | ClientMessage::ReadSnapshot { .. } => Vec::new(),
             ClientMessage::Heartbeat { generation, .. }
             | ClientMessage::Report { generation, .. }
-            | ClientMessage::KvSet { generation, .. } => vec![*generation],
+            | ClientMessage::KvSet { generation, .. }
+            | ClientMessage::CommitSnapshot { generation, .. } => vec![*generation],
         };
         if let Some(bad) = numbers.into_iter().find(|&g| g > MAX_GENERATION) {
             let text = format!("generation {bad} is out of range (at most {MAX_GENERATION})");
@@ -384,6 +391,31 @@ impl Core {
                 value,
             } => {
                 self.kv_set(c, generation, key, value);
+                Outcome::Continue
+            }
+            ClientMessage::CommitSnapshot {
+                token,
+                generation,
+                record,
+            } => {
+                let refused = self.commit_snapshot(c, generation, record).err();
+                let answer = ServerMessage::SnapshotAnswer {
+                    token,
+                    record: None,
+                    refused,
+                    transient: false,
+                };
+                self.send(c, &answer);
+                Outcome::Continue
+            }
+            ClientMessage::ReadSnapshot { token } => {
+                let answer = ServerMessage::SnapshotAnswer {
+                    token,
+                    record: self.snapshot.as_ref().map(|(_, record)| record.clone()),
+                    refused: None,
+                    transient: false,
+                };
+                self.send(c, &answer);
                 Outcome::Continue
             }
             ClientMessage::Sync { token } => {

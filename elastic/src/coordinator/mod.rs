@@ -13,7 +13,10 @@
 //! The coordinator keeps nothing that matters across its own restart: generation
 //! numbers, the checkpoint-generation floor and the running membership are rebuilt
 //! from what the members announce when they reconnect (see the module docs of
-//! [`crate`]).
+//! [`crate`]). The one exception is the job's committed snapshot record
+//! ([`ControlPlane::commit_snapshot`](crate::ControlPlane::commit_snapshot)): a
+//! restarted coordinator knows none until the next commit, and a generation that
+//! re-forms before then reads none and restores from the store instead.
 //!
 //! # Files
 //!
@@ -24,8 +27,8 @@
 //!   message, a tick of the explicit clock, a connection gone);
 //! - the decisions, one `impl Core` per step of a generation's life: `hello.rs` (who
 //!   is let in, and what the generation it claims gets it), `formation.rs` (asks to
-//!   join and the forming of the next generation), `running.rs` (heartbeats, reports
-//!   and keys while it trains), `ending.rs` (how a generation ends, and the job);
+//!   join and the forming of the next generation), `running.rs` (heartbeats, reports,
+//!   keys and snapshot commits while it trains), `ending.rs` (how a generation ends, and the job);
 //! - `adopt.rs`: the part of the decisions that only a restarted coordinator takes
 //!   (adopting the generation its reconnecting members claim), kept apart because it
 //!   reads as one story of its own;

@@ -1,17 +1,21 @@
 //! What the members of the running generation say while it trains: heartbeats
 //! (their progress and checkpoint generation, which raise the floor), reports
 //! (each weighed by the policy: a failure, a departure, a regroup, a boundary, the
-//! end of the job), and the keys of its key-value space.
+//! end of the job), the keys of its key-value space, and the commits of the job's
+//! snapshot record, which only a member of the running generation may make.
 
 use std::time::{Instant, SystemTime};
 
-use tracing::info;
+use tracing::{debug, info};
 
 use super::Event;
 use super::core::{ConnId, Core, Phase};
 use crate::policy::{Effect, ends_membership, job_finished, withdrawal};
 use crate::protocol::ServerMessage;
-use crate::{Directive, Progress, Report};
+use crate::{
+    Directive, ElasticError, Progress, Report, check_snapshot_record, snapshot_not_running,
+    snapshot_superseded,
+};
 
 /// Keys per generation's key-value space.
 const MAX_KEYS: usize = 4096;
@@ -201,5 +205,49 @@ impl Core {
         for member in members {
             self.send(member, &update);
         }
+    }
+
+    /// Records `record` as the job's committed snapshot for `generation`, when that
+    /// is the running generation and the member on `c` is in it; else why not (in
+    /// words, for the answer). Kept across generations: re-formations clear `kv`,
+    /// never this.
+    pub(super) fn commit_snapshot(
+        &mut self,
+        c: ConnId,
+        generation: u64,
+        record: String,
+    ) -> Result<(), String> {
+        let refusal = |e: ElasticError| match e {
+            ElasticError::Rejected(why) => why,
+            other => other.to_string(),
+        };
+        check_snapshot_record(&record).map_err(refusal)?;
+        let running = match &self.phase {
+            Phase::Running(running) => Some(running.generation),
+            _ => None,
+        };
+        if running != Some(generation) {
+            return Err(refusal(snapshot_not_running(generation, running)));
+        }
+        let Some(conn) = self.conns.get(&c) else {
+            return Err("connection removed".into());
+        };
+        if conn.generation != Some(generation) {
+            return Err(format!(
+                "member {:?} is not in generation {generation}; its snapshot record is not committed",
+                conn.id()
+            ));
+        }
+        if let Some((newer, _)) = self.snapshot.as_ref().filter(|(g, _)| *g > generation) {
+            return Err(refusal(snapshot_superseded(generation, *newer)));
+        }
+        debug!(
+            generation,
+            member = conn.id(),
+            bytes = record.len(),
+            "snapshot record committed"
+        );
+        self.snapshot = Some((generation, record));
+        Ok(())
     }
 }

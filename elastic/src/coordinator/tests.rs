@@ -572,3 +572,132 @@ fn a_member_holding_no_ranks_is_refused() {
         |m| matches!(m, ServerMessage::Error { message, fatal: true } if message.contains("holds 0 ranks"))
     ));
 }
+
+impl Harness {
+    /// What the core answers `c`'s snapshot request `message` (token 7), sent at
+    /// `ms`: the record read, or why it was refused.
+    fn ask_snapshot(
+        &mut self,
+        c: ConnId,
+        message: impl FnOnce(u64) -> ClientMessage,
+        ms: u64,
+    ) -> Result<Option<String>, String> {
+        self.send(c, message(7), ms);
+        let answers: Vec<_> = self
+            .received(c)
+            .into_iter()
+            .filter_map(|m| match m {
+                ServerMessage::SnapshotAnswer {
+                    token,
+                    record,
+                    refused,
+                    transient,
+                } => {
+                    assert_eq!((token, transient), (7, false));
+                    Some(refused.map_or(Ok(record), Err))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(answers.len(), 1, "one answer per request: {answers:?}");
+        answers.into_iter().next().unwrap()
+    }
+
+    fn commit_snapshot(
+        &mut self,
+        c: ConnId,
+        generation: u64,
+        record: &str,
+        ms: u64,
+    ) -> Result<Option<String>, String> {
+        let record = record.to_owned();
+        self.ask_snapshot(
+            c,
+            |token| ClientMessage::CommitSnapshot {
+                token,
+                generation,
+                record,
+            },
+            ms,
+        )
+    }
+
+    fn committed_snapshot(&mut self, c: ConnId, ms: u64) -> Option<String> {
+        self.ask_snapshot(c, |token| ClientMessage::ReadSnapshot { token }, ms)
+            .expect("a read is never refused")
+    }
+}
+
+#[test]
+fn a_snapshot_record_outlives_its_generation_and_a_stale_generation_cannot_replace_it() {
+    let mut h = Harness::new(2, 2);
+    let (a, b, g1) = h.two_running();
+    h.received(b);
+    assert_eq!(h.committed_snapshot(a, 1100), None, "a new job has none");
+    assert_eq!(h.commit_snapshot(a, g1, "step 10", 1100), Ok(None));
+    assert_eq!(h.committed_snapshot(b, 1100).as_deref(), Some("step 10"));
+
+    // A failure re-forms the world: the key-value space is cleared, the record is
+    // not.
+    let failed = Report::CollectiveFailed {
+        peer: None,
+        reason: "test".into(),
+    };
+    h.send(
+        a,
+        ClientMessage::Report {
+            generation: g1,
+            report: failed,
+        },
+        1200,
+    );
+    h.send(a, ClientMessage::Rendezvous { after: g1 }, 1200);
+    h.send(b, ClientMessage::Rendezvous { after: g1 }, 1200);
+    h.core.tick(h.at(1300));
+    let g2 = h
+        .assigned(a)
+        .expect("the next generation formed")
+        .generation;
+    assert!(g2 > g1);
+    h.received(b);
+    assert_eq!(h.committed_snapshot(b, 1300).as_deref(), Some("step 10"));
+
+    // A member still speaking for the old generation is refused, by name, and
+    // changes nothing.
+    let stale = h
+        .commit_snapshot(b, g1, "step 11 (stale)", 1300)
+        .unwrap_err();
+    assert!(
+        stale.contains(&format!("generation {g1} is not running")),
+        "{stale}"
+    );
+    assert_eq!(h.committed_snapshot(a, 1300).as_deref(), Some("step 10"));
+
+    // Oversize: refused, naming the bound.
+    let big = "x".repeat(crate::MAX_SNAPSHOT_RECORD + 1);
+    let refused = h.commit_snapshot(a, g2, &big, 1300).unwrap_err();
+    assert!(refused.contains("4096-byte bound"), "{refused}");
+    assert_eq!(h.committed_snapshot(a, 1300).as_deref(), Some("step 10"));
+
+    // The running generation replaces it.
+    assert_eq!(h.commit_snapshot(b, g2, "step 20", 1300), Ok(None));
+    assert_eq!(h.committed_snapshot(a, 1300).as_deref(), Some("step 20"));
+}
+
+#[test]
+fn a_snapshot_record_of_a_newer_generation_is_never_replaced() {
+    // Defensive: the running generation is the newest, so only a record left by
+    // a generation numbered above it (none, today) could trigger this.
+    let mut h = Harness::new(2, 2);
+    let (a, _, g1) = h.two_running();
+    h.core.snapshot = Some((g1 + 5, "from the future".into()));
+    let refused = h.commit_snapshot(a, g1, "step 10", 1100).unwrap_err();
+    assert!(
+        refused.contains(&format!("newer generation {}", g1 + 5)),
+        "{refused}"
+    );
+    assert_eq!(
+        h.committed_snapshot(a, 1100).as_deref(),
+        Some("from the future")
+    );
+}

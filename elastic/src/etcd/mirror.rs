@@ -54,6 +54,11 @@ impl Keys {
     pub(super) fn leader(&self) -> String {
         format!("{}leader", self.root)
     }
+    /// The job's committed snapshot record (see [`super::snapshot`]): outside
+    /// [`Keys::shared_range`], so nobody watches it.
+    pub(super) fn snapshot(&self) -> String {
+        format!("{}snapshot", self.root)
+    }
     /// The range a member watches: `g/…` (bootstrap keys), `generation` and
     /// `leader`, which sort together (`g/` < `generation` < `leader`), and nothing
     /// else the job keeps.

@@ -17,6 +17,7 @@
 //! | `leader` | the id of the member that applies the rules | its lease |
 //! | `generation` | the one generation record: members and their rank counts, floor, state | advanced by transactions |
 //! | `g/N/KEY` | generation N's bootstrap keys (collectives' addresses) | deleted two generations later |
+//! | `snapshot` | the job's committed snapshot record and the generation that wrote it (written only by a member of the running generation, in a transaction on `generation`'s revision) | replaced by each commit, kept |
 //!
 //! A member is a node: its launcher joins as one member holding the node's ranks and
 //! serves them itself ([`crate::NodeAgent`]), so a node has one lease and one record.
@@ -32,7 +33,8 @@
 //! one proposal per revision wins and no two survivors can form two different
 //! worlds. The other members watch only the generation record, the bootstrap keys,
 //! the `leader` key and their own record, and write only their own record, their
-//! reports (transitions of the generation record) and their keys; when the leader's
+//! reports (transitions of the generation record), their keys and the snapshot
+//! record; when the leader's
 //! lease ends they campaign for the key, and the one that gets it takes over. So the
 //! events etcd sends per formation grow with the members, not with their square.
 //!
@@ -68,6 +70,8 @@ mod mirror;
 mod plane;
 #[cfg(feature = "etcd")]
 pub mod security;
+#[cfg(feature = "etcd")]
+mod snapshot;
 #[cfg(feature = "etcd")]
 mod store;
 

@@ -18,7 +18,7 @@ use super::store::{Core, EtcdSettings, Runtime, settings_of};
 use crate::policy::ends_membership;
 use crate::{
     Assignment, Cancel, ControlPlane, Directive, ElasticError, MAX_RANKS_PER_MEMBER, Member,
-    Progress, Report,
+    Progress, Report, check_snapshot_record,
 };
 
 /// The [`ControlPlane`] on etcd: one per member process.
@@ -140,6 +140,13 @@ impl EtcdControlPlane {
     /// Requests sent to etcd so far (for the request-rate figure).
     pub fn requests(&self) -> u64 {
         self.inner.core.requests.load(Ordering::Relaxed)
+    }
+
+    /// The connection this member's calls go through (for tests that set up what
+    /// its mirror says).
+    #[cfg(test)]
+    pub(super) fn core(&self) -> &Arc<Core> {
+        &self.inner.core
     }
 
     /// Retries `write` (cancel-aware, with backoff) until it succeeds.
@@ -382,6 +389,25 @@ impl ControlPlane for EtcdControlPlane {
             .await
             .map(|_| ())
         })
+    }
+
+    fn commit_snapshot(&self, generation: u64, record: &str) -> Result<(), ElasticError> {
+        check_snapshot_record(record)?;
+        let plane = self.inner.clone();
+        let record = record.to_owned();
+        self.inner.core.call(async move {
+            plane
+                .core
+                .commit_snapshot(&plane.me.id, generation, record)
+                .await
+        })
+    }
+
+    fn committed_snapshot(&self) -> Result<Option<String>, ElasticError> {
+        let core = self.inner.core.clone();
+        self.inner
+            .core
+            .call(async move { core.committed_snapshot().await })
     }
 
     fn hold(&self, ranks: usize) -> Result<(), ElasticError> {

@@ -36,6 +36,11 @@
 //! - Directives (Restart, Regroup, Stale, Shutdown) and the generation's keys are
 //!   passed on to the ranks of the generation; reports are passed up (a rank's fatal
 //!   error or departure as the node's [`Report::RankLost`] or [`Report::RankLeft`]).
+//! - A rank's commit or read of the job's snapshot record
+//!   ([`crate::ControlPlane::commit_snapshot`]) is passed up and its answer back. A
+//!   commit passes only from a rank the node seats in the running generation it
+//!   names: a rank the node already counts as lost commits nothing, even before
+//!   the control plane hears of the loss.
 //! - A rank that starts again while its node trains waits like a new member: the node
 //!   holds one more rank, the control plane counts it as waiting, and the world grows
 //!   at the next checkpoint.
@@ -49,7 +54,7 @@
 //! - `sockets.rs`: the listener and each rank's connection, which carry lines and
 //!   decide nothing;
 //! - `ranks.rs`: what the node does with what a rank says (hello, its ask for a
-//!   generation, its reports) and with a rank that goes;
+//!   generation, its reports, its snapshot requests) and with a rank that goes;
 //! - `rendezvous.rs`: when the node asks the control plane for a generation, for how
 //!   many ranks, and how it hands its block of ranks to its ranks;
 //! - `upkeep.rs`: the node's heartbeat, its own checks of its ranks, and its

@@ -1,7 +1,8 @@
 //! What the node does with what its ranks say: a rank's hello (one rank per
 //! connection, a second connection replacing the first), its ask for a generation,
 //! its heartbeats, its reports (a fatal error or a departure passed up as the
-//! node's own report naming the rank), and a rank that goes.
+//! node's own report naming the rank), its snapshot requests (passed up, fenced
+//! by the node's own view of who is seated first), and a rank that goes.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -12,7 +13,7 @@ use super::rendezvous::grow;
 use super::state::{Local, LocalId, Outbox, Shared, State};
 use crate::policy::lost_member;
 use crate::protocol::{self, ClientMessage, ServerMessage};
-use crate::{Assignment, Directive, Member, Report};
+use crate::{Assignment, Directive, ElasticError, Member, Report, snapshot_not_running};
 
 /// Most rank connections a node serves.
 const MAX_LOCAL: usize = 4096;
@@ -171,6 +172,47 @@ impl Shared {
                 if let Err(e) = self.upstream.kv_set(generation, &key, &value) {
                     self.lock().send(c, &error(&e.to_string(), false));
                 }
+                Ok(false)
+            }
+            ClientMessage::CommitSnapshot {
+                token,
+                generation,
+                record,
+            } => {
+                // The node's part of the fence: a rank it no longer seats in the
+                // running generation (lost, told stale) commits nothing, even
+                // before the control plane hears of the loss.
+                let seated = state.running().is_some_and(|g| {
+                    g.assignment.generation == generation
+                        && g.seats.contains_key(local_id(&state, c))
+                });
+                let answer = if seated {
+                    drop(state);
+                    let committed = self.upstream.commit_snapshot(generation, &record);
+                    state = self.lock();
+                    snapshot_answer(token, committed.map(|()| None))
+                } else {
+                    let refused = match state.running() {
+                        Some(g) if g.assignment.generation == generation => {
+                            ElasticError::Rejected(format!(
+                                "member {:?} is not in generation {generation}; its snapshot record is not committed",
+                                local_id(&state, c)
+                            ))
+                        }
+                        running => snapshot_not_running(
+                            generation,
+                            running.map(|g| g.assignment.generation),
+                        ),
+                    };
+                    snapshot_answer(token, Err(refused))
+                };
+                state.send(c, &answer);
+                Ok(false)
+            }
+            ClientMessage::ReadSnapshot { token } => {
+                drop(state);
+                let answer = snapshot_answer(token, self.upstream.committed_snapshot());
+                self.lock().send(c, &answer);
                 Ok(false)
             }
             ClientMessage::Hold { .. } => {
@@ -349,6 +391,29 @@ impl Shared {
             Report::RankLost { cause } => self.report_loss(state, generation, cause),
             upstream => self.report(generation, upstream),
         }
+    }
+}
+
+/// The id of the rank on connection `c` ("?" before its hello).
+fn local_id(state: &State, c: LocalId) -> &str {
+    state.locals.get(&c).map_or("?", |local| local.id())
+}
+
+/// The answer to a rank's snapshot request with `token`: what the control plane
+/// answered the node, with the kind of a failure kept (a refusal, or a control
+/// plane out of reach that a retry may find again).
+fn snapshot_answer(token: u64, answer: Result<Option<String>, ElasticError>) -> ServerMessage {
+    let (record, refused, transient) = match answer {
+        Ok(record) => (record, None, false),
+        Err(ElasticError::Rejected(why)) => (None, Some(why), false),
+        Err(ElasticError::Io(why) | ElasticError::Timeout(why)) => (None, Some(why), true),
+        Err(e) => (None, Some(e.to_string()), false),
+    };
+    ServerMessage::SnapshotAnswer {
+        token,
+        record,
+        refused,
+        transient,
     }
 }
 

@@ -59,6 +59,12 @@ impl ControlPlane for Quiet {
     fn kv_get(&self, _: u64, _: &str, _: &Cancel, _: Duration) -> Result<String, ElasticError> {
         Err(ElasticError::Timeout("quiet".into()))
     }
+    fn commit_snapshot(&self, _: u64, _: &str) -> Result<(), ElasticError> {
+        Ok(())
+    }
+    fn committed_snapshot(&self) -> Result<Option<String>, ElasticError> {
+        Ok(None)
+    }
 }
 
 fn assignment(generation: u64, ranks: usize, cause: &str) -> Assignment {
