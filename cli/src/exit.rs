@@ -35,7 +35,7 @@ pub(crate) fn code(error: &Error) -> u8 {
         Error::NotFound(_) => NOT_FOUND,
         Error::Mismatch(_) | Error::Invalid(_) => USAGE,
         Error::Timeout(_) | Error::Failed(_) | Error::Fenced(_) | Error::Mutated(_) => STORAGE,
-        Error::Device(_) => STORAGE,
+        Error::Device(_) | Error::OverBudget(_) => STORAGE,
     }
 }
 
