@@ -61,3 +61,50 @@ def test_snapshots_within_the_budget_let_the_older_ones_go(root):
         # The committed snapshot of step 2 is still held.
         committed = copies.committed_snapshot()
         assert committed is not None and committed[0].startswith("step-00000002/"), committed
+
+
+class _Agent:
+    def __init__(self, record: str | None):
+        self.record = record
+
+    def committed_snapshot(self) -> str | None:
+        return self.record
+
+
+def test_a_resume_takes_the_snapshot_only_when_newer_covered_and_not_rolled_back(root):
+    """Rank 0's choice of ``ctx.resume`` (``_snapshots._rank0_choice``) on a real
+    record of a world of one."""
+    from types import SimpleNamespace
+
+    from ckpt.elastic import _snapshots
+    from ckpt.elastic._rollback import Rollbacks
+
+    with Checkpointer(root, rank=0, world_size=1) as checkpointer:
+        copies = _native.Copies("127.0.0.1", checkpointer._native)
+        snapshot = checkpointer.snapshot(7, {"w": torch.ones(8)}, overlapped=False).wait_ready()
+        assert copies.keep_snapshot(snapshot)
+        ready, crcs = _native.tally([copies.vote(snapshot)], 7)
+        assert ready, crcs
+        copies.commit_snapshot(snapshot.dir, crcs)
+        record = _native.snapshot_record(snapshot, crcs)
+        ctx = SimpleNamespace(
+            _agent=_Agent(record), _table=[copies.holding()], _rollbacks=Rollbacks()
+        )
+        assert _snapshots._rank0_choice(ctx, None) == record
+        assert _snapshots._rank0_choice(ctx, 6) == record
+        assert _snapshots._rank0_choice(ctx, 7) is None  # the store's commit is as new
+        # Held by no survivor: the store.
+        assert (
+            _snapshots._rank0_choice(
+                SimpleNamespace(**{**vars(ctx), "_table": [_native.Copies("127.0.0.1").holding()]}),
+                None,
+            )
+            is None
+        )
+        # Taken before a rollback: never resumed from.
+        ctx._rollbacks.stale_snapshot = record
+        assert _snapshots._rank0_choice(ctx, None) is None
+        assert (
+            _snapshots._rank0_choice(SimpleNamespace(**{**vars(ctx), "_agent": _Agent(None)}), None)
+            is None
+        )

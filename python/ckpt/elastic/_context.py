@@ -423,6 +423,8 @@ class Context:
         import torch
         import torch.distributed as dist
 
+        from ckpt.elastic import _snapshots
+
         self._check()
         asked = self._done + 1 if step is None else step
         flag = torch.tensor([int(bool(bad))], dtype=torch.int32, device=self.device)
@@ -457,6 +459,11 @@ class Context:
             )
         target = choice[0]
         self._rollbacks.count(asked, target, reasons)
+        # A snapshot taken before the rollback holds the state the job goes back
+        # from: the one not yet voted on is dropped, the committed one is never
+        # resumed from (every rank notes it: any may be rank 0 of a later world).
+        self._pending = self._pending_step = None
+        self._rollbacks.stale_snapshot = _snapshots.committed_record(self)
         self._load(url, state if state_dict is None else state_dict, options, *choice)
         self._done, self._committed, self._good_loss = target, target, None
         if self.rank == 0:

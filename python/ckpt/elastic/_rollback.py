@@ -68,6 +68,9 @@ class Rollbacks:
         self.target: int | None = None
         self.asked: int | None = None
         self.in_a_row = 0
+        # The control plane's snapshot record when the last rollback happened: the
+        # state it holds is what the job went back from, so no resume takes it.
+        self.stale_snapshot: str | None = None
 
     def committed(self, step: int) -> None:
         """A commit of ``step``: past the step that asked, the job got over it."""

@@ -145,18 +145,27 @@ def choose(ctx: Context, store_step: int | None) -> str | None:
     return choice[0]
 
 
-def _rank0_choice(ctx: Context, store_step: int | None) -> str | None:
+def committed_record(ctx: Context) -> str | None:
+    """The control plane's newest committed snapshot record (None: none, or no
+    control plane, or it could not be read)."""
     committed = getattr(ctx._agent, "committed_snapshot", None)
     if committed is None:
         return None
     try:
-        record = committed()
+        return committed()
     except _native.ElasticError as e:
         say(f"no snapshot to resume from: the control plane could not be read ({e})")
         return None
+
+
+def _rank0_choice(ctx: Context, store_step: int | None) -> str | None:
+    record = committed_record(ctx)
     if not record:
         return None
     step = json.loads(record)["step"]
+    if record == ctx._rollbacks.stale_snapshot:
+        say(f"snapshot of step {step} passed over: it was taken before a rollback")
+        return None
     if store_step is not None and step <= store_step:
         return None
     try:
