@@ -299,6 +299,7 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
         scenario.steps,
     );
     oracle::check_health(&store, &observed, &mut judgement);
+    oracle::check_memory_tier(scenario, &observed, &mut judgement);
     if python.is_some() {
         let (checked, problems) = oracle::check_cursors(&store, scenario.batch());
         judgement.cursors_checked = Some(checked);
@@ -354,6 +355,22 @@ pub fn run_scenario(name: &str, scenario: &Scenario, options: &Options) -> Resul
             "expected the first recovery to resume from step {step}; resumed from {:?}",
             observed.resumed_from
         ));
+    }
+    if let Some(snapshot) = expect.first_resume_from_snapshot {
+        let first = observed.resumed_from.first();
+        let from_snapshot = first.is_some()
+            && observed
+                .snapshot_resumes
+                .first()
+                .is_some_and(|(_, step)| Some(step) == first);
+        if first.is_none() || from_snapshot != snapshot {
+            reasons.push(format!(
+                "expected the first recovery to resume from {}; it resumed from {:?} (from snapshots: {:?})",
+                if snapshot { "a snapshot" } else { "the store" },
+                first,
+                observed.snapshot_resumes
+            ));
+        }
     }
     // Rank 0's recovery lines, or the launchers' where rank 0 was a process started
     // after the failure (it has no recovery of its own to tell).

@@ -121,8 +121,62 @@ pub struct Judgement {
     pub caught: usize,
     /// Resumes whose commit the oracle checked for health.
     pub resumes_checked: usize,
+    /// Resumes from an in-memory snapshot whose lost steps were checked.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub snapshot_resumes: usize,
+    /// The largest host-memory peak any rank reported (with a budget to check).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_peak: Option<u64>,
     /// Everything wrong, in words.
     pub problems: Vec<String>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// The memory tier's checks (`snapshot_every`, `host_memory_budget`):
+///
+/// - no step is trained twice beyond the snapshot interval: each resume from a
+///   snapshot started at most `snapshot_every + 1` steps before the newest step
+///   rank 0 had reported (the snapshot of step S is committed at step S + 1's
+///   boundary, so a failure before the next one's commit loses at most the
+///   interval and that step);
+/// - the budget was never exceeded: every rank that finished reported its
+///   checkpointing's peak (`final host_bytes_held`), and none is over the budget
+///   (the resident sets the harness sampled are in the run's report, for a reader:
+///   they include the process's own memory, which no budget bounds).
+///
+/// The final weights' bitwise comparison with the failure-free run
+/// ([`judge`]) covers resumes from snapshots as it does resumes from the store:
+/// deterministic mode makes them independent of where and on how many ranks the
+/// run resumed.
+pub fn check_memory_tier(scenario: &Scenario, observed: &crate::run::Observed, j: &mut Judgement) {
+    if scenario.snapshot_every > 0 {
+        let bound = scenario.snapshot_every + 1;
+        for &(reported, resumed) in &observed.snapshot_resumes {
+            j.snapshot_resumes += 1;
+            if reported.saturating_sub(resumed) > bound {
+                j.problems.push(format!(
+                    "a resume from the snapshot of step {resumed} trains again the steps up to {reported}: more than the snapshot interval and one ({bound})"
+                ));
+            }
+        }
+    }
+    if let Some(budget) = scenario.host_memory_budget {
+        j.host_peak = observed.host_peaks.iter().map(|p| p.peak).max();
+        if observed.host_peaks.is_empty() {
+            j.problems.push(format!(
+                "no rank reported its host memory peak, to check against the budget of {budget} bytes"
+            ));
+        }
+        for p in observed.host_peaks.iter().filter(|p| p.peak > budget) {
+            j.problems.push(format!(
+                "rank process {} held {} bytes of host memory at its peak, over the budget of {budget}",
+                p.label, p.peak
+            ));
+        }
+    }
 }
 
 /// A commit damaged on purpose: its step and directory.

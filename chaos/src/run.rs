@@ -18,7 +18,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -127,6 +129,19 @@ pub struct Observed {
     /// (commit DIR; …)`), in order: the oracle checks that none was unhealthy.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub resumed_dirs: Vec<String>,
+    /// Resumes from an in-memory snapshot (`ckpt-train`'s `resumed from snapshot
+    /// step S …`): (the newest step rank 0 had reported when it printed the line,
+    /// the snapshot's step).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub snapshot_resumes: Vec<(u64, u64)>,
+    /// What each rank that finished reported its checkpointing held in host memory
+    /// at most (`final host_bytes_held {…} (rank R)`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub host_peaks: Vec<HostPeak>,
+    /// The largest resident set of each rank process (by launcher label), KiB,
+    /// sampled by the harness from `/proc/PID/status` ([`RssSampler`]).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub rss_max_kib: BTreeMap<usize, u64>,
     /// The rollbacks rank 0 reported: (the step left, the step of the commit
     /// reached).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -148,6 +163,117 @@ pub struct Poison {
     pub rank: u32,
     /// The step after which (nan), or before whose save (sdc), it happened.
     pub step: u64,
+}
+
+/// One rank's report of the host memory its checkpointing held at most.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HostPeak {
+    /// The launcher label of the process that reported it.
+    pub label: usize,
+    /// The most bytes held at once (staging, copies, replicas, snapshots).
+    pub peak: u64,
+    /// The budget it ran under, if any.
+    pub budget: Option<u64>,
+}
+
+/// A rank's `final host_bytes_held {JSON} (rank R)` line (`rest`, after its label).
+fn parse_host_peak(label: usize, rest: &str) -> Option<HostPeak> {
+    let json = rest.strip_prefix("final host_bytes_held ")?;
+    let json = json.rsplit_once(" (rank ").map_or(json, |(j, _)| j);
+    let held: ckpt::HostBytesHeld = serde_json::from_str(json).ok()?;
+    Some(HostPeak {
+        label,
+        peak: held.peak,
+        budget: held.budget,
+    })
+}
+
+/// Samples the resident set of every rank process of a run, every
+/// [`RssSampler::EVERY`], on a thread of its own (a timer: no event says when a
+/// process's memory grows), keeping each label's largest.
+pub struct RssSampler {
+    pids: Arc<Mutex<BTreeMap<usize, i32>>>,
+    max: Arc<Mutex<BTreeMap<usize, u64>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RssSampler {
+    /// How often each process is sampled.
+    pub const EVERY: Duration = Duration::from_millis(100);
+
+    /// Starts sampling the processes added with [`RssSampler::watch`].
+    pub fn start() -> Self {
+        let pids = Arc::new(Mutex::new(BTreeMap::<usize, i32>::new()));
+        let max = Arc::new(Mutex::new(BTreeMap::<usize, u64>::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (pids, max, stop) = (pids.clone(), max.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let now: Vec<(usize, i32)> = pids
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .iter()
+                        .map(|(l, p)| (*l, *p))
+                        .collect();
+                    for (label, pid) in now {
+                        if let Some(kib) = rss_kib(pid) {
+                            let mut max = max.lock().unwrap_or_else(|p| p.into_inner());
+                            let at = max.entry(label).or_insert(0);
+                            *at = (*at).max(kib);
+                        }
+                    }
+                    std::thread::sleep(Self::EVERY);
+                }
+            })
+        };
+        Self {
+            pids,
+            max,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Samples `pid` as the process of `label` from now on.
+    pub fn watch(&self, label: usize, pid: i32) {
+        self.pids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(label, pid);
+    }
+
+    /// Stops; returns each label's largest resident set, KiB.
+    pub fn finish(mut self) -> BTreeMap<usize, u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.max.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// A run that ends early (an error) stops its sampler too.
+impl Drop for RssSampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// `VmRSS` of `pid` in KiB (`None`: gone, or not readable).
+fn rss_kib(pid: i32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The poison a rank reports, if `rest` (a line after its `[rank L] ` label) says so.
@@ -308,6 +434,15 @@ pub fn train_args(scenario: &Scenario, ckpt_url: &str) -> Vec<String> {
     ];
     if !scenario.memory_copies {
         args.push("--memory-copies=false".into());
+    }
+    if scenario.snapshot_every > 0 {
+        args.extend([
+            "--snapshot-every".into(),
+            scenario.snapshot_every.to_string(),
+        ]);
+    }
+    if let Some(budget) = scenario.host_memory_budget {
+        args.extend(["--host-memory-budget".into(), budget.to_string()]);
     }
     if scenario.step_pause_ms > 0 {
         args.extend([
@@ -505,6 +640,8 @@ struct Watch {
     /// `observed.worlds`) and has not yet said it starts training in it: the
     /// reference trainer's `start:` line that follows is the same generation.
     formed_not_started: bool,
+    /// Samples the rank processes' resident sets while the run goes on.
+    rss: Option<RssSampler>,
 }
 
 impl Watch {
@@ -518,6 +655,7 @@ impl Watch {
             observed: Observed::default(),
             at_failpoint: Vec::new(),
             formed_not_started: false,
+            rss: None,
         }
     }
 
@@ -542,6 +680,9 @@ impl Watch {
             )
         {
             self.pids.insert(label, (line.node, pid));
+            if let Some(rss) = &self.rss {
+                rss.watch(label, pid);
+            }
         }
         if let Some(formed) = parse_reformed(text) {
             self.observed.reformed.insert(formed);
@@ -561,6 +702,13 @@ impl Watch {
             && let Ok(label) = label.parse::<usize>()
         {
             self.at_failpoint.push(label);
+            return;
+        }
+        // Every rank that finishes reports what its checkpointing held at most.
+        if let Ok(label) = label.parse::<usize>()
+            && let Some(peak) = parse_host_peak(label, rest)
+        {
+            self.observed.host_peaks.push(peak);
             return;
         }
         // Any rank may be the one a failpoint poisons.
@@ -617,6 +765,14 @@ impl Watch {
             if !std::mem::take(&mut self.formed_not_started) {
                 self.observed.worlds.push(world);
             }
+        } else if let Some(step) = rest
+            .strip_prefix("resumed from snapshot step ")
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+        {
+            // Not a store commit: nothing for the health check to look up.
+            self.observed.resumed_from.push(step);
+            self.observed.snapshot_resumes.push((self.step, step));
         } else if let Some(step) = rest
             .strip_prefix("resumed from step ")
             .and_then(|r| r.split_whitespace().next())
@@ -820,6 +976,7 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
     let (tx, rx): (Sender<Line>, Receiver<Line>) = channel();
     let job = format!("chaos-{}-{}", std::process::id(), unix_ms());
     let mut watch = Watch::new();
+    watch.rss = Some(RssSampler::start());
     let store = env.store().map_err(std::io::Error::other)?;
     // The coordinator listens where every node reaches it: on the bridge when the
     // nodes live in namespaces.
@@ -1214,6 +1371,9 @@ pub fn run(scenario: &Scenario, setup: &Setup, env: &mut Environment) -> std::io
         .log
         .extend(notes.iter().map(|n| format!("[harness] {n}")));
     watch.observed.storage = env.proxy.as_ref().map(|p| p.stats());
+    if let Some(rss) = watch.rss.take() {
+        watch.observed.rss_max_kib = rss.finish();
+    }
     Ok(watch.observed)
 }
 

@@ -53,6 +53,16 @@ pub struct Scenario {
     pub steps: u64,
     /// Checkpoint interval in steps.
     pub ckpt_every: u64,
+    /// Snapshot interval in steps (`ckpt-train --snapshot-every`; 0: none): the
+    /// memory tier. The oracle then checks that a resume from a snapshot lost at
+    /// most this interval and one step.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub snapshot_every: u64,
+    /// Host memory each rank's checkpointing may hold, bytes
+    /// (`ckpt-train --host-memory-budget`). The oracle checks every rank's reported
+    /// peak against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory_budget: Option<u64>,
     /// Pause after each step (ms), so faults can land between steps.
     #[serde(default)]
     pub step_pause_ms: u64,
@@ -116,6 +126,9 @@ fn one() -> usize {
 }
 fn is_one(n: &usize) -> bool {
     *n == 1
+}
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 fn two() -> u64 {
     2
@@ -418,6 +431,10 @@ pub struct Expect {
     /// The step the first recovery resumes from.
     #[serde(default)]
     pub resumes_from: Option<u64>,
+    /// Whether the first recovery resumes from an in-memory snapshot (`true`) or
+    /// from the store (`false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_resume_from_snapshot: Option<bool>,
     /// Recoveries (new generations after the first) at least.
     #[serde(default)]
     pub recoveries_at_least: Option<usize>,
@@ -547,6 +564,12 @@ impl Scenario {
             if !self.memory_copies {
                 return Err(
                     "memory_copies = false is ckpt-train's --memory-copies=false, which the Python trainer's command line (script) does not take"
+                        .into(),
+                );
+            }
+            if self.snapshot_every > 0 || self.host_memory_budget.is_some() {
+                return Err(
+                    "snapshot_every and host_memory_budget are ckpt-train's --snapshot-every and --host-memory-budget, which the Python trainer's command line (script) does not take"
                         .into(),
                 );
             }

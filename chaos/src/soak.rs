@@ -334,6 +334,8 @@ pub fn draw(seed: u64, run: u64) -> Scenario {
         seed: 7,
         steps,
         ckpt_every: 5,
+        snapshot_every: 0,
+        host_memory_budget: None,
         step_pause_ms: 40,
         heartbeat_timeout_secs: 2,
         rdzv_connect_timeout_secs: None,

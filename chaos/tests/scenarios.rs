@@ -130,6 +130,8 @@ scenario_tests![
     python_storage_s3_faults,
     read_only_checkpoints,
     sdc_in_one_replica,
+    snapshot_kill_one_rank,
+    snapshot_kill_ring_neighbours,
     stop_one_rank,
     storage_corrupt,
     storage_reset_fails_a_save,

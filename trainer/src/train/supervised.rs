@@ -501,7 +501,7 @@ impl Generation<'_> {
                     rollback::flip(&mut self.st.params[i]);
                 }
             }
-            self.snapshot(saving, agreed.ending.is_some())?;
+            self.snapshot(agreed.ending.is_some())?;
             self.hold(false)?;
             self.stats.marks.push(self.started.elapsed());
             if !self.ctx.config.step_pause.is_zero() {
@@ -743,12 +743,14 @@ impl Generation<'_> {
     }
 
     /// The memory tier at this step's boundary: the world votes on the snapshot taken
-    /// at the previous one, then takes this step's when one is due (not at a step
-    /// that saves to the store, nor at the generation's last).
-    fn snapshot(&mut self, saving: bool, ending: bool) -> Result<(), TrainError> {
+    /// at the previous one, then takes this step's when one is due (not at the
+    /// generation's last step). A step that also saves to the store is snapshotted
+    /// all the same: its store commit may come later than a failure, and without the
+    /// snapshot a loss before it would cost two intervals.
+    fn snapshot(&mut self, ending: bool) -> Result<(), TrainError> {
         self.snapshots.vote()?;
         let step = self.st.step;
-        if saving || ending || step >= self.ctx.config.steps || !self.snapshots.due(step) {
+        if ending || step >= self.ctx.config.steps || !self.snapshots.due(step) {
             return Ok(());
         }
         if let Some(checkpointer) = &self.saves.checkpointer {
