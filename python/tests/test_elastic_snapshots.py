@@ -67,8 +67,8 @@ def test_one_rank_lost_between_store_saves_resumes_from_the_snapshot(tmp_path):
     # 14 (13 when a replica was late for that vote, on a loaded machine): newer than
     # the store's step 10 either way.
     resumed = re.search(
-        r"resumed from snapshot step (\d+) \(step-\d+/g\d+-snap-\S+\): saved by 3 ranks, "
-        r"resharded onto 2; .*host memory .* held",
+        r"resumed from snapshot step (\d+) in memory \(snapshot step-\d+/g\d+-snap-\S+; saved "
+        r"by 3 ranks, resharded onto 2; .*host memory .* held",
         text,
     )
     assert resumed, text
@@ -92,7 +92,7 @@ def test_two_ring_neighbours_lost_resume_from_the_store(tmp_path):
         r"snapshot of step 1[34] passed over: no survivor holds the files of ranks 1 ", text
     ), text
     assert re.search(
-        rf"resumed from step 10 of {re.escape(url)}: saved by 3 ranks, resharded onto 1", text
+        rf"resumed from step 10 of {re.escape(url)} \(saved by 3 ranks, resharded onto 1;", text
     ), text
     assert "resumed from snapshot" not in text, text
     assert final(text) == expected(STEPS)

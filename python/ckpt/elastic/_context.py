@@ -144,11 +144,11 @@ class Context:
         self._done = 0
         self._good_loss: float | None = None
         # Snapshots: the checkpointer that takes them (the newest ``checkpointer``),
-        # the one taken and not yet voted on, the newest committed step.
+        # the one taken and not yet voted on and its step, the directory of the one
+        # resumed from, the step of the first refused for the budget.
         self._snapshotter: Any = None
         self._pending: Any = None
         self._pending_step: int | None = None
-        self._snapshot_committed: int | None = None
         self._resumed_snapshot: str | None = None
         self._warned_budget: int | None = None
         #: What the last ``resume`` or ``rollback_if`` loaded (its ``ExtraState``:
@@ -345,15 +345,16 @@ class Context:
                 if choice is None:
                     return None
                 extra = self._load(url, once, store_options, *choice)
-                tier = f"step {extra.step} of {url}"
+                tier = f"step {extra.step} of {url} ("
             else:
-                tier = f"snapshot step {extra.step} ({self._resumed_snapshot})"
+                # As the reference trainer says it.
+                tier = f"snapshot step {extra.step} in memory (snapshot {self._resumed_snapshot}; "
             self._done = extra.step
             if self.rank == 0:
                 say(
-                    f"resumed from {tier}: saved by {extra.world_size} ranks, resharded "
-                    f"onto {self.world_size}; load {(time.monotonic() - started) * 1e3:.0f} "
-                    f"ms; host memory {self.host_bytes_held()['summary']}"
+                    f"resumed from {tier}saved by {extra.world_size} ranks, resharded onto "
+                    f"{self.world_size}; load {(time.monotonic() - started) * 1e3:.0f} ms; "
+                    f"host memory {self.host_bytes_held()['summary']})"
                 )
             return extra
         finally:

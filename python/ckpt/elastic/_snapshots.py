@@ -61,7 +61,7 @@ class Pending:
             if ctx._copies.keep_snapshot(snapshot):
                 ctx._copies.replicate_snapshot(snapshot, ctx._table, ctx.rank)
                 self.snapshot = snapshot
-        except BaseException as e:  # noqa: BLE001 (a snapshot that failed is a vote against)
+        except Exception as e:  # noqa: BLE001 (a snapshot that failed is a vote against)
             self.error = e
 
     def kept(self) -> None:
@@ -69,7 +69,9 @@ class Pending:
         self._thread.join()
         self._handle = None
 
-    def vote(self, copies: Any) -> bytes:
+    def vote(self, copies: Any, rank: int) -> bytes:
+        if self.error is not None:
+            say(f"rank {rank}: snapshot of step {self.step} failed: {self.error}")
         if self.snapshot is None:
             return _native.vote_against(self.step)
         return copies.vote(self.snapshot)
@@ -107,7 +109,7 @@ def vote(ctx: Context, pending: Pending | None, step: int) -> int | None:
             copies.wait_for_pulls(PULL_WAIT_S)
         finally:
             ctx._agent.collective_done()
-        mine = pending.vote(copies)
+        mine = pending.vote(copies, ctx.rank)
     votes: list[Any] = [None] * ctx.world_size
     ctx._collective(lambda: dist.all_gather_object(votes, mine))
     ready, table = _native.tally(votes, step)
@@ -126,7 +128,6 @@ def vote(ctx: Context, pending: Pending | None, step: int) -> int | None:
             # snapshot is not a resume point; the next one may be.
             say(f"snapshot of step {step} not recorded: {e}")
             return None
-    ctx._snapshot_committed = step
     return step
 
 
