@@ -295,7 +295,8 @@ def train(ctx: Any, args: argparse.Namespace) -> None:
     else:
         log(f"gen {ctx.generation}: from scratch (seed {args.seed}) on {world} ranks")
 
-    checkpointer = ctx.checkpointer(args.ckpt)
+    budget = {"host_memory_budget": args.host_memory_budget} if args.host_memory_budget else {}
+    checkpointer = ctx.checkpointer(args.ckpt, **budget)
     pending = None  # the save in flight, at most one
     staged = True  # whether `pending` no longer reads the live tensors
     failed_in_a_row = 0  # periodic saves that did not commit, since the last that did
@@ -370,6 +371,9 @@ def train(ctx: Any, args: argparse.Namespace) -> None:
             log(f"gen {ctx.generation}: stopping after the commit of step {step}")
             checkpointer.close()
             return
+        if args.snapshot_every and step % args.snapshot_every == 0 and step < args.steps:
+            # Blocking: the copy is done when it returns (the weights may change).
+            ctx.snapshot(step, state(cursor))
 
     if pending is not None:
         pending.wait_committed()
@@ -401,6 +405,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="snapshot into host memory every N steps (ctx.snapshot: a recovery the "
+        "survivors' copies cover resumes from it); 0: none",
+    )
+    p.add_argument(
+        "--host-memory-budget",
+        type=int,
+        default=0,
+        help="bytes of host memory a rank's checkpointing may hold (0: unbounded)",
+    )
+    p.add_argument(
         "--max-failed-saves",
         type=int,
         default=3,
@@ -418,6 +435,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--d-model must divide by --heads")
     if args.steps < 0 or args.ckpt_every < 1 or args.log_every < 1 or args.max_failed_saves < 0:
         p.error("--steps and --max-failed-saves must be >= 0, --ckpt-every and --log-every >= 1")
+    if args.snapshot_every < 0 or args.host_memory_budget < 0:
+        p.error("--snapshot-every and --host-memory-budget must be >= 0")
     return args
 
 
