@@ -463,6 +463,10 @@ pub(crate) struct BenchReport {
     pub cooperative_scale: Vec<cooperative::CoopScaleReport>,
     /// RSS over consecutive saves.
     pub rss: Option<RssReport>,
+    /// What each rank's checkpointing held in host memory after the core saves, by
+    /// kind, with its peak (`Checkpointer::host_bytes_held`): the staging the saves
+    /// kept, against `rss`'s whole-process figure.
+    pub host_bytes_held: Vec<ckpt::HostBytesHeld>,
     /// The core figures again with one process per rank (`BenchConfig::processes`).
     pub processes: Option<ProcessesReport>,
     /// Replica agreement's cost (`BenchConfig::replicas` above 1).
@@ -765,6 +769,7 @@ fn threads_core(
         breakdowns[2].push(allocating.breakdown);
     }
     let file_bytes = cold.file_bytes;
+    report.host_bytes_held = checkpointers.iter().map(|c| c.host_bytes_held()).collect();
 
     drop(checkpointers);
     rt.block_on(store.delete_prefix(&step_dir(step)))?;
@@ -863,6 +868,7 @@ fn empty_report(store: &Store, config: &BenchConfig) -> BenchReport {
         commit_scale: None,
         cooperative_scale: Vec::new(),
         rss: None,
+        host_bytes_held: Vec::new(),
         processes: None,
         replicas: None,
         targets: Vec::new(),
