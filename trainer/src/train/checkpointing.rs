@@ -38,6 +38,10 @@ pub struct Checkpointing {
     /// recycled as the next load's destination: memory this process has already
     /// touched fills several times faster than fresh pages.
     pub(super) spare: Vec<Vec<f32>>,
+    /// The directory of the snapshot that was committed when the world last rolled
+    /// back: it belongs to the timeline the rollback left, and is never resumed
+    /// from (module `snapshots`).
+    pub(super) abandoned_snapshot: Option<String>,
 }
 
 impl Checkpointing {

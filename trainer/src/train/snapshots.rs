@@ -43,7 +43,10 @@
 //! from a snapshot trains bitwise as one resumed from the store at that step.
 //!
 //! A rollback (a bad step in the same world) never resumes from a snapshot: the
-//! snapshot may hold the state that went bad, and no health check judges it.
+//! snapshot may hold the state that went bad, and no health check judges it. Nor
+//! does any later resume from the snapshot committed before the rollback (every
+//! rank notes it, since any may be rank 0 later): it belongs to the timeline the
+//! rollback left. The snapshot in flight at the rollback is dropped unvoted.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -364,6 +367,7 @@ pub(super) fn resume(
     specs: &[TensorSpec],
     supervisor: &dyn Supervisor,
     (own, table): (&Copies, &[Holding]),
+    abandoned: Option<&str>,
     place: Place,
     spare: &mut Vec<Vec<f32>>,
 ) -> Result<Option<(Shards, u64)>, TrainError> {
@@ -371,7 +375,7 @@ pub(super) fn resume(
     let mut header = [0u8; 16];
     let mut payload = Vec::new();
     if rank == 0 {
-        match propose(runtime, store, supervisor, table)? {
+        match propose(runtime, store, supervisor, table, abandoned)? {
             Proposal::None => {}
             Proposal::Skipped(why) => say(format_args!("{why}; resuming from the store")),
             Proposal::Use(record) => {
@@ -513,6 +517,7 @@ fn propose(
     store: &ckpt::storage::Store,
     supervisor: &dyn Supervisor,
     table: &[Holding],
+    abandoned: Option<&str>,
 ) -> Result<Proposal, TrainError> {
     let text = match supervisor.committed_snapshot() {
         Ok(Some(text)) => text,
@@ -532,6 +537,11 @@ fn propose(
         }
     };
     let step = record.step;
+    if abandoned == Some(record.dir.as_str()) {
+        return Ok(Proposal::Skipped(format!(
+            "snapshot step {step} not resumed from: it was committed before a rollback, on the timeline the rollback left"
+        )));
+    }
     let uncovered = record.uncovered(table);
     if !uncovered.is_empty() {
         let ranks: Vec<usize> = uncovered.iter().map(|r| *r as usize).collect();

@@ -73,6 +73,13 @@ pub fn run_supervised(
                 next.resume = true;
                 next.generation = rollbacks.generation + 1;
                 rollbacks.pending = Some((from, reason));
+                // The snapshot committed before the rollback belongs to the timeline
+                // it left: never resumed from, by whichever rank is rank 0 later.
+                checkpointing.abandoned_snapshot = checkpointing
+                    .copies
+                    .as_ref()
+                    .and_then(|c| c.committed_snapshot())
+                    .map(|(dir, _)| dir);
                 again = Some(next);
             }
         }
@@ -329,6 +336,7 @@ fn starting_state(
                     specs,
                     ctx.supervisor,
                     source,
+                    checkpointing.abandoned_snapshot.as_deref(),
                     ctx.place,
                     &mut checkpointing.spare,
                 )
