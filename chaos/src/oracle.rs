@@ -575,6 +575,51 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_snapshot_resume_too_far_back_and_a_peak_over_the_budget_are_problems() {
+        let mut scenario = Scenario::parse(
+            "ranks = 4\nmin_ranks = 2\nsteps = 30\nckpt_every = 10\nsnapshot_every = 2\nhost_memory_budget = 1000",
+        )
+        .unwrap();
+        let mut observed = crate::run::Observed {
+            snapshot_resumes: vec![(15, 12), (21, 14)],
+            ..Default::default()
+        };
+        observed.host_peaks.push(crate::run::HostPeak {
+            label: 1,
+            peak: 900,
+            budget: Some(1000),
+        });
+        let mut j = Judgement::default();
+        check_memory_tier(&scenario, &observed, &mut j);
+        assert_eq!(j.snapshot_resumes, 2);
+        assert_eq!(j.problems.len(), 1, "{:?}", j.problems);
+        assert!(
+            j.problems[0].contains("snapshot of step 14"),
+            "{:?}",
+            j.problems
+        );
+        observed.host_peaks[0].peak = 1001;
+        scenario.snapshot_every = 0;
+        let mut j = Judgement::default();
+        check_memory_tier(&scenario, &observed, &mut j);
+        assert_eq!(j.problems.len(), 1, "{:?}", j.problems);
+        assert!(
+            j.problems[0].contains("over the budget of 1000"),
+            "{:?}",
+            j.problems
+        );
+        // No rank reported: nothing shows the budget held.
+        observed.host_peaks.clear();
+        let mut j = Judgement::default();
+        check_memory_tier(&scenario, &observed, &mut j);
+        assert!(
+            j.problems[0].contains("no rank reported"),
+            "{:?}",
+            j.problems
+        );
+    }
+
+    #[test]
     fn the_reference_replays_the_schedule_one_launch_per_change_of_world() {
         assert_eq!(reference_plan(&[(0, 4)], 60), vec![(0, 60, 4)]);
         assert_eq!(

@@ -211,19 +211,7 @@ impl RssSampler {
             let (pids, max, stop) = (pids.clone(), max.clone(), stop.clone());
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    let now: Vec<(usize, i32)> = pids
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .iter()
-                        .map(|(l, p)| (*l, *p))
-                        .collect();
-                    for (label, pid) in now {
-                        if let Some(kib) = rss_kib(pid) {
-                            let mut max = max.lock().unwrap_or_else(|p| p.into_inner());
-                            let at = max.entry(label).or_insert(0);
-                            *at = (*at).max(kib);
-                        }
-                    }
+                    sample(&pids, &max);
                     std::thread::sleep(Self::EVERY);
                 }
             })
@@ -244,13 +232,32 @@ impl RssSampler {
             .insert(label, pid);
     }
 
-    /// Stops; returns each label's largest resident set, KiB.
+    /// Stops, after one last round; returns each label's largest resident set, KiB.
     pub fn finish(mut self) -> BTreeMap<usize, u64> {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        sample(&self.pids, &self.max);
         self.max.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// One round of [`RssSampler`]: each live process's resident set, kept when it is
+/// its label's largest.
+fn sample(pids: &Mutex<BTreeMap<usize, i32>>, max: &Mutex<BTreeMap<usize, u64>>) {
+    let now: Vec<(usize, i32)> = pids
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(l, p)| (*l, *p))
+        .collect();
+    for (label, pid) in now {
+        if let Some(kib) = rss_kib(pid) {
+            let mut max = max.lock().unwrap_or_else(|p| p.into_inner());
+            let at = max.entry(label).or_insert(0);
+            *at = (*at).max(kib);
+        }
     }
 }
 
@@ -1654,6 +1661,44 @@ mod tests {
             ["step-00000010/g00000001-job-e1"]
         );
         assert_eq!(watch.observed.poisoned.len(), 1);
+    }
+
+    #[test]
+    fn snapshot_resumes_and_host_memory_peaks_are_parsed() {
+        let mut watch = Watch::new();
+        for text in [
+            "[rank 0] step 15 loss 0.5",
+            "[rank 0] snapshot step 14 not resumed from: no survivor holds the file of rank(s) 2 of its 4 ranks; resuming from the store",
+            "[rank 0] resumed from snapshot step 14 in memory (snapshot step-00000014/g00000001-snap-job-e1; saved by 4 ranks, resharded onto 3; rows rebuilt from memory on 3 of 3 ranks (0.0 MB own, 0.0 MB from peers); load: 0 bytes from the store)",
+            r#"[rank 3] final host_bytes_held {"budget":4194304,"total":56264,"peak":65964,"staging":12288,"copies":12288,"replicas":9700,"snapshots":12288,"snapshot_replicas":9700} (rank 2)"#,
+            "[rank 1] final host_bytes_held {not json} (rank 1)",
+        ] {
+            watch.take(&Line {
+                node: 0,
+                text: text.into(),
+            });
+        }
+        assert_eq!(watch.observed.resumed_from, [14]);
+        assert_eq!(watch.observed.snapshot_resumes, [(15, 14)]);
+        // Not a store commit: the health check has nothing to look up.
+        assert!(watch.observed.resumed_dirs.is_empty());
+        assert_eq!(
+            watch.observed.host_peaks,
+            [HostPeak {
+                label: 3,
+                peak: 65964,
+                budget: Some(4194304)
+            }]
+        );
+    }
+
+    #[test]
+    fn the_rss_sampler_reads_this_process() {
+        let sampler = RssSampler::start();
+        sampler.watch(7, std::process::id() as i32);
+        // `finish` samples a last round: no wait for the timer's.
+        let max = sampler.finish();
+        assert!(max.get(&7).is_some_and(|kib| *kib > 0), "{max:?}");
     }
 
     #[test]
