@@ -42,9 +42,13 @@ def test_snapshots_within_the_budget_let_the_older_ones_go(root):
         for step in range(1, 9):
             state["w"].fill_(step)
             try:
-                snapshot = checkpointer.snapshot(step, state, overlapped=False).wait_ready()
+                handle = checkpointer.snapshot(step, state, overlapped=False)
             except _native.OverBudgetError:
                 continue
+            assert handle.step == step and handle.stall >= 0
+            assert handle.host_bytes_held()["budget"] == budget
+            snapshot = handle.wait_ready()
+            assert snapshot.nbytes >= MIB
             kept += copies.keep_snapshot(snapshot)
             if step == 2:
                 # The committed one is kept until a newer one commits.
