@@ -875,3 +875,72 @@ fn replicas_resume_cooperatively_reading_each_byte_from_the_store_once() {
     assert_eq!(resumed_from(&out), 10, "{out}");
     assert_identical(reference.path(), run.path());
 }
+
+/// `final host_bytes_held {JSON} (rank R)` lines: each rank's report, parsed.
+fn final_holdings(output: &str) -> Vec<ckpt::HostBytesHeld> {
+    output
+        .lines()
+        .filter_map(|l| l.split("final host_bytes_held ").nth(1))
+        .map(|rest| {
+            let json = rest.rsplit_once(" (rank ").map_or(rest, |(j, _)| j);
+            serde_json::from_str(json).unwrap_or_else(|e| panic!("{json}: {e}"))
+        })
+        .collect()
+}
+
+#[test]
+fn a_fixed_world_commits_its_snapshots_in_memory_inside_the_budget_with_the_same_weights() {
+    let (reference, dir) = (tempdir(), tempdir());
+    train(2, reference.path(), 20, &[]);
+    let budget = 4u64 << 20;
+    let output = train(
+        3,
+        dir.path(),
+        20,
+        &[
+            "--snapshot-every",
+            "2",
+            "--host-memory-budget",
+            &budget.to_string(),
+        ],
+    );
+    // Every snapshot before the last step, a step that saves to the store included,
+    // is committed; with no control plane, in the ranks' memory only.
+    for step in [2, 10, 18] {
+        let line = output
+            .lines()
+            .find(|l| l.contains(&format!("[rank 0] snapshot step {step} committed (")))
+            .unwrap_or_else(|| panic!("snapshot {step} not committed:\n{output}"));
+        assert!(
+            line.contains("held in memory only (no control plane)"),
+            "{line}"
+        );
+    }
+    assert!(
+        !output.contains("snapshot step 20"),
+        "none at the last step:\n{output}"
+    );
+    let held = final_holdings(&output);
+    assert_eq!(held.len(), 3, "every rank reports:\n{output}");
+    for h in &held {
+        assert_eq!(h.budget, Some(budget));
+        assert!(h.peak <= budget && h.snapshots > 0, "{h:?}");
+        // A fixed world keeps no copies of store saves (no one would recover from
+        // them); it holds its snapshot and a replica of its predecessor's.
+        assert_eq!(h.copies, 0, "{h:?}");
+        assert!(h.snapshot_replicas > 0, "{h:?}");
+    }
+    assert!(
+        line_with_saving(&output).contains("host_bytes_held {\"budget\":4194304"),
+        "{output}"
+    );
+    assert_identical(reference.path(), dir.path());
+}
+
+/// Rank 0's first `saving step` line.
+fn line_with_saving(output: &str) -> &str {
+    output
+        .lines()
+        .find(|l| l.contains("[rank 0] saving step "))
+        .unwrap_or_else(|| panic!("no save line:\n{output}"))
+}
