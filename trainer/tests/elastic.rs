@@ -949,7 +949,7 @@ fn an_in_memory_copy_that_rotted_is_caught_by_the_saves_checksums_and_the_store_
 /// whose three checks always hold: the survivors finish, with the reference's
 /// weights, and rank 0 said whether the snapshot of step 14 committed
 /// (`snapshot_14`, "committed" or "not committed").
-fn snapshot_kill(extra: &[&str], also_killed: &[usize], snapshot_14: &str) -> String {
+fn snapshot_kill(extra: &[&str], also_killed: &[usize], snapshot_14: &str, plane: Plane) -> String {
     let (reference_dir, dir) = (tempdir(), tempdir());
     reference(reference_dir.path(), 30);
     let mut args: Vec<String> = [
@@ -970,7 +970,8 @@ fn snapshot_kill(extra: &[&str], also_killed: &[usize], snapshot_14: &str) -> St
     .map(|s| s.to_string())
     .collect();
     args.extend(extra.iter().map(|s| s.to_string()));
-    let mut launch = Launch::start(&["--nproc", "4", "--min-ranks", "2"], &as_strs(&args));
+    let launch_args = plane.args(&["--nproc", "4", "--min-ranks", "2"], "snapshot");
+    let mut launch = Launch::start(&as_strs(&launch_args), &as_strs(&args));
     let verdict = format!("[rank 0] snapshot step 14 {snapshot_14}");
     launch.expect("where rank 2 holds", |l| l.contains("fault: rank 2 holds"));
     if !launch.seen.contains(&verdict) {
@@ -990,7 +991,13 @@ fn snapshot_kill(extra: &[&str], also_killed: &[usize], snapshot_14: &str) -> St
 #[test]
 fn a_rank_killed_between_store_saves_resumes_from_the_snapshot_one_interval_back() {
     let _serial = one_at_a_time();
-    let output = snapshot_kill(&[], &[], "committed");
+    snapshot_resume_from_14(Plane::Coordinator);
+}
+
+/// [`snapshot_kill`] of rank 2 alone: the survivors resume from the snapshot of
+/// step 14.
+fn snapshot_resume_from_14(plane: Plane) {
+    let output = snapshot_kill(&[], &[], "committed", plane);
     // Killed at step 15: the snapshot of step 14, not the store's commit of step 10.
     let resumed = line_with(&output, "] resumed from");
     assert!(
@@ -1011,7 +1018,7 @@ fn a_rank_killed_between_store_saves_resumes_from_the_snapshot_one_interval_back
 fn two_ring_neighbours_killed_leave_a_snapshot_file_uncovered_and_the_store_commit_is_used() {
     let _serial = one_at_a_time();
     // Rank 2's snapshot lived on rank 2 and its successor, rank 3.
-    let output = snapshot_kill(&[], &[3], "committed");
+    let output = snapshot_kill(&[], &[3], "committed", Plane::Coordinator);
     assert!(
         line_with(&output, "snapshot step 14 not resumed from")
             .contains("no survivor holds the file of rank(s) 2 of its 4 ranks"),
@@ -1027,7 +1034,12 @@ fn two_ring_neighbours_killed_leave_a_snapshot_file_uncovered_and_the_store_comm
 #[test]
 fn a_snapshot_one_rank_did_not_finish_is_not_committed_and_the_previous_one_is_used() {
     let _serial = one_at_a_time();
-    let output = snapshot_kill(&["--fault-snapshot-vote", "14:1"], &[], "not committed");
+    let output = snapshot_kill(
+        &["--fault-snapshot-vote", "14:1"],
+        &[],
+        "not committed",
+        Plane::Coordinator,
+    );
     assert!(
         output.contains("fault: rank 1 votes against the snapshot of step 14")
             && line_with(&output, "snapshot step 14 not committed").contains("rank(s) 1 did"),
@@ -1038,6 +1050,35 @@ fn a_snapshot_one_rank_did_not_finish_is_not_committed_and_the_previous_one_is_u
         resumed.contains("resumed from snapshot step 12 in memory"),
         "{resumed}\n{output}"
     );
+}
+
+#[test]
+fn a_rollback_resumes_from_the_store_not_from_a_newer_snapshot() {
+    let _serial = one_at_a_time();
+    let (reference_dir, dir) = (tempdir(), tempdir());
+    reference(reference_dir.path(), 30);
+    let mut args = train_args(dir.path(), 30);
+    // Saves every 5 steps: snapshot 12 is committed at step 13's boundary, newer than
+    // the store's commit of step 10, when the NaN written after step 13 rolls the
+    // world back.
+    args.extend(
+        ["--snapshot-every", "2", "--fault-nan", "13:1"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    let launch = Launch::start(&["--nproc", "3", "--min-ranks", "2"], &as_strs(&args));
+    let (status, output) = launch.finish();
+    assert!(status.success(), "{output}");
+    assert!(
+        output.contains("[rank 0] snapshot step 12 committed"),
+        "{output}"
+    );
+    assert!(
+        line_with(&output, "rolled back from step 13").contains("to step 10"),
+        "{output}"
+    );
+    assert!(!output.contains("resumed from snapshot"), "{output}");
+    assert_identical(reference_dir.path(), dir.path());
 }
 
 /// The recovery scenarios above, on etcd instead of a coordinator: same faults, same
@@ -1054,6 +1095,15 @@ mod on_etcd {
         }
         let _serial = one_at_a_time();
         kill_one_of_four("12:2:before-save", false, Plane::Etcd);
+    }
+
+    #[test]
+    fn a_rank_killed_between_store_saves_resumes_from_the_snapshot_on_etcd() {
+        if !has(Capability::Etcd) {
+            return;
+        }
+        let _serial = one_at_a_time();
+        snapshot_resume_from_14(Plane::Etcd);
     }
 
     #[test]
