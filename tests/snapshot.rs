@@ -364,7 +364,6 @@ async fn snapshots_stay_inside_the_host_memory_budget() {
         .unwrap();
     let err = tiny.checkpointers[0].snapshot(1, &state).await.unwrap_err();
     assert!(matches!(err, ckpt::Error::OverBudget(_)), "{err}");
-    let _ = HostBudget::new(None);
 }
 
 #[test]
@@ -393,4 +392,49 @@ fn hostile_records_and_votes_are_refused() {
     assert!(Vote::decode(&bytes).ready);
     bytes[12] = 2;
     assert!(!Vote::decode(&bytes).ready);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_shared_across_checkpointers_lets_the_holders_copies_go_for_a_new_generation() {
+    // An elastic rank: one copies holder for the process, a checkpointer per
+    // generation, one budget for all of them.
+    let budget = HostBudget::new(Some(400 << 10));
+    let store = Store::from_url("memory://snapshots-shared-budget").unwrap();
+    let holder = Copies::new(CopyConfig {
+        budget: Some(budget.clone()),
+        ..CopyConfig::default()
+    });
+    let (region, bytes) = shard(1, 0, 1);
+    let mut state = State::new();
+    state
+        .add("w", DType::F32, &[ROWS, COLS], region, &bytes)
+        .unwrap();
+    for generation in 1..=3u64 {
+        let mut config = CheckpointConfig::new(0, 1);
+        config.generation = generation;
+        config.block_size = 4096;
+        let checkpointer =
+            Checkpointer::with_budget(store.clone(), config, budget.clone()).unwrap();
+        // Each generation's snapshot pushes the previous generation's (older,
+        // uncommitted) one out of the shared budget: ~256 KiB each would not fit twice.
+        let snap = checkpointer
+            .snapshot(generation * 10, &state)
+            .await
+            .unwrap()
+            .ready()
+            .await
+            .unwrap();
+        assert!(holder.keep_snapshot(&snap));
+        let held = budget.held();
+        assert!(held.peak <= 400 << 10, "{held}");
+        assert!(
+            held.snapshots > 0 && held.snapshots <= snap.copy().len() * 2,
+            "{held}"
+        );
+    }
+    // A config's own bound replaces the shared one's.
+    let mut config = CheckpointConfig::new(0, 1);
+    config.host_memory_budget = Some(1 << 20);
+    let _ = Checkpointer::with_budget(store, config, budget.clone()).unwrap();
+    assert_eq!(budget.limit(), Some(1 << 20));
 }

@@ -16,11 +16,30 @@ use crate::error::{Error, Result};
 use crate::staging::{Pool, StagingBuffer};
 
 impl Checkpointer {
-    /// A checkpointer for one rank, writing under `store`'s root.
+    /// A checkpointer for one rank, writing under `store`'s root, with a host
+    /// memory budget of its own ([`CheckpointConfig::host_memory_budget`]).
     pub fn new(store: Store, config: CheckpointConfig) -> Result<Self> {
-        config.validate()?;
-        let slots = Arc::new(Semaphore::new(config.max_in_flight));
         let budget = HostBudget::new(config.host_memory_budget);
+        Self::with_budget(store, config, budget)
+    }
+
+    /// A checkpointer that counts its staging in `budget`, a budget shared with
+    /// the rank's other holders: a copies holder that outlives this checkpointer
+    /// (an elastic rank makes a checkpointer per generation and keeps its copies
+    /// across them), or the checkpointer of an earlier generation. With
+    /// [`CheckpointConfig::host_memory_budget`] set, the shared budget's bound
+    /// becomes that value ([`HostBudget::set_limit`]); with `None` it is left as it
+    /// is.
+    pub fn with_budget(
+        store: Store,
+        config: CheckpointConfig,
+        budget: Arc<HostBudget>,
+    ) -> Result<Self> {
+        config.validate()?;
+        if let Some(limit) = config.host_memory_budget {
+            budget.set_limit(Some(limit));
+        }
+        let slots = Arc::new(Semaphore::new(config.max_in_flight));
         let pool: Arc<Pool> = Arc::new(Mutex::new(Vec::new()));
         let trimmer: Arc<dyn Dropper> = Arc::new(PoolTrimmer(Arc::downgrade(&pool)));
         budget.register(Arc::downgrade(&trimmer));

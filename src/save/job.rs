@@ -76,6 +76,9 @@ pub(super) async fn run_job(
         shadow.crcs = Some(crcs);
     }
     if let Some(snapshot) = job.snapshot.take() {
+        // The pool is the checkpointer's to keep alive: a snapshot let go after its
+        // checkpointer is gone frees its buffer rather than pooling it.
+        drop(pool);
         super::snapshot::finish(job, snapshot, permit, status).await;
         return;
     }
@@ -151,7 +154,7 @@ async fn abandon(job: &mut Job, error: Error, status: &watch::Sender<Status>) {
     if let Some(snapshot) = job.snapshot.take() {
         let error = Arc::new(error);
         let _ = status.send(Status::Failed(error.clone()));
-        snapshot.send_replace(Some(Err(error)));
+        snapshot.send(Err(error));
         return;
     }
     give_up(&job.store, &job.config, &job.attempt, error, status).await;

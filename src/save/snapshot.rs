@@ -19,7 +19,7 @@
 //! same [host memory budget](crate::budget); the buffer is lent to the snapshot and
 //! comes back to the pool when the last holder lets it go.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, watch};
@@ -34,8 +34,27 @@ use crate::copies::{CopyKey, RankCopy, Snapshot};
 use crate::error::{Error, Result};
 use crate::format::Codec;
 
-/// Where a snapshot's background task hands the snapshot over.
-pub(super) type SnapshotSender = watch::Sender<Option<std::result::Result<Snapshot, Arc<Error>>>>;
+/// A snapshot's outcome, once known.
+type Outcome = std::result::Result<Snapshot, Arc<Error>>;
+
+/// Where a snapshot's background task hands the snapshot over: a slot the handle
+/// takes the snapshot out of, and a signal that it is there. The task keeps no
+/// reference to the snapshot once the handle has taken it, so its buffer's memory
+/// is held only by what the caller keeps (a channel that carried the snapshot
+/// itself would hold it until the task's end of the channel is dropped, a moment
+/// after the waiter wakes, and a budget asked meanwhile would find it still held).
+pub(super) struct SnapshotSender {
+    slot: Arc<Mutex<Option<Outcome>>>,
+    done: watch::Sender<bool>,
+}
+
+impl SnapshotSender {
+    /// Hands the outcome over.
+    pub(super) fn send(self, outcome: Outcome) {
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+        self.done.send_replace(true);
+    }
+}
 
 /// The run id of a run's snapshots: `snap-` and the run's id, shortened to fit.
 pub(super) fn run_id_of_snapshots(run: &str) -> String {
@@ -48,7 +67,10 @@ pub(super) fn run_id_of_snapshots(run: &str) -> String {
 #[derive(Debug)]
 pub struct SnapshotHandle {
     save: SaveHandle,
-    ready: watch::Receiver<Option<std::result::Result<Snapshot, Arc<Error>>>>,
+    slot: Arc<Mutex<Option<Outcome>>>,
+    done: watch::Receiver<bool>,
+    /// The outcome, once taken out of the slot.
+    outcome: OnceLock<Outcome>,
 }
 
 impl SnapshotHandle {
@@ -77,6 +99,20 @@ impl SnapshotHandle {
         self.save.wait_staged()
     }
 
+    /// The event after the device-to-host copies of the snapshot's device tensors
+    /// (as [`SaveHandle::device_released`]).
+    #[cfg(feature = "cuda")]
+    pub fn device_released(&self) -> Option<&cudarc::driver::CudaEvent> {
+        self.save.device_released()
+    }
+
+    /// Blocks until [`SnapshotHandle::device_released`] has completed (as
+    /// [`SaveHandle::wait_device_released`]).
+    #[cfg(feature = "cuda")]
+    pub fn wait_device_released(&self) -> Result<()> {
+        self.save.wait_device_released()
+    }
+
     /// Host memory held by the rank's checkpointing now, by kind.
     pub fn host_bytes_held(&self) -> HostBytesHeld {
         self.save.host_bytes_held()
@@ -85,21 +121,28 @@ impl SnapshotHandle {
     /// Waits for the snapshot: staged and checksummed. Errors: the staging error
     /// ([`Error::Mutated`] and the like).
     pub async fn ready(&self) -> Result<Snapshot> {
-        let mut ready = self.ready.clone();
-        loop {
-            if let Some(done) = ready.borrow_and_update().clone() {
-                return done.map_err(|e| e.duplicate());
-            }
-            if ready.changed().await.is_err() {
-                if let Some(done) = ready.borrow().clone() {
-                    return done.map_err(|e| e.duplicate());
+        if self.outcome.get().is_none() {
+            let mut done = self.done.clone();
+            // Until handed over, or the task ended without a word.
+            while !*done.borrow_and_update() && done.changed().await.is_ok() {}
+            let taken = self.slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+            match taken {
+                Some(outcome) => {
+                    let _ = self.outcome.set(outcome);
                 }
-                self.save.staged().await?;
-                return Err(Error::Failed(format!(
-                    "snapshot of step {} ended without a result",
-                    self.step()
-                )));
+                None if self.outcome.get().is_none() => {
+                    self.save.staged().await?;
+                    return Err(Error::Failed(format!(
+                        "snapshot of step {} ended without a result",
+                        self.step()
+                    )));
+                }
+                None => {}
             }
+        }
+        match self.outcome.get().expect("taken above") {
+            Ok(snapshot) => Ok(snapshot.clone()),
+            Err(e) => Err(e.duplicate()),
         }
     }
 
@@ -139,12 +182,22 @@ impl Checkpointer {
         state: &crate::State<'_>,
         overlapped: bool,
     ) -> Result<SnapshotHandle> {
-        let (tx, ready) = watch::channel(None);
+        let slot = Arc::new(Mutex::new(None));
+        let (done_tx, done) = watch::channel(false);
+        let sender = SnapshotSender {
+            slot: slot.clone(),
+            done: done_tx,
+        };
         let save = self
-            .start(step, state, overlapped, true, Some(tx))
+            .start(step, state, overlapped, true, Some(sender))
             .await?
             .expect("a snapshot that may wait always starts");
-        Ok(SnapshotHandle { save, ready })
+        Ok(SnapshotHandle {
+            save,
+            slot,
+            done,
+            outcome: OnceLock::new(),
+        })
     }
 }
 
@@ -188,5 +241,5 @@ pub(super) async fn finish(
         Ok(_) => Status::Durable,
         Err(e) => Status::Failed(e.clone()),
     });
-    snapshot.send_replace(Some(result));
+    snapshot.send(result);
 }
