@@ -15,6 +15,7 @@ from the fault to the first completed step of the restarted job.
     cargo build --release -p ckpt-trainer
     python3 trainer/scripts/recovery_bench.py [--reps 5] [--preset small] [--json out.json]
     python3 trainer/scripts/recovery_bench.py --goodput [--minutes 10 --kill-every 120]
+        [--ckpt-every 100 --snapshot-every 5]
     cargo build --release -p ckpt-trainer --features etcd
     python3 trainer/scripts/recovery_bench.py --etcd etcd://H:P,H:P,H:P/bench [--reps 5]
 
@@ -204,15 +205,25 @@ def last_step(job):
     return step
 
 
-def goodput(scratch, preset, minutes, every, free_secs):
+RESUMED = re.compile(r"resumed from (snapshot )?step (\d+)")
+
+
+def goodput(scratch, preset, minutes, every, free_secs, ckpt_every=10, snapshot_every=0,
+            budget=None):
     """Useful steps per second of an elastic 4-rank job that loses a rank every
     `every` seconds (relaunched: --max-restarts), relative to a failure-free run of the
-    same job measured for `free_secs` in the same session."""
+    same job measured for `free_secs` in the same session; and the steps each kill
+    lost: the newest step logged before the kill minus the step the next resume
+    started from (a snapshot's or the store's)."""
     import random
 
     rng = random.Random(1)
     args = ["--preset", preset, "--steps", "100000000", "--log-every", "1", "--keep", "2",
-            "--ckpt-every", "10"]
+            "--ckpt-every", str(ckpt_every)]
+    if snapshot_every:
+        args += ["--snapshot-every", str(snapshot_every)]
+    if budget:
+        args += ["--host-memory-budget", str(budget)]
     shutil.rmtree(scratch, ignore_errors=True)
     free = Job(["--nproc", "4", "--min-ranks", "2", "--"] + args + ["--ckpt", f"file://{scratch}"])
     free.expect(r"\] step 1 loss")
@@ -228,6 +239,8 @@ def goodput(scratch, preset, minutes, every, free_secs):
     t0 = time.time()
     s0 = last_step(job)
     kills = 0
+    # (index in job.seen when the rank was killed, the newest step logged then)
+    killed_at = []
     deadline = t0 + minutes * 60
     next_kill = t0 + every
     while time.time() < deadline:
@@ -235,6 +248,7 @@ def goodput(scratch, preset, minutes, every, free_secs):
         last_step(job)
         if time.time() >= next_kill and time.time() < deadline:
             label = rng.randrange(4)
+            killed_at.append((len(job.seen), last_step(job)))
             os.kill(job.pid(label), signal.SIGKILL)
             kills += 1
             print(f"goodput: killed rank {label} at {time.time() - t0:.0f} s", file=sys.stderr)
@@ -243,14 +257,28 @@ def goodput(scratch, preset, minutes, every, free_secs):
     wall = time.time() - t0
     job.kill()
     recoveries = sum(1 for l in job.seen if "launch: recovery: generation" in l)
+    lost, tiers = [], []
+    for at, step in killed_at:
+        resumed = next((RESUMED.search(l) for l in job.seen[at:] if RESUMED.search(l)), None)
+        if resumed:
+            lost.append(step - int(resumed.group(2)))
+            tiers.append("snapshot" if resumed.group(1) else "store")
+    peaks = [int(m.group(1)) for m in (re.search(r"host_bytes_held .*peak (\d+)", l) for l in job.seen) if m]
     return {
         "minutes": minutes,
         "kill_every_s": every,
+        "ckpt_every": ckpt_every,
+        "snapshot_every": snapshot_every,
         "kills": kills,
         "recoveries": recoveries,
+        "lost_steps": lost,
+        "resumed_from": tiers,
+        "lost_steps_mean": statistics.mean(lost) if lost else None,
+        "lost_steps_max": max(lost) if lost else None,
         "failure_free_steps_per_s": rate_free,
         "steps_per_s": steps / wall,
         "goodput": (steps / wall) / rate_free,
+        "host_peak_bytes_logged": max(peaks) if peaks else None,
     }
 
 
@@ -325,6 +353,10 @@ def main():
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--kill-every", type=float, default=120)
     ap.add_argument("--free-secs", type=float, default=120)
+    ap.add_argument("--ckpt-every", type=int, default=10, help="with --goodput: store saves every N steps")
+    ap.add_argument("--snapshot-every", type=int, default=0,
+                    help="with --goodput: snapshots every N steps (0: store only)")
+    ap.add_argument("--host-memory-budget", type=int, help="with --goodput: bytes per rank")
     ap.add_argument("--restart-stop", action="store_true",
                     help="instead: the full-restart baseline for a stopped (hung) rank")
     ap.add_argument("--etcd", metavar="URL",
@@ -350,7 +382,8 @@ def main():
         compare_backends(a)
         return
     if a.goodput:
-        print(json.dumps(goodput(a.scratch, a.preset, a.minutes, a.kill_every, a.free_secs), indent=1))
+        print(json.dumps(goodput(a.scratch, a.preset, a.minutes, a.kill_every, a.free_secs,
+                                 a.ckpt_every, a.snapshot_every, a.host_memory_budget), indent=1))
         return
     runs = {"kill": [], "stop": [], "restart": []}
     for rep in range(a.reps):

@@ -32,8 +32,7 @@ use ckpt_elastic::{Agent, Assignment, Cancel, Directive, ElasticError, Report};
 
 use crate::collective::{Collective, TcpCollective, TcpConfig};
 use crate::train::{
-    Checkpointing, Outcome, Stats, Supervisor, TrainConfig, TrainError, holder_budget,
-    run_supervised,
+    Checkpointing, Outcome, Stats, Supervisor, TrainConfig, TrainError, run_supervised,
 };
 
 /// How long a rank that failed waits for the control plane to handle its report
@@ -226,13 +225,11 @@ pub fn run(
     let mut checkpointing = Checkpointing::default();
     if (config.memory_copies || config.snapshot_every > 0) && store.is_some() {
         // The job's secret guards the copy servers as it does the ring. The holder
-        // outlives every generation's checkpointer, so it has a share of the
-        // budget of its own (`holder_budget`).
+        // outlives every generation's checkpointer: it owns the rank's budget, and
+        // each checkpointer counts in it (`Checkpointer::with_budget`).
         let copy_config = CopyConfig {
             secret: tcp.secret.clone(),
-            budget: Some(ckpt::HostBudget::new(holder_budget(
-                config.host_memory_budget,
-            ))),
+            budget: Some(ckpt::HostBudget::new(config.host_memory_budget)),
             ..CopyConfig::default()
         };
         match Copies::serve(ip, copy_config) {

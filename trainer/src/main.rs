@@ -363,9 +363,7 @@ fn fixed_world_copies(world: &World, config: &TrainConfig) -> Option<Arc<Copies>
         .map_or(world.rendezvous.ip(), |a| a.ip());
     let copy_config = CopyConfig {
         secret: ckpt_auth::JobSecret::from_env().ok().flatten(),
-        budget: Some(HostBudget::new(train::holder_budget(
-            config.host_memory_budget,
-        ))),
+        budget: Some(HostBudget::new(config.host_memory_budget)),
         ..CopyConfig::default()
     };
     match Copies::serve(ip, copy_config) {

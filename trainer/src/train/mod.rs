@@ -295,24 +295,6 @@ impl Stats {
     }
 }
 
-/// The share of [`TrainConfig::host_memory_budget`] that a rank's copy holder
-/// ([`Checkpointing::copies`]) gets for the replicas it pulls: a third; its
-/// checkpointer gets the rest, for staging, its own copies and its own snapshots.
-///
-/// The holder outlives every generation while each generation builds its own
-/// checkpointer, and a checkpointer cannot adopt a budget made before it: the two
-/// cannot share one, so the bound is split, and what the rank holds never exceeds
-/// the whole (its reports sum the two).
-pub fn holder_budget(budget: Option<u64>) -> Option<u64> {
-    budget.map(|b| b / 3)
-}
-
-/// The share of [`TrainConfig::host_memory_budget`] that each generation's
-/// checkpointer gets (see [`holder_budget`]).
-pub fn checkpointer_budget(budget: Option<u64>) -> Option<u64> {
-    budget.map(|b| b - b / 3)
-}
-
 /// Runs one generation on `comm`'s world. See the module docs.
 ///
 /// `stop` is polled once per step (a signal handler sets it); the ranks agree on the

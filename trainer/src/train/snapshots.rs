@@ -313,9 +313,10 @@ impl<'a> Snapshots<'a> {
     }
 }
 
-/// What the rank holds now, with its checkpointer's counts and the copy holder's
-/// (whose replicas its own share of the budget counts): each kind and the two shares
-/// summed, the peak an upper bound (the sum of the two peaks).
+/// What the rank holds now: the budget its checkpointer and copy holder share (the
+/// holder's alone before the generation's checkpointer exists); a holder and a
+/// checkpointer with budgets of their own (a caller that did not share one) are
+/// summed, the peak then an upper bound.
 pub(super) fn host_bytes_held(
     checkpointer: Option<&Checkpointer>,
     copies: Option<&Copies>,
@@ -328,7 +329,7 @@ pub(super) fn host_bytes_held(
         .filter(|b| checkpointer.is_none_or(|c| !Arc::ptr_eq(b, c.host_budget())))
         .map(|b| b.held())
     {
-        // The two shares of one budget (`super::holder_budget`): the whole.
+        // Two budgets (not shared): the whole.
         held.budget = match (held.budget, other.budget) {
             (Some(a), Some(b)) => Some(a + b),
             (a, b) => a.or(b),

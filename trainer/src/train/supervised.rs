@@ -163,7 +163,20 @@ fn run_round(
     supervisor.checkpoint_generation(generation);
     supervisor.progress(st.step);
     let checkpointer = store
-        .map(|store| checkpointer(ctx, store, generation, copies.is_some(), &layout.specs, &st))
+        .map(|store| {
+            // One budget for the rank: the copy holder's, which outlives this
+            // generation's checkpointer.
+            let budget = holder.and_then(|(copies, _)| copies.config().budget.clone());
+            checkpointer(
+                ctx,
+                store,
+                generation,
+                copies.is_some(),
+                budget,
+                &layout.specs,
+                &st,
+            )
+        })
         .transpose()?;
     let held = snapshots::host_bytes_held(
         checkpointer.as_ref(),
@@ -378,6 +391,7 @@ fn checkpointer(
     store: &Store,
     generation: u64,
     keep_copies: bool,
+    budget: Option<Arc<ckpt::HostBudget>>,
     specs: &[TensorSpec],
     st: &Shards,
 ) -> Result<Checkpointer, TrainError> {
@@ -392,8 +406,14 @@ fn checkpointer(
     c.check_staging = config.check_staging;
     c.keep_copy = keep_copies;
     c.replica_mismatch = config.replica_mismatch;
-    c.host_memory_budget = super::checkpointer_budget(config.host_memory_budget);
-    let checkpointer = Checkpointer::new(store.clone(), c)?;
+    let checkpointer = match budget {
+        // The holder's budget already has the rank's bound.
+        Some(budget) => Checkpointer::with_budget(store.clone(), c, budget)?,
+        None => {
+            c.host_memory_budget = config.host_memory_budget;
+            Checkpointer::new(store.clone(), c)?
+        }
+    };
     checkpointer.warm_up(&state_of(config, specs, st, ctx.place)?)?;
     Ok(checkpointer)
 }
