@@ -85,6 +85,7 @@ class Checkpointer:
         world_size: int,
         settings: dict[str, Any] | None = None,
         store_options: StoreOptions | None = None,
+        budget_of: Copies | None = None,
     ) -> None: ...
     @property
     def url(self) -> str: ...

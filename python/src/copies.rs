@@ -28,6 +28,13 @@ pub struct Copies {
     pub(crate) inner: Arc<ckpt::copies::Copies>,
 }
 
+impl Copies {
+    /// The holder's host-memory budget, for a checkpointer that counts in it.
+    pub(crate) fn budget(&self) -> Option<Arc<HostBudget>> {
+        self.inner.config().budget.clone()
+    }
+}
+
 /// The table of holdings, one record per rank, as `Copies.holding()` encodes them.
 pub(crate) fn decode_table(records: &[Vec<u8>]) -> PyResult<Vec<Holding>> {
     records

@@ -677,7 +677,7 @@ pub(crate) struct Checkpointer {
 #[pymethods]
 impl Checkpointer {
     #[new]
-    #[pyo3(signature = (url, rank, world_size, settings=None, store_options=None))]
+    #[pyo3(signature = (url, rank, world_size, settings=None, store_options=None, budget_of=None))]
     fn new(
         py: Python<'_>,
         url: &str,
@@ -685,11 +685,18 @@ impl Checkpointer {
         world_size: usize,
         settings: Option<&Bound<'_, PyDict>>,
         store_options: Option<&Bound<'_, PyDict>>,
+        budget_of: Option<&copies::Copies>,
     ) -> PyResult<Self> {
         let store = open_store(url, store_options)?;
         let config = config(rank, world_size, settings)?;
         let _entered = runtime().enter();
-        let inner = ckpt::Checkpointer::new(store, config).map_err(|e| to_py(py, e))?;
+        // `budget_of`: an in-memory copies holder that outlives this checkpointer
+        // (an elastic rank's), whose host-memory budget the checkpointer counts in.
+        let inner = match budget_of.and_then(|c| c.budget()) {
+            Some(budget) => ckpt::Checkpointer::with_budget(store, config, budget),
+            None => ckpt::Checkpointer::new(store, config),
+        }
+        .map_err(|e| to_py(py, e))?;
         Ok(Self {
             inner: Arc::new(inner),
             url: url.to_string(),

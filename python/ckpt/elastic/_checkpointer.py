@@ -51,7 +51,14 @@ class FencedCheckpointer(_api.Checkpointer):
             k: v
             for k, v in kwargs.items()
             if k
-            not in ("rank", "world_size", "store_options", "health_check", "compare_plain_tensors")
+            not in (
+                "rank",
+                "world_size",
+                "store_options",
+                "health_check",
+                "compare_plain_tensors",
+                "_budget_of",
+            )
         }
         self._run_id: str | None = kwargs.get("run_id") or os.environ.get("CKPT_RUN_ID")
 
@@ -67,7 +74,7 @@ class FencedCheckpointer(_api.Checkpointer):
             run_id = _api._shared_run_id(self.world_size) or secrets.token_hex(8)
         config = dict(self._config, run_id=run_id)
         self._native = _native.Checkpointer(
-            self.url, self.rank, self.world_size, config, self.store_options
+            self.url, self.rank, self.world_size, config, self.store_options, self._ctx._copies
         )
 
     def save(self, step: int, state_dict: Mapping[str, Any], **kwargs: Any) -> _api.SaveHandle:

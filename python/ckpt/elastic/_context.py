@@ -25,12 +25,6 @@ if TYPE_CHECKING:
     from ckpt.torch import _api
 
 
-def _holder_share(budget: int) -> int:
-    """The in-memory copies holder's share of a rank's ``host_memory_budget`` (see
-    ``Context.checkpointer``)."""
-    return budget // 3
-
-
 class WorldChanged(Exception):  # noqa: N818 (it is a control-flow signal, not an error)
     """Raised in the training thread when its generation is over: a member was lost,
     the job regroups, or it shuts down. ``run`` catches it; ``train`` need not."""
@@ -227,20 +221,16 @@ class Context:
 
         ``host_memory_budget`` (bytes) bounds what this rank's checkpointing holds:
         staging buffers, own copies and snapshots, and the replicas its in-memory
-        copies holder pulls. The holder outlives every generation while each
-        generation makes its own checkpointer, which cannot adopt a budget made
-        before it, so the bound is split: a third for the holder's replicas, the
-        rest for the checkpointer (as the reference trainer splits it); what the rank
-        holds never passes the whole. Own snapshots and copies count in the
-        checkpointer's share: it must fit the newest and the committed snapshot, the
-        staging of the next, and the store save's copies (about six times the rank's
-        share of the state), or snapshots are refused."""
+        copies holder pulls, as one budget. The holder outlives every generation and
+        owns it; each generation's checkpointer counts in it, so a new snapshot can
+        push out the holder's older ones. It must fit the committed snapshot and its
+        replica, the staging of the next, and the store save's copies, or snapshots
+        are refused (their rank votes against)."""
         budget = config.get("host_memory_budget")
         if budget is not None:
-            budget = int(budget)
-            config["host_memory_budget"] = budget - _holder_share(budget)
-            if self._copies is not None:
-                self._copies.set_host_memory_budget(_holder_share(budget))
+            config["host_memory_budget"] = int(budget)
+        if self._copies is not None:
+            config["_budget_of"] = self._copies
         if self._run_id is not None:
             config.setdefault("run_id", self._run_id)
         if self._copies is not None:

@@ -228,18 +228,17 @@ def load(ctx: Context, record: str, state_dict: Mapping[str, Any]) -> Any:
 
 
 def held(ctx: Context) -> dict[str, Any]:
-    """Host memory held by this rank's checkpointing: its newest checkpointer's
-    (staging, own copies and snapshots) and its copies holder's (replicas: the
-    holder outlives the generation's checkpointer, so it counts in a share of the
-    budget of its own) together. ``peak`` and ``budget`` add the two (a bound)."""
+    """Host memory held by this rank's checkpointing: the budget its copies holder
+    owns and every generation's checkpointer counts in (staging, own copies and
+    snapshots, replicas), or without a holder its newest checkpointer's."""
     kinds = ("total", "peak", "staging", "copies", "replicas", "snapshots", "snapshot_replicas")
     out: dict[str, Any] = dict.fromkeys(kinds, 0)
     out["budget"] = None
     sources = []
-    if ctx._snapshotter is not None:
-        sources.append(ctx._snapshotter.host_bytes_held())
     if ctx._copies is not None:
         sources.append(ctx._copies.host_bytes_held())
+    elif ctx._snapshotter is not None:
+        sources.append(ctx._snapshotter.host_bytes_held())
     for source in sources:
         for kind in kinds:
             out[kind] += source[kind]

@@ -304,6 +304,7 @@ class Checkpointer:
         health_check: Callable[[dict[str, float]], bool | str | None] | None = None,
         compare_plain_tensors: bool = False,
         host_memory_budget: int | None = None,
+        _budget_of: Any = None,
         **config: Any,
     ):
         if host_memory_budget is not None:
@@ -325,8 +326,10 @@ class Checkpointer:
             run_id = _shared_run_id(self.world_size)
             if run_id is not None:
                 config["run_id"] = run_id
+        # `_budget_of` (ckpt.elastic): the in-memory copies holder whose host-memory
+        # budget this checkpointer's staging and snapshots count in.
         self._native = _native.Checkpointer(
-            self.url, self.rank, self.world_size, config, store_options
+            self.url, self.rank, self.world_size, config, store_options, _budget_of
         )
         self.compare_plain_tensors = compare_plain_tensors
         self._planner = _state.SavePlanner(self.rank, compare_plain_tensors)
