@@ -263,7 +263,7 @@ def goodput(scratch, preset, minutes, every, free_secs, ckpt_every=10, snapshot_
         if resumed:
             lost.append(step - int(resumed.group(2)))
             tiers.append("snapshot" if resumed.group(1) else "store")
-    peaks = [int(m.group(1)) for m in (re.search(r"host_bytes_held .*peak (\d+)", l) for l in job.seen) if m]
+    peaks = [int(m.group(1)) for m in (re.search(r"host_bytes_held .*\"peak\":(\d+)", l) for l in job.seen) if m]
     return {
         "minutes": minutes,
         "kill_every_s": every,
