@@ -42,10 +42,15 @@
 //!   are never used, and a copy whose length is not the committed file's is refused.
 //! - **Two checkpoints held at most**: the newest this rank saved, and the newest it
 //!   knows to be committed (the one a failure would resume from). Older copies and
-//!   replicas are let go as soon as a newer save or commit supersedes them.
+//!   replicas are let go as soon as a newer save or commit supersedes them. The same
+//!   holds for snapshots ([`Copies::keep_snapshot`], [`Copies::commit_snapshot`]):
+//!   the newest taken and the newest committed, each file with its rank part.
 //! - **Bounded memory**: [`CopyConfig::max_bytes`] caps the bytes of copies held; a
 //!   copy or replica that does not fit is not kept (recovery then reads the store for
-//!   it). The copy server streams from the held bytes, allocates nothing per request
+//!   it). With [`CopyConfig::budget`] the holder shares the rank's host-memory budget
+//!   ([`crate::budget`]): a replica is reserved before it is pulled, and the oldest
+//!   copies of earlier steps are let go to make room (never the newest committed
+//!   checkpoint's or snapshot's). The copy server streams from the held bytes, allocates nothing per request
 //!   beyond a 1 KiB request line, serves at most [`CopyConfig::max_connections`]
 //!   peers at once, and answers a bad request with an error line (the connection
 //!   stays usable) or, for an overlong line, an error and a close.
@@ -95,6 +100,11 @@
 //! - `len DIR WORLD RANK` is answered by `ok N`, the copy's length in bytes;
 //! - `raw DIR WORLD RANK START END` by `ok N` (N = END − START) and the copy's bytes
 //!   START..END;
+//! - `part DIR WORLD RANK` (a snapshot's file, [`crate::snapshot`]) by `ok N` and the
+//!   N bytes of the snapshot's rank part;
+//! - `table DIR` by `ok N` and the CRC32s (4 bytes each, little-endian, rank order)
+//!   of every rank's part of the committed snapshot in `DIR`, when it is the one this
+//!   rank holds committed;
 //! - anything else, a copy not held, or a range outside the copy, by `no REASON`.
 //!
 //! It lives here, with the data path, rather than beside the control plane's line
