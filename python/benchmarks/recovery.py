@@ -146,9 +146,17 @@ def _worker(root: int, local_rank: int) -> int:
     raise RuntimeError(f"no worker with LOCAL_RANK={local_rank} under {root}")
 
 
-def _script(url: str, steps: int, timeout: float | None = None) -> list[str]:
-    args = [str(EXAMPLE), "--ckpt", url, "--steps", str(steps), "--ckpt-every", "10"]
+def _script(
+    url: str,
+    steps: int,
+    timeout: float | None = None,
+    ckpt_every: int = 10,
+    snapshot_every: int = 0,
+) -> list[str]:
+    args = [str(EXAMPLE), "--ckpt", url, "--steps", str(steps), "--ckpt-every", str(ckpt_every)]
     args += ["--log-every", "1"]
+    if snapshot_every:
+        args += ["--snapshot-every", str(snapshot_every)]
     if timeout is not None:
         args += ["--pg-timeout", str(timeout)]
     return args
@@ -215,7 +223,14 @@ def torchrun_once(fault: int, workdir: Path, timeout: float, cap: float) -> dict
 
 
 def goodput(
-    binary: str, minutes: float, every: float, workdir: Path, seed: int, log: str | None
+    binary: str,
+    minutes: float,
+    every: float,
+    workdir: Path,
+    seed: int,
+    log: str | None,
+    ckpt_every: int = 10,
+    snapshot_every: int = 0,
 ) -> dict:
     url = f"file://{tempfile.mkdtemp(dir=workdir)}"
     job = Job(
@@ -223,7 +238,7 @@ def goodput(
             binary, "launch", "--nproc", str(WORLD), "--min-ranks", "2",
             "--max-restarts", "1000", "--", sys.executable,
         ]
-        + _script(url, 10**7)
+        + _script(url, 10**7, ckpt_every=ckpt_every, snapshot_every=snapshot_every)
     )  # fmt: skip
     rng = random.Random(seed)
     kills = []
@@ -269,9 +284,28 @@ def goodput(
     useful = sum(durations.get(s, median) for s in range(2, last + 1))
     wall = steps[-1][0] - steps[0][0]
     recoveries = re.findall(r"back to training (\d+) ms", job.text())
+    # Steps each kill lost: the newest step logged before it, minus the step the next
+    # generation resumed from (a snapshot's or the store's).
+    lost: list[int] = []
+    tiers: list[str] = []
+    for killed in kills:
+        before = max((step for at, step in steps if at <= killed), default=0)
+        for at, line in job.lines:
+            if at <= killed:
+                continue
+            found = re.search(r"resumed from (snapshot )?step (\d+)", line)
+            if found:
+                lost.append(before - int(found.group(2)))
+                tiers.append("snapshot" if found.group(1) else "store")
+                break
     return {
         "minutes": minutes,
+        "ckpt_every": ckpt_every,
+        "snapshot_every": snapshot_every,
         "kills": len(kills),
+        "lost_steps": lost,
+        "resumed_from": tiers,
+        "lost_steps_mean": statistics.mean(lost) if lost else None,
         "final_step": last,
         "median_step_s": median,
         "wall_s": wall,
@@ -290,6 +324,10 @@ def main() -> None:
     p.add_argument("--skip-default-hang", action="store_true")
     p.add_argument("--goodput-minutes", type=float)
     p.add_argument("--kill-every", type=float, default=120.0)
+    p.add_argument("--ckpt-every", type=int, default=10, help="--goodput-minutes: store saves")
+    p.add_argument(
+        "--snapshot-every", type=int, default=0, help="--goodput-minutes: snapshots (0: none)"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dir", help="scratch directory (default: a temporary one)")
     p.add_argument("--log", help="--goodput-minutes: write the job's output here")
@@ -301,7 +339,14 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     if args.goodput_minutes:
         report = goodput(
-            args.ckpt_bin, args.goodput_minutes, args.kill_every, workdir, args.seed, args.log
+            args.ckpt_bin,
+            args.goodput_minutes,
+            args.kill_every,
+            workdir,
+            args.seed,
+            args.log,
+            args.ckpt_every,
+            args.snapshot_every,
         )
         print(json.dumps(report, indent=1 if not args.json else None))
         return
