@@ -317,12 +317,14 @@ pub(crate) fn abort_from_another_thread_wakes_a_blocked_operation_and_poisons_th
                     comm.abort();
                     Instant::now()
                 });
-                let err = comm
-                    .all_gather(&[0u8; 1 << 20], &mut vec![0u8; 2 << 20])
-                    .unwrap_err();
+                // A broadcast from rank 1: rank 0 only waits to receive, so nothing
+                // of the aborted operation is left in rank 1's socket for its next
+                // call to read (an all-gather's first piece was, and rank 1's barrier
+                // then failed on a mismatch instead of the lost peer).
+                let err = comm.broadcast(1, &mut vec![0u8; 1 << 20]).unwrap_err();
                 (err, Instant::now(), aborter.join().unwrap())
             });
-            assert!(B::aborted(&err, "all_gather"), "{err}");
+            assert!(B::aborted(&err, "broadcast"), "{err}");
             assert!(woke.saturating_duration_since(aborted_at) < Duration::from_secs(2));
             // Poisoned: later calls fail at once.
             let again = comm.barrier().unwrap_err();
