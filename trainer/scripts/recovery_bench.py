@@ -206,6 +206,7 @@ def last_step(job):
 
 
 RESUMED = re.compile(r"resumed from (snapshot )?step (\d+)")
+START = re.compile(r"\] start: .* step (\d+) of ")
 
 
 def goodput(scratch, preset, minutes, every, free_secs, ckpt_every=10, snapshot_every=0,
@@ -259,10 +260,15 @@ def goodput(scratch, preset, minutes, every, free_secs, ckpt_every=10, snapshot_
     recoveries = sum(1 for l in job.seen if "launch: recovery: generation" in l)
     lost, tiers = [], []
     for at, step in killed_at:
-        resumed = next((RESUMED.search(l) for l in job.seen[at:] if RESUMED.search(l)), None)
-        if resumed:
-            lost.append(step - int(resumed.group(2)))
-            tiers.append("snapshot" if resumed.group(1) else "store")
+        # The next generation's first line names the step it starts from, whether
+        # it resumed (from a snapshot or the store) or started over.
+        after = job.seen[at:]
+        start = next((i for i, l in enumerate(after) if START.search(l)), None)
+        if start is None:
+            continue
+        lost.append(step - int(START.search(after[start]).group(1)))
+        resumed = next((RESUMED.search(l) for l in after[:start] if RESUMED.search(l)), None)
+        tiers.append(("snapshot" if resumed.group(1) else "store") if resumed else "scratch")
     peaks = [int(m.group(1)) for m in (re.search(r"host_bytes_held .*\"peak\":(\d+)", l) for l in job.seen) if m]
     return {
         "minutes": minutes,
