@@ -55,14 +55,14 @@ use tracing::{Instrument, info_span, warn};
 
 use super::job::after_write;
 use super::plan::{StagePlan, hash_replicas};
-use super::write::{Scanned, describe_file, encode_threads};
+use super::write::{Scanned, describe_file, encode_threads, replica_crcs};
 use super::{Checkpointer, Job, Role, SaveHandle, ShadowBox, Staging, Status};
 use crate::attempt::{Attempt, data_file_name, nonce};
 use crate::budget::{HeldKind, Reservation};
 use crate::codec::compress_block;
 use crate::direct::ALIGN;
 use crate::error::{Error, Result};
-use crate::format::{Chunk, ChunkNonFinite, Codec, PartHealth, ReplicaCrcs, rank_part_name};
+use crate::format::{Chunk, ChunkNonFinite, Codec, PartHealth, rank_part_name};
 use crate::health::{ScanChunk, join_scans, scan_blocks};
 use crate::staging::{Pooled, Source, StagingBuffer};
 use crate::upload::put_part;
@@ -237,7 +237,8 @@ impl Checkpointer {
         let task = async move {
             let written = match uploaded {
                 Ok(file) => {
-                    let replicas = replica_crcs(&job, written_replicas);
+                    // Host memory only: every shadow box was hashed while staging.
+                    let replicas = replica_crcs(&job, written_replicas, |_| Vec::new());
                     let stored = file.stored_bytes;
                     let part = describe_file(
                         &job,
@@ -685,34 +686,6 @@ unsafe fn scan_sources(
         replicas.extend(found.replicas.into_iter().map(|(_, crcs)| (i, crcs)));
     }
     (nonfinite, replicas)
-}
-
-/// The part's replica CRCs: the written replicated boxes' (`written`, by chunk
-/// index), then those of the replicas this rank holds but another writes.
-fn replica_crcs(job: &Job, written: Vec<(usize, Vec<u32>)>) -> Vec<ReplicaCrcs> {
-    let mut out: Vec<ReplicaCrcs> = written
-        .into_iter()
-        .map(|(i, block_crc32)| {
-            let chunk = &job.chunks[i];
-            ReplicaCrcs {
-                tensor: chunk.tensor.clone(),
-                dtype: chunk.dtype,
-                offsets: chunk.offsets.clone(),
-                lengths: chunk.lengths.clone(),
-                written: true,
-                block_crc32,
-            }
-        })
-        .collect();
-    out.extend(job.shadow.iter().map(|r| ReplicaCrcs {
-        tensor: r.tensor.clone(),
-        dtype: r.dtype,
-        offsets: r.offsets.clone(),
-        lengths: r.lengths.clone(),
-        written: false,
-        block_crc32: r.crcs.clone().unwrap_or_default(),
-    }));
-    out
 }
 
 #[cfg(test)]

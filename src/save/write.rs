@@ -304,8 +304,32 @@ pub(super) async fn encode(
         shadow_crcs.extend(shadow);
     }
     let found = join_scans(scans, &chunks, block);
-    let mut replicas: Vec<ReplicaCrcs> = found
-        .replicas
+    let mut shadow_crcs = shadow_crcs.into_iter();
+    let replicas = replica_crcs(job, found.replicas, |r| {
+        shadow_crcs
+            .by_ref()
+            .take(r.staged.len().div_ceil(block))
+            .collect()
+    });
+    Ok((
+        Scanned {
+            crcs: found.crcs,
+            nonfinite: found.nonfinite,
+            replicas,
+        },
+        matches!(codec, Codec::Zstd { .. }).then_some(frames),
+    ))
+}
+
+/// The part's replica CRCs: the written replicated boxes' (`written`, by chunk
+/// index), then those of the replicas this rank holds but another writes, hashed
+/// while staging or, for those staged after the file, taken from `staged_after`.
+pub(super) fn replica_crcs(
+    job: &Job,
+    written: Vec<(usize, Vec<u32>)>,
+    mut staged_after: impl FnMut(&super::ShadowBox) -> Vec<u32>,
+) -> Vec<ReplicaCrcs> {
+    let mut out: Vec<ReplicaCrcs> = written
         .into_iter()
         .map(|(i, block_crc32)| {
             let chunk = &job.chunks[i];
@@ -319,16 +343,12 @@ pub(super) async fn encode(
             }
         })
         .collect();
-    let mut shadow_crcs = shadow_crcs.into_iter();
     for r in &job.shadow {
-        let block_crc32: Vec<u32> = match &r.crcs {
+        let block_crc32 = match &r.crcs {
             Some(crcs) => crcs.clone(),
-            None => shadow_crcs
-                .by_ref()
-                .take(r.staged.len().div_ceil(block))
-                .collect(),
+            None => staged_after(r),
         };
-        replicas.push(ReplicaCrcs {
+        out.push(ReplicaCrcs {
             tensor: r.tensor.clone(),
             dtype: r.dtype,
             offsets: r.offsets.clone(),
@@ -337,14 +357,7 @@ pub(super) async fn encode(
             block_crc32,
         });
     }
-    Ok((
-        Scanned {
-            crcs: found.crcs,
-            nonfinite: found.nonfinite,
-            replicas,
-        },
-        matches!(codec, Codec::Zstd { .. }).then_some(frames),
-    ))
+    out
 }
 
 /// Encode threads a process may run at once, over all its saves: the cores divided
