@@ -273,10 +273,10 @@ pub fn share(
     };
     let mut tried = Vec::new();
     let crcs = match own
-        .committed_snapshot()
-        .filter(|(dir, t)| *dir == record.dir && record.matches(t))
+        .snapshot_table(&record.dir)
+        .filter(|t| record.matches(t))
     {
-        Some((_, t)) => t,
+        Some(t) => t,
         None => {
             let mut found = None;
             for (r, _, addr) in peers() {

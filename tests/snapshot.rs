@@ -195,18 +195,21 @@ async fn recover(world: &World, record: &SnapshotRecord) -> ckpt::Result<Vec<Sta
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_rank_resumes_from_the_snapshot_bitwise_resharded_onto_the_survivors() {
     let mut w = world(4, None);
-    let first = w.snapshot(5).await;
+    let first = w.snapshot(1).await;
     w.vote(&first).unwrap();
+    let second = w.snapshot(5).await;
+    w.vote(&second).unwrap();
     let snaps = w.snapshot(10).await;
     let record = w.vote(&snaps).unwrap();
     assert_eq!((record.step, record.generation, record.world), (10, 3, 4));
-    // Only the newest committed snapshot (and nothing older) is held.
-    let old = CopyKey {
-        dir: first[0].key().dir.clone(),
+    // The newest committed snapshot and the one before it are held, nothing older.
+    let old = |snaps: &[Snapshot]| CopyKey {
+        dir: snaps[0].key().dir.clone(),
         world: 4,
         rank: 0,
     };
-    assert!(w.holder(0).get(&old).is_none());
+    assert!(w.holder(0).get(&old(&first)).is_none());
+    assert!(w.holder(0).get(&old(&second)).is_some());
     // Rank 1 dies: its file is held by its successor, rank 2.
     w.copies[1] = None;
     assert!(record.uncovered(&w.holdings()).is_empty());
@@ -216,6 +219,24 @@ async fn a_lost_rank_resumes_from_the_snapshot_bitwise_resharded_onto_the_surviv
         .map(|r| StateValue::Json(serde_json::json!(1000 + r)))
         .collect();
     assert_eq!(&cursors[..4], &expected[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_control_plane_never_recorded_leaves_the_recorded_snapshot_covered() {
+    // Every rank commits step 10 after the vote, but the control plane refuses its
+    // record (the generation ended between the vote and the record): a recovery is
+    // told to use step 5, which the survivors must still hold, with its table.
+    let mut w = world(4, None);
+    let recorded = w.vote(&w.snapshot(5).await).unwrap();
+    let unrecorded = w.vote(&w.snapshot(10).await).unwrap();
+    assert_eq!(
+        w.holder(3).committed_snapshot().unwrap().0,
+        unrecorded.dir,
+        "the vote committed step 10 on every rank"
+    );
+    w.copies[2] = None;
+    assert!(recorded.uncovered(&w.holdings()).is_empty());
+    recover(&w, &recorded).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

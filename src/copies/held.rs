@@ -98,6 +98,11 @@ pub(crate) struct Held {
     /// The newest snapshot known to be committed, and the CRC32 of every rank's
     /// part of it (in rank order) that its commit agreed on.
     committed_snapshot: Option<(String, Arc<Vec<u32>>)>,
+    /// The snapshot committed before it, kept while room allows: every rank commits
+    /// after the vote, but the control plane records the commit a moment later and
+    /// may refuse it (the generation ended meanwhile), so the snapshot a recovery is
+    /// told to use can be this one.
+    previous_snapshot: Option<(String, Arc<Vec<u32>>)>,
     max_bytes: u64,
     /// Replica pulls asked for, and ended (arrived or given up).
     pulls_asked: u64,
@@ -111,6 +116,7 @@ impl Held {
             || self.confirmed.as_deref() == Some(dir)
             || self.newest_snapshot.as_deref() == Some(dir)
             || self.committed_snapshot_dir() == Some(dir)
+            || self.previous_snapshot.as_ref().map(|(d, _)| d.as_str()) == Some(dir)
     }
 
     fn committed_snapshot_dir(&self) -> Option<&str> {
@@ -118,7 +124,8 @@ impl Held {
     }
 
     /// True when `dir`'s copies must not be dropped to make room: the newest
-    /// committed checkpoint's and snapshot's, until their successors commit.
+    /// committed checkpoint's and snapshot's, until their successors commit. (The
+    /// previously committed snapshot is not: it is the first to go.)
     fn protected(&self, dir: &str) -> bool {
         self.confirmed.as_deref() == Some(dir) || self.committed_snapshot_dir() == Some(dir)
     }
@@ -243,11 +250,13 @@ impl Held {
         self.copies.iter().find(|e| &e.copy.key == key).cloned()
     }
 
-    /// The part CRC32s of the committed snapshot in `dir`, if it is the one held.
+    /// The part CRC32s of the committed snapshot in `dir`, if it is the newest
+    /// committed or the one before it.
     pub(crate) fn snapshot_table(&self, dir: &str) -> Option<Arc<Vec<u32>>> {
-        self.committed_snapshot
-            .as_ref()
-            .filter(|(d, _)| d == dir)
+        [&self.committed_snapshot, &self.previous_snapshot]
+            .into_iter()
+            .flatten()
+            .find(|(d, _)| d == dir)
             .map(|(_, t)| t.clone())
     }
 }
@@ -451,11 +460,24 @@ impl Copies {
     /// Notes that the snapshot in `dir` is committed, with the CRC32 of every rank's
     /// part of it in rank order (what its commit agreed on): it is kept until a newer
     /// snapshot commits, and its table answers peers' `table` requests at a
-    /// recovery. Older snapshots are let go.
+    /// recovery. The one committed before it is kept too while the budget allows (the
+    /// control plane records a commit a moment after the ranks make it, and may refuse
+    /// it when the generation has ended meanwhile); older
+    /// snapshots are let go.
     pub fn commit_snapshot(&self, dir: &str, part_crc32s: Vec<u32>) {
         let mut held = self.shared.lock();
-        held.committed_snapshot = Some((dir.to_string(), Arc::new(part_crc32s)));
+        let table = Arc::new(part_crc32s);
+        match held.committed_snapshot.replace((dir.to_string(), table)) {
+            Some(before) if before.0 != dir => held.previous_snapshot = Some(before),
+            _ => {}
+        }
         held.evict();
+    }
+
+    /// The CRC32 of every rank's part of the committed snapshot in `dir`, if this rank
+    /// knows it (the newest committed snapshot or the one before it).
+    pub fn snapshot_table(&self, dir: &str) -> Option<Vec<u32>> {
+        self.shared.lock().snapshot_table(dir).map(|t| t.to_vec())
     }
 
     /// The newest snapshot this rank knows to be committed: its directory and the
@@ -588,24 +610,64 @@ impl Holding {
     /// Size of one record.
     pub const SIZE: usize = RECORD;
 
-    /// The fixed-size record ([`Holding::SIZE`] bytes) exchanged with an all-gather.
-    /// Copies that do not fit are left out: they are only an optimization.
+    /// The fixed-size record ([`Holding::SIZE`] bytes) exchanged with an all-gather:
+    /// the keys grouped by attempt directory (a rank holds a few files of each of a
+    /// few saves and snapshots). Copies that do not fit are left out, the oldest
+    /// directories first: they are only an optimization, and a recovery wants the
+    /// newest.
     pub fn encode(&self) -> Vec<u8> {
-        let mut record = self.clone();
+        let mut groups: Vec<(String, u32, Vec<u32>)> = Vec::new();
+        for key in &self.held {
+            match groups.last_mut() {
+                Some((dir, world, ranks)) if *dir == key.dir && *world == key.world => {
+                    ranks.push(key.rank)
+                }
+                _ => groups.push((key.dir.clone(), key.world, vec![key.rank])),
+            }
+        }
+        let mut first = 0;
         loop {
+            let record = Wire {
+                addr: self.addr,
+                held: groups[first..].to_vec(),
+            };
             let mut bytes = serde_json::to_vec(&record).expect("a holding serializes");
             if bytes.len() <= RECORD {
                 bytes.resize(RECORD, b' ');
                 return bytes;
             }
-            record.held.pop();
+            first += 1;
         }
     }
 
     /// Reads a record; a malformed one holds nothing.
     pub fn decode(record: &[u8]) -> Self {
-        serde_json::from_slice(record.trim_ascii_end()).unwrap_or_default()
+        let Ok(wire) = serde_json::from_slice::<Wire>(record.trim_ascii_end()) else {
+            return Self::default();
+        };
+        let held = wire
+            .held
+            .into_iter()
+            .flat_map(|(dir, world, ranks)| {
+                ranks.into_iter().map(move |rank| CopyKey {
+                    dir: dir.clone(),
+                    world,
+                    rank,
+                })
+            })
+            .collect();
+        Self {
+            addr: wire.addr,
+            held,
+        }
     }
+}
+
+/// A [`Holding`] as exchanged: (attempt directory, world, ranks held) per directory.
+#[derive(Serialize, Deserialize)]
+struct Wire {
+    addr: Option<SocketAddr>,
+    held: Vec<(String, u32, Vec<u32>)>,
 }
 
 #[cfg(test)]
@@ -652,6 +714,40 @@ mod tests {
     }
 
     #[test]
+    fn the_snapshot_committed_before_the_newest_is_kept_until_room_is_needed() {
+        let snap = |step: u64| format!("step-{step:08}/g00000001-snap-r");
+        // (`keep_copy` marks each the newest save: only its own step is kept by that.)
+        let copies = Copies::new(CopyConfig::default());
+        for step in [5, 10] {
+            assert!(copies.keep_copy(copy(&snap(step), 0, 10)));
+            copies.commit_snapshot(&snap(step), vec![step as u32]);
+        }
+        // Step 5's commit may be the one the control plane recorded: kept, with its
+        // table.
+        assert!(copies.get(&key(&snap(5), 0)).is_some());
+        assert_eq!(copies.snapshot_table(&snap(5)), Some(vec![5]));
+        assert_eq!(copies.committed_snapshot().unwrap().0, snap(10));
+        // Committing the same snapshot again keeps the one before it.
+        copies.commit_snapshot(&snap(10), vec![10]);
+        assert_eq!(copies.snapshot_table(&snap(5)), Some(vec![5]));
+        // Under pressure it is the first to go; the newest committed never is.
+        assert!(copies.keep_copy(copy(&snap(15), 0, 10)));
+        let mut held = copies.shared.lock();
+        assert!(held.drop_oldest(15));
+        assert!(held.get(&key(&snap(5), 0)).is_none());
+        assert!(!held.drop_oldest(15), "step 10 is protected");
+        drop(held);
+        // A newer commit lets the one two back go, table and all.
+        copies.commit_snapshot(&snap(15), vec![15]);
+        assert_eq!(copies.snapshot_table(&snap(5)), None);
+        assert_eq!(copies.snapshot_table(&snap(10)), Some(vec![10]));
+        assert_eq!(
+            copies.holding().held,
+            vec![key(&snap(10), 0), key(&snap(15), 0)]
+        );
+    }
+
+    #[test]
     fn copies_past_the_budget_are_not_kept() {
         let copies = Copies::new(CopyConfig {
             max_bytes: 25,
@@ -693,7 +789,30 @@ mod tests {
         assert_eq!(record.len(), Holding::SIZE);
         let back = Holding::decode(&record);
         assert!(!back.held.is_empty() && back.held.len() < 100);
-        assert_eq!(back.held[..], h.held[..back.held.len()]);
+        // The newest are kept.
+        assert_eq!(back.held[..], h.held[100 - back.held.len()..]);
+        assert_eq!(back.addr, h.addr);
         assert_eq!(Holding::decode(b"garbage"), Holding::default());
+        // What a rank of a job with store saves and snapshots holds at once (two
+        // saves', three snapshots' own files and replicas) fits whole.
+        let dirs = ["", "", "-snap", "-snap", "-snap"].iter().enumerate();
+        let held: Vec<CopyKey> = dirs
+            .flat_map(|(i, kind)| {
+                let dir = format!(
+                    "step-{:08}/g00000012{kind}-job-4dac01946c8ef19f-e12",
+                    100 + i
+                );
+                [3, 2].map(|rank| CopyKey {
+                    dir: dir.clone(),
+                    world: 16384,
+                    rank,
+                })
+            })
+            .collect();
+        let h = Holding {
+            addr: Some("[fd00::1234:5678]:65535".parse().unwrap()),
+            held,
+        };
+        assert_eq!(Holding::decode(&h.encode()), h);
     }
 }

@@ -235,7 +235,7 @@ fn answer(request: &str, shared: &Shared) -> Result<Answer, String> {
             let table = shared
                 .lock()
                 .snapshot_table(words[1])
-                .ok_or_else(|| format!("{} is not the committed snapshot held", words[1]))?;
+                .ok_or_else(|| format!("{} is not a committed snapshot held", words[1]))?;
             let bytes = table.iter().flat_map(|c| c.to_le_bytes()).collect();
             Ok(Answer::Bytes(Arc::new(bytes)))
         }
