@@ -152,11 +152,14 @@ def _script(
     timeout: float | None = None,
     ckpt_every: int = 10,
     snapshot_every: int = 0,
+    host_memory_budget: int = 0,
 ) -> list[str]:
     args = [str(EXAMPLE), "--ckpt", url, "--steps", str(steps), "--ckpt-every", str(ckpt_every)]
     args += ["--log-every", "1"]
     if snapshot_every:
         args += ["--snapshot-every", str(snapshot_every)]
+    if host_memory_budget:
+        args += ["--host-memory-budget", str(host_memory_budget)]
     if timeout is not None:
         args += ["--pg-timeout", str(timeout)]
     return args
@@ -231,6 +234,7 @@ def goodput(
     log: str | None,
     ckpt_every: int = 10,
     snapshot_every: int = 0,
+    host_memory_budget: int = 0,
 ) -> dict:
     url = f"file://{tempfile.mkdtemp(dir=workdir)}"
     job = Job(
@@ -238,7 +242,10 @@ def goodput(
             binary, "launch", "--nproc", str(WORLD), "--min-ranks", "2",
             "--max-restarts", "1000", "--", sys.executable,
         ]
-        + _script(url, 10**7, ckpt_every=ckpt_every, snapshot_every=snapshot_every)
+        + _script(
+            url, 10**7, ckpt_every=ckpt_every, snapshot_every=snapshot_every,
+            host_memory_budget=host_memory_budget,
+        )
     )  # fmt: skip
     rng = random.Random(seed)
     kills = []
@@ -285,23 +292,30 @@ def goodput(
     wall = steps[-1][0] - steps[0][0]
     recoveries = re.findall(r"back to training (\d+) ms", job.text())
     # Steps each kill lost: the newest step logged before it, minus the step the next
-    # generation resumed from (a snapshot's or the store's).
+    # generation started from (a snapshot's, the store's, or 0: from scratch). The
+    # script's own line ("gen N: resumed step S" / "gen N: from scratch") closes the
+    # search; ckpt.elastic's "resumed from ..." before it names the tier.
     lost: list[int] = []
     tiers: list[str] = []
     for killed in kills:
         before = max((step for at, step in steps if at <= killed), default=0)
+        tier = None
         for at, line in job.lines:
             if at <= killed:
                 continue
             found = re.search(r"resumed from (snapshot )?step (\d+)", line)
-            if found:
-                lost.append(before - int(found.group(2)))
-                tiers.append("snapshot" if found.group(1) else "store")
+            if found and tier is None:
+                tier = "snapshot" if found.group(1) else "store"
+            started = re.search(r"\] gen \d+: (resumed step (\d+)|from scratch)", line)
+            if started:
+                lost.append(before - int(started.group(2) or 0))
+                tiers.append(tier if started.group(2) else "scratch")
                 break
     return {
         "minutes": minutes,
         "ckpt_every": ckpt_every,
         "snapshot_every": snapshot_every,
+        "host_memory_budget": host_memory_budget or None,
         "kills": len(kills),
         "lost_steps": lost,
         "resumed_from": tiers,
@@ -312,6 +326,10 @@ def goodput(
         "useful_s": useful,
         "goodput": useful / wall,
         "back_to_training_ms": [int(r) for r in recoveries],
+        # Rank 0's peak as its save lines logged it (ctx.host_bytes_held).
+        "host_peak_mib_logged": max(
+            map(float, re.findall(r"; peak ([\d.]+)", job.text())), default=None
+        ),
     }
 
 
@@ -327,6 +345,9 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=10, help="--goodput-minutes: store saves")
     p.add_argument(
         "--snapshot-every", type=int, default=0, help="--goodput-minutes: snapshots (0: none)"
+    )
+    p.add_argument(
+        "--host-memory-budget", type=int, default=0, help="--goodput-minutes: bytes per rank"
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dir", help="scratch directory (default: a temporary one)")
@@ -347,6 +368,7 @@ def main() -> None:
             args.log,
             args.ckpt_every,
             args.snapshot_every,
+            args.host_memory_budget,
         )
         print(json.dumps(report, indent=1 if not args.json else None))
         return

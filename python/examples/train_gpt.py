@@ -348,6 +348,7 @@ def train(ctx: Any, args: argparse.Namespace) -> None:
         if not staged:
             pending.wait_staged()  # the save's copy is done: the weights may change
             staged = True
+        ctx.snapshot_staged()  # so is the last snapshot's
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
         optimizer.step()
@@ -372,8 +373,8 @@ def train(ctx: Any, args: argparse.Namespace) -> None:
             checkpointer.close()
             return
         if args.snapshot_every and step % args.snapshot_every == 0 and step < args.steps:
-            # Blocking: the copy is done when it returns (the weights may change).
-            ctx.snapshot(step, state(cursor))
+            # Overlapped with the next step's forward and backward, as the saves.
+            ctx.snapshot(step, state(cursor), overlapped=True)
 
     if pending is not None:
         pending.wait_committed()

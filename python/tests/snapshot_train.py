@@ -78,6 +78,7 @@ def train(ctx, args: argparse.Namespace) -> None:
         local = w.to_local()
         g = local.sum()
         dist.all_reduce(g)
+        ctx.snapshot_staged()  # the last snapshot's copy is done: w may change
         with torch.no_grad():
             local += torch.remainder(g, 13) + step
         state["data"]["cursor"] = step
@@ -90,7 +91,8 @@ def train(ctx, args: argparse.Namespace) -> None:
         if asked and ctx.stopping:
             checkpointer.close()
             return
-        ctx.snapshot(step, state)
+        # Both ways: blocking, and overlapped until `snapshot_staged` above.
+        ctx.snapshot(step, state, overlapped=step % 2 == 1)
         log(f"step {step}")
     checkpointer.close()
     full = w.full_tensor()

@@ -44,7 +44,10 @@
 //!   knows to be committed (the one a failure would resume from). Older copies and
 //!   replicas are let go as soon as a newer save or commit supersedes them. The same
 //!   holds for snapshots ([`Copies::keep_snapshot`], [`Copies::commit_snapshot`]):
-//!   the newest taken and the newest committed, each file with its rank part.
+//!   the newest taken and the newest committed, each file with its rank part, and
+//!   the one committed before it while room allows (every rank commits after the
+//!   vote, the control plane records it a moment later and refuses it when the
+//!   generation ended meanwhile: a recovery may then be told to use the previous one).
 //! - **Bounded memory**: [`CopyConfig::max_bytes`] caps the bytes of copies held; a
 //!   copy or replica that does not fit is not kept (recovery then reads the store for
 //!   it). With [`CopyConfig::budget`] the holder shares the rank's host-memory budget

@@ -8,6 +8,8 @@
 #   STEPS=40 REPS=2 trainer/scripts/bench.sh
 #   MODES="none 10" COLLECTIVES=0 FAST=0 REPS=3 trainer/scripts/bench.sh   # A/B only
 #   NPROCS=4 STAGINGS="blocking overlapped" COLLECTIVES=0 FAST=0 trainer/scripts/bench.sh
+#   MODES=none SNAPSHOTS="0 1 5 20" PRESET=medium NPROCS=2 COLLECTIVES=0 FAST=0 \
+#       trainer/scripts/bench.sh          # the memory tier's cost (snapshots every N)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p ckpt-trainer --quiet
@@ -20,6 +22,8 @@ COLLECTIVES=${COLLECTIVES:-1}
 FAST=${FAST:-1}
 NPROCS=${NPROCS:-2 4}
 STAGINGS=${STAGINGS:-overlapped blocking}
+SNAPSHOTS=${SNAPSHOTS:-0}
+PRESET=${PRESET:-small}
 echo "load before: $(uptime)"
 for n in 2 4; do
   [ "$COLLECTIVES" = 1 ] || break
@@ -28,17 +32,23 @@ done
 for rep in $(seq "$REPS"); do
   for n in $NPROCS; do
     for every in $MODES; do
+     for snap in $SNAPSHOTS; do
       for staging in $STAGINGS; do
         rm -rf "$DIR"
-        args=(--preset small --steps "$STEPS" --log-every 1000)
+        args=(--preset "$PRESET" --steps "$STEPS" --log-every 1000)
         if [ "$every" != none ]; then
           args+=(--ckpt "file://$DIR" --ckpt-every "$every" --staging "$staging")
+        elif [ "$snap" != 0 ]; then
+          # Snapshots only: the checkpointer's store gets the last step's save.
+          args+=(--ckpt "file://$DIR" --ckpt-every 0 --staging "$staging")
         fi
-        echo "== rep $rep nproc $n ckpt-every $every staging $staging"
+        [ "$snap" = 0 ] || args+=(--snapshot-every "$snap")
+        echo "== rep $rep nproc $n preset $PRESET ckpt-every $every snapshot-every $snap staging $staging"
         "$BIN" launch --nproc "$n" -- "${args[@]}" | grep -E 'done:|time per step'
-        # Without checkpoints the staging mode does not matter: run it once.
-        [ "$every" != none ] || break
+        # Without checkpoints or snapshots the staging mode does not matter: run it once.
+        [ "$every" != none ] || [ "$snap" != 0 ] || break
       done
+     done
     done
   done
   rm -rf "$DIR"

@@ -767,12 +767,14 @@ fn run_train(args: TrainArgs) -> ExitCode {
             if rank == 0 {
                 let secs = stats.elapsed.as_secs_f64();
                 println!(
-                    "done: step {step}, loss {loss:.6}; {} steps in {secs:.3} s ({:.3} steps/s, steady {:.3} steps/s), {} saves, {:.3} s blocked on checkpoints",
+                    "done: step {step}, loss {loss:.6}; {} steps in {secs:.3} s ({:.3} steps/s, steady {:.3} steps/s), {} saves, {:.3} s blocked on checkpoints, {} snapshots, {:.3} s blocked on snapshots",
                     stats.steps,
                     stats.steps as f64 / secs.max(1e-9),
                     stats.steady_steps_per_s(),
                     stats.saves,
-                    stats.ckpt_blocked.as_secs_f64()
+                    stats.ckpt_blocked.as_secs_f64(),
+                    stats.snapshots,
+                    stats.snapshot_blocked.as_secs_f64()
                 );
                 println!(
                     "time per step (rank 0): all-gather {:.1} ms, forward/backward {:.1} ms, reduce-scatter {:.1} ms, adam {:.1} ms, checkpoint {:.1} ms",

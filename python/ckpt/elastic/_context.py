@@ -252,12 +252,17 @@ class Context:
         self._snapshotter = checkpointer
         return checkpointer
 
-    def snapshot(self, step: int, state_dict: Mapping[str, Any]) -> bool:
+    def snapshot(
+        self, step: int, state_dict: Mapping[str, Any], *, overlapped: bool = False
+    ) -> bool:
         """Snapshots this rank's ``state_dict`` at step ``step`` into host memory, for
         a recovery that loses less than the store's interval: call it after
         ``step(step)``, on every rank at the same steps, beside (or instead of) the
         periodic save. It stages the state as a save does (blocking while it copies,
-        the same stall), keeps it in this rank's memory and replicates it to its ring
+        the same stall; with ``overlapped``, the copy runs while the script goes on,
+        and the tensors must not be written until :meth:`snapshot_staged` returns:
+        call it just before the optimizer step, as ``SaveHandle.wait_staged``),
+        keeps it in this rank's memory and replicates it to its ring
         successor while the next step runs; the next ``step`` call commits it in the
         control plane when every rank holds its own and its replica (one
         all-gather). A failure the survivors' copies cover resumes from the newest
@@ -284,9 +289,15 @@ class Context:
             pending, voted = self._pending, self._pending_step
             self._pending = self._pending_step = None
             _snapshots.vote(self, pending, voted)
-        self._pending = _snapshots.take(self, step, state_dict)
+        self._pending = _snapshots.take(self, step, state_dict, overlapped)
         self._pending_step = step
         return self._pending is not None
+
+    def snapshot_staged(self) -> float:
+        """Waits until the tensors of the last :meth:`snapshot` are copied (they may
+        be written again after this); returns the seconds the copy took (0 when
+        there is nothing to wait for). Needed only with ``overlapped=True``."""
+        return 0.0 if self._pending is None else self._pending.staged()
 
     def host_bytes_held(self) -> dict[str, Any]:
         """Host memory this rank's checkpointing holds now, in bytes by kind

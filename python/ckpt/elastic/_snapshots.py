@@ -9,9 +9,11 @@ most that interval. The store stays the durability guarantee.
 
 How, per snapshot of step S (taken at S's boundary, after ``ctx.step(S)``):
 
-1. the training thread stages the state (a save's copy, blocking) and goes on; a
-   thread waits for the checksum, keeps the snapshot in this rank's holder and asks
-   for a replica of the ring predecessor's file of the same snapshot;
+1. the training thread stages the state (a save's copy: blocking, or overlapped
+   with the next step's forward and backward until ``ctx.snapshot_staged()``) and
+   goes on; a thread waits for the checksum, keeps the snapshot in this rank's
+   holder and asks for a replica of the ring predecessor's file of the same
+   snapshot;
 2. at the next step boundary (``ctx.step(S + 1)``: the replica transfer overlapped
    a step) every rank votes (holds its own file and its replica), the votes are
    all-gathered on the process group, and when every rank voted ready every rank
@@ -64,6 +66,12 @@ class Pending:
         except Exception as e:  # noqa: BLE001 (a snapshot that failed is a vote against)
             self.error = e
 
+    def staged(self) -> float:
+        """Waits until the snapshotted tensors are copied (they may be written
+        again); returns the seconds the copy took."""
+        handle = self._handle
+        return 0.0 if handle is None else handle.wait_staged()
+
     def kept(self) -> None:
         """Waits until the snapshot is kept and its replica asked for."""
         self._thread.join()
@@ -77,13 +85,15 @@ class Pending:
         return copies.vote(self.snapshot)
 
 
-def take(ctx: Context, step: int, state_dict: Mapping[str, Any]) -> Pending | None:
-    """``ctx.snapshot``: stages ``state_dict`` (blocking, as a save's copy) and starts
-    keeping it; None when the snapshot was not taken (over the budget: a vote
-    against at the next boundary)."""
+def take(
+    ctx: Context, step: int, state_dict: Mapping[str, Any], overlapped: bool
+) -> Pending | None:
+    """``ctx.snapshot``: stages ``state_dict`` (as a save's copy: blocking, or
+    overlapped until ``Pending.staged``) and starts keeping it; None when the snapshot
+    was not taken (over the budget: a vote against at the next boundary)."""
     checkpointer = ctx._snapshotter
     try:
-        handle = checkpointer.snapshot(step, state_dict, overlapped=False)
+        handle = checkpointer.snapshot(step, state_dict, overlapped=overlapped)
     except _native.OverBudgetError as e:
         if ctx.rank == 0 or ctx._warned_budget is None:
             say(f"rank {ctx.rank}: snapshot of step {step} not taken: {e}")

@@ -279,6 +279,12 @@ pub struct Stats {
     /// Optimizer steps that had to wait for an overlapped save's copy (its time is
     /// in `ckpt_blocked`).
     pub staging_waits: u64,
+    /// Snapshots taken (the memory tier).
+    pub snapshots: u64,
+    /// Time the loop spent on snapshots: the vote at each boundary (an all-gather),
+    /// registering the next snapshot, and waiting for its copy before the optimizer
+    /// step.
+    pub snapshot_blocked: Duration,
     /// Time since the generation's first step at the end of each step (its save
     /// call included).
     pub marks: Vec<Duration>,

@@ -529,7 +529,9 @@ impl Generation<'_> {
                     rollback::flip(&mut self.st.params[i]);
                 }
             }
+            let snapshotting = Instant::now();
             self.snapshot(agreed.ending.is_some())?;
+            self.stats.snapshot_blocked += snapshotting.elapsed();
             self.hold(false)?;
             self.stats.marks.push(self.started.elapsed());
             if !self.ctx.config.step_pause.is_zero() {
@@ -715,7 +717,9 @@ impl Generation<'_> {
             // copying: the only point where the copy must be over.
             if i == 0 {
                 let save_waited = self.saves.wait_staged(self.stats)?;
+                let waiting = Instant::now();
                 let snapshot_waited = self.snapshots.wait_staged()?;
+                self.stats.snapshot_blocked += waiting.elapsed();
                 if save_waited || snapshot_waited {
                     *clock = Instant::now();
                 }
@@ -784,6 +788,7 @@ impl Generation<'_> {
         if let Some(checkpointer) = &self.saves.checkpointer {
             self.snapshots
                 .take(checkpointer, &self.layout.specs, &self.st)?;
+            self.stats.snapshots += 1;
         }
         Ok(())
     }
