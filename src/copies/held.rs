@@ -462,8 +462,7 @@ impl Copies {
     /// snapshot commits, and its table answers peers' `table` requests at a
     /// recovery. The one committed before it is kept too while the budget allows (the
     /// control plane records a commit a moment after the ranks make it, and may refuse
-    /// it when the generation has ended meanwhile); older
-    /// snapshots are let go.
+    /// it when the generation has ended meanwhile); older snapshots are let go.
     pub fn commit_snapshot(&self, dir: &str, part_crc32s: Vec<u32>) {
         let mut held = self.shared.lock();
         let table = Arc::new(part_crc32s);
